@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:
+#   make serve   set up .venv if needed, then run the gateway on 127.0.0.1:8000
+#   make test    set up .venv if needed, then lint, type check and the full test suite
+VENV := .venv
+BIN := $(VENV)/bin
+SERVE_ARGS ?=
+
+.PHONY: setup serve test lint typecheck unit integration clean
+
+setup:
+	@bash scripts/setup.sh
+
+serve: setup
+	$(BIN)/vcache serve $(SERVE_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/python -m pytest tests/unit -q
+
+integration: setup
+	$(BIN)/python -m pytest tests/integration -q
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .vcache-test-data .mypy_cache .ruff_cache .pytest_cache

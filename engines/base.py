@@ -1,0 +1,104 @@
+"""The one small interface every generating engine implements.
+
+The gateway always hands an engine *token ids*, never text: it tokenizes with
+the model's own tokenizer and chat template, so it knows exactly which tokens
+an engine may have cached.  Lifecycle: ``start()`` once, then any number of
+``generate()`` streams, then ``close()``; ``generate`` before ``start`` or
+after ``close`` raises :class:`~engines.errors.EngineUnavailable`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engines.tokenizer import ChatTokenizer
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = field(repr=False)
+    sampling: SamplingOptions
+    cache_salt: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One step of a generation stream: the *new* text and tokens only."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What a target offers, as data (the planner reads it, never branches on a class)."""
+
+    name: str
+    max_model_len: int
+    block_size: int
+    exact_prefix_cache: bool
+    hash_algo: str | None = None
+    hash_seed: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A point-in-time view of what the engine holds, for metrics and tests."""
+
+    unfinished_requests: int = 0  # held by the frontend (waiting for output)
+    core_running_requests: int = 0  # as the engine core's scheduler last reported
+    core_waiting_requests: int = 0
+    kv_cache_usage: float = 0.0  # share of KV blocks in use, 0..1
+    prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # of those, found in the cache
+
+
+class Engine(Protocol):
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+    @property
+    def tokenizer(self) -> ChatTokenizer: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def start(self) -> None:
+        """Load the model; after it returns ``ready`` is true.  Not idempotent."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream chunks; closing or cancelling the iterator aborts the request."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """What the engine holds now; cheap, never blocks."""
+        ...
+
+    async def close(self) -> None:
+        """Abort what is running and release the engine.  Idempotent."""

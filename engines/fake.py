@@ -1,0 +1,112 @@
+"""An in-memory engine for unit tests: deterministic, instant, observable.
+
+It models a block-granular prefix cache (full blocks of a prompt are cached
+after the prompt has been seen, keyed by the salt and every token before and
+in the block) so cached-token accounting can be tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from engines.base import EngineCapabilities, EngineStats, GenerateChunk, GenerateRequest
+from engines.errors import EngineInputError, EngineOverloaded, EngineUnavailable
+from engines.tokenizer import ChatTokenizer
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        *,
+        block_size: int = 16,
+        max_model_len: int = 2048,
+        max_queued_requests: int | None = None,
+        step_delay_s: float = 0.0,
+        reply: str = "hello from the fake engine",
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._caps = EngineCapabilities(
+            name="fake",
+            max_model_len=max_model_len,
+            block_size=block_size,
+            exact_prefix_cache=True,
+        )
+        self._max_queued = max_queued_requests
+        self._delay = step_delay_s
+        self._reply_ids = tokenizer.encode(reply)
+        self._cached: set[tuple[str | None, tuple[int, ...]]] = set()
+        self._running: set[str] = set()
+        self._started = False
+        self._closed = False
+        self.aborted: list[str] = []
+        self.received: list[GenerateRequest] = []
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self._tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return self._started and not self._closed
+
+    async def start(self) -> None:
+        if self._started:
+            raise EngineUnavailable("already started")
+        self._started = True
+
+    def stats(self) -> EngineStats:
+        n = len(self._running)
+        return EngineStats(unfinished_requests=n, core_running_requests=n)
+
+    def _cached_tokens(self, req: GenerateRequest) -> int:
+        bs = self._caps.block_size
+        ids = req.prompt_token_ids
+        n = 0
+        # vLLM never serves the whole prompt from cache: the last token is recomputed.
+        while n + bs <= len(ids) - 1 and (req.cache_salt, ids[: n + bs]) in self._cached:
+            n += bs
+        for end in range(bs, len(ids) + 1, bs):
+            self._cached.add((req.cache_salt, ids[:end]))
+        return n
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if not self.ready:
+            raise EngineUnavailable("engine is not ready")
+        if request.num_prompt_tokens + 1 > self._caps.max_model_len:
+            raise EngineInputError("prompt too long", param="messages")
+        if self._max_queued is not None and len(self._running) >= self._max_queued:
+            raise EngineOverloaded("queue full", retry_after_s=1.0)
+        self.received.append(request)
+        self._running.add(request.request_id)
+        finished = False
+        try:
+            cached = self._cached_tokens(request)
+            ids = (self._reply_ids * (request.sampling.max_tokens // len(self._reply_ids) + 1))[
+                : request.sampling.max_tokens
+            ]
+            for i, tok in enumerate(ids):
+                await asyncio.sleep(self._delay)
+                last = i == len(ids) - 1
+                yield GenerateChunk(
+                    text=self._tokenizer.decode([tok]),
+                    token_ids=(tok,),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=cached,
+                    finish_reason="length" if last else None,
+                )
+            if not ids:
+                yield GenerateChunk("", (), request.num_prompt_tokens, cached, "length")
+            finished = True
+        finally:
+            self._running.discard(request.request_id)
+            if not finished:
+                self.aborted.append(request.request_id)
+
+    async def close(self) -> None:
+        self._closed = True

@@ -1,0 +1,46 @@
+"""The model's own tokenizer and chat template, owned by the gateway.
+
+The gateway renders chat messages to token ids itself and hands those ids to
+the engine, so the tokens that end up in the prefix cache are known exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
+
+
+class _HFTokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+class ChatTokenizer:
+    def __init__(self, hf_tokenizer: _HFTokenizer, name: str) -> None:
+        self._tok = hf_tokenizer
+        self.name = name
+
+    @classmethod
+    def from_pretrained(cls, path_or_id: str) -> ChatTokenizer:
+        from transformers import AutoTokenizer
+
+        hf = cast(_HFTokenizer, AutoTokenizer.from_pretrained(path_or_id))
+        return cls(hf, name=path_or_id)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` through the chat template, ready for the assistant."""
+        out = self._tok.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding on some versions
+            out = out["input_ids"]
+        return [int(t) for t in out]

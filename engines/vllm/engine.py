@@ -1,0 +1,231 @@
+"""vLLM embedded in-process through ``AsyncLLM``.
+
+Prefix caching is always on, hashed with ``sha256_cbor`` and a fixed
+``PYTHONHASHSEED`` in the engine process, so the manifest can compute the
+same block hashes vLLM does.  The engine core runs in a child process that
+inherits this process's environment; the seed is therefore set before the
+engine is created.
+
+Code that starts this engine needs an ``if __name__ == "__main__"`` guard
+(the engine core is spawned as a child process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from engines.base import EngineCapabilities, EngineStats, GenerateChunk, GenerateRequest
+from engines.errors import (
+    EngineError,
+    EngineGenerationFailed,
+    EngineInputError,
+    EngineOverloaded,
+    EngineUnavailable,
+)
+from engines.tokenizer import ChatTokenizer
+from engines.vllm.stats import CoreStats
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+HASH_ALGO = "sha256_cbor"
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    model: str
+    served_name: str
+    max_model_len: int = 2048
+    block_size: int | None = None  # None: the platform's default (128 on CPU)
+    kv_cache_bytes: int | None = None  # None: vLLM sizes it from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    hash_seed: str = "0"
+    max_queued_requests: int | None = None
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+
+
+class VllmEngine:
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self._config = config
+        self._llm: AsyncLLM | None = None
+        self._tokenizer: ChatTokenizer | None = None
+        self._capabilities: EngineCapabilities | None = None
+        self._closed = False
+        self._core_stats = CoreStats()
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        if self._capabilities is None:
+            raise EngineUnavailable("engine not started")
+        return self._capabilities
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        if self._tokenizer is None:
+            raise EngineUnavailable("engine not started")
+        return self._tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return self._llm is not None and not self._closed and not self._llm.errored
+
+    def _engine_args(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        c = self._config
+        kwargs: dict[str, Any] = dict(
+            model=c.model,
+            served_model_name=c.served_name,
+            enable_prefix_caching=True,
+            prefix_caching_hash_algo=HASH_ALGO,
+            max_model_len=c.max_model_len,
+            enforce_eager=c.enforce_eager,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            tensor_parallel_size=c.tensor_parallel_size,
+            dtype=c.dtype,
+            disable_log_stats=False,  # stats feed CoreStats (engine-core truth)
+        )
+        if c.block_size is not None:
+            kwargs["block_size"] = c.block_size
+        if c.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = c.kv_cache_bytes
+        if c.max_queued_requests is not None:
+            kwargs["max_num_queued_reqs"] = c.max_queued_requests
+        return AsyncEngineArgs(**kwargs)
+
+    async def start(self) -> None:
+        if self._llm is not None or self._closed:
+            raise EngineUnavailable("engine already started or closed")
+        # The engine core process inherits the environment: block hashes are
+        # seeded by PYTHONHASHSEED there (vllm.v1.core.kv_cache_utils).
+        os.environ["PYTHONHASHSEED"] = self._config.hash_seed
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = self._engine_args()
+        tokenizer = await asyncio.to_thread(ChatTokenizer.from_pretrained, self._config.model)
+        # Building the engine blocks for tens of seconds: keep the loop free
+        # so /healthz answers while the model loads.
+        llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, args, stat_loggers=[self._core_stats.factory()]
+        )
+        cache = llm.vllm_config.cache_config
+        self._capabilities = EngineCapabilities(
+            name="vllm",
+            max_model_len=llm.model_config.max_model_len,
+            block_size=cache.block_size,
+            exact_prefix_cache=True,
+            hash_algo=str(cache.prefix_caching_hash_algo),
+            hash_seed=self._config.hash_seed,
+        )
+        self._tokenizer = tokenizer
+        self._llm = llm
+        log.info(
+            "vLLM engine ready: model=%s block_size=%d max_model_len=%d",
+            self._config.served_name,
+            cache.block_size,
+            self._capabilities.max_model_len,
+        )
+
+    def stats(self) -> EngineStats:
+        unfinished = 0 if self._llm is None else self._llm.get_num_unfinished_requests()
+        return replace(self._core_stats.snapshot, unfinished_requests=unfinished)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        llm = self._llm
+        if llm is None or self._closed:
+            raise EngineUnavailable("engine is not ready")
+        from vllm.inputs import TokensPrompt
+
+        prompt: TokensPrompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        params = _sampling_params(request)
+        stream = llm.generate(prompt, params, request_id=request.request_id)
+        finished = False
+        try:
+            async for out in stream:
+                finished = out.finished
+                completion = out.outputs[0]
+                yield GenerateChunk(
+                    text=completion.text,
+                    token_ids=tuple(completion.token_ids),
+                    num_prompt_tokens=len(out.prompt_token_ids or ()),
+                    num_cached_tokens=out.num_cached_tokens or 0,
+                    finish_reason=_finish_reason(completion.finish_reason)
+                    if out.finished
+                    else None,
+                )
+        except EngineError:
+            raise
+        except Exception as exc:  # translated at the edge, most specific first
+            raise _translate(exc) from exc
+        finally:
+            if not finished:
+                # The client went away (or the request failed).  vLLM's generate
+                # aborts on cancellation too, but its await can be cut short by a
+                # cancel scope; the shielded abort makes sure the engine core hears it.
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+                    await llm.abort(request.request_id)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)
+
+
+def _sampling_params(request: GenerateRequest) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = request.sampling
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        stop=list(s.stop) or None,
+        seed=s.seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _finish_reason(reason: str | None) -> str:
+    return reason if reason in ("stop", "length", "abort") else "stop"
+
+
+def _translate(exc: Exception) -> EngineError:
+    from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    if isinstance(exc, VLLMValidationError):
+        return EngineInputError(str(exc), param=exc.parameter)
+    if isinstance(exc, VLLMClientError):
+        return EngineInputError(str(exc))
+    if isinstance(exc, GracefulHTTPError):
+        if int(exc.http_status) == 503:
+            return EngineOverloaded(exc.message)
+        return EngineInputError(exc.message)
+    if isinstance(exc, ValueError):  # vLLM's input processor rejects prompts with ValueError
+        return EngineInputError(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return EngineUnavailable("the engine process died")
+    if isinstance(exc, EngineGenerateError):
+        return EngineGenerationFailed("generation failed inside the engine")
+    return EngineGenerationFailed(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,104 @@
+"""``vcache`` command line: ``serve``, ``hash-key``, ``demo-model``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from gateway.config import Settings, hash_api_key
+
+# Flags of `vcache serve` and where they land in Settings.  Absent flags are
+# left out, so environment and YAML values still apply beneath them.
+_SERVE_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--config", "config_file", Path, "YAML config file"),
+    ("--model", "model", str, "local path or hub id (default: the demo model)"),
+    ("--served-model-name", "served_model_name", str, "name clients use in 'model'"),
+    ("--host", "host", str, "bind address (default 127.0.0.1)"),
+    ("--port", "port", int, "HTTP port (default 8000)"),
+    ("--data-dir", "data_dir", Path, "where the demo model and state live"),
+    ("--max-request-body-bytes", "max_request_body_bytes", int, "request body limit"),
+    ("--log-level", "log_level", str, "debug, info, warning, error"),
+    ("--max-model-len", "engine.max_model_len", int, "context length"),
+    ("--block-size", "engine.block_size", int, "KV block size in tokens"),
+    ("--kv-cache-bytes", "engine.kv_cache_bytes", int, "KV cache size in bytes"),
+    ("--gpu-memory-utilization", "engine.gpu_memory_utilization", float, "GPU memory share"),
+    ("--hash-seed", "engine.hash_seed", str, "PYTHONHASHSEED of the engine (block hashes)"),
+    ("--max-queued-requests", "engine.max_queued_requests", int, "admission limit"),
+    ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per engine"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vcache", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway")
+    for flag, dest, typ, help_ in _SERVE_FLAGS:
+        serve.add_argument(flag, dest=dest, type=typ, help=help_, default=argparse.SUPPRESS)
+    serve.add_argument(
+        "--enforce-eager",
+        dest="engine.enforce_eager",
+        action=argparse.BooleanOptionalAction,
+        default=argparse.SUPPRESS,
+        help="disable CUDA graphs / compilation",
+    )
+    hk = sub.add_parser("hash-key", help="print the sha256 to put in api_keys")
+    hk.add_argument("key")
+    dm = sub.add_parser("demo-model", help="build the demo model and print its path")
+    dm.add_argument("--data-dir", dest="data_dir", type=Path, default=argparse.SUPPRESS)
+    return p
+
+
+def overrides_from_flags(ns: argparse.Namespace) -> dict[str, Any]:
+    """Turn dotted flag destinations into nested Settings keyword arguments."""
+    out: dict[str, Any] = {}
+    for dest, value in vars(ns).items():
+        if dest == "command":
+            continue
+        *parents, leaf = dest.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def serve(settings: Settings) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.engine_factory import build_vllm_engine
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    app = create_app(settings, build_vllm_engine(settings))
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    if ns.command == "hash-key":
+        print(hash_api_key(ns.key))
+        return 0
+    settings = Settings(**overrides_from_flags(ns))
+    if ns.command == "demo-model":
+        from engines.vllm.demo_model import ensure_demo_model
+
+        print(ensure_demo_model(settings.data_dir))
+        return 0
+    serve(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Gateway configuration.
+
+Sources, highest precedence first:
+
+1. ``vcache serve`` flags (passed as keyword arguments),
+2. environment variables ``VCACHE_<FIELD>`` (nested with ``__``, e.g.
+   ``VCACHE_ENGINE__MAX_MODEL_LEN=4096``; lists as JSON),
+3. a YAML file (``--config FILE`` or ``VCACHE_CONFIG_FILE``; example in
+   ``deploy/vcache.example.yaml``),
+4. the defaults below.
+
+Nested sections merge field by field across sources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+DEMO_MODEL_NAME = "vcache-demo"
+
+
+def hash_api_key(key: str) -> str:
+    """The form in which keys are stored in config: hex sha256 of the key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ApiKeyConfig(BaseModel):
+    """One accepted key, stored as its sha256 (``vcache hash-key KEY`` prints it)."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tenant: str = "default"
+    name: str = ""
+    admin: bool = False
+
+
+class EngineSettings(BaseModel):
+    max_model_len: int = Field(2048, ge=16)
+    block_size: int | None = Field(None, ge=1)
+    kv_cache_bytes: int | None = Field(None, ge=1 << 20)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = False
+    hash_seed: str = "0"
+    max_queued_requests: int = Field(256, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = "auto"
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vcache"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="VCACHE_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    config_file: Path | None = None
+    model: str | None = None  # local path or hub id; None builds the demo model
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    max_request_body_bytes: int = Field(4 << 20, ge=1024)
+    log_level: str = "info"
+
+    @field_validator("log_level")
+    @classmethod
+    def _lower(cls, v: str) -> str:
+        return v.lower()
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in ``model``."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model or DEMO_MODEL_NAME
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlFileSource(settings_cls, init_settings))
+
+
+class _YamlFileSource(PydanticBaseSettingsSource):
+    """Reads the YAML file named by the ``config_file`` flag or ``VCACHE_CONFIG_FILE``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], init: PydanticBaseSettingsSource):
+        super().__init__(settings_cls)
+        self._init = init
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ is overridden; never used
+
+    def __call__(self) -> dict[str, Any]:
+        path: Any = None
+        if isinstance(self._init, InitSettingsSource):
+            path = self._init.init_kwargs.get("config_file")
+        path = path or os.environ.get("VCACHE_CONFIG_FILE")
+        if not path:
+            return {}
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
+        return data

@@ -1,0 +1,24 @@
+"""Shared fixtures: the demo model is built once and reused across runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    path = Path(os.environ.get("VCACHE_TEST_DATA_DIR", REPO / ".vcache-test-data"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_model(data_dir: Path) -> Path:
+    from engines.vllm.demo_model import ensure_demo_model
+
+    return ensure_demo_model(data_dir)

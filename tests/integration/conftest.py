@@ -1,0 +1,117 @@
+"""One real gateway per test session: `vcache serve` on the demo model, vLLM CPU engine.
+
+The gateway runs as a subprocess exactly as a user starts it; tests talk to it
+over loopback with the official ``openai`` SDK and plain httpx.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.config import hash_api_key
+
+KEY_A = "sk-test-tenant-a"
+KEY_B = "sk-test-tenant-b"
+MAX_QUEUED = 3
+BODY_LIMIT = 256 * 1024
+STARTUP_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Gateway:
+    base_url: str
+    model: str
+    log_path: Path
+
+    def client(self, key: str = KEY_A, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def gateway(
+    data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    keys = [
+        {"sha256": hash_api_key(KEY_A), "tenant": "a", "name": "a"},
+        {"sha256": hash_api_key(KEY_B), "tenant": "b", "name": "b"},
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
+    env["VCACHE_API_KEYS"] = json.dumps(keys)
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "serve",
+        "--port", str(port),
+        "--data-dir", str(data_dir),
+        "--kv-cache-bytes", str(256 << 20),
+        "--max-model-len", "2048",
+        "--max-queued-requests", str(MAX_QUEUED),
+        "--max-request-body-bytes", str(BODY_LIMIT),
+        "--enforce-eager",
+    ]  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"gateway exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+                )
+            try:
+                if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"gateway not ready in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}"
+                )
+            time.sleep(0.5)
+        yield Gateway(base_url=base_url, model="vcache-demo", log_path=log_path)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for(cond: object, timeout_s: float = 30.0, interval_s: float = 0.1) -> None:
+    """Poll ``cond()`` until true; fail with a clear message at the deadline."""
+    assert callable(cond)
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout_s}s")
+        time.sleep(interval_s)

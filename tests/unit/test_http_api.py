@@ -1,0 +1,317 @@
+"""The HTTP edge over an in-memory engine: request validation and error bodies.
+
+Every error is asserted as a full OpenAI-shaped body; a client mistake is
+never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engines.fake import FakeEngine
+from engines.tokenizer import ChatTokenizer
+from gateway.app import create_app
+from gateway.config import ApiKeyConfig, Settings, hash_api_key
+
+MODEL = "vcache-demo"
+KEY_A = "sk-tenant-a"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model: Path) -> ChatTokenizer:
+    return ChatTokenizer.from_pretrained(str(demo_model))
+
+
+def _client(fake: FakeEngine, **settings: object) -> TestClient:
+    app = create_app(Settings(**settings), fake)  # type: ignore[arg-type]
+    return TestClient(app)
+
+
+@pytest.fixture
+def engine(tokenizer: ChatTokenizer) -> FakeEngine:
+    return FakeEngine(tokenizer, block_size=16, max_model_len=512, max_queued_requests=None)
+
+
+@pytest.fixture
+def client(engine: FakeEngine) -> Iterator[TestClient]:
+    with _client(engine, max_request_body_bytes=4096) as c:
+        yield c
+
+
+def chat(**overrides: object) -> dict[str, object]:
+    body: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+    }
+    body.update(overrides)
+    return body
+
+
+def error(
+    message: str, type_: str, param: str | None, code: str | None
+) -> dict[str, dict[str, str | None]]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def test_chat_non_streaming(client: TestClient, engine: FakeEngine) -> None:
+    r = client.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["model"] == MODEL
+    assert body["choices"][0]["finish_reason"] == "length"
+    prompt = len(engine.received[0].prompt_token_ids)
+    assert body["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 4,
+        "total_tokens": prompt + 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def test_developer_role_and_text_parts_render_like_system(
+    client: TestClient, engine: FakeEngine, tokenizer: ChatTokenizer
+) -> None:
+    msgs = [
+        {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": "hi"},
+    ]
+    assert client.post("/v1/chat/completions", json=chat(messages=msgs)).status_code == 200
+    expected = tokenizer.render_chat(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    )
+    assert list(engine.received[0].prompt_token_ids) == expected
+
+
+def test_chat_streaming_events_and_usage(client: TestClient) -> None:
+    body = chat(stream=True, stream_options={"include_usage": True}, max_tokens=3)
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] == 3
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert content  # the fake engine's reply, token by token
+
+
+def test_completions_with_token_ids(client: TestClient, engine: FakeEngine) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2})
+    assert r.status_code == 200
+    assert r.json()["object"] == "text_completion"
+    assert engine.received[0].prompt_token_ids == (5, 6, 7)
+
+
+def test_cached_tokens_reported_and_salted_by_tenant(client: TestClient) -> None:
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    first = client.post(
+        "/v1/chat/completions", json=chat(messages=[system, {"role": "user", "content": "a"}])
+    )
+    second = client.post(
+        "/v1/chat/completions", json=chat(messages=[system, {"role": "user", "content": "b"}])
+    )
+    assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % 16 == 0
+
+
+def test_models(client: TestClient) -> None:
+    r = client.get("/v1/models")
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == [MODEL]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (chat(temperature=3), "temperature", "less than or equal to 2"),
+        (chat(top_p=0), "top_p", "greater than 0"),
+        (chat(max_tokens=-1), "max_tokens", "greater than or equal to 0"),
+        (chat(n=2), "n", "only n=1"),
+        (chat(messages=[]), "messages", "at least 1"),
+        (
+            chat(messages=[{"role": "wizard", "content": "x"}]),
+            "messages[0].role",
+            "Input should be",
+        ),
+        (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+        (chat(tools=[{"type": "function"}]), "tools", "not supported"),
+        (chat(logprobs=True), "logprobs", "not supported"),
+        (chat(model=""), "model", "at least 1"),
+        (chat(max_tokens=10_000), "max_tokens", "maximum context length is 512"),
+        (chat(max_completion_tokens=10_000), "max_completion_tokens", "maximum context length"),
+        (
+            chat(messages=[{"role": "user", "content": "word " * 600}]),
+            "messages",
+            "maximum context",
+        ),
+    ],
+)
+def test_invalid_parameters_are_400_naming_the_parameter(
+    client: TestClient, body: dict[str, object], param: str, fragment: str
+) -> None:
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert fragment in err["message"]
+
+
+def test_missing_field_and_bad_json(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={"model": MODEL})
+    assert r.status_code == 400
+    assert r.json() == error(
+        "Missing required parameter: 'messages'",
+        "invalid_request_error",
+        "messages",
+        "missing_required_parameter",
+    )
+    r = client.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400
+    assert r.json() == error(
+        "The request body is not valid JSON", "invalid_request_error", None, "invalid_json"
+    )
+
+
+def test_unknown_model_is_404(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json=chat(model="gpt-nope"))
+    assert r.status_code == 404
+    assert r.json() == error(
+        "The model 'gpt-nope' does not exist", "not_found_error", "model", "model_not_found"
+    )
+
+
+def test_unknown_path_is_404_in_openai_shape(client: TestClient) -> None:
+    r = client.get("/v1/nothing-here")
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "unknown_url"
+
+
+def test_body_over_limit_is_413(client: TestClient) -> None:
+    big = chat(messages=[{"role": "user", "content": "x" * 5000}])
+    r = client.post("/v1/chat/completions", json=big)
+    assert r.status_code == 413
+    assert r.json() == error(
+        "The request body exceeds the limit of 4096 bytes",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
+
+
+def test_chunked_body_over_limit_is_413(client: TestClient) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "vcache-demo", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}]}'
+
+    r = client.post("/v1/chat/completions", content=chunks())
+    assert r.status_code == 413
+
+
+def test_auth_required_when_keys_configured(engine: FakeEngine) -> None:
+    keys = [ApiKeyConfig(sha256=hash_api_key(KEY_A), tenant="a")]
+    with _client(engine, api_keys=keys) as c:
+        r = c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 401
+        assert r.json() == error(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'",
+            "authentication_error",
+            None,
+            "missing_api_key",
+        )
+        r = c.get("/v1/models", headers={"Authorization": "Bearer sk-wrong"})
+        assert r.status_code == 401
+        assert r.json() == error(
+            "Incorrect API key provided", "authentication_error", None, "invalid_api_key"
+        )
+        ok = c.post(
+            "/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {KEY_A}"}
+        )
+        assert ok.status_code == 200
+        assert engine.received[-1].cache_salt == "tenant:a"
+        assert c.get("/healthz").status_code == 200  # health needs no key
+
+
+def test_queue_full_is_503_with_retry_after(tokenizer: ChatTokenizer) -> None:
+    engine = FakeEngine(tokenizer, step_delay_s=0.05)
+    with _client(engine, engine={"max_queued_requests": 1}) as c:
+        body = chat(stream=True, max_tokens=50)
+        with c.stream("POST", "/v1/chat/completions", json=body) as held:
+            assert held.status_code == 200
+            r = c.post("/v1/chat/completions", json=chat())
+            assert r.status_code == 503
+            assert r.headers["retry-after"] == "1"
+            assert r.json() == error(
+                "The gateway's request queue is full; retry shortly",
+                "service_unavailable",
+                None,
+                "queue_full",
+            )
+            assert list(held.iter_lines())[-2] == "data: [DONE]"  # the held one finishes
+        assert engine.stats().unfinished_requests == 0
+        assert c.post("/v1/chat/completions", json=chat()).status_code == 200
+
+
+def test_engine_overload_maps_to_503(tokenizer: ChatTokenizer) -> None:
+    engine = FakeEngine(tokenizer, step_delay_s=0.05, max_queued_requests=1)
+    body = chat(stream=True, max_tokens=50)
+    with _client(engine) as c, c.stream("POST", "/v1/chat/completions", json=body):
+        r = c.post("/v1/chat/completions", json=chat(stream=True))
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "engine_overloaded"
+        assert r.headers["retry-after"] == "1"
+
+
+def test_not_ready_is_503_and_readyz_says_starting(tokenizer: ChatTokenizer) -> None:
+    class SlowStart(FakeEngine):
+        async def start(self) -> None:
+            import asyncio
+
+            await asyncio.sleep(3600)
+
+    with _client(SlowStart(tokenizer)) as c:
+        assert c.get("/healthz").json() == {"status": "ok"}
+        assert c.get("/readyz").status_code == 503
+        r = c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "engine_starting"
+
+
+def test_failed_engine_fails_health(tokenizer: ChatTokenizer) -> None:
+    class Broken(FakeEngine):
+        async def start(self) -> None:
+            raise RuntimeError("no GPU memory")
+
+    with _client(Broken(tokenizer)) as c:
+        r = c.get("/healthz")
+        assert r.status_code == 503
+        assert r.json() == {"status": "failed", "error": "RuntimeError: no GPU memory"}
+
+
+def test_metrics_count_requests_tokens_and_errors(client: TestClient) -> None:
+    client.post("/v1/chat/completions", json=chat())
+    client.post("/v1/chat/completions", json=chat(model="nope"))
+    text = client.get("/metrics").text
+    assert 'vcache_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'vcache_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
+    assert 'vcache_errors_total{type="not_found_error"} 1.0' in text
+    assert "vcache_completion_tokens_total 4.0" in text
+    assert 'vcache_ttft_seconds_count{endpoint="chat"} 1.0' in text
+    assert "vcache_engine_unfinished_requests 0.0" in text
