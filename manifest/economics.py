@@ -1,0 +1,82 @@
+"""The design note's quantitative laws (shared/seeds/001, §5 and §10).
+
+Pure functions; names are stable so tools and reports can call them.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _harmonic(n: int, s: float) -> float:
+    """Generalized harmonic number H(n, s) = sum_{i=1..n} i^-s."""
+    return math.fsum(i**-s for i in range(1, n + 1))
+
+
+def zipf_coverage(n: int, v: int, s: float) -> float:
+    """Share of traffic covered by the top ``n`` of ``v`` prefixes under Zipf(s): H(n,s)/H(v,s)."""
+    if not 0 <= n <= v or v < 1:
+        raise ValueError("need 0 <= n <= v and v >= 1")
+    return _harmonic(n, s) / _harmonic(v, s)
+
+
+def zipf_skew_for_coverage(n: int, v: int, coverage: float) -> float:
+    """The skew s at which the top ``n`` of ``v`` prefixes cover ``coverage`` (bisection).
+
+    Coverage grows monotonically with s for n < v, so the root is unique.
+    """
+    if not 0 < coverage < 1 or not 0 < n < v:
+        raise ValueError("need 0 < coverage < 1 and 0 < n < v")
+    lo, hi = 0.0, 16.0
+    if zipf_coverage(n, v, hi) < coverage:
+        raise ValueError("coverage not reachable")
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if zipf_coverage(n, v, mid) < coverage:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def dedicated_warm_break_even(write_mult: float, read_mult: float) -> int:
+    """Smallest reuse count k with k > w/(1-r): above it a dedicated warm pays.
+
+    Anthropic 5-minute TTL (w=1.25, r=0.1) gives 2; 1-hour TTL (w=2.0) gives 3.
+    """
+    if not 0 <= read_mult < 1:
+        raise ValueError("read multiplier must be in [0, 1)")
+    bound = write_mult / (1 - read_mult)
+    return math.floor(bound) + 1
+
+
+def chain_horizon(min_prefix_tokens: int, unit_tokens: int) -> int:
+    """Units of ``unit_tokens`` needed before any caching is possible: ceil(M/u)."""
+    if unit_tokens <= 0:
+        raise ValueError("unit_tokens must be positive")
+    return -(-min_prefix_tokens // unit_tokens)
+
+
+def warm_set_size(
+    rpm_available: float, tpm_available: float, prefix_tokens: int, ttl_minutes: float
+) -> float:
+    """Anchors that can be kept warm inside the rate-limit headroom: min(R, X/P)·T."""
+    if prefix_tokens <= 0:
+        raise ValueError("prefix_tokens must be positive")
+    return min(rpm_available, tpm_available / prefix_tokens) * ttl_minutes
+
+
+def rpm_tpm_crossover(rpm_available: float, tpm_available: float) -> float:
+    """Prefix size P* = X/R above which warming is token-bound rather than request-bound."""
+    if rpm_available <= 0:
+        raise ValueError("rpm_available must be positive")
+    return tpm_available / rpm_available
+
+
+def pin_pays(
+    arrivals_per_ttl: float, write_mult: float, latency_value: float, shadow_price: float
+) -> bool:
+    """§10's reframed rule: keep a prefix pinned iff λT > ln((W + μ + L) / L)."""
+    if latency_value <= 0:
+        return False  # on pure cache dollars lazy rebuild weakly dominates
+    return arrivals_per_ttl > math.log((write_mult + shadow_price + latency_value) / latency_value)

@@ -1,0 +1,134 @@
+"""Block hashes bit-identical to vLLM's prefix cache (``sha256_cbor``).
+
+vLLM (``vllm.v1.core.kv_cache_utils``) hashes every *full* block of a prompt
+as ``sha256(cbor_canonical((parent, tuple(tokens), extra_keys)))``, where the
+first block's parent is ``NONE_HASH = sha256(cbor_canonical(seed))`` and
+``seed`` is the engine's ``PYTHONHASHSEED`` string.  Extra keys are tagged
+tuples: ``("lora", name, path)`` on every block of a LoRA request, then
+``("cache_salt", salt)`` on the first block only; ``None`` when there are none.
+
+KV events carry either the full 32 bytes or, with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, the low 64 bits as an integer:
+:func:`event_hash`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+import cbor2
+
+BlockHash = NewType("BlockHash", bytes)
+"""32 bytes: the hash of a full block and, through its parent, of every block before it."""
+
+EventHash = NewType("EventHash", int)
+"""The low 64 bits of a :data:`BlockHash`, as vLLM's KV events carry it."""
+
+ExtraKey = tuple[str, ...]
+
+
+def sha256_cbor(obj: object) -> bytes:
+    """vLLM's ``vllm.utils.hashing.sha256_cbor``."""
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def root_hash(seed: str) -> BlockHash:
+    """The parent of every first block (vLLM's ``NONE_HASH``) for ``PYTHONHASHSEED=seed``."""
+    return BlockHash(sha256_cbor(seed))
+
+
+def event_hash(h: BlockHash) -> EventHash:
+    """The integer form KV events carry: the low 64 bits of the big-endian hash."""
+    return EventHash(int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF)
+
+
+def to_hex(h: BlockHash) -> str:
+    return h.hex()
+
+
+def from_hex(text: str) -> BlockHash:
+    raw = bytes.fromhex(text)
+    if len(raw) != 32:
+        raise ValueError(f"a block hash is 32 bytes, got {len(raw)}")
+    return BlockHash(raw)
+
+
+@dataclass(frozen=True)
+class HashKeys:
+    """What besides tokens enters a block's hash: the engine's isolation axes."""
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+    def for_block(self, index: int) -> tuple[ExtraKey, ...] | None:
+        keys: list[ExtraKey] = []
+        if self.lora_name is not None:
+            keys.append(("lora", self.lora_name, self.lora_path or ""))
+        if index == 0 and self.cache_salt:
+            keys.append(("cache_salt", self.cache_salt))
+        return tuple(keys) or None
+
+
+def hash_block(
+    parent: BlockHash, tokens: Sequence[int], extra: tuple[ExtraKey, ...] | None
+) -> BlockHash:
+    return BlockHash(sha256_cbor((parent, tuple(tokens), extra)))
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: str,
+    keys: HashKeys | None = None,
+) -> list[BlockHash]:
+    """The hash of every full block of ``token_ids``, as vLLM computes them."""
+    chain = BlockChain(block_size=block_size, seed=seed, keys=keys or HashKeys())
+    chain.extend(token_ids)
+    return list(chain.hashes)
+
+
+@dataclass
+class BlockChain:
+    """Incremental hashing for a growing sequence: only new full blocks are hashed.
+
+    ``extend`` appends tokens; ``hashes`` holds one hash per full block so far.
+    A conversation that grows turn by turn hashes each block exactly once.
+    """
+
+    block_size: int
+    seed: str
+    keys: HashKeys = field(default_factory=HashKeys)
+    hashes: list[BlockHash] = field(default_factory=list)
+    _pending: list[int] = field(default_factory=list, repr=False)
+    _root: BlockHash = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self._root = root_hash(self.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.hashes) * self.block_size + len(self._pending)
+
+    def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Append tokens; return the hashes of the blocks this call completed."""
+        self._pending.extend(token_ids)
+        new: list[BlockHash] = []
+        bs = self.block_size
+        while len(self._pending) >= bs:
+            block, self._pending = self._pending[:bs], self._pending[bs:]
+            parent = self.hashes[-1] if self.hashes else self._root
+            h = hash_block(parent, block, self.keys.for_block(len(self.hashes)))
+            self.hashes.append(h)
+            new.append(h)
+        return new
+
+
+def segment_digest(data: bytes) -> str:
+    """Content digest of canonical bytes (the provider regime's unit of identity)."""
+    return hashlib.sha256(data).hexdigest()
