@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration clean
+.PHONY: setup serve test lint typecheck unit integration bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,7 @@ lint: setup
 
 typecheck: setup
 	$(BIN)/mypy
+	$(BIN)/mypy --strict manifest
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit -q
@@ -27,7 +28,11 @@ integration: setup
 	$(BIN)/python -m pytest tests/integration -q
 
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m coverage run -m pytest -q
+	$(BIN)/python -m coverage report --include='manifest/*' --fail-under=95
+
+bench: setup
+	$(BIN)/python loadtests/bench_manifest.py
 
 clean:
 	rm -rf $(VENV) .vcache-test-data .mypy_cache .ruff_cache .pytest_cache

@@ -117,15 +117,20 @@ class BlockChain:
 
     def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Append tokens; return the hashes of the blocks this call completed."""
-        self._pending.extend(token_ids)
-        new: list[BlockHash] = []
+        pending = self._pending
+        pending.extend(token_ids)
         bs = self.block_size
-        while len(self._pending) >= bs:
-            block, self._pending = self._pending[:bs], self._pending[bs:]
-            parent = self.hashes[-1] if self.hashes else self._root
-            h = hash_block(parent, block, self.keys.for_block(len(self.hashes)))
-            self.hashes.append(h)
-            new.append(h)
+        full = len(pending) // bs
+        new: list[BlockHash] = []
+        parent = self.hashes[-1] if self.hashes else self._root
+        first = len(self.hashes)
+        for i in range(full):
+            parent = hash_block(
+                parent, pending[i * bs : (i + 1) * bs], self.keys.for_block(first + i)
+            )
+            new.append(parent)
+        del pending[: full * bs]
+        self.hashes.extend(new)
         return new
 
 

@@ -22,8 +22,11 @@ locations holding it, so a block resident on several replicas costs one entry.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import and_
 from typing import Literal, NamedTuple, NewType
 
 from manifest.hashing import BlockHash, EventHash, event_hash
@@ -35,6 +38,13 @@ AnyHash = BlockHash | EventHash | int
 
 def _key(h: AnyHash) -> int:
     return event_hash(h) if isinstance(h, bytes) else int(h)
+
+
+def _lacks(bit: int) -> Callable[[int], bool]:
+    def lacks(mask: int) -> bool:
+        return not mask & bit
+
+    return lacks
 
 
 class IndexEvent(NamedTuple):
@@ -182,27 +192,18 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[AnyHash]) -> dict[LocationId, int]:
         """Each location's longest consecutive resident prefix, in blocks."""
-        bits = {loc.bit: name for name, loc in self._locations.items()}
-        out = dict.fromkeys(self._locations, 0)
-        alive = 0
-        for b in bits:
-            alive |= 1 << b
-        table = self._table
-        for i, h in enumerate(hashes):
-            if not alive:
-                break
-            m = table.get(_key(h), 0)
-            gone = alive & ~m
-            while gone:
-                low = gone & -gone
-                out[bits[low.bit_length() - 1]] = i
-                gone ^= low
-            alive &= m
-        n = len(hashes)
-        while alive:
-            low = alive & -alive
-            out[bits[low.bit_length() - 1]] = n
-            alive ^= low
+        return self.match_keys([h if isinstance(h, int) else event_hash(h) for h in hashes])
+
+    def match_keys(self, keys: Sequence[int]) -> dict[LocationId, int]:
+        """:meth:`match` for 64-bit event hashes (the hot path: no conversion).
+
+        The running AND of the locations' masks only ever loses bits, so each
+        location's prefix length is a binary search over it.
+        """
+        running = list(accumulate(map(self._table.get, keys, repeat(0)), and_))
+        out: dict[LocationId, int] = {}
+        for name, loc in self._locations.items():
+            out[name] = bisect_left(running, True, key=_lacks(1 << loc.bit))
         return out
 
     def counts(self, location: LocationId) -> LocationCounts:
