@@ -1,9 +1,9 @@
 """The FastAPI application: thin edges over the service core.
 
-Engines, stores and metrics are created per app in ``create_app`` and the
-lifespan; nothing lives at module level.  The engine loads in a tracked task
-so ``/healthz`` answers while the model loads and ``/readyz`` turns ready
-when it is done.
+Engines, the KV-cache manager and metrics are created per app in
+``create_app`` and the lifespan; nothing lives at module level.  The
+replicas load in a tracked task so ``/healthz`` answers while the model
+loads, and ``/readyz`` turns ready when every replica is up and probed.
 """
 
 from __future__ import annotations
@@ -11,37 +11,73 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI
 
 from engines.base import Engine
 from gateway.auth import KeyRing
 from gateway.config import Settings
+from gateway.dispatch import Dispatcher
 from gateway.http_errors import install_error_handlers
+from gateway.kvcache import CoreControlled, KVCacheManager
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
-from gateway.routers import chat, completions, health, models
+from gateway.replicas import LocalReplica, Replica, Router
+from gateway.routers import cache, chat, completions, health, models
 from gateway.service import GatewayService
+from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
 
+PROBE_TEXT = "vcache probe: the manifest must hash blocks exactly as the engine does. "
 
-async def _start_engine(app: FastAPI, engine: Engine) -> None:
+
+async def _start(app: FastAPI, built: Sequence[LocalReplica], dispatcher: Dispatcher) -> None:
+    settings: Settings = app.state.settings
     try:
-        await engine.start()
+        for r in built:  # one at a time: each engine sizes its memory on start
+            await r.engine.start()
+        tracked = [r for r in built if r.events_endpoint and hasattr(r.engine, "call_core")]
+        if tracked:
+            first = built[0].engine
+            kv = KVCacheManager(
+                block_size=first.capabilities.block_size,
+                hash_seed=settings.engine.hash_seed,
+                pin_max_share=settings.cache.pin_max_share,
+                default_lease_s=settings.cache.default_lease_s,
+            )
+            for r in tracked:
+                assert r.events_endpoint is not None
+                engine: CoreControlled = r.engine  # type: ignore[assignment]
+                kv.attach(r.id, engine, r.events_endpoint, r.replay_endpoint)
+            probe = first.tokenizer.encode(PROBE_TEXT * 64)[: 2 * kv.block_size + 1]
+            app.state.kv = kv
+            await kv.start(probe)
+            dispatcher.kv = kv
+        dispatcher.started = True
     except Exception as exc:
         log.exception("engine failed to start")
         app.state.engine_failure = f"{type(exc).__name__}: {exc}"
 
 
-def create_app(settings: Settings, engine: Engine) -> FastAPI:
+def create_app(settings: Settings, built: Sequence[LocalReplica | Engine]) -> FastAPI:
+    """An app over ``built`` replicas (bare engines become replicas without KV events)."""
     metrics = Metrics()
+    local = [
+        b if isinstance(b, LocalReplica) else LocalReplica(LocationId(f"replica-{i}"), b)
+        for i, b in enumerate(built)
+    ]
+    replicas = [Replica(r.id, r.engine) for r in local]
+    router = Router(settings.cache.routing, settings.cache.load_imbalance)
+    dispatcher = Dispatcher(
+        replicas, router, None, metrics, max_inflight=settings.engine.max_queued_requests
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics.watch_engine(engine.stats)
-        starting = asyncio.create_task(_start_engine(app, engine), name="engine-start")
+        metrics.watch_engine(dispatcher.stats)
+        starting = asyncio.create_task(_start(app, local, dispatcher), name="engine-start")
         try:
             yield
         finally:
@@ -49,21 +85,21 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
                 starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
-            await engine.close()
+            kv: KVCacheManager | None = app.state.kv
+            if kv is not None:
+                await kv.close()
+            for r in local:
+                await r.engine.close()
 
     app = FastAPI(title="vcache", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine_failure = None
+    app.state.kv = None
     app.state.keyring = KeyRing(settings.api_keys)
-    app.state.service = GatewayService(
-        engine,
-        model_name=settings.model_name,
-        metrics=metrics,
-        max_inflight=settings.engine.max_queued_requests,
-    )
+    app.state.service = GatewayService(dispatcher, model_name=settings.model_name)
     install_error_handlers(app, metrics)
-    for r in (health.router, models.router, chat.router, completions.router):
+    for r in (health.router, models.router, chat.router, completions.router, cache.router):
         app.include_router(r)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes, metrics=metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)

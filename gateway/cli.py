@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,9 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--hash-seed", "engine.hash_seed", str, "PYTHONHASHSEED of the engine (block hashes)"),
     ("--max-queued-requests", "engine.max_queued_requests", int, "admission limit"),
     ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per engine"),
+    ("--replicas", "engine.replicas", int, "embedded vLLM engines"),
+    ("--routing", "cache.routing", str, "kv, round_robin or least_loaded"),
+    ("--pin-max-share", "cache.pin_max_share", float, "most of the KV blocks pins may hold"),
 ]
 
 
@@ -69,20 +73,22 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.engine_factory import build_vllm_engine
+    from gateway.engine_factory import build_local_replicas
 
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    app = create_app(settings, build_vllm_engine(settings))
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=10,
-    )
+    with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:
+        replicas = build_local_replicas(settings, Path(runtime))
+        app = create_app(settings, replicas)
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=10,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, field_validator
@@ -46,6 +46,7 @@ class ApiKeyConfig(BaseModel):
 
 
 class EngineSettings(BaseModel):
+    replicas: int = Field(1, ge=1, le=64)  # embedded vLLM engines, one per GPU / TP group
     max_model_len: int = Field(2048, ge=16)
     block_size: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1 << 20)
@@ -55,6 +56,16 @@ class EngineSettings(BaseModel):
     max_queued_requests: int = Field(256, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: str = "auto"
+
+
+class CacheSettings(BaseModel):
+    """Exact KV spans on the local replicas (KV events, pins, routing)."""
+
+    kv_events: bool = True  # subscribe to the engines' KV events; predictions need them
+    routing: Literal["kv", "round_robin", "least_loaded"] = "kv"
+    load_imbalance: int = Field(4, ge=0)  # kv routing falls back to least loaded beyond it
+    pin_max_share: float = Field(0.5, gt=0, le=1)  # most of the KV blocks pins may hold
+    default_lease_s: float = Field(300, gt=0)
 
 
 def _default_data_dir() -> Path:
@@ -74,6 +85,7 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path = Field(default_factory=_default_data_dir)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     log_level: str = "info"

@@ -1,12 +1,15 @@
-"""Build the configured engine: the demo model when no model is configured."""
+"""Build the configured local replicas: the demo model when no model is configured."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from engines.vllm.demo_model import ensure_demo_model
 from engines.vllm.engine import VllmEngine, VllmEngineConfig
 from gateway.config import Settings
+from gateway.replicas import LocalReplica
+from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
 
@@ -20,21 +23,31 @@ def resolve_model(settings: Settings) -> str:
     return str(path)
 
 
-def build_vllm_engine(settings: Settings) -> VllmEngine:
+def build_local_replicas(settings: Settings, runtime_dir: Path) -> list[LocalReplica]:
+    """One embedded vLLM engine per replica, each publishing KV events on its own socket."""
     e = settings.engine
-    return VllmEngine(
-        VllmEngineConfig(
-            model=resolve_model(settings),
-            served_name=settings.model_name,
-            max_model_len=e.max_model_len,
-            block_size=e.block_size,
-            kv_cache_bytes=e.kv_cache_bytes,
-            gpu_memory_utilization=e.gpu_memory_utilization,
-            enforce_eager=e.enforce_eager,
-            hash_seed=e.hash_seed,
-            # The gateway admits a request first; vLLM's own queue is the backstop.
-            max_queued_requests=e.max_queued_requests + 16,
-            tensor_parallel_size=e.tensor_parallel_size,
-            dtype=e.dtype,
+    model = resolve_model(settings)
+    out: list[LocalReplica] = []
+    for i in range(e.replicas):
+        events = f"ipc://{runtime_dir}/replica-{i}.events" if settings.cache.kv_events else None
+        replay = f"ipc://{runtime_dir}/replica-{i}.replay" if settings.cache.kv_events else None
+        engine = VllmEngine(
+            VllmEngineConfig(
+                model=model,
+                served_name=settings.model_name,
+                max_model_len=e.max_model_len,
+                block_size=e.block_size,
+                kv_cache_bytes=e.kv_cache_bytes,
+                gpu_memory_utilization=e.gpu_memory_utilization,
+                enforce_eager=e.enforce_eager,
+                hash_seed=e.hash_seed,
+                # The gateway admits a request first; vLLM's own queue is the backstop.
+                max_queued_requests=e.max_queued_requests + 16,
+                tensor_parallel_size=e.tensor_parallel_size,
+                dtype=e.dtype,
+                kv_events_endpoint=events,
+                kv_events_replay_endpoint=replay,
+            )
         )
-    )
+        out.append(LocalReplica(LocationId(f"replica-{i}"), engine, events, replay))
+    return out

@@ -74,6 +74,12 @@ class Metrics:
             ["endpoint"],
             registry=r,
         )
+        self.predictions = Counter(
+            "vcache_cached_token_predictions",
+            "Predicted cached tokens compared with the engine's num_cached_tokens",
+            ["outcome"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "vcache_prompt_tokens", "Prompt tokens sent to engines", registry=r
         )

@@ -1,29 +1,30 @@
 """The service core: the one request path that every edge (HTTP, gRPC) calls.
 
 Edge validates into a typed request → tokenize with the model's template →
-check limits → dispatch to the engine → fold usage into metrics.  Streams
-start the engine before yielding anything, so errors that happen before the
-first token still become a proper HTTP status.
+check limits → route to a replica (gateway/dispatch.py) → stream → fold usage.
+Streams start the engine before yielding anything, so errors that happen
+before the first token still become a proper HTTP status.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from engines.base import Engine, GenerateChunk, GenerateRequest, SamplingOptions
-from engines.errors import EngineError
-from gateway.errors import APIError, InvalidRequest, NotFound, Unavailable, from_engine_error
-from gateway.metrics import Metrics
+from engines.base import Engine, GenerateRequest, SamplingOptions
+from gateway.dispatch import Dispatch, Dispatcher, Totals
+from gateway.errors import APIError, InvalidRequest, NotFound, Unavailable
+from gateway.replicas import RoutingPolicy
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessage,
     ChunkChoice,
     ChunkDelta,
     Completion,
@@ -36,6 +37,11 @@ from gateway.schemas import (
 )
 
 
+def tenant_salt(tenant: str) -> str:
+    """vLLM's cache_salt for a tenant: tenants never share a prefix-cache span."""
+    return f"tenant:{tenant}"
+
+
 @dataclass(frozen=True)
 class Principal:
     """Who is calling.  The tenant salts the engine's prefix cache."""
@@ -45,58 +51,79 @@ class Principal:
     admin: bool = False
 
 
-@dataclass
-class _Totals:
-    prompt: int = 0
-    cached: int = 0
-    completion: int = 0
-    finish_reason: str = "stop"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Routed(Generic[T]):
+    """A result and where it was served (for the x-vcache-* response headers)."""
+
+    body: T
+    dispatch: Dispatch
+
+    def headers(self) -> dict[str, str]:
+        return self.dispatch.headers()
 
 
 class GatewayService:
-    def __init__(
-        self, engine: Engine, model_name: str, metrics: Metrics, max_inflight: int
-    ) -> None:
-        self._engine = engine
+    def __init__(self, dispatcher: Dispatcher, model_name: str) -> None:
+        self._dispatcher = dispatcher
         self._model = model_name
-        self._metrics = metrics
-        self._max_inflight = max_inflight
-        self._inflight = 0
 
     @property
     def model_name(self) -> str:
         return self._model
 
     @property
+    def dispatcher(self) -> Dispatcher:
+        return self._dispatcher
+
+    @property
+    def _engine(self) -> Engine:
+        """The first replica: all replicas serve the same model and tokenizer."""
+        return self._dispatcher.replicas[0].engine
+
+    @property
     def ready(self) -> bool:
-        return self._engine.ready
+        d = self._dispatcher
+        return d.started and all(r.engine.ready for r in d.replicas)
 
     def models(self) -> ModelList:
-        max_len = self._engine.capabilities.max_model_len if self._engine.ready else None
+        max_len = self._engine.capabilities.max_model_len if self.ready else None
         return ModelList(data=[ModelCard(id=self._model, max_model_len=max_len)])
+
+    def chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template."""
+        rendered = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages
+        ]
+        return self._engine.tokenizer.render_chat(rendered)
+
+    def text_tokens(self, text: str) -> list[int]:
+        return self._engine.tokenizer.encode(text)
 
     # ------------------------------------------------------------ chat
 
     def _chat_request(self, req: ChatCompletionRequest, who: Principal) -> GenerateRequest:
-        self._check_model(req.model)
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in req.messages
-        ]
-        ids = self._engine.tokenizer.render_chat(messages)
+        self.check_model(req.model)
+        ids = self.chat_tokens(req.messages)
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         return self._generate_request(
             "chatcmpl", ids, req, req.output_limit(), ("messages", limit_param), who
         )
 
-    async def chat(self, req: ChatCompletionRequest, who: Principal) -> ChatCompletion:
+    async def chat(
+        self, req: ChatCompletionRequest, who: Principal, policy: RoutingPolicy | None = None
+    ) -> Routed[ChatCompletion]:
         t0 = time.perf_counter()
         greq = self._chat_request(req, who)
+        d = await self._dispatcher.route(greq, policy)
         text: list[str] = []
-        totals = _Totals()
-        async for chunk in self._run(greq, "chat", t0, totals):
+        totals = Totals()
+        async for chunk in self._dispatcher.run(greq, d, "chat", t0, totals):
             text.append(chunk.text)
-        return ChatCompletion(
+        body = ChatCompletion(
             id=greq.request_id,
             model=self._model,
             choices=[
@@ -107,14 +134,15 @@ class GatewayService:
             ],
             usage=Usage.of(totals.prompt, totals.completion, totals.cached),
         )
+        return Routed(body, d)
 
     async def chat_stream(
-        self, req: ChatCompletionRequest, who: Principal
-    ) -> AsyncGenerator[ChatCompletionChunk, None]:
+        self, req: ChatCompletionRequest, who: Principal, policy: RoutingPolicy | None = None
+    ) -> Routed[AsyncGenerator[ChatCompletionChunk, None]]:
         t0 = time.perf_counter()
         greq = self._chat_request(req, who)
+        d = await self._dispatcher.route(greq, policy)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        totals = _Totals()
 
         def chunk(delta: ChunkDelta, finish: str | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
@@ -123,26 +151,30 @@ class GatewayService:
                 choices=[ChunkChoice(delta=delta, finish_reason=finish)],
             )
 
-        first = True
-        async for out in self._run(greq, "chat", t0, totals):
-            if first:  # the engine accepted the request: now the stream may begin
-                yield chunk(ChunkDelta(role="assistant", content=""))
-                first = False
-            if out.text:
-                yield chunk(ChunkDelta(content=out.text))
-        yield chunk(ChunkDelta(), totals.finish_reason)
-        if include_usage:
-            yield ChatCompletionChunk(
-                id=greq.request_id,
-                model=self._model,
-                choices=[],
-                usage=Usage.of(totals.prompt, totals.completion, totals.cached),
-            )
+        async def stream() -> AsyncGenerator[ChatCompletionChunk, None]:
+            totals = Totals()
+            first = True
+            async for out in self._dispatcher.run(greq, d, "chat", t0, totals):
+                if first:  # the engine accepted the request: now the stream may begin
+                    yield chunk(ChunkDelta(role="assistant", content=""))
+                    first = False
+                if out.text:
+                    yield chunk(ChunkDelta(content=out.text))
+            yield chunk(ChunkDelta(), totals.finish_reason)
+            if include_usage:
+                yield ChatCompletionChunk(
+                    id=greq.request_id,
+                    model=self._model,
+                    choices=[],
+                    usage=Usage.of(totals.prompt, totals.completion, totals.cached),
+                )
+
+        return Routed(stream(), d)
 
     # ------------------------------------------------------- completions
 
     def _completion_request(self, req: CompletionRequest, who: Principal) -> GenerateRequest:
-        self._check_model(req.model)
+        self.check_model(req.model)
         p = req.prompt
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
             p = p[0]
@@ -154,45 +186,54 @@ class GatewayService:
             "cmpl", ids, req, req.max_tokens, ("prompt", "max_tokens"), who
         )
 
-    async def complete(self, req: CompletionRequest, who: Principal) -> Completion:
+    async def complete(
+        self, req: CompletionRequest, who: Principal, policy: RoutingPolicy | None = None
+    ) -> Routed[Completion]:
         t0 = time.perf_counter()
         greq = self._completion_request(req, who)
+        d = await self._dispatcher.route(greq, policy)
         text: list[str] = []
-        totals = _Totals()
-        async for chunk in self._run(greq, "completions", t0, totals):
+        totals = Totals()
+        async for chunk in self._dispatcher.run(greq, d, "completions", t0, totals):
             text.append(chunk.text)
-        return Completion(
+        body = Completion(
             id=greq.request_id,
             model=self._model,
             choices=[CompletionChoice(text="".join(text), finish_reason=totals.finish_reason)],
             usage=Usage.of(totals.prompt, totals.completion, totals.cached),
         )
+        return Routed(body, d)
 
     async def complete_stream(
-        self, req: CompletionRequest, who: Principal
-    ) -> AsyncGenerator[Completion, None]:
+        self, req: CompletionRequest, who: Principal, policy: RoutingPolicy | None = None
+    ) -> Routed[AsyncGenerator[Completion, None]]:
         t0 = time.perf_counter()
         greq = self._completion_request(req, who)
+        d = await self._dispatcher.route(greq, policy)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        totals = _Totals()
-        async for out in self._run(greq, "completions", t0, totals):
-            yield Completion(
-                id=greq.request_id,
-                model=self._model,
-                choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
-            )
-        if include_usage:
-            yield Completion(
-                id=greq.request_id,
-                model=self._model,
-                choices=[],
-                usage=Usage.of(totals.prompt, totals.completion, totals.cached),
-            )
+
+        async def stream() -> AsyncGenerator[Completion, None]:
+            totals = Totals()
+            async for out in self._dispatcher.run(greq, d, "completions", t0, totals):
+                yield Completion(
+                    id=greq.request_id,
+                    model=self._model,
+                    choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+                )
+            if include_usage:
+                yield Completion(
+                    id=greq.request_id,
+                    model=self._model,
+                    choices=[],
+                    usage=Usage.of(totals.prompt, totals.completion, totals.cached),
+                )
+
+        return Routed(stream(), d)
 
     # ---------------------------------------------------------- shared
 
-    def _check_model(self, model: str) -> None:
-        if not self._engine.ready:
+    def check_model(self, model: str) -> None:
+        if not self.ready:
             raise Unavailable(
                 "the engine is still starting", code="engine_starting", retry_after_s=5
             )
@@ -241,41 +282,8 @@ class GatewayService:
             request_id=f"{prefix}-{uuid.uuid4().hex}",
             prompt_token_ids=tuple(ids),
             sampling=sampling,
-            cache_salt=f"tenant:{who.tenant}",
+            cache_salt=tenant_salt(who.tenant),
         )
-
-    async def _run(
-        self, greq: GenerateRequest, endpoint: str, t0: float, totals: _Totals
-    ) -> AsyncIterator[GenerateChunk]:
-        """Dispatch under admission control; fold usage and timing as chunks arrive."""
-        if self._inflight >= self._max_inflight:
-            raise Unavailable(
-                "The gateway's request queue is full; retry shortly",
-                code="queue_full",
-                retry_after_s=1,
-            )
-        self._inflight += 1
-        first = True
-        try:
-            async for chunk in self._engine.generate(greq):
-                if first:
-                    self._metrics.ttft.labels(endpoint).observe(time.perf_counter() - t0)
-                    totals.prompt, totals.cached = chunk.num_prompt_tokens, chunk.num_cached_tokens
-                    self._metrics.prompt_tokens.inc(totals.prompt)
-                    self._metrics.cached_tokens.inc(totals.cached)
-                    first = False
-                totals.completion += len(chunk.token_ids)
-                self._metrics.completion_tokens.inc(len(chunk.token_ids))
-                if chunk.finish_reason is not None:
-                    totals.finish_reason = chunk.finish_reason
-                yield chunk
-        except EngineError as exc:
-            raise from_engine_error(exc) from exc
-        except (GeneratorExit, asyncio.CancelledError):
-            self._metrics.aborted.labels(endpoint).inc()  # the client went away
-            raise
-        finally:
-            self._inflight -= 1
 
 
 __all__ = ["APIError", "GatewayService", "Principal"]

@@ -40,7 +40,7 @@ def root_hash(seed: str) -> BlockHash:
     return BlockHash(sha256_cbor(seed))
 
 
-def event_hash(h: BlockHash) -> EventHash:
+def event_hash(h: bytes) -> EventHash:
     """The integer form KV events carry: the low 64 bits of the big-endian hash."""
     return EventHash(int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF)
 

@@ -33,7 +33,7 @@ from manifest.hashing import BlockHash, EventHash, event_hash
 
 LocationId = NewType("LocationId", str)
 
-AnyHash = BlockHash | EventHash | int
+AnyHash = BlockHash | EventHash | bytes | int
 
 
 def _key(h: AnyHash) -> int:

@@ -53,6 +53,9 @@ class VllmEngineConfig:
     max_queued_requests: int | None = None
     tensor_parallel_size: int = 1
     dtype: str = "auto"
+    # KV events (ZMQ PUB) and their replay endpoint; None disables events.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
 
 class VllmEngine:
@@ -102,6 +105,15 @@ class VllmEngine:
             kwargs["kv_cache_memory_bytes"] = c.kv_cache_bytes
         if c.max_queued_requests is not None:
             kwargs["max_num_queued_reqs"] = c.max_queued_requests
+        if c.kv_events_endpoint is not None:
+            from vllm.config.kv_events import KVEventsConfig
+
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=c.kv_events_endpoint,
+                replay_endpoint=c.kv_events_replay_endpoint,
+            )
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:
@@ -178,6 +190,12 @@ class VllmEngine:
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
                     await llm.abort(request.request_id)
+
+    async def call_core(self, method: str, *args: Any) -> Any:
+        """Run a utility method in the engine core (the vcache plugin's pin/evict/...)."""
+        if self._llm is None or self._closed:
+            raise EngineUnavailable("engine is not ready")
+        return await self._llm.engine_core.call_utility_async(method, *args)
 
     async def close(self) -> None:
         if self._closed:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.auth import require_principal
-from gateway.routers.chat import service
+from gateway.replicas import RoutingPolicy
+from gateway.routers.chat import routing_override, service
 from gateway.routers.sse import open_stream
-from gateway.schemas import Completion, CompletionRequest
+from gateway.schemas import CompletionRequest
 from gateway.service import GatewayService, Principal
 
 router = APIRouter(prefix="/v1", tags=["completions"])
@@ -21,7 +22,10 @@ async def create_completion(
     body: CompletionRequest,
     who: Annotated[Principal, Depends(require_principal)],
     svc: Annotated[GatewayService, Depends(service)],
-) -> Completion | StreamingResponse:
+    policy: Annotated[RoutingPolicy | None, Depends(routing_override)],
+) -> JSONResponse | StreamingResponse:
     if body.stream:
-        return await open_stream(svc.complete_stream(body, who))
-    return await svc.complete(body, who)
+        routed = await svc.complete_stream(body, who, policy)
+        return await open_stream(routed.body, routed.headers())
+    done = await svc.complete(body, who, policy)
+    return JSONResponse(done.body.model_dump(mode="json"), headers=done.headers())

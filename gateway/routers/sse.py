@@ -20,7 +20,9 @@ def _event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-async def open_stream(stream: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
+async def open_stream(
+    stream: AsyncGenerator[BaseModel, None], headers: dict[str, str] | None = None
+) -> StreamingResponse:
     """Start ``stream`` now and return the response.
 
     The first item is awaited here, so an error before it (unknown model, full
@@ -46,5 +48,5 @@ async def open_stream(stream: AsyncGenerator[BaseModel, None]) -> StreamingRespo
     return StreamingResponse(
         body(),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
     )

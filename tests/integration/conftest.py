@@ -26,6 +26,8 @@ from gateway.config import hash_api_key
 KEY_A = "sk-test-tenant-a"
 KEY_B = "sk-test-tenant-b"
 MAX_QUEUED = 3
+REPLICAS = 2
+KV_CACHE_BYTES = 32 << 20  # per replica: 128 blocks of 128 tokens with the demo model
 BODY_LIMIT = 256 * 1024
 STARTUP_TIMEOUT_S = 300
 
@@ -62,7 +64,7 @@ def gateway(
     port = _free_port()
     log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
     keys = [
-        {"sha256": hash_api_key(KEY_A), "tenant": "a", "name": "a"},
+        {"sha256": hash_api_key(KEY_A), "tenant": "a", "name": "a", "admin": True},
         {"sha256": hash_api_key(KEY_B), "tenant": "b", "name": "b"},
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
@@ -71,7 +73,8 @@ def gateway(
         sys.executable, "-m", "gateway.cli", "serve",
         "--port", str(port),
         "--data-dir", str(data_dir),
-        "--kv-cache-bytes", str(256 << 20),
+        "--kv-cache-bytes", str(KV_CACHE_BYTES),
+        "--replicas", str(REPLICAS),
         "--max-model-len", "2048",
         "--max-queued-requests", str(MAX_QUEUED),
         "--max-request-body-bytes", str(BODY_LIMIT),

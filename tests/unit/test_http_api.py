@@ -28,7 +28,7 @@ def tokenizer(demo_model: Path) -> ChatTokenizer:
 
 
 def _client(fake: FakeEngine, **settings: object) -> TestClient:
-    app = create_app(Settings(**settings), fake)  # type: ignore[arg-type]
+    app = create_app(Settings(**settings), [fake])  # type: ignore[arg-type]
     return TestClient(app)
 
 

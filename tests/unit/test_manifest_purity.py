@@ -9,8 +9,9 @@ import pytest
 
 MANIFEST = Path(__file__).resolve().parents[2] / "manifest"
 ALLOWED = {
-    "__future__", "bisect", "collections", "contextlib", "dataclasses", "enum", "hashlib", "itertools",
-    "json", "math", "operator", "re", "typing", "cbor2", "msgspec", "pydantic", "manifest",
+    "__future__", "bisect", "collections", "contextlib", "dataclasses", "enum", "hashlib",
+    "itertools", "json", "math", "operator", "re", "typing", "cbor2", "msgspec", "pydantic",
+    "manifest",
 }  # fmt: skip
 
 

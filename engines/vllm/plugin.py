@@ -1,0 +1,165 @@
+"""vLLM general plugin: pin, unpin, evict and inspect prefix-cache blocks by hash.
+
+Registered through the ``vllm.general_plugins`` entry point (see
+pyproject.toml); vLLM loads it in every process, and in the engine-core
+process it adds these utility methods to ``EngineCore``, which an engine
+client reaches with ``call_utility_async("vcache_pin", ...)``:
+
+``vcache_pin(hashes, max_share)``
+    Take one reference on each resident block (once per hash: idempotent), so
+    LRU eviction cannot reuse it.  Refuses to pin beyond ``max_share`` of the
+    KV blocks.  Returns the hashes pinned by this call and those already pinned.
+``vcache_unpin(hashes)``
+    Drop the plugin's reference; the block becomes evictable again (most
+    recently used end of the free queue).
+``vcache_evict(hashes)``
+    Remove blocks from the prefix cache if no running request and no pin holds
+    them; ``BlockRemoved`` events are published at once.
+``vcache_cache_stats()`` / ``vcache_resident()``
+    Counts, and every resident block hash (for a full index resync).
+``vcache_events_barrier()``
+    The sequence number of the last KV event batch sent, once the publisher's
+    queue is empty: a subscriber that has seen it is up to date.
+
+Hashes travel as 32-byte ``bytes``.  All of this runs on the engine core's
+own thread between scheduler steps, so it never races a step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+_GROUP = 0  # single KV-cache-group models (all the gateway serves today)
+
+
+def _pool(core: Any) -> Any:
+    return core.scheduler.kv_cache_manager.coordinator.block_pool
+
+
+def _pins(core: Any) -> dict[bytes, Any]:
+    pins: dict[bytes, Any] | None = getattr(core, "_vcache_pins", None)
+    if pins is None:
+        pins = {}
+        core._vcache_pins = pins
+    return pins
+
+
+def _lookup(pool: Any, h: bytes) -> Any:
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    blocks = pool.get_cached_block(BlockHash(h), [_GROUP])
+    return blocks[0] if blocks else None
+
+
+def _publish_pending(core: Any) -> None:
+    """Publish events queued outside a scheduler step, keeping the stream in order."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    events = _pool(core).take_events()
+    publisher = getattr(core.scheduler, "kv_event_publisher", None)
+    if events and publisher is not None:
+        publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
+
+def vcache_pin(core: Any, hashes: list[bytes], max_share: float) -> dict[str, Any]:
+    pool, pins = _pool(core), _pins(core)
+    limit = int(pool.num_gpu_blocks * max_share)
+    pinned: list[bytes] = []
+    already: list[bytes] = []
+    missing: list[bytes] = []
+    refused: list[bytes] = []
+    for h in hashes:
+        if h in pins:
+            already.append(h)
+            continue
+        block = _lookup(pool, h)
+        if block is None:
+            missing.append(h)
+        elif len(pins) >= limit:
+            refused.append(h)
+        else:
+            pool.touch([block])
+            pins[h] = block
+            pinned.append(h)
+    return {"pinned": pinned, "already": already, "missing": missing, "refused": refused}
+
+
+def vcache_unpin(core: Any, hashes: list[bytes]) -> dict[str, Any]:
+    pool, pins = _pool(core), _pins(core)
+    released = []
+    for h in hashes:
+        block = pins.pop(h, None)
+        if block is not None:
+            pool.free_blocks([block])
+            released.append(h)
+    return {"unpinned": released}
+
+
+def vcache_evict(core: Any, hashes: list[bytes]) -> dict[str, Any]:
+    pool, pins = _pool(core), _pins(core)
+    evicted: list[bytes] = []
+    busy: list[bytes] = []
+    for h in hashes:
+        block = _lookup(pool, h)
+        if block is None:
+            continue
+        if block.ref_cnt > 0 or h in pins:
+            busy.append(h)  # a running request or a pin holds it
+        elif pool._maybe_evict_cached_block(block):
+            evicted.append(h)
+    _publish_pending(core)
+    return {"evicted": evicted, "busy": busy}
+
+
+def vcache_cache_stats(core: Any) -> dict[str, Any]:
+    pool = _pool(core)
+    return {
+        "num_blocks": int(pool.num_gpu_blocks),
+        "free_blocks": int(pool.get_num_free_blocks()),
+        "cached_blocks": len(pool.cached_block_hash_to_block),
+        "pinned_blocks": len(_pins(core)),
+        "usage": float(pool.get_usage()),
+    }
+
+
+def vcache_events_barrier(core: Any, timeout_s: float = 2.0) -> int:
+    """Wait until every KV event queued so far has been sent; return the last sequence number.
+
+    A client that then waits for that sequence on its subscriber has seen every
+    event of every step that ran before this call (-1: nothing published yet).
+    """
+    publisher = getattr(core.scheduler, "kv_event_publisher", None)
+    queue = getattr(publisher, "_event_queue", None)
+    deadline = time.monotonic() + timeout_s
+    while queue is not None and queue.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    buffer = getattr(publisher, "_buffer", None)
+    return int(buffer[-1][0]) if buffer else -1
+
+
+def vcache_resident(core: Any) -> list[bytes]:
+    """Every block hash resident in the prefix cache (group 0)."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+    cache = _pool(core).cached_block_hash_to_block._cache
+    return [bytes(get_block_hash(k)) for k in cache if get_group_id(k) == _GROUP]
+
+
+_METHODS = {
+    "vcache_pin": vcache_pin,
+    "vcache_unpin": vcache_unpin,
+    "vcache_evict": vcache_evict,
+    "vcache_cache_stats": vcache_cache_stats,
+    "vcache_resident": vcache_resident,
+    "vcache_events_barrier": vcache_events_barrier,
+}
+
+
+def register() -> None:
+    """Entry point: add the methods to EngineCore (safe to call many times)."""
+    from vllm.v1.engine.core import EngineCore
+
+    for name, fn in _METHODS.items():
+        if getattr(EngineCore, name, None) is not fn:
+            setattr(EngineCore, name, fn)

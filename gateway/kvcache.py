@@ -1,0 +1,365 @@
+"""Exact KV spans on local vLLM replicas: the manifest's index kept in step with each engine.
+
+For every replica that speaks the vcache engine-core plugin, the manager
+
+- subscribes to its KV events and folds them into one :class:`PrefixIndex`
+  (location = replica id), repairing gaps by replay or full resync;
+- probes it at start: the hashes of a probe prompt in its ``BlockStored``
+  events must equal :func:`manifest.hashing.block_hashes`; a replica that
+  disagrees is *approximate* and its predictions are not reported as exact;
+- predicts, before dispatch, how many prompt tokens each replica will serve
+  from cache, and counts whether vLLM's ``num_cached_tokens`` agreed;
+- pins, unpins and evicts spans by hash.  Every pin has an owner and a lease;
+  the engine holds one reference per block while any owner's lease is live,
+  and a reaper releases expired leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from engines.base import GenerateRequest, SamplingOptions
+from engines.vllm.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEventSubscriber,
+)
+from manifest.hashing import BlockHash, HashKeys, block_hashes, event_hash
+from manifest.index import LocationId, PrefixIndex
+
+log = logging.getLogger(__name__)
+
+Agreement = Literal["unknown", "exact", "approximate"]
+
+
+class CoreControlled(Protocol):
+    """An engine whose core runs the vcache plugin (see engines/vllm/plugin.py)."""
+
+    async def call_core(self, method: str, *args: Any) -> Any: ...
+
+    def generate(self, request: GenerateRequest) -> Any: ...
+
+
+@dataclass
+class ReplicaCacheState:
+    replica: LocationId
+    engine: CoreControlled
+    subscriber: KVEventSubscriber
+    agreement: Agreement = "unknown"
+    predictions_matched: int = 0
+    predictions_missed: int = 0
+
+
+@dataclass
+class _Lease:
+    owner: str
+    expires_at: float
+
+
+@dataclass
+class PinResult:
+    replica: LocationId
+    pinned: list[str] = field(default_factory=list)  # hex hashes held for this owner now
+    missing: list[str] = field(default_factory=list)  # not resident: nothing to pin
+    refused: list[str] = field(default_factory=list)  # over the pin budget
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        block_size: int,
+        hash_seed: str,
+        pin_max_share: float,
+        default_lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.index = PrefixIndex()
+        self._pin_max_share = pin_max_share
+        self.default_lease_s = default_lease_s
+        self._clock = clock
+        self._replicas: dict[LocationId, ReplicaCacheState] = {}
+        self._leases: dict[tuple[LocationId, BlockHash], list[_Lease]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---------------------------------------------------------- replicas
+
+    def attach(
+        self,
+        replica: LocationId,
+        engine: CoreControlled,
+        events_endpoint: str,
+        replay_endpoint: str | None,
+    ) -> None:
+        self.index.add_location(replica)
+
+        def apply(batch: EventBatch) -> None:
+            self._apply(replica, batch)
+
+        async def resync() -> None:
+            await self._resync(replica)
+
+        sub = KVEventSubscriber(events_endpoint, replay_endpoint, apply, resync)
+        self._replicas[replica] = ReplicaCacheState(replica, engine, sub)
+
+    @property
+    def replicas(self) -> list[LocationId]:
+        return list(self._replicas)
+
+    def state(self, replica: LocationId) -> ReplicaCacheState:
+        return self._replicas[replica]
+
+    def _apply(self, replica: LocationId, batch: EventBatch) -> None:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self.index.apply_stored(replica, ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.index.apply_removed(replica, ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.index.apply_cleared(replica)
+
+    async def _resync(self, replica: LocationId) -> None:
+        """Rebuild one replica's index from the engine's own view of its cache."""
+        resident = await self._replicas[replica].engine.call_core("vcache_resident")
+        self.index.apply_cleared(replica)
+        self.index.apply_stored(replica, [BlockHash(bytes(h)) for h in resident])
+        log.info("replica %s: index resynced, %d blocks resident", replica, len(resident))
+
+    async def start(self, probe_tokens: Sequence[int]) -> None:
+        """Start the subscribers and the lease reaper, then probe every replica."""
+        for st in self._replicas.values():
+            self._tasks.append(asyncio.create_task(st.subscriber.run(), name=f"kv-{st.replica}"))
+        self._tasks.append(asyncio.create_task(self._reap_forever(), name="pin-reaper"))
+        for replica in self._replicas:
+            await self.probe(replica, probe_tokens)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        for st in self._replicas.values():
+            st.subscriber.close()
+
+    async def sync(self, barrier: bool = False) -> None:
+        """Fold every event the replicas have published so far.
+
+        With ``barrier`` each engine is asked which batch it sent last and the
+        subscriber waits for it: exact even for the request that just finished
+        (one round trip per replica; admin operations use it, dispatch does not).
+        """
+        for st in self._replicas.values():
+            if barrier:
+                await self._barrier(st)
+            else:
+                await st.subscriber.sync()
+
+    async def _barrier(self, st: ReplicaCacheState) -> None:
+        seq = await st.engine.call_core("vcache_events_barrier")
+        if not await st.subscriber.wait_for(int(seq)):
+            log.warning("replica %s: KV events up to %s not seen in time", st.replica, seq)
+
+    # -------------------------------------------------------- prediction
+
+    def hashes(self, prompt: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        return block_hashes(prompt, self.block_size, self.hash_seed, HashKeys(cache_salt))
+
+    def predict(self, hashes: Sequence[BlockHash], prompt_len: int) -> dict[LocationId, int]:
+        """Tokens each replica will serve from cache: whole blocks, never the last token."""
+        cap = max(prompt_len - 1, 0) // self.block_size
+        keys = [event_hash(h) for h in hashes[:cap]]
+        return {r: n * self.block_size for r, n in self.index.match_keys(keys).items()}
+
+    def record_outcome(self, replica: LocationId, predicted: int, actual: int) -> bool:
+        st = self._replicas.get(replica)
+        matched = predicted == actual
+        if st is not None:
+            if matched:
+                st.predictions_matched += 1
+            else:
+                st.predictions_missed += 1
+                log.info("replica %s: predicted %d cached tokens, vLLM served %d",
+                         replica, predicted, actual)  # fmt: skip
+        return matched
+
+    def is_exact(self, replica: LocationId) -> bool:
+        st = self._replicas.get(replica)
+        return st is not None and st.agreement == "exact"
+
+    # ------------------------------------------------------------- probe
+
+    async def probe(
+        self, replica: LocationId, tokens: Sequence[int], timeout_s: float = 10.0
+    ) -> Agreement:
+        """Compare the engine's block hashes with ours on a probe prompt."""
+        st = self._replicas[replica]
+        salt = f"vcache-probe:{replica}"
+        expected = self.hashes(tokens, salt)
+        await self._prefill(st.engine, tokens, salt, "probe")
+        deadline = self._clock() + timeout_s
+        want = len(expected)
+        while True:
+            await self._barrier(st)
+            got = self.index.match(expected)[replica]
+            if got == want or self._clock() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        st.agreement = "exact" if got == want and want > 0 else "approximate"
+        if st.agreement == "approximate":
+            log.warning("replica %s: block hashes disagree with the manifest (%d/%d blocks): "
+                        "predictions are approximate", replica, got, want)  # fmt: skip
+        await st.engine.call_core("vcache_evict", [bytes(h) for h in expected])
+        return st.agreement
+
+    async def _prefill(
+        self, engine: CoreControlled, tokens: Sequence[int], salt: str | None, tag: str
+    ) -> int:
+        req = GenerateRequest(
+            request_id=f"{tag}-{time.monotonic_ns()}",
+            prompt_token_ids=tuple(tokens),
+            sampling=SamplingOptions(max_tokens=1, temperature=0.0),
+            cache_salt=salt,
+        )
+        cached = 0
+        async for chunk in engine.generate(req):
+            cached = chunk.num_cached_tokens
+        return cached
+
+    async def warm(
+        self, replica: LocationId, tokens: Sequence[int], salt: str | None
+    ) -> tuple[int, int]:
+        """Prefill ``tokens`` on ``replica`` (one token generated, discarded).
+
+        Returns (tokens that were already cached, tokens now resident).
+        """
+        st = self._replicas[replica]
+        before = await self._prefill(st.engine, tokens, salt, "warm")
+        await self._barrier(st)
+        now = self.predict(self.hashes(tokens, salt), len(tokens) + 1)[replica]
+        return before, now
+
+    # -------------------------------------------------------------- pins
+
+    async def pin(
+        self,
+        replica: LocationId,
+        hashes: Sequence[BlockHash],
+        owner: str,
+        lease_s: float | None = None,
+    ) -> PinResult:
+        st = self._replicas[replica]
+        lease = _Lease(owner, self._clock() + (lease_s or self.default_lease_s))
+        fresh = [h for h in hashes if (replica, h) not in self._leases]
+        out = PinResult(replica)
+        if fresh:
+            res = await st.engine.call_core(
+                "vcache_pin", [bytes(h) for h in fresh], self._pin_max_share
+            )
+            took = {bytes(h) for h in res["pinned"]} | {bytes(h) for h in res["already"]}
+            out.missing = [bytes(h).hex() for h in res["missing"]]
+            out.refused = [bytes(h).hex() for h in res["refused"]]
+            self.index.pin(replica, [BlockHash(h) for h in took])
+            for h in fresh:
+                if h in took:
+                    self._leases[(replica, h)] = []
+        for h in hashes:
+            leases = self._leases.get((replica, h))
+            if leases is None:
+                continue
+            leases[:] = [x for x in leases if x.owner != owner] + [lease]
+            out.pinned.append(h.hex())
+        return out
+
+    async def unpin(
+        self, replica: LocationId, hashes: Sequence[BlockHash], owner: str | None
+    ) -> list[str]:
+        """Release ``owner``'s leases (all owners' when None); unpin blocks nobody holds."""
+        released: list[BlockHash] = []
+        for h in hashes:
+            leases = self._leases.get((replica, h))
+            if leases is None:
+                continue
+            leases[:] = [x for x in leases if owner is not None and x.owner != owner]
+            if not leases:
+                del self._leases[(replica, h)]
+                released.append(h)
+        await self._release(replica, released)
+        return [h.hex() for h in released]
+
+    async def _release(self, replica: LocationId, hashes: Sequence[BlockHash]) -> None:
+        if not hashes:
+            return
+        await self._replicas[replica].engine.call_core("vcache_unpin", [bytes(h) for h in hashes])
+        self.index.unpin(replica, hashes)
+
+    def pin_owners(self, replica: LocationId, h: BlockHash) -> list[str]:
+        return [x.owner for x in self._leases.get((replica, h), [])]
+
+    async def reap(self) -> int:
+        """Release every lease that has expired; returns how many blocks were unpinned."""
+        now = self._clock()
+        expired: dict[LocationId, list[BlockHash]] = {}
+        for (replica, h), leases in list(self._leases.items()):
+            leases[:] = [x for x in leases if x.expires_at > now]
+            if not leases:
+                del self._leases[(replica, h)]
+                expired.setdefault(replica, []).append(h)
+        for replica, hs in expired.items():
+            await self._release(replica, hs)
+        return sum(len(hs) for hs in expired.values())
+
+    async def _reap_forever(self, every_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("pin reaper failed; retrying")
+
+    async def evict(
+        self, replica: LocationId, hashes: Sequence[BlockHash]
+    ) -> tuple[list[str], list[str]]:
+        """Evict blocks no request or pin holds. Returns (evicted, busy) as hex."""
+        res = await self._replicas[replica].engine.call_core(
+            "vcache_evict", [bytes(h) for h in hashes]
+        )
+        evicted = [BlockHash(bytes(h)) for h in res["evicted"]]
+        self.index.apply_removed(replica, evicted)  # the BlockRemoved events agree later
+        return [h.hex() for h in evicted], [bytes(h).hex() for h in res["busy"]]
+
+    # ------------------------------------------------------------- stats
+
+    async def stats(self) -> dict[str, Any]:
+        await self.sync(barrier=True)
+        out: dict[str, Any] = {"index_blocks": len(self.index), "replicas": {}}
+        for r, st in self._replicas.items():
+            counts = self.index.counts(r)
+            engine: dict[str, Any] = await st.engine.call_core("vcache_cache_stats")
+            sub = st.subscriber.stats
+            out["replicas"][r] = {
+                "hash_agreement": st.agreement,
+                "blocks_resident": counts.resident,
+                "blocks_pinned": counts.pinned,
+                "blocks_evictable": counts.evictable,
+                "engine": engine,
+                "predictions": {"matched": st.predictions_matched, "missed": st.predictions_missed},
+                "events": {
+                    "batches": sub.batches,
+                    "gaps": sub.gaps,
+                    "replays": sub.replays,
+                    "resyncs": sub.resyncs,
+                    "last_seq": sub.last_seq,
+                },
+            }
+        return out
