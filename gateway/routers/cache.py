@@ -113,11 +113,11 @@ def _replicas(name: str | None, kv: KVCacheManager) -> list[LocationId]:
 
 Admin = Annotated[Principal, Depends(require_admin)]
 Svc = Annotated[GatewayService, Depends(service)]
-KV = Annotated[KVCacheManager, Depends(kv_manager)]
 
 
 @router.post("/lookup")
-async def lookup(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> LookupResponse:
+async def lookup(body: CacheRequest, who: Admin, svc: Svc, request: Request) -> LookupResponse:
+    kv = kv_manager(request)  # after the body validated: a bad request is a 400 first
     spans = _Spans(body, who, svc, kv)
     await kv.sync(barrier=True)
     n = len(spans.tokens) if spans.tokens is not None else len(spans.hashes) * kv.block_size + 1
@@ -144,7 +144,8 @@ async def lookup(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> LookupResp
 
 
 @router.post("/pin")
-async def pin(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> dict[str, Any]:
+async def pin(body: CacheRequest, who: Admin, svc: Svc, request: Request) -> dict[str, Any]:
+    kv = kv_manager(request)  # after the body validated: a bad request is a 400 first
     spans = _Spans(body, who, svc, kv)
     await kv.sync(barrier=True)
     owner = who.key_name or who.tenant
@@ -160,7 +161,8 @@ async def pin(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> dict[str, Any
 
 
 @router.post("/unpin")
-async def unpin(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> dict[str, Any]:
+async def unpin(body: CacheRequest, who: Admin, svc: Svc, request: Request) -> dict[str, Any]:
+    kv = kv_manager(request)  # after the body validated: a bad request is a 400 first
     spans = _Spans(body, who, svc, kv)
     owner = who.key_name or who.tenant
     return {
@@ -172,7 +174,8 @@ async def unpin(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> dict[str, A
 
 
 @router.post("/evict")
-async def evict(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> dict[str, Any]:
+async def evict(body: CacheRequest, who: Admin, svc: Svc, request: Request) -> dict[str, Any]:
+    kv = kv_manager(request)  # after the body validated: a bad request is a 400 first
     spans = _Spans(body, who, svc, kv)
     out = []
     for r in spans.replicas:
@@ -182,7 +185,8 @@ async def evict(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> dict[str, A
 
 
 @router.post("/warm")
-async def warm(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> dict[str, Any]:
+async def warm(body: CacheRequest, who: Admin, svc: Svc, request: Request) -> dict[str, Any]:
+    kv = kv_manager(request)  # after the body validated: a bad request is a 400 first
     spans = _Spans(body, who, svc, kv)
     if spans.tokens is None:
         raise InvalidRequest(
@@ -202,5 +206,6 @@ async def warm(body: CacheRequest, who: Admin, svc: Svc, kv: KV) -> dict[str, An
 
 
 @router.get("/stats")
-async def stats(who: Admin, kv: KV) -> dict[str, Any]:
+async def stats(who: Admin, request: Request) -> dict[str, Any]:
+    kv = kv_manager(request)
     return await kv.stats()

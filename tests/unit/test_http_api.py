@@ -315,3 +315,46 @@ def test_metrics_count_requests_tokens_and_errors(client: TestClient) -> None:
     assert "vcache_completion_tokens_total 4.0" in text
     assert 'vcache_ttft_seconds_count{endpoint="chat"} 1.0' in text
     assert "vcache_engine_unfinished_requests 0.0" in text
+
+
+def test_cache_api_validation_and_access(engine: FakeEngine) -> None:
+    keys = [
+        ApiKeyConfig(sha256=hash_api_key(KEY_A), tenant="a", admin=True),
+        ApiKeyConfig(sha256=hash_api_key("sk-user"), tenant="u"),
+    ]
+    with _client(engine, api_keys=keys) as c:
+        admin = {"Authorization": f"Bearer {KEY_A}"}
+        r = c.get("/v1/cache/stats", headers={"Authorization": "Bearer sk-user"})
+        assert r.status_code == 403
+        assert r.json()["error"]["code"] == "admin_required"
+        body = {"model": MODEL, "prompt": "x", "token_ids": [1, 2]}
+        r = c.post("/v1/cache/lookup", json=body, headers=admin)
+        assert r.status_code == 400
+        assert "exactly one of" in r.json()["error"]["message"]
+        r = c.post(
+            "/v1/cache/pin", json={"model": MODEL, "prompt": "x", "lease_s": -1}, headers=admin
+        )
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "lease_s")
+        # the fake engine publishes no KV events: exact tracking is unavailable, said so
+        r = c.post("/v1/cache/lookup", json={"model": MODEL, "prompt": "x"}, headers=admin)
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "kv_tracking_unavailable"
+        assert r.headers["retry-after"] == "5"
+
+
+def test_routing_override_needs_admin_and_a_known_policy(engine: FakeEngine) -> None:
+    keys = [
+        ApiKeyConfig(sha256=hash_api_key(KEY_A), tenant="a", admin=True),
+        ApiKeyConfig(sha256=hash_api_key("sk-user"), tenant="u"),
+    ]
+    with _client(engine, api_keys=keys) as c:
+        user = {"Authorization": "Bearer sk-user", "x-vcache-routing": "round_robin"}
+        assert c.post("/v1/chat/completions", json=chat(), headers=user).status_code == 403
+        bad = {"Authorization": f"Bearer {KEY_A}", "x-vcache-routing": "random"}
+        r = c.post("/v1/chat/completions", json=chat(), headers=bad)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "x-vcache-routing")
+        ok = {"Authorization": f"Bearer {KEY_A}", "x-vcache-routing": "least_loaded"}
+        r = c.post("/v1/chat/completions", json=chat(), headers=ok)
+        assert r.status_code == 200
+        assert r.headers["x-vcache-replica"] == "replica-0"
+        assert "x-vcache-predicted-cached-tokens" not in r.headers  # no exact tracking here

@@ -1,0 +1,154 @@
+"""Pins have owners and leases: the engine holds a block while any lease is live."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.kvcache import KVCacheManager
+from manifest.hashing import BlockHash, block_hashes
+from manifest.index import LocationId
+
+R = LocationId("replica-0")
+Setup = tuple[KVCacheManager, "FakeCore", "Clock", list[BlockHash]]
+
+
+class FakeCore:
+    """The plugin's pin semantics, in memory."""
+
+    def __init__(self, resident: list[BlockHash], capacity: int) -> None:
+        self.resident = {bytes(h) for h in resident}
+        self.pins: set[bytes] = set()
+        self.capacity = capacity
+        self.calls: list[str] = []
+
+    async def call_core(self, method: str, *args: Any) -> Any:
+        self.calls.append(method)
+        if method == "vcache_pin":
+            out: dict[str, list[bytes]] = {
+                "pinned": [],
+                "already": [],
+                "missing": [],
+                "refused": [],
+            }
+            for h in args[0]:
+                if h in self.pins:
+                    out["already"].append(h)
+                elif h not in self.resident:
+                    out["missing"].append(h)
+                elif len(self.pins) >= self.capacity:
+                    out["refused"].append(h)
+                else:
+                    self.pins.add(h)
+                    out["pinned"].append(h)
+            return out
+        if method == "vcache_unpin":
+            done = [h for h in args[0] if h in self.pins]
+            self.pins -= set(done)
+            return {"unpinned": done}
+        raise AssertionError(method)
+
+    def generate(self, request: Any) -> Any:
+        raise AssertionError("not used")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Callable[[int], Setup]]:
+    """Build a manager over a fake core; its subscriber sockets are closed afterwards."""
+    built: list[KVCacheManager] = []
+
+    def build(capacity: int = 10) -> Setup:
+        kv, core, clock, hashes = _setup(tmp_path, capacity)
+        built.append(kv)
+        return kv, core, clock, hashes
+
+    yield build
+    for kv in built:
+        asyncio.run(kv.close())
+
+
+def _setup(tmp_path: Path, capacity: int) -> Setup:
+    hashes = block_hashes(list(range(64)), 16, "0")
+    clock = Clock()
+    kv = KVCacheManager(16, "0", pin_max_share=0.5, default_lease_s=60, clock=clock)
+    core = FakeCore(hashes[:3], capacity)
+    kv.attach(R, core, f"ipc://{tmp_path}/none", None)
+    kv.index.apply_stored(R, hashes[:3])
+    return kv, core, clock, hashes
+
+
+def test_two_owners_hold_one_engine_pin_until_both_release(make: Callable[[int], Setup]) -> None:
+    async def main() -> None:
+        kv, core, _, hashes = make(10)
+        a = await kv.pin(R, hashes[:2], "alice")
+        b = await kv.pin(R, hashes[:2], "bob", lease_s=10)
+        assert a.pinned == b.pinned == [h.hex() for h in hashes[:2]]
+        assert core.calls == ["vcache_pin"]  # the second owner needs no engine call
+        assert kv.pin_owners(R, hashes[0]) == ["alice", "bob"]
+        assert kv.index.counts(R).pinned == 2
+        assert await kv.unpin(R, hashes[:2], "alice") == []  # bob still holds them
+        assert core.pins == {bytes(h) for h in hashes[:2]}
+        assert await kv.unpin(R, hashes[:2], "bob") == [h.hex() for h in hashes[:2]]
+        assert core.pins == set() and kv.index.counts(R).pinned == 0
+
+    asyncio.run(main())
+
+
+def test_missing_and_refused_are_reported(make: Callable[[int], Setup]) -> None:
+    async def main() -> None:
+        kv, _, _, hashes = make(1)
+        res = await kv.pin(R, hashes[:4], "alice")
+        assert res.pinned == [hashes[0].hex()]
+        assert res.refused == [hashes[1].hex(), hashes[2].hex()]
+        assert res.missing == [hashes[3].hex()]
+
+    asyncio.run(main())
+
+
+def test_expired_leases_are_reaped(make: Callable[[int], Setup]) -> None:
+    async def main() -> None:
+        kv, core, clock, hashes = make(10)
+        await kv.pin(R, hashes[:1], "alice", lease_s=30)
+        await kv.pin(R, hashes[1:2], "bob", lease_s=300)
+        clock.now += 31
+        assert await kv.reap() == 1
+        assert core.pins == {bytes(hashes[1])}
+        assert kv.pin_owners(R, hashes[0]) == []
+        # renewing a lease extends it
+        await kv.pin(R, hashes[1:2], "bob", lease_s=600)
+        clock.now += 400
+        assert await kv.reap() == 0
+        clock.now += 201
+        assert await kv.reap() == 1 and core.pins == set()
+
+    asyncio.run(main())
+
+
+def test_admin_unpin_releases_every_owner(make: Callable[[int], Setup]) -> None:
+    async def main() -> None:
+        kv, core, _, hashes = make(10)
+        await kv.pin(R, hashes[:1], "alice")
+        await kv.pin(R, hashes[:1], "bob")
+        assert await kv.unpin(R, hashes[:1], None) == [hashes[0].hex()]
+        assert core.pins == set()
+
+    asyncio.run(main())
+
+
+def test_predict_caps_at_whole_blocks_before_the_last_token(make: Callable[[int], Setup]) -> None:
+    kv, _, _, hashes = make(10)
+    assert kv.predict(hashes, 64) == {R: 48}  # 3 resident blocks of 16
+    assert kv.predict(hashes, 33) == {R: 32}  # the last token is never served from cache
+    assert kv.predict(hashes, 32) == {R: 16}
