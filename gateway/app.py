@@ -19,6 +19,7 @@ from engines.base import Engine
 from gateway.auth import KeyRing
 from gateway.config import Settings
 from gateway.dispatch import Dispatcher
+from gateway.grpc_server import GatewayServicer, GrpcServer
 from gateway.http_errors import install_error_handlers
 from gateway.kvcache import CoreControlled, KVCacheManager
 from gateway.metrics import Metrics
@@ -33,7 +34,12 @@ log = logging.getLogger(__name__)
 PROBE_TEXT = "vcache probe: the manifest must hash blocks exactly as the engine does. "
 
 
-async def _start(app: FastAPI, built: Sequence[LocalReplica], dispatcher: Dispatcher) -> None:
+async def _start(
+    app: FastAPI,
+    built: Sequence[LocalReplica],
+    dispatcher: Dispatcher,
+    grpc_server: GrpcServer | None,
+) -> None:
     settings: Settings = app.state.settings
     try:
         for r in built:  # one at a time: each engine sizes its memory on start
@@ -56,6 +62,8 @@ async def _start(app: FastAPI, built: Sequence[LocalReplica], dispatcher: Dispat
             await kv.start(probe)
             dispatcher.kv = kv
         dispatcher.started = True
+        if grpc_server is not None:
+            await grpc_server.serving()
     except Exception as exc:
         log.exception("engine failed to start")
         app.state.engine_failure = f"{type(exc).__name__}: {exc}"
@@ -77,10 +85,22 @@ def create_app(settings: Settings, built: Sequence[LocalReplica | Engine]) -> Fa
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.watch_engine(dispatcher.stats)
-        starting = asyncio.create_task(_start(app, local, dispatcher), name="engine-start")
+        grpc_server = None
+        if settings.grpc_port is not None:
+            servicer = GatewayServicer(app.state.service, app.state.keyring, lambda: app.state.kv)
+            grpc_server = GrpcServer(
+                servicer, settings.host, settings.grpc_port, settings.max_request_body_bytes
+            )
+            await grpc_server.start()
+        app.state.grpc = grpc_server
+        starting = asyncio.create_task(
+            _start(app, local, dispatcher, grpc_server), name="engine-start"
+        )
         try:
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace_s=5)
             if not starting.done():
                 starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):

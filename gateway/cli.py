@@ -19,6 +19,7 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--served-model-name", "served_model_name", str, "name clients use in 'model'"),
     ("--host", "host", str, "bind address (default 127.0.0.1)"),
     ("--port", "port", int, "HTTP port (default 8000)"),
+    ("--grpc-port", "grpc_port", int, "gRPC port (default 50051)"),
     ("--data-dir", "data_dir", Path, "where the demo model and state live"),
     ("--max-request-body-bytes", "max_request_body_bytes", int, "request body limit"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),

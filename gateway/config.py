@@ -83,6 +83,7 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int | None = Field(50051, ge=0, le=65535)  # None: no gRPC server
     data_dir: Path = Field(default_factory=_default_data_dir)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)

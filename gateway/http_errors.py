@@ -7,6 +7,8 @@ gateway is a 500, and its body says nothing about internals.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,7 +40,11 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
 
 
 def validation_error(exc: RequestValidationError) -> InvalidRequest:
-    errors = exc.errors()
+    return invalid_request_from(exc.errors())
+
+
+def invalid_request_from(errors: Sequence[Any]) -> InvalidRequest:
+    """The first of pydantic's errors as a 400 naming the parameter (HTTP and gRPC alike)."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return InvalidRequest("The request body is not valid JSON", code="invalid_json")

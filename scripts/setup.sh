@@ -25,11 +25,11 @@ if [ -z "$build" ]; then
   fi
 fi
 
-stamp_key=$( { cat pyproject.toml scripts/setup.sh; echo "build=$build"; "$PYTHON" --version; } \
-  | sha256sum | cut -c1-16)
+stamp_key=$( { cat pyproject.toml scripts/setup.sh scripts/gen_protos.sh protos/vcache/v1/*.proto;
+  echo "build=$build"; "$PYTHON" --version; } | sha256sum | cut -c1-16)
 stamp="$VENV/.vcache-setup-$stamp_key"
 
-if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ]; then
+if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ] && [ -f gateway/grpc_api/gateway_pb2.py ]; then
   exit 0
 fi
 
@@ -40,7 +40,8 @@ echo "setup: installing vcache with the $build vLLM build into $VENV" >&2
 if [ "$build" = cpu ]; then
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"$VENV/bin/python" -c "import vllm, transformers, gateway.cli" >/dev/null
+PY="$VENV/bin/python" bash scripts/gen_protos.sh
+"$VENV/bin/python" -c "import vllm, transformers, gateway.cli, gateway.grpc_server" >/dev/null
 rm -f "$VENV"/.vcache-setup-*
 touch "$stamp"
 echo "setup: done" >&2

@@ -35,6 +35,7 @@ STARTUP_TIMEOUT_S = 300
 @dataclass(frozen=True)
 class Gateway:
     base_url: str
+    grpc_target: str
     model: str
     log_path: Path
 
@@ -62,6 +63,7 @@ def gateway(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
     port = _free_port()
+    grpc_port = _free_port()
     log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
     keys = [
         {"sha256": hash_api_key(KEY_A), "tenant": "a", "name": "a", "admin": True},
@@ -72,6 +74,7 @@ def gateway(
     cmd = [
         sys.executable, "-m", "gateway.cli", "serve",
         "--port", str(port),
+        "--grpc-port", str(grpc_port),
         "--data-dir", str(data_dir),
         "--kv-cache-bytes", str(KV_CACHE_BYTES),
         "--replicas", str(REPLICAS),
@@ -100,7 +103,12 @@ def gateway(
                     f"gateway not ready in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}"
                 )
             time.sleep(0.5)
-        yield Gateway(base_url=base_url, model="vcache-demo", log_path=log_path)
+        yield Gateway(
+            base_url=base_url,
+            grpc_target=f"127.0.0.1:{grpc_port}",
+            model="vcache-demo",
+            log_path=log_path,
+        )
     finally:
         proc.send_signal(signal.SIGINT)
         try:

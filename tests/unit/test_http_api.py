@@ -28,6 +28,7 @@ def tokenizer(demo_model: Path) -> ChatTokenizer:
 
 
 def _client(fake: FakeEngine, **settings: object) -> TestClient:
+    settings.setdefault("grpc_port", None)  # the gRPC edge has its own tests
     app = create_app(Settings(**settings), [fake])  # type: ignore[arg-type]
     return TestClient(app)
 

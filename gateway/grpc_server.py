@@ -1,0 +1,364 @@
+"""The gRPC edge: ``vcache.v1.Gateway`` over the same service core as HTTP.
+
+Requests are converted to the HTTP API's pydantic models (so validation is
+identical), handed to :class:`GatewayService` / :class:`CacheService`, and
+answered in proto.  Errors become a status with details: ``BadRequest``
+naming the field, ``ErrorInfo`` with the error code, ``RetryInfo`` when the
+client should come back.  A cancelled call or an expired deadline cancels
+the handler, which aborts its engine request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import duration_pb2, json_format
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+from pydantic import BaseModel, ValidationError
+
+from gateway.auth import KeyRing
+from gateway.cache_service import CacheRequest, CacheService
+from gateway.dispatch import Dispatch
+from gateway.errors import APIError, Unavailable
+from gateway.grpc_api import gateway_pb2 as pb
+from gateway.grpc_api import gateway_pb2_grpc as pb_grpc
+from gateway.http_errors import invalid_request_from
+from gateway.kvcache import KVCacheManager
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
+from gateway.service import GatewayService, Principal
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
+M = TypeVar("M", bound=BaseModel)
+
+_CODES: dict[int, int] = {
+    400: code_pb2.INVALID_ARGUMENT,
+    401: code_pb2.UNAUTHENTICATED,
+    403: code_pb2.PERMISSION_DENIED,
+    404: code_pb2.NOT_FOUND,
+    413: code_pb2.RESOURCE_EXHAUSTED,
+    429: code_pb2.RESOURCE_EXHAUSTED,
+    503: code_pb2.UNAVAILABLE,
+}
+_BUSY = {"queue_full", "engine_overloaded"}  # retryable load shedding: RESOURCE_EXHAUSTED
+
+
+def status_of(exc: APIError) -> status_pb2.Status:
+    code = _CODES.get(exc.status, code_pb2.INTERNAL)
+    if isinstance(exc, Unavailable) and exc.code in _BUSY:
+        code = code_pb2.RESOURCE_EXHAUSTED
+    info = error_details_pb2.ErrorInfo(
+        reason=(exc.code or exc.type).upper(),
+        domain="vcache",
+        metadata={"type": exc.type, **({"param": exc.param} if exc.param else {})},
+    )
+    status = status_pb2.Status(code=code, message=exc.message)
+    status.details.add().Pack(info)
+    if exc.param:
+        bad = error_details_pb2.BadRequest()
+        bad.field_violations.add(field=exc.param, description=exc.message)
+        status.details.add().Pack(bad)
+    if exc.retry_after_s is not None:
+        delay = duration_pb2.Duration(seconds=max(1, math.ceil(exc.retry_after_s)))
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return status
+
+
+def _validate(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_request_from(exc.errors()) from exc
+
+
+def _sampling(s: pb.SamplingParams) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "ignore_eos": s.ignore_eos,
+    }
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        if s.HasField(name):
+            out[name] = getattr(s, name)
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.user:
+        out["user"] = s.user
+    return out
+
+
+def _messages(ms: Any) -> list[dict[str, Any]]:
+    return [
+        {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in ms
+    ]
+
+
+def _usage(u: Usage | None, d: Dispatch) -> pb.Usage:
+    out = pb.Usage(target="local", replica=d.replica_id)
+    if u is not None:
+        out.prompt_tokens = u.prompt_tokens
+        out.completion_tokens = u.completion_tokens
+        out.total_tokens = u.total_tokens
+        out.cached_tokens = u.prompt_tokens_details.cached_tokens
+    if d.predicted_cached_tokens is not None:
+        out.predicted_cached_tokens = d.predicted_cached_tokens
+    return out
+
+
+class GatewayServicer(pb_grpc.GatewayServicer):
+    def __init__(
+        self,
+        service: GatewayService,
+        keyring: KeyRing,
+        kv: Callable[[], KVCacheManager | None],
+    ) -> None:
+        self._svc = service
+        self._keys = keyring
+        self._kv = kv
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: APIError) -> None:
+        await context.abort_with_status(rpc_status.to_status(status_of(exc)))
+
+    def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        auth = dict(context.invocation_metadata() or ()).get("authorization")
+        return self._keys.authenticate(auth if isinstance(auth, str) else None)
+
+    def _cache(self) -> CacheService:
+        return CacheService(self._svc, self._kv())
+
+    def _chat_request(
+        self, request: pb.ChatCompletionRequest, stream: bool
+    ) -> ChatCompletionRequest:
+        data: dict[str, Any] = {
+            "model": request.model,
+            "messages": _messages(request.messages),
+            **_sampling(request.sampling),
+            "stream": stream,
+        }
+        if stream:
+            data["stream_options"] = {"include_usage": True}
+        return _validate(ChatCompletionRequest, data)
+
+    def _cache_request(self, request: pb.CacheRequest) -> CacheRequest:
+        data: dict[str, Any] = {"model": request.model}
+        source = request.WhichOneof("source")
+        if source == "messages":
+            data["messages"] = _messages(request.messages.messages)
+        elif source == "prompt":
+            data["prompt"] = request.prompt
+        elif source == "token_ids":
+            data["token_ids"] = list(request.token_ids.ids)
+        elif source == "block_hashes":
+            data["block_hashes"] = list(request.block_hashes.hex)
+        if request.replica:
+            data["replica"] = request.replica
+        if request.tenant:
+            data["tenant"] = request.tenant
+        if request.HasField("lease_s"):
+            data["lease_s"] = request.lease_s
+        return _validate(CacheRequest, data)
+
+    # --------------------------------------------------------- completions
+
+    async def ChatCompletion(
+        self, request: pb.ChatCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ChatCompletionResponse:
+        try:
+            who = self._principal(context)
+            done = await self._svc.chat(self._chat_request(request, stream=False), who)
+        except APIError as exc:
+            await self._fail(context, exc)
+            raise AssertionError("unreachable") from exc
+        c = done.body
+        return pb.ChatCompletionResponse(
+            id=c.id,
+            model=c.model,
+            created=c.created,
+            content=c.choices[0].message.content,
+            finish_reason=c.choices[0].finish_reason,
+            usage=_usage(c.usage, done.dispatch),
+        )
+
+    async def ChatCompletionStream(
+        self, request: pb.ChatCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ChatCompletionStreamResponse]:
+        try:
+            who = self._principal(context)
+            routed = await self._svc.chat_stream(self._chat_request(request, stream=True), who)
+            finish = "stop"
+            async for chunk in routed.body:
+                if chunk.choices:
+                    choice = chunk.choices[0]
+                    if choice.delta.content:
+                        yield pb.ChatCompletionStreamResponse(
+                            id=chunk.id, model=chunk.model, delta=choice.delta.content
+                        )
+                    if choice.finish_reason is not None:
+                        finish = choice.finish_reason
+                elif chunk.usage is not None:
+                    end = pb.StreamEnd(
+                        finish_reason=finish, usage=_usage(chunk.usage, routed.dispatch)
+                    )
+                    yield pb.ChatCompletionStreamResponse(id=chunk.id, model=chunk.model, end=end)
+        except APIError as exc:
+            await self._fail(context, exc)
+
+    async def Completion(
+        self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CompletionResponse:
+        try:
+            who = self._principal(context)
+            data: dict[str, Any] = {"model": request.model, **_sampling(request.sampling)}
+            which = request.WhichOneof("prompt")
+            data["prompt"] = (
+                list(request.token_ids.ids) if which == "token_ids" else request.text or None
+            )
+            done = await self._svc.complete(_validate(CompletionRequest, data), who)
+        except APIError as exc:
+            await self._fail(context, exc)
+            raise AssertionError("unreachable") from exc
+        c = done.body
+        return pb.CompletionResponse(
+            id=c.id,
+            model=c.model,
+            created=c.created,
+            text=c.choices[0].text,
+            finish_reason=c.choices[0].finish_reason or "stop",
+            usage=_usage(c.usage, done.dispatch),
+        )
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        try:
+            self._principal(context)
+        except APIError as exc:
+            await self._fail(context, exc)
+        models = self._svc.models().data
+        return pb.ListModelsResponse(
+            models=[
+                pb.Model(id=m.id, owned_by=m.owned_by, max_model_len=m.max_model_len or 0)
+                for m in models
+            ]
+        )
+
+    # --------------------------------------------------------------- cache
+
+    async def _admin_call(self, context: grpc.aio.ServicerContext, run: Any) -> Any:
+        try:
+            who = self._principal(context)
+            CacheService.require_admin(who)
+            return await run(who)
+        except APIError as exc:
+            await self._fail(context, exc)
+
+    async def Lookup(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
+        async def run(who: Principal) -> pb.LookupResponse:
+            r = await self._cache().lookup(self._cache_request(request), who)
+            return pb.LookupResponse(
+                prompt_tokens=r.prompt_tokens,
+                block_size=r.block_size,
+                replicas=[pb.ReplicaSpans(**s.model_dump()) for s in r.replicas],
+            )
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Warm(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WarmResponse:
+        async def run(who: Principal) -> pb.WarmResponse:
+            r = await self._cache().warm(self._cache_request(request), who)
+            return pb.WarmResponse(**r.model_dump())
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Pin(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PinResponse:
+        async def run(who: Principal) -> pb.PinResponse:
+            r = await self._cache().pin(self._cache_request(request), who)
+            return pb.PinResponse(
+                owner=r.owner,
+                lease_s=r.lease_s,
+                replicas=[pb.ReplicaPins(**p.model_dump()) for p in r.replicas],
+            )
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Unpin(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnpinResponse:
+        async def run(who: Principal) -> pb.UnpinResponse:
+            r = await self._cache().unpin(self._cache_request(request), who)
+            return pb.UnpinResponse(
+                replicas=[pb.ReplicaUnpins(**u.model_dump()) for u in r.replicas]
+            )
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Evict(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EvictResponse:
+        async def run(who: Principal) -> pb.EvictResponse:
+            r = await self._cache().evict(self._cache_request(request), who)
+            return pb.EvictResponse(
+                replicas=[pb.ReplicaEvictions(**e.model_dump()) for e in r.replicas]
+            )
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        async def run(who: Principal) -> pb.StatsResponse:
+            out = pb.StatsResponse()
+            json_format.ParseDict(await self._cache().stats(), out.stats)
+            return out
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+
+class GrpcServer:
+    """A ``grpc.aio`` server in the gateway's own event loop, with health and reflection."""
+
+    def __init__(self, servicer: GatewayServicer, host: str, port: int, max_message_bytes: int):
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._server = grpc.aio.server(options=options)
+        pb_grpc.add_GatewayServicer_to_server(servicer, self._server)  # type: ignore[no-untyped-call]
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+
+    async def start(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.start()
+        log.info("gRPC listening on port %d", self.port)
+
+    async def _set(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    async def serving(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace_s)
