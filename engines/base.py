@@ -51,7 +51,7 @@ class GenerateChunk:
     text: str
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int | None  # prompt tokens served from cache; None: not reported yet
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
 
 

@@ -74,14 +74,14 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.engine_factory import build_local_replicas
+    from gateway.engine_factory import build_replicas
 
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:
-        replicas = build_local_replicas(settings, Path(runtime))
+        replicas = build_replicas(settings, Path(runtime))
         app = create_app(settings, replicas)
         uvicorn.run(
             app,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -46,7 +46,7 @@ class ApiKeyConfig(BaseModel):
 
 
 class EngineSettings(BaseModel):
-    replicas: int = Field(1, ge=1, le=64)  # embedded vLLM engines, one per GPU / TP group
+    replicas: int = Field(1, ge=0, le=64)  # embedded vLLM engines, one per GPU / TP group
     max_model_len: int = Field(2048, ge=16)
     block_size: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1 << 20)
@@ -56,6 +56,24 @@ class EngineSettings(BaseModel):
     max_queued_requests: int = Field(256, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: str = "auto"
+
+
+class RemoteReplicaConfig(BaseModel):
+    """A vLLM replica served by ``python -m vllm.entrypoints.openai.api_server``.
+
+    It runs the vcache plugins (``VLLM_PLUGINS=vcache,vcache-control``) with
+    ``VCACHE_CONTROL_SECRET`` set, publishes KV events on ZMQ, and uses this
+    gateway's ``engine.hash_seed`` as its ``PYTHONHASHSEED``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str  # http://host:port of the API server (its control endpoint is there too)
+    kv_events: str  # its KV events PUB endpoint, e.g. tcp://host:5557
+    kv_events_replay: str | None = None  # its replay ROUTER endpoint, e.g. tcp://host:5558
+    control_secret: SecretStr
+    api_key: SecretStr | None = None
+    served_model_name: str | None = None
 
 
 class CacheSettings(BaseModel):
@@ -87,9 +105,16 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default_factory=_default_data_dir)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
+    remote_replicas: list[RemoteReplicaConfig] = Field(default_factory=list)
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _some_replica(self) -> Settings:
+        if self.engine.replicas == 0 and not self.remote_replicas:
+            raise ValueError("configure at least one replica (engine.replicas or remote_replicas)")
+        return self
 
     @field_validator("log_level")
     @classmethod

@@ -106,16 +106,21 @@ class Dispatcher:
         self._inflight += 1
         d.replica.inflight += 1
         first = True
+        cached_known = False
         m = self._metrics
         try:
             async for chunk in d.replica.engine.generate(greq):
                 if first:
                     m.ttft.labels(endpoint).observe(time.perf_counter() - t0)
-                    totals.prompt, totals.cached = chunk.num_prompt_tokens, chunk.num_cached_tokens
+                    totals.prompt = chunk.num_prompt_tokens
                     m.prompt_tokens.inc(totals.prompt)
-                    m.cached_tokens.inc(totals.cached)
-                    self._fold_prediction(d, chunk.num_cached_tokens)
                     first = False
+                if chunk.num_cached_tokens is not None and not cached_known:
+                    # embedded engines know it at the first token, remote ones at the end
+                    totals.cached = chunk.num_cached_tokens
+                    m.cached_tokens.inc(totals.cached)
+                    self._fold_prediction(d, totals.cached)
+                    cached_known = True
                 totals.completion += len(chunk.token_ids)
                 m.completion_tokens.inc(len(chunk.token_ids))
                 if chunk.finish_reason is not None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engines.vllm.demo_model import ensure_demo_model
 from engines.vllm.engine import VllmEngine, VllmEngineConfig
+from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
 from gateway.config import Settings
 from gateway.replicas import LocalReplica
 from manifest.index import LocationId
@@ -23,8 +24,9 @@ def resolve_model(settings: Settings) -> str:
     return str(path)
 
 
-def build_local_replicas(settings: Settings, runtime_dir: Path) -> list[LocalReplica]:
-    """One embedded vLLM engine per replica, each publishing KV events on its own socket."""
+def build_replicas(settings: Settings, runtime_dir: Path) -> list[LocalReplica]:
+    """One embedded vLLM engine per local replica, each publishing KV events on its own
+    socket, then the configured remote replicas."""
     e = settings.engine
     model = resolve_model(settings)
     out: list[LocalReplica] = []
@@ -50,4 +52,16 @@ def build_local_replicas(settings: Settings, runtime_dir: Path) -> list[LocalRep
             )
         )
         out.append(LocalReplica(LocationId(f"replica-{i}"), engine, events, replay))
+    for i, r in enumerate(settings.remote_replicas):
+        remote = RemoteVllmEngine(
+            RemoteVllmConfig(
+                url=r.url,
+                tokenizer=model,
+                control_secret=r.control_secret.get_secret_value(),
+                served_model_name=r.served_model_name,
+                api_key=r.api_key.get_secret_value() if r.api_key else None,
+                hash_seed=e.hash_seed,
+            )
+        )
+        out.append(LocalReplica(LocationId(f"remote-{i}"), remote, r.kv_events, r.kv_events_replay))
     return out

@@ -233,7 +233,8 @@ class KVCacheManager:
         )
         cached = 0
         async for chunk in engine.generate(req):
-            cached = chunk.num_cached_tokens
+            if chunk.num_cached_tokens is not None:
+                cached = chunk.num_cached_tokens
         return cached
 
     async def warm(

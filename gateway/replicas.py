@@ -32,7 +32,8 @@ class Replica:
 
 @dataclass(frozen=True)
 class LocalReplica:
-    """A replica as built: its engine and, when it publishes them, its KV-event sockets."""
+    """A replica as built (embedded or remote): its engine and, when it publishes them,
+    its KV-event sockets."""
 
     id: LocationId
     engine: Engine

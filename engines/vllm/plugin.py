@@ -115,6 +115,7 @@ def vcache_evict(core: Any, hashes: list[bytes]) -> dict[str, Any]:
 def vcache_cache_stats(core: Any) -> dict[str, Any]:
     pool = _pool(core)
     return {
+        "block_size": int(pool.hash_block_size),
         "num_blocks": int(pool.num_gpu_blocks),
         "free_blocks": int(pool.get_num_free_blocks()),
         "cached_blocks": len(pool.cached_block_hash_to_block),

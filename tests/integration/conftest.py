@@ -6,6 +6,7 @@ over loopback with the official ``openai`` SDK and plain httpx.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,6 +85,20 @@ def gateway(
         "--enforce-eager",
     ]  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
+    with running(cmd, env, f"{base_url}/readyz", log_path, "gateway"):
+        yield Gateway(
+            base_url=base_url,
+            grpc_target=f"127.0.0.1:{grpc_port}",
+            model="vcache-demo",
+            log_path=log_path,
+        )
+
+
+@contextlib.contextmanager
+def running(
+    cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, what: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``cmd`` until the block ends; wait until ``ready_url`` answers 200 first."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -91,24 +106,19 @@ def gateway(
         while True:
             if proc.poll() is not None:
                 pytest.fail(
-                    f"gateway exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+                    f"{what} exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
                 )
             try:
-                if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
+                if httpx.get(ready_url, timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(
-                    f"gateway not ready in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}"
+                    f"{what} not ready in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}"
                 )
             time.sleep(0.5)
-        yield Gateway(
-            base_url=base_url,
-            grpc_target=f"127.0.0.1:{grpc_port}",
-            model="vcache-demo",
-            log_path=log_path,
-        )
+        yield proc
     finally:
         proc.send_signal(signal.SIGINT)
         try:

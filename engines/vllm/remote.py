@@ -1,0 +1,193 @@
+"""A remote vLLM replica: ``python -m vllm.entrypoints.openai.api_server`` on another host or port.
+
+The gateway still tokenizes (with the same model's tokenizer) and sends token
+ids to the replica's ``/v1/completions`` with the tenant's ``cache_salt``, so
+the block hashes it computes are the replica's.  The replica must run with
+the vcache plugins (``VLLM_PLUGINS=vcache,vcache-control``,
+``VCACHE_CONTROL_SECRET``), ``--enable-prefix-caching
+--prefix-caching-hash-algo sha256_cbor``, ``--enable-prompt-tokens-details``,
+KV events on ZMQ, and the gateway's ``PYTHONHASHSEED``.
+
+Closing a stream closes the HTTP response, and vLLM aborts a request whose
+client went away.  HTTP and transport errors map onto ``engines.errors``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from engines.base import EngineCapabilities, EngineStats, GenerateChunk, GenerateRequest
+from engines.errors import (
+    EngineError,
+    EngineGenerationFailed,
+    EngineInputError,
+    EngineOverloaded,
+    EngineUnavailable,
+)
+from engines.sse import SSEDecoder
+from engines.tokenizer import ChatTokenizer
+from engines.vllm.control import CONTROL_PATH, SECRET_HEADER, from_wire, to_wire
+
+
+@dataclass(frozen=True)
+class RemoteVllmConfig:
+    url: str  # e.g. http://10.0.0.7:8000
+    tokenizer: str  # the model's path or hub id, for the gateway's own tokenizer
+    control_secret: str
+    served_model_name: str | None = None  # None: the replica's first model
+    api_key: str | None = None
+    hash_seed: str = "0"
+    timeout_s: float = 600.0
+
+
+def _error(status: int, body: bytes) -> EngineError:
+    try:
+        message = json.loads(body).get("error", {}).get("message") or body.decode()
+    except (ValueError, AttributeError):
+        message = body.decode(errors="replace")
+    if status in (429, 503):
+        return EngineOverloaded(f"replica busy: {message}")
+    if 400 <= status < 500:
+        return EngineInputError(message)
+    return EngineGenerationFailed(f"replica error {status}: {message}")
+
+
+class RemoteVllmEngine:
+    def __init__(self, config: RemoteVllmConfig) -> None:
+        self._config = config
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=config.url, headers=headers, timeout=httpx.Timeout(config.timeout_s)
+        )
+        self._tokenizer: ChatTokenizer | None = None
+        self._caps: EngineCapabilities | None = None
+        self._model = config.served_model_name or ""
+        self._running = 0
+        self._closed = False
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        if self._caps is None:
+            raise EngineUnavailable("replica not started")
+        return self._caps
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        if self._tokenizer is None:
+            raise EngineUnavailable("replica not started")
+        return self._tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return self._caps is not None and not self._closed
+
+    async def start(self) -> None:
+        try:
+            models = (await self._http.get("/v1/models")).raise_for_status().json()["data"]
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            raise EngineUnavailable(f"replica {self._config.url} unreachable: {exc}") from exc
+        card = next((m for m in models if m["id"] == self._model), models[0])
+        self._model = card["id"]
+        stats = await self.call_core("vcache_cache_stats")
+        self._tokenizer = ChatTokenizer.from_pretrained(self._config.tokenizer)
+        self._caps = EngineCapabilities(
+            name="vllm-remote",
+            max_model_len=int(card.get("max_model_len") or 0),
+            block_size=int(stats["block_size"]),
+            exact_prefix_cache=True,
+            hash_algo="sha256_cbor",
+            hash_seed=self._config.hash_seed,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(unfinished_requests=self._running)
+
+    async def call_core(self, method: str, *args: Any) -> Any:
+        """Run an engine-core plugin method through the replica's control endpoint."""
+        try:
+            r = await self._http.post(
+                CONTROL_PATH.format(method=method),
+                json={"args": to_wire(list(args))},
+                headers={SECRET_HEADER: self._config.control_secret},
+            )
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"control endpoint unreachable: {exc}") from exc
+        if r.status_code != 200:
+            raise EngineUnavailable(f"control endpoint refused {method}: {r.status_code} {r.text}")
+        return from_wire(r.json()["result"])
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if not self.ready:
+            raise EngineUnavailable("replica is not ready")
+        s = request.sampling
+        body: dict[str, Any] = {
+            "model": self._model,
+            "prompt": list(request.prompt_token_ids),
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "ignore_eos": s.ignore_eos,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "request_id": request.request_id,
+        }
+        if s.stop:
+            body["stop"] = list(s.stop)
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
+        self._running += 1
+        try:
+            async with self._http.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    raise _error(resp.status_code, await resp.aread())
+                async for chunk in self._chunks(resp, request.num_prompt_tokens):
+                    yield chunk
+        except httpx.TimeoutException as exc:
+            raise EngineUnavailable(f"replica timed out: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"replica connection failed: {exc}") from exc
+        finally:
+            self._running -= 1
+
+    async def _chunks(self, resp: httpx.Response, num_prompt: int) -> AsyncIterator[GenerateChunk]:
+        decoder = SSEDecoder()
+        async for raw in resp.aiter_bytes():
+            for event in decoder.feed(raw):
+                if event.data == "[DONE]":
+                    return
+                data = json.loads(event.data)
+                if "error" in data:
+                    raise _error(int(data["error"].get("code") or 500), event.data.encode())
+                usage = data.get("usage")
+                if data.get("choices"):
+                    c = data["choices"][0]
+                    yield GenerateChunk(
+                        text=c.get("text") or "",
+                        token_ids=tuple(c.get("token_ids") or ()),
+                        num_prompt_tokens=num_prompt,
+                        num_cached_tokens=None,  # reported with the final usage
+                        finish_reason=c.get("finish_reason"),
+                    )
+                elif usage is not None:
+                    details = usage.get("prompt_tokens_details") or {}
+                    yield GenerateChunk(
+                        text="",
+                        token_ids=(),
+                        num_prompt_tokens=int(usage.get("prompt_tokens", num_prompt)),
+                        num_cached_tokens=int(details.get("cached_tokens") or 0),
+                    )
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._http.aclose()
