@@ -136,3 +136,25 @@ def test_cache_lookup_and_stats(stub: pb_grpc.GatewayStub) -> None:
     stats = stub.Stats(pb.StatsRequest(), metadata=AUTH).stats
     assert set(stats["replicas"].keys()) == {"replica-0", "replica-1"}
     assert stats["replicas"]["replica-0"]["hash_agreement"] == "exact"
+
+
+def test_cache_warm_pin_unpin_evict(stub: pb_grpc.GatewayStub) -> None:
+    req = pb.CacheRequest(model="vcache-demo", prompt="gRPC cache operations on a warm span " * 50)
+    warm = stub.Warm(req, metadata=AUTH)
+    assert warm.cached_tokens_before == 0 and warm.cached_tokens_after >= 2 * 128
+    on = pb.CacheRequest()
+    on.CopyFrom(req)
+    on.replica = warm.replica
+    on.lease_s = 120
+    pinned = stub.Pin(on, metadata=AUTH)
+    assert pinned.owner == "a" and pinned.lease_s == 120
+    assert len(pinned.replicas[0].pinned) == warm.cached_tokens_after // 128
+    busy = stub.Evict(on, metadata=AUTH).replicas[0]
+    assert list(busy.busy) == list(pinned.replicas[0].pinned) and not busy.evicted  # pins hold
+    assert list(stub.Unpin(on, metadata=AUTH).replicas[0].unpinned) == list(
+        pinned.replicas[0].pinned
+    )
+    evicted = stub.Evict(on, metadata=AUTH).replicas[0]
+    assert len(evicted.evicted) == len(pinned.replicas[0].pinned) and not evicted.busy
+    looked = stub.Lookup(on, metadata=AUTH).replicas[0]
+    assert looked.predicted_cached_tokens == 0

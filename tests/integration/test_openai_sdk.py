@@ -337,3 +337,17 @@ def test_health_endpoints(gateway: Gateway) -> None:
     assert httpx.get(f"{gateway.base_url}/readyz").json() == {"status": "ready"}
     body = httpx.get(f"{gateway.base_url}/metrics").text
     assert "vcache_ttft_seconds_bucket" in body
+
+
+def test_prediction_tally_over_the_session(gateway: Gateway) -> None:
+    """Every request so far was predicted before dispatch; report how many came true."""
+    stats = httpx.get(
+        f"{gateway.base_url}/v1/cache/stats", headers={"Authorization": f"Bearer {KEY_A}"}
+    ).json()
+    matched = sum(r["predictions"]["matched"] for r in stats["replicas"].values())
+    missed = sum(r["predictions"]["missed"] for r in stats["replicas"].values())
+    m = gateway.metrics()
+    assert m['vcache_cached_token_predictions_total{outcome="matched"}'] == matched
+    assert m.get('vcache_cached_token_predictions_total{outcome="missed"}', 0) == missed
+    print(f"\nsession tally: predicted == actual for {matched} of {matched + missed} requests")
+    assert matched >= 20
