@@ -38,6 +38,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HASH_ALGO = "sha256_cbor"
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 @dataclass(frozen=True)
@@ -101,8 +108,13 @@ class VllmEngine:
         )
         if c.block_size is not None:
             kwargs["block_size"] = c.block_size
-        if c.kv_cache_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = c.kv_cache_bytes
+        kv_bytes = c.kv_cache_bytes
+        if kv_bytes is None and _on_cpu():
+            # On CPU, gpu_memory_utilization reserves that share of a NUMA node's
+            # memory and fails when other processes use some: size the cache instead.
+            kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_bytes
         if c.max_queued_requests is not None:
             kwargs["max_num_queued_reqs"] = c.max_queued_requests
         if c.kv_events_endpoint is not None:
