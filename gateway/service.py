@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 
 from engines.base import Engine, GenerateRequest, SamplingOptions
 from gateway.dispatch import Dispatch, Dispatcher, Totals
-from gateway.errors import APIError, InvalidRequest, NotFound, Unavailable
+from gateway.errors import InvalidRequest, NotFound, Unavailable
 from gateway.replicas import RoutingPolicy
 from gateway.schemas import (
     AssistantMessage,
@@ -284,6 +284,3 @@ class GatewayService:
             sampling=sampling,
             cache_salt=tenant_salt(who.tenant),
         )
-
-
-__all__ = ["APIError", "GatewayService", "Principal"]
