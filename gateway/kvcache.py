@@ -126,13 +126,22 @@ class KVCacheManager:
                 self.index.apply_removed(replica, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.index.apply_cleared(replica)
+                self._drop_leases(replica)
 
     async def _resync(self, replica: LocationId) -> None:
         """Rebuild one replica's index from the engine's own view of its cache."""
         resident = await self._replicas[replica].engine.call_core("vcache_resident")
         self.index.apply_cleared(replica)
+        self._drop_leases(replica)  # a restarted engine holds no pins: owners must pin again
         self.index.apply_stored(replica, [BlockHash(bytes(h)) for h in resident])
         log.info("replica %s: index resynced, %d blocks resident", replica, len(resident))
+
+    def _drop_leases(self, replica: LocationId) -> None:
+        lost = [k for k in self._leases if k[0] == replica]
+        for k in lost:
+            del self._leases[k]
+        if lost:
+            log.warning("replica %s: %d pinned blocks lost (cache cleared)", replica, len(lost))
 
     async def start(self, probe_tokens: Sequence[int]) -> None:
         """Start the subscribers and the lease reaper, then probe every replica."""

@@ -46,6 +46,8 @@ class FakeCore:
                     self.pins.add(h)
                     out["pinned"].append(h)
             return out
+        if method == "vcache_resident":
+            return sorted(self.resident)
         if method == "vcache_unpin":
             done = [h for h in args[0] if h in self.pins]
             self.pins -= set(done)
@@ -143,6 +145,20 @@ def test_admin_unpin_releases_every_owner(make: Callable[[int], Setup]) -> None:
         await kv.pin(R, hashes[:1], "bob")
         assert await kv.unpin(R, hashes[:1], None) == [hashes[0].hex()]
         assert core.pins == set()
+
+    asyncio.run(main())
+
+
+def test_a_resync_drops_leases_so_owners_can_pin_again(make: Callable[[int], Setup]) -> None:
+    async def main() -> None:
+        kv, core, _, hashes = make(10)
+        await kv.pin(R, hashes[:2], "alice")
+        core.pins.clear()  # the engine restarted: its pins are gone
+        await kv._resync(R)
+        assert kv.pin_owners(R, hashes[0]) == [] and kv.index.counts(R).pinned == 0
+        again = await kv.pin(R, hashes[:2], "alice")
+        assert again.pinned == [h.hex() for h in hashes[:2]]
+        assert core.pins == {bytes(h) for h in hashes[:2]}  # the engine was asked again
 
     asyncio.run(main())
 
