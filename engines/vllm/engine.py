@@ -13,7 +13,6 @@ Code that starts this engine needs an ``if __name__ == "__main__"`` guard
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -217,10 +216,6 @@ class VllmEngine:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
-            del llm
-            # AsyncLLM sits in reference cycles; collect it now, while modules are
-            # alive, or its __del__ fails noisily at interpreter exit.
-            gc.collect()
 
 
 def _sampling_params(request: GenerateRequest) -> Any:
