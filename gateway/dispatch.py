@@ -18,6 +18,7 @@ from gateway.errors import Unavailable, from_engine_error
 from gateway.kvcache import KVCacheManager
 from gateway.metrics import Metrics
 from gateway.replicas import Replica, Router, RoutingPolicy
+from gateway.schemas import Usage
 from manifest.index import LocationId
 
 AFFINITY_TOKENS = 256  # a new prefix family is placed by its first tokens
@@ -33,6 +34,9 @@ class Totals:
     cached: int = 0
     completion: int = 0
     finish_reason: str = "stop"
+
+    def usage(self) -> Usage:
+        return Usage.of(self.prompt, self.completion, self.cached)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from gateway.schemas import (
     ModelCard,
     ModelList,
     SamplingFields,
-    Usage,
 )
 
 
@@ -132,7 +131,7 @@ class GatewayService:
                     finish_reason=totals.finish_reason,
                 )
             ],
-            usage=Usage.of(totals.prompt, totals.completion, totals.cached),
+            usage=totals.usage(),
         )
         return Routed(body, d)
 
@@ -166,7 +165,7 @@ class GatewayService:
                     id=greq.request_id,
                     model=self._model,
                     choices=[],
-                    usage=Usage.of(totals.prompt, totals.completion, totals.cached),
+                    usage=totals.usage(),
                 )
 
         return Routed(stream(), d)
@@ -200,7 +199,7 @@ class GatewayService:
             id=greq.request_id,
             model=self._model,
             choices=[CompletionChoice(text="".join(text), finish_reason=totals.finish_reason)],
-            usage=Usage.of(totals.prompt, totals.completion, totals.cached),
+            usage=totals.usage(),
         )
         return Routed(body, d)
 
@@ -225,7 +224,7 @@ class GatewayService:
                     id=greq.request_id,
                     model=self._model,
                     choices=[],
-                    usage=Usage.of(totals.prompt, totals.completion, totals.cached),
+                    usage=totals.usage(),
                 )
 
         return Routed(stream(), d)
