@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration bench clean
+.PHONY: setup serve test lint typecheck unit integration bench loadtest clean
 
 setup:
 	@bash scripts/setup.sh
@@ -33,6 +33,9 @@ test: lint typecheck
 
 bench: setup
 	$(BIN)/python loadtests/bench_manifest.py
+
+loadtest: setup
+	$(BIN)/python loadtests/run.py $(LOADTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .vcache-test-data .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,180 @@
+"""Run the load-test workloads headless against a gateway and write a report.
+
+    .venv/bin/python loadtests/run.py [--host URL] [--small] [--duration S] [--users N]
+
+Starts a gateway with the demo model when none answers at --host, runs each
+workload with locust for at most --duration seconds (each ends early once
+all its sessions were sent), and writes --out: per workload the workload
+JSON, locust's CSV and HTML, the raw per-request CSV, and one summary.json
+with requests, errors, token-weighted hit rate (cross-checked with the
+gateway's and the engines' Prometheus counters), TTFT p50/p90/p99, ITL
+p50/p99 and requests/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from report import counter_cross_check, parse_metrics, read_raw, summarize  # noqa: E402
+from workloads import (  # noqa: E402
+    Workload,
+    long_document_qa,
+    multi_turn,
+    shared_prefix,
+    zero_reuse,
+)
+
+ALL = ("shared_prefix", "multi_turn", "long_document_qa", "zero_reuse")
+
+
+def build(name: str, small: bool, seed: int, run_id: str) -> Workload:
+    if name == "shared_prefix":
+        if small:
+            return shared_prefix(2, 400, 20, 4, 8, 1.0, seed, run_id)
+        return shared_prefix(8, 1200, 40, 16, 120, 1.1, seed, run_id)
+    if name == "multi_turn":
+        if small:
+            return multi_turn(2, 3, 300, 30, 8, 0.0, seed, run_id)
+        return multi_turn(8, 6, 500, 60, 32, 0.5, seed, run_id)
+    if name == "long_document_qa":
+        if small:
+            return long_document_qa(2, 500, 3, 20, 4, True, seed, run_id)
+        return long_document_qa(4, 1600, 8, 30, 16, False, seed, run_id)
+    if name == "zero_reuse":
+        n, p, o = (6, 400, 4) if small else (60, 1200, 16)
+        return zero_reuse(n, p, o, seed, run_id)
+    raise ValueError(f"unknown workload {name}")
+
+
+def _ready(host: str) -> bool:
+    try:
+        return httpx.get(f"{host}/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextmanager
+def gateway(host: str, out: Path) -> Iterator[None]:
+    """Use the gateway at ``host``, or start one with the demo model there."""
+    if _ready(host):
+        yield
+        return
+    port = host.rsplit(":", 1)[1]
+    log = (out / "gateway.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", port, "--grpc-port", "0"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not _ready(host):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"gateway did not start; see {out / 'gateway.log'}")
+            time.sleep(1)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def metrics(host: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(f"{host}/metrics", timeout=10).text)
+
+
+def run_one(name: str, host: str, out: Path, args: argparse.Namespace) -> dict[str, object]:
+    wdir = out / name
+    wdir.mkdir(parents=True, exist_ok=True)
+    workload = build(name, args.small, args.seed, args.run_id)
+    workload.dump(wdir / "workload.json")
+    (wdir / "raw.csv").unlink(missing_ok=True)  # rows of this run only
+    env = {
+        **os.environ,
+        "VCACHE_WORKLOAD": str(wdir / "workload.json"),
+        "VCACHE_RAW_CSV": str(wdir / "raw.csv"),
+        "VCACHE_MODEL": args.model,
+    }
+    if args.api_key:
+        env["VCACHE_API_KEY"] = args.api_key
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless",
+        "-u", str(args.users), "-r", str(args.users), "-t", f"{args.duration}s",
+        "--host", host, "--csv", str(wdir / "locust"), "--html", str(wdir / "locust.html"),
+        "--only-summary", "--loglevel", "WARNING",
+    ]  # fmt: skip
+    before = metrics(host)
+    t0 = time.monotonic()
+    subprocess.run(cmd, env=env, check=False, stdout=subprocess.DEVNULL)
+    elapsed = time.monotonic() - t0
+    after = metrics(host)
+    raw = wdir / "raw.csv"
+    summary = summarize(read_raw(raw) if raw.exists() else [], elapsed)
+    summary["sessions"] = len(workload.sessions)
+    summary["run_id"] = args.run_id
+    summary["elapsed_s"] = round(elapsed, 2)
+    summary["counters"] = counter_cross_check(before, after)
+    return summary
+
+
+def table(results: dict[str, dict[str, object]]) -> str:
+    head = (
+        f"{'workload':<18}{'req':>5}{'err':>5}{'hit':>8}"
+        f"{'ttft p50':>10}{'p90':>9}{'p99':>9}{'req/s':>8}"
+    )
+    lines = [head]
+    for name, s in results.items():
+        ttft = s["ttft_ms"]
+        assert isinstance(ttft, dict)
+
+        def ms(v: object) -> str:
+            return "-" if v is None else f"{float(v):.0f}"  # type: ignore[arg-type]
+
+        lines.append(
+            f"{name:<18}{s['requests']:>5}{s['errors']:>5}{float(s['hit_rate']):>8.3f}"  # type: ignore[arg-type]
+            f"{ms(ttft['p50']):>10}{ms(ttft['p90']):>9}{ms(ttft['p99']):>9}"
+            f"{float(s['requests_per_s']):>8.2f}"  # type: ignore[arg-type]
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--host", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default="vcache-demo")
+    ap.add_argument("--api-key", default=os.environ.get("VCACHE_LOADTEST_KEY"))
+    ap.add_argument("--workloads", default=",".join(ALL))
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--duration", type=int, default=120, help="upper bound per workload (s)")
+    ap.add_argument("--small", action="store_true", help="small sizes (smoke runs)")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--run-id", default=f"{time.time_ns():x}", help="opens every prompt")
+    ap.add_argument(
+        "--out", type=Path, default=Path("reports") / time.strftime("loadtest-%Y%m%d-%H%M%S")
+    )
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, object]] = {}
+    with gateway(args.host, args.out):
+        for name in args.workloads.split(","):
+            results[name] = run_one(name, args.host, args.out, args)
+    (args.out / "summary.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+    print(f"report: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""A short smoke run of every load-test workload (locust, headless) against the test gateway."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import KEY_A, Gateway
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_workload_reports_and_hits_only_where_prefixes_are_shared(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    out = tmp_path / "report"
+    cmd = [
+        sys.executable, str(REPO / "loadtests" / "run.py"), "--host", gateway.base_url,
+        "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print("\n" + done.stdout)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"shared_prefix", "multi_turn", "long_document_qa", "zero_reuse"}
+    for name, s in summary.items():
+        assert s["errors"] == 0, name
+        assert s["requests"] == len((out / name / "raw.csv").read_text().splitlines()) - 1
+        assert s["ttft_ms"]["p50"] is not None and s["ttft_ms"]["p99"] >= s["ttft_ms"]["p50"]
+        assert s["requests_per_s"] > 0
+        # the gateway's counters over the run agree with the per-request rows
+        assert s["counters"]["gateway_cached_tokens"] == s["cached_tokens"]
+        assert s["counters"]["gateway_prompt_tokens"] == s["prompt_tokens"]
+        assert (out / name / "locust_stats.csv").exists() and (out / name / "locust.html").exists()
+    assert summary["shared_prefix"]["requests"] == 8 and summary["multi_turn"]["requests"] == 6
+    for name in ("shared_prefix", "multi_turn", "long_document_qa"):
+        assert summary[name]["hit_rate"] > 0.3, name
+    assert summary["zero_reuse"]["hit_rate"] == 0.0
+    assert summary["zero_reuse"]["counters"]["engine_prefix_cache_hits"] == 0
