@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.errors import EngineError
-from gateway.errors import Unavailable, from_engine_error
+from gateway.errors import NotFound, Unavailable, from_engine_error
 from gateway.kvcache import KVCacheManager
 from gateway.metrics import Metrics
-from gateway.replicas import Replica, Router, RoutingPolicy
+from gateway.replicas import Replica, RouteOverride, Router
 from gateway.schemas import Usage
 from manifest.index import LocationId
 
@@ -85,14 +85,25 @@ class Dispatcher:
     def replica(self, replica_id: str) -> Replica | None:
         return next((r for r in self.replicas if r.id == replica_id), None)
 
-    async def route(self, greq: GenerateRequest, policy: RoutingPolicy | None) -> Dispatch:
+    async def route(self, greq: GenerateRequest, override: RouteOverride | None) -> Dispatch:
         predicted: dict[LocationId, int] | None = None
         affinity = hash_tokens(greq.prompt_token_ids[:AFFINITY_TOKENS])
         if self.kv is not None:
             await self.kv.sync()
             hashes = self.kv.hashes(greq.prompt_token_ids, greq.cache_salt)
             predicted = self.kv.predict(hashes, greq.num_prompt_tokens)
-        replica = self.router.choose(self.replicas, predicted, policy, affinity)
+        if override is not None and override.replica is not None:
+            forced = self.replica(override.replica)
+            if forced is None:
+                raise NotFound(
+                    f"Unknown replica '{override.replica}'",
+                    param="x-vcache-replica",
+                    code="replica_not_found",
+                )
+            replica = forced
+        else:
+            policy = override.policy if override is not None else None
+            replica = self.router.choose(self.replicas, predicted, policy, affinity)
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p = predicted.get(replica.id) if predicted is not None and exact else None
         return Dispatch(replica, replica.id, p)

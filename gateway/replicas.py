@@ -31,6 +31,14 @@ class Replica:
 
 
 @dataclass(frozen=True)
+class RouteOverride:
+    """An admin's choice for one request: a policy, or one replica (load-test oracles)."""
+
+    policy: RoutingPolicy | None = None
+    replica: str | None = None
+
+
+@dataclass(frozen=True)
 class LocalReplica:
     """A replica as built (embedded or remote): its engine and, when it publishes them,
     its KV-event sockets."""

@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 from engines.base import Engine, GenerateRequest, SamplingOptions
 from gateway.dispatch import Dispatch, Dispatcher, Totals
 from gateway.errors import InvalidRequest, NotFound, Unavailable
-from gateway.replicas import RoutingPolicy
+from gateway.replicas import RouteOverride
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -113,11 +113,11 @@ class GatewayService:
         )
 
     async def chat(
-        self, req: ChatCompletionRequest, who: Principal, policy: RoutingPolicy | None = None
+        self, req: ChatCompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[ChatCompletion]:
         t0 = time.perf_counter()
         greq = self._chat_request(req, who)
-        d = await self._dispatcher.route(greq, policy)
+        d = await self._dispatcher.route(greq, route)
         text: list[str] = []
         totals = Totals()
         async for chunk in self._dispatcher.run(greq, d, "chat", t0, totals):
@@ -136,11 +136,11 @@ class GatewayService:
         return Routed(body, d)
 
     async def chat_stream(
-        self, req: ChatCompletionRequest, who: Principal, policy: RoutingPolicy | None = None
+        self, req: ChatCompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[AsyncGenerator[ChatCompletionChunk, None]]:
         t0 = time.perf_counter()
         greq = self._chat_request(req, who)
-        d = await self._dispatcher.route(greq, policy)
+        d = await self._dispatcher.route(greq, route)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(delta: ChunkDelta, finish: str | None = None) -> ChatCompletionChunk:
@@ -186,11 +186,11 @@ class GatewayService:
         )
 
     async def complete(
-        self, req: CompletionRequest, who: Principal, policy: RoutingPolicy | None = None
+        self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[Completion]:
         t0 = time.perf_counter()
         greq = self._completion_request(req, who)
-        d = await self._dispatcher.route(greq, policy)
+        d = await self._dispatcher.route(greq, route)
         text: list[str] = []
         totals = Totals()
         async for chunk in self._dispatcher.run(greq, d, "completions", t0, totals):
@@ -204,11 +204,11 @@ class GatewayService:
         return Routed(body, d)
 
     async def complete_stream(
-        self, req: CompletionRequest, who: Principal, policy: RoutingPolicy | None = None
+        self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[AsyncGenerator[Completion, None]]:
         t0 = time.perf_counter()
         greq = self._completion_request(req, who)
-        d = await self._dispatcher.route(greq, policy)
+        d = await self._dispatcher.route(greq, route)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def stream() -> AsyncGenerator[Completion, None]:

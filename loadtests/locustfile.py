@@ -7,6 +7,8 @@ workload, sets the environment below and writes the report:
 - ``VCACHE_RAW_CSV``: where raw per-request values go (locust rounds response
   times above 100 ms, so summaries are computed from this file)
 - ``VCACHE_API_KEY``, ``VCACHE_MODEL``: optional
+- ``VCACHE_ROUTING`` (a policy) or ``VCACHE_ORACLE_REPLICAS`` (N: group g goes
+  to replica g mod N): routing comparisons, with an admin key
 
 Each request fires three request events: ``ttft`` (first non-empty
 ``delta.content``), ``itl`` (mean gap between content deltas) and ``total``.
@@ -145,6 +147,11 @@ class ChatUser(FastHttpUser):
         headers = {}
         if os.environ.get("VCACHE_API_KEY"):
             headers["Authorization"] = f"Bearer {os.environ['VCACHE_API_KEY']}"
+        if os.environ.get("VCACHE_ROUTING"):  # a policy comparison (admin key)
+            headers["x-vcache-routing"] = os.environ["VCACHE_ROUTING"]
+        oracle = int(os.environ.get("VCACHE_ORACLE_REPLICAS", "0"))
+        if oracle and turn.label.startswith("group-"):  # the oracle: one replica per group
+            headers["x-vcache-replica"] = f"replica-{int(turn.label[6:]) % oracle}"
         t0 = time.perf_counter()
         first: float | None = None
         last = 0.0

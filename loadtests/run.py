@@ -95,10 +95,18 @@ def metrics(host: str) -> dict[str, float]:
     return parse_metrics(httpx.get(f"{host}/metrics", timeout=10).text)
 
 
-def run_one(name: str, host: str, out: Path, args: argparse.Namespace) -> dict[str, object]:
-    wdir = out / name
+def run_one(
+    name: str,
+    host: str,
+    out: Path,
+    args: argparse.Namespace,
+    tag: str = "",
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, object]:
+    wdir = out / (f"{name}-{tag}" if tag else name)
     wdir.mkdir(parents=True, exist_ok=True)
-    workload = build(name, args.small, args.seed, args.run_id)
+    run_id = f"{args.run_id}-{tag}" if tag else args.run_id  # each arm starts cold
+    workload = build(name, args.small, args.seed, run_id)
     workload.dump(wdir / "workload.json")
     (wdir / "raw.csv").unlink(missing_ok=True)  # rows of this run only
     env = {
@@ -109,6 +117,7 @@ def run_one(name: str, host: str, out: Path, args: argparse.Namespace) -> dict[s
     }
     if args.api_key:
         env["VCACHE_API_KEY"] = args.api_key
+    env.update(extra_env or {})
     cmd = [
         sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless",
         "-u", str(args.users), "-r", str(args.users), "-t", f"{args.duration}s",
@@ -123,7 +132,7 @@ def run_one(name: str, host: str, out: Path, args: argparse.Namespace) -> dict[s
     raw = wdir / "raw.csv"
     summary = summarize(read_raw(raw) if raw.exists() else [], elapsed)
     summary["sessions"] = len(workload.sessions)
-    summary["run_id"] = args.run_id
+    summary["run_id"] = run_id
     summary["elapsed_s"] = round(elapsed, 2)
     summary["counters"] = counter_cross_check(before, after)
     return summary
@@ -150,6 +159,48 @@ def table(results: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+ARMS = ("kv", "round_robin", "least_loaded", "oracle")
+
+
+def replica_count(host: str, api_key: str | None) -> int:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{host}/v1/cache/stats", headers=headers, timeout=30)
+    return len(r.json()["replicas"]) if r.status_code == 200 else 1
+
+
+def compare_routing(host: str, out: Path, args: argparse.Namespace) -> dict[str, object]:
+    """The shared-prefix workload under each policy, and an oracle that pins each group."""
+    n = replica_count(host, args.api_key)
+    arms: dict[str, dict[str, object]] = {}
+    for arm in ARMS:
+        env = {"VCACHE_ORACLE_REPLICAS": str(n)} if arm == "oracle" else {"VCACHE_ROUTING": arm}
+        arms[arm] = run_one("shared_prefix", host, out, args, tag=arm, extra_env=env)
+    base = arms["round_robin"]
+
+    def ratio(arm: dict[str, object], key: str) -> float | None:
+        a, b = arm["ttft_ms"], base["ttft_ms"]
+        assert isinstance(a, dict) and isinstance(b, dict)
+        return a[key] / b[key] if a.get(key) and b.get(key) else None
+
+    return {
+        "replicas": n,
+        "arms": arms,
+        "vs_round_robin": {
+            name: {
+                "hit_rate": arm["hit_rate"],
+                "hit_rate_ratio": (
+                    float(arm["hit_rate"]) / float(base["hit_rate"])  # type: ignore[arg-type]
+                    if base["hit_rate"]
+                    else None
+                ),
+                "ttft_p50_ratio": ratio(arm, "p50"),
+                "ttft_p90_ratio": ratio(arm, "p90"),
+            }
+            for name, arm in arms.items()
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--host", default="http://127.0.0.1:8000")
@@ -160,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=int, default=120, help="upper bound per workload (s)")
     ap.add_argument("--small", action="store_true", help="small sizes (smoke runs)")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument(
+        "--compare-routing",
+        action="store_true",
+        help="also run shared_prefix under kv, round_robin, least_loaded and an oracle "
+        "(needs an admin --api-key when keys are configured)",
+    )
     ap.add_argument("--run-id", default=f"{time.time_ns():x}", help="opens every prompt")
     ap.add_argument(
         "--out", type=Path, default=Path("reports") / time.strftime("loadtest-%Y%m%d-%H%M%S")
@@ -170,8 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     with gateway(args.host, args.out):
         for name in args.workloads.split(","):
             results[name] = run_one(name, args.host, args.out, args)
+        comparison = compare_routing(args.host, args.out, args) if args.compare_routing else None
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
     print(table(results))
+    if comparison is not None:
+        (args.out / "routing.json").write_text(json.dumps(comparison, indent=2))
+        arms = comparison["arms"]
+        assert isinstance(arms, dict)
+        print(f"\nrouting comparison, shared_prefix on {comparison['replicas']} replicas")
+        print(table(arms))
     print(f"report: {args.out}")
     return 0
 

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.auth import require_principal
 from gateway.errors import InvalidRequest, PermissionDenied
-from gateway.replicas import POLICIES, RoutingPolicy
+from gateway.replicas import POLICIES, RouteOverride
 from gateway.routers.sse import open_stream
 from gateway.schemas import ChatCompletionRequest
 from gateway.service import GatewayService, Principal
@@ -24,20 +24,24 @@ def service(request: Request) -> GatewayService:
 
 def routing_override(
     request: Request, who: Annotated[Principal, Depends(require_principal)]
-) -> RoutingPolicy | None:
-    """``x-vcache-routing`` lets an admin force a policy for one request (comparisons)."""
-    value = request.headers.get("x-vcache-routing")
-    if value is None:
+) -> RouteOverride | None:
+    """Admin headers for one request: ``x-vcache-routing`` forces a policy (comparisons),
+    ``x-vcache-replica`` a replica (a load test's oracle placement)."""
+    policy = request.headers.get("x-vcache-routing")
+    replica = request.headers.get("x-vcache-replica")
+    if policy is None and replica is None:
         return None
     if not who.admin:
-        raise PermissionDenied("x-vcache-routing needs an admin key", code="admin_required")
-    if value not in POLICIES:
+        raise PermissionDenied(
+            "x-vcache-routing and x-vcache-replica need an admin key", code="admin_required"
+        )
+    if policy is not None and policy not in POLICIES:
         raise InvalidRequest(
             f"x-vcache-routing must be one of {', '.join(POLICIES)}",
             param="x-vcache-routing",
             code="invalid_value",
         )
-    return value  # type: ignore[return-value]
+    return RouteOverride(policy=policy, replica=replica)  # type: ignore[arg-type]
 
 
 @router.post("/chat/completions", response_model=None)
@@ -45,10 +49,10 @@ async def create_chat_completion(
     body: ChatCompletionRequest,
     who: Annotated[Principal, Depends(require_principal)],
     svc: Annotated[GatewayService, Depends(service)],
-    policy: Annotated[RoutingPolicy | None, Depends(routing_override)],
+    route: Annotated[RouteOverride | None, Depends(routing_override)],
 ) -> JSONResponse | StreamingResponse:
     if body.stream:
-        routed = await svc.chat_stream(body, who, policy)
+        routed = await svc.chat_stream(body, who, route)
         return await open_stream(routed.body, routed.headers())
-    done = await svc.chat(body, who, policy)
+    done = await svc.chat(body, who, route)
     return JSONResponse(done.body.model_dump(mode="json"), headers=done.headers())

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.auth import require_principal
-from gateway.replicas import RoutingPolicy
+from gateway.replicas import RouteOverride
 from gateway.routers.chat import routing_override, service
 from gateway.routers.sse import open_stream
 from gateway.schemas import CompletionRequest
@@ -22,10 +22,10 @@ async def create_completion(
     body: CompletionRequest,
     who: Annotated[Principal, Depends(require_principal)],
     svc: Annotated[GatewayService, Depends(service)],
-    policy: Annotated[RoutingPolicy | None, Depends(routing_override)],
+    route: Annotated[RouteOverride | None, Depends(routing_override)],
 ) -> JSONResponse | StreamingResponse:
     if body.stream:
-        routed = await svc.complete_stream(body, who, policy)
+        routed = await svc.complete_stream(body, who, route)
         return await open_stream(routed.body, routed.headers())
-    done = await svc.complete(body, who, policy)
+    done = await svc.complete(body, who, route)
     return JSONResponse(done.body.model_dump(mode="json"), headers=done.headers())

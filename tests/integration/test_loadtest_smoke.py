@@ -43,3 +43,25 @@ def test_every_workload_reports_and_hits_only_where_prefixes_are_shared(
         assert summary[name]["hit_rate"] > 0.3, name
     assert summary["zero_reuse"]["hit_rate"] == 0.0
     assert summary["zero_reuse"]["counters"]["engine_prefix_cache_hits"] == 0
+
+
+def test_routing_comparison_runs_every_arm(gateway: Gateway, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    cmd = [
+        sys.executable, str(REPO / "loadtests" / "run.py"), "--host", gateway.base_url,
+        "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
+        "--workloads", "zero_reuse", "--compare-routing",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print("\n" + done.stdout)
+    routing = json.loads((out / "routing.json").read_text())
+    assert routing["replicas"] == 2
+    assert set(routing["arms"]) == {"kv", "round_robin", "least_loaded", "oracle"}
+    for arm, s in routing["arms"].items():
+        assert s["requests"] == 8 and s["errors"] == 0, arm
+        assert s["hit_rate"] > 0, arm  # the groups share their system prompts
+    # the oracle placed every group on its own replica: group g on replica g mod 2
+    rows = (out / "shared_prefix-oracle" / "raw.csv").read_text().splitlines()[1:]
+    placed = {(r.split(",")[1], r.split(",")[10]) for r in rows}
+    assert placed <= {("group-0", "replica-0"), ("group-1", "replica-1")}

@@ -359,3 +359,23 @@ def test_routing_override_needs_admin_and_a_known_policy(engine: FakeEngine) -> 
         assert r.status_code == 200
         assert r.headers["x-vcache-replica"] == "replica-0"
         assert "x-vcache-predicted-cached-tokens" not in r.headers  # no exact tracking here
+
+
+def test_replica_override_header(engine: FakeEngine) -> None:
+    keys = [ApiKeyConfig(sha256=hash_api_key(KEY_A), tenant="a", admin=True)]
+    with _client(engine, api_keys=keys) as c:
+        auth = {"Authorization": f"Bearer {KEY_A}"}
+        r = c.post(
+            "/v1/chat/completions", json=chat(), headers={**auth, "x-vcache-replica": "replica-0"}
+        )
+        assert (r.status_code, r.headers["x-vcache-replica"]) == (200, "replica-0")
+        r = c.post(
+            "/v1/chat/completions", json=chat(), headers={**auth, "x-vcache-replica": "nope"}
+        )
+        assert r.status_code == 404
+        assert r.json()["error"] == {
+            "message": "Unknown replica 'nope'",
+            "type": "not_found_error",
+            "param": "x-vcache-replica",
+            "code": "replica_not_found",
+        }
