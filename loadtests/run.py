@@ -5,7 +5,8 @@
 Starts a gateway with the demo model when none answers at --host, runs each
 workload with locust for at most --duration seconds (each ends early once
 all its sessions were sent), and writes --out: per workload the workload
-JSON, locust's CSV and HTML, the raw per-request CSV, and one summary.json
+JSON, locust's CSV and HTML, the raw per-request CSV, two PNG plots (TTFT of
+hits versus misses, hit rate over time), and one summary.json
 with requests, errors, token-weighted hit rate (cross-checked with the
 gateway's and the engines' Prometheus counters), TTFT p50/p90/p99, ITL
 p50/p99 and requests/s.
@@ -28,6 +29,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from plots import hit_rate_over_time, ttft_hits_vs_misses  # noqa: E402
 from report import counter_cross_check, parse_metrics, read_raw, summarize  # noqa: E402
 from workloads import (  # noqa: E402
     Workload,
@@ -130,7 +132,10 @@ def run_one(
     elapsed = time.monotonic() - t0
     after = metrics(host)
     raw = wdir / "raw.csv"
-    summary = summarize(read_raw(raw) if raw.exists() else [], elapsed)
+    rows = read_raw(raw) if raw.exists() else []
+    summary = summarize(rows, elapsed)
+    ttft_hits_vs_misses(rows, wdir.name, wdir / "ttft_hits_vs_misses.png")
+    hit_rate_over_time(rows, wdir.name, wdir / "hit_rate_over_time.png")
     summary["sessions"] = len(workload.sessions)
     summary["run_id"] = run_id
     summary["elapsed_s"] = round(elapsed, 2)

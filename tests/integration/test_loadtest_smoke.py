@@ -38,6 +38,8 @@ def test_every_workload_reports_and_hits_only_where_prefixes_are_shared(
         assert s["counters"]["gateway_cached_tokens"] == s["cached_tokens"]
         assert s["counters"]["gateway_prompt_tokens"] == s["prompt_tokens"]
         assert (out / name / "locust_stats.csv").exists() and (out / name / "locust.html").exists()
+        for plot in ("ttft_hits_vs_misses.png", "hit_rate_over_time.png"):
+            assert (out / name / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
     assert summary["shared_prefix"]["requests"] == 8 and summary["multi_turn"]["requests"] == 6
     for name in ("shared_prefix", "multi_turn", "long_document_qa"):
         assert summary[name]["hit_rate"] > 0.3, name
