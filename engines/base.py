@@ -9,7 +9,7 @@ after ``close`` raises :class:`~engines.errors.EngineUnavailable`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -92,7 +92,7 @@ class Engine(Protocol):
     async def start(self) -> None:
         """Load the model; after it returns ``ready`` is true.  Not idempotent."""
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         """Stream chunks; closing or cancelling the iterator aborts the request."""
         ...
 

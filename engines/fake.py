@@ -8,7 +8,7 @@ in the block) so cached-token accounting can be tested without vLLM.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from engines.base import EngineCapabilities, EngineStats, GenerateChunk, GenerateRequest
 from engines.errors import EngineInputError, EngineOverloaded, EngineUnavailable
@@ -75,7 +75,7 @@ class FakeEngine:
             self._cached.add((req.cache_salt, ids[:end]))
         return n
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if not self.ready:
             raise EngineUnavailable("engine is not ready")
         if request.num_prompt_tokens + 1 > self._caps.max_model_len:

@@ -9,7 +9,8 @@ import asyncio
 import time
 import zlib
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from engines.base import EngineStats, GenerateChunk, GenerateRequest
@@ -110,7 +111,7 @@ class Dispatcher:
 
     async def run(
         self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, totals: Totals
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         """Stream from the chosen replica under admission control; fold usage as it arrives."""
         if self._inflight >= self._max_inflight:
             raise Unavailable(
@@ -124,23 +125,24 @@ class Dispatcher:
         cached_known = False
         m = self._metrics
         try:
-            async for chunk in d.replica.engine.generate(greq):
-                if first:
-                    m.ttft.labels(endpoint).observe(time.perf_counter() - t0)
-                    totals.prompt = chunk.num_prompt_tokens
-                    m.prompt_tokens.inc(totals.prompt)
-                    first = False
-                if chunk.num_cached_tokens is not None and not cached_known:
-                    # embedded engines know it at the first token, remote ones at the end
-                    totals.cached = chunk.num_cached_tokens
-                    m.cached_tokens.inc(totals.cached)
-                    self._fold_prediction(d, totals.cached)
-                    cached_known = True
-                totals.completion += len(chunk.token_ids)
-                m.completion_tokens.inc(len(chunk.token_ids))
-                if chunk.finish_reason is not None:
-                    totals.finish_reason = chunk.finish_reason
-                yield chunk
+            async with aclosing(d.replica.engine.generate(greq)) as stream:
+                async for chunk in stream:
+                    if first:
+                        m.ttft.labels(endpoint).observe(time.perf_counter() - t0)
+                        totals.prompt = chunk.num_prompt_tokens
+                        m.prompt_tokens.inc(totals.prompt)
+                        first = False
+                    if chunk.num_cached_tokens is not None and not cached_known:
+                        # embedded engines know it at the first token, remote ones at the end
+                        totals.cached = chunk.num_cached_tokens
+                        m.cached_tokens.inc(totals.cached)
+                        self._fold_prediction(d, totals.cached)
+                        cached_known = True
+                    totals.completion += len(chunk.token_ids)
+                    m.completion_tokens.inc(len(chunk.token_ids))
+                    if chunk.finish_reason is not None:
+                        totals.finish_reason = chunk.finish_reason
+                    yield chunk
         except EngineError as exc:
             raise from_engine_error(exc) from exc
         except (GeneratorExit, asyncio.CancelledError):

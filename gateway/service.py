@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -120,8 +121,9 @@ class GatewayService:
         d = await self._dispatcher.route(greq, route)
         text: list[str] = []
         totals = Totals()
-        async for chunk in self._dispatcher.run(greq, d, "chat", t0, totals):
-            text.append(chunk.text)
+        async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
+            async for chunk in chunks:
+                text.append(chunk.text)
         body = ChatCompletion(
             id=greq.request_id,
             model=self._model,
@@ -153,12 +155,13 @@ class GatewayService:
         async def stream() -> AsyncGenerator[ChatCompletionChunk, None]:
             totals = Totals()
             first = True
-            async for out in self._dispatcher.run(greq, d, "chat", t0, totals):
-                if first:  # the engine accepted the request: now the stream may begin
-                    yield chunk(ChunkDelta(role="assistant", content=""))
-                    first = False
-                if out.text:
-                    yield chunk(ChunkDelta(content=out.text))
+            async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
+                async for out in chunks:
+                    if first:  # the engine accepted the request: now the stream may begin
+                        yield chunk(ChunkDelta(role="assistant", content=""))
+                        first = False
+                    if out.text:
+                        yield chunk(ChunkDelta(content=out.text))
             yield chunk(ChunkDelta(), totals.finish_reason)
             if include_usage:
                 yield ChatCompletionChunk(
@@ -193,8 +196,9 @@ class GatewayService:
         d = await self._dispatcher.route(greq, route)
         text: list[str] = []
         totals = Totals()
-        async for chunk in self._dispatcher.run(greq, d, "completions", t0, totals):
-            text.append(chunk.text)
+        async with aclosing(self._dispatcher.run(greq, d, "completions", t0, totals)) as chunks:
+            async for chunk in chunks:
+                text.append(chunk.text)
         body = Completion(
             id=greq.request_id,
             model=self._model,
@@ -213,12 +217,13 @@ class GatewayService:
 
         async def stream() -> AsyncGenerator[Completion, None]:
             totals = Totals()
-            async for out in self._dispatcher.run(greq, d, "completions", t0, totals):
-                yield Completion(
-                    id=greq.request_id,
-                    model=self._model,
-                    choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
-                )
+            async with aclosing(self._dispatcher.run(greq, d, "completions", t0, totals)) as chunks:
+                async for out in chunks:
+                    yield Completion(
+                        id=greq.request_id,
+                        model=self._model,
+                        choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+                    )
             if include_usage:
                 yield Completion(
                     id=greq.request_id,

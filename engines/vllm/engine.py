@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -165,7 +165,7 @@ class VllmEngine:
         unfinished = 0 if self._llm is None else self._llm.get_num_unfinished_requests()
         return replace(self._core_stats.snapshot, unfinished_requests=unfinished)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         llm = self._llm
         if llm is None or self._closed:
             raise EngineUnavailable("engine is not ready")

@@ -15,7 +15,8 @@ client went away.  HTTP and transport errors map onto ``engines.errors``.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,7 +122,7 @@ class RemoteVllmEngine:
             raise EngineUnavailable(f"control endpoint refused {method}: {r.status_code} {r.text}")
         return from_wire(r.json()["result"])
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if not self.ready:
             raise EngineUnavailable("replica is not ready")
         s = request.sampling
@@ -150,8 +151,9 @@ class RemoteVllmEngine:
             async with self._http.stream("POST", "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     raise _error(resp.status_code, await resp.aread())
-                async for chunk in self._chunks(resp, request.num_prompt_tokens):
-                    yield chunk
+                async with aclosing(self._chunks(resp, request.num_prompt_tokens)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
         except httpx.TimeoutException as exc:
             raise EngineUnavailable(f"replica timed out: {exc}") from exc
         except httpx.HTTPError as exc:
@@ -159,7 +161,9 @@ class RemoteVllmEngine:
         finally:
             self._running -= 1
 
-    async def _chunks(self, resp: httpx.Response, num_prompt: int) -> AsyncIterator[GenerateChunk]:
+    async def _chunks(
+        self, resp: httpx.Response, num_prompt: int
+    ) -> AsyncGenerator[GenerateChunk, None]:
         decoder = SSEDecoder()
         async for raw in resp.aiter_bytes():
             for event in decoder.feed(raw):

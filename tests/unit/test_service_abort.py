@@ -1,0 +1,44 @@
+"""Closing a stream in the service core aborts its engine request (no HTTP involved)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from engines.fake import FakeEngine
+from engines.tokenizer import ChatTokenizer
+from gateway.dispatch import Dispatcher
+from gateway.metrics import Metrics
+from gateway.replicas import Replica, Router
+from gateway.schemas import ChatCompletionRequest, ChatMessage
+from gateway.service import GatewayService, Principal
+from manifest.index import LocationId
+
+
+def test_closing_a_stream_aborts_the_engine_request(demo_model: Path) -> None:
+    async def main() -> None:
+        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), step_delay_s=0.01)
+        await engine.start()
+        metrics = Metrics()
+        dispatcher = Dispatcher(
+            [Replica(LocationId("replica-0"), engine)], Router(), None, metrics, max_inflight=4
+        )
+        dispatcher.started = True
+        svc = GatewayService(dispatcher, "vcache-demo")
+        req = ChatCompletionRequest(
+            model="vcache-demo",
+            messages=[ChatMessage(role="user", content="hello")],
+            max_tokens=50,
+            stream=True,
+        )
+        routed = await svc.chat_stream(req, Principal(tenant="t"))
+        first = await anext(routed.body)
+        assert engine.stats().unfinished_requests == 1
+        await routed.body.aclose()  # the client went away
+        assert engine.aborted == [first.id]
+        assert engine.stats().unfinished_requests == 0
+        assert dispatcher.replicas[0].inflight == 0
+        text = metrics.render().decode()
+        assert 'vcache_requests_aborted_total{endpoint="chat"} 1.0' in text
+
+    asyncio.run(main())
