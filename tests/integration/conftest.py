@@ -24,6 +24,9 @@ import pytest
 
 from gateway.config import hash_api_key
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
+from report import parse_metrics
+
 KEY_A = "sk-test-tenant-a"
 KEY_B = "sk-test-tenant-b"
 MAX_QUEUED = 3
@@ -44,13 +47,7 @@ class Gateway:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0, **kwargs)  # type: ignore[arg-type]
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=10).text)
 
 
 def _free_port() -> int:
