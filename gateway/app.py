@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI
 
@@ -19,11 +20,14 @@ from engines.base import Engine
 from gateway.auth import KeyRing
 from gateway.config import Settings
 from gateway.dispatch import Dispatcher
+from gateway.fallback import Targets
 from gateway.grpc_server import GatewayServicer, GrpcServer
 from gateway.http_errors import install_error_handlers
 from gateway.kvcache import CoreControlled, KVCacheManager
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from gateway.provider_chat import ProviderChat
+from gateway.providers import ProviderPath
 from gateway.replicas import LocalReplica, Replica, Router
 from gateway.routers import cache, chat, completions, health, models
 from gateway.service import GatewayService
@@ -69,9 +73,15 @@ async def _start(
         app.state.engine_failure = f"{type(exc).__name__}: {exc}"
 
 
-def create_app(settings: Settings, built: Sequence[LocalReplica | Engine]) -> FastAPI:
-    """An app over ``built`` replicas (bare engines become replicas without KV events)."""
+def create_app(
+    settings: Settings,
+    built: Sequence[LocalReplica | Engine],
+    provider_clock: Callable[[], float] = time.monotonic,
+) -> FastAPI:
+    """An app over ``built`` replicas (bare engines become replicas without KV events) and,
+    when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``)."""
     metrics = Metrics()
+    providers = ProviderPath(settings, metrics, provider_clock) if settings.providers else None
     local = [
         b if isinstance(b, LocalReplica) else LocalReplica(LocationId(f"replica-{i}"), b)
         for i, b in enumerate(built)
@@ -110,6 +120,8 @@ def create_app(settings: Settings, built: Sequence[LocalReplica | Engine]) -> Fa
                 await kv.close()
             for r in local:
                 await r.engine.close()
+            if providers is not None:
+                await providers.close()
 
     app = FastAPI(title="vcache", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -117,7 +129,14 @@ def create_app(settings: Settings, built: Sequence[LocalReplica | Engine]) -> Fa
     app.state.engine_failure = None
     app.state.kv = None
     app.state.keyring = KeyRing(settings.api_keys)
-    app.state.service = GatewayService(dispatcher, model_name=settings.model_name)
+    app.state.providers = providers
+    app.state.service = GatewayService(
+        dispatcher,
+        model_name=settings.model_name,
+        targets=Targets(settings.model_name, settings.aliases, list(settings.providers)),
+        providers=ProviderChat(providers, settings.prompt_layout) if providers else None,
+        metrics=metrics,
+    )
     install_error_handlers(app, metrics)
     for r in (health.router, models.router, chat.router, completions.router, cache.router):
         app.include_router(r)

@@ -10,9 +10,18 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.errors import InvalidRequest, NotFound, PermissionDenied, Unavailable
+from engines.errors import EngineError
+from gateway.config import LOCAL_TARGET
+from gateway.errors import (
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+    from_engine_error,
+)
 from gateway.kvcache import KVCacheManager
-from gateway.schemas import ChatMessage
+from gateway.provider_chat import chat_call
+from gateway.schemas import ChatCompletionRequest, ChatMessage
 from gateway.service import GatewayService, Principal, tenant_salt
 from manifest.hashing import BlockHash, from_hex
 from manifest.index import LocationId
@@ -90,6 +99,16 @@ class WarmResponse(BaseModel):
     replica: str
     cached_tokens_before: int
     cached_tokens_after: int
+
+
+class ProviderWarmResponse(BaseModel):
+    """A provider warm: what its telemetry said (Anthropic writes with ``max_tokens: 0``;
+    implicit providers are warmed by a normal request)."""
+
+    target: str
+    prompt_tokens: int
+    cached_tokens: int
+    written_tokens: int
 
 
 class _Spans:
@@ -198,7 +217,23 @@ class CacheService:
             ]
         )
 
+    def _provider_target(self, body: CacheRequest) -> str | None:
+        """The first provider target of ``body.model`` when it names no local target."""
+        targets = self._svc.targets.resolve(body.model)
+        if LOCAL_TARGET in targets or self._svc.providers is None:
+            return None
+        return targets[0]
+
     async def evict(self, body: CacheRequest, who: Principal) -> EvictResponse:
+        target = self._provider_target(body)
+        if target is not None:  # Gemini cached contents; other providers cannot be told
+            assert self._svc.providers is not None
+            path = self._svc.providers.path
+            t = path.target(target)
+            n = await path.cached_contents.evict(t.client, target)
+            return EvictResponse(
+                replicas=[ReplicaEvictions(replica=target, evicted=[str(n)], busy=[])]
+            )
         kv = self._manager()
         spans = _Spans(body, who, self._svc, kv)
         out = []
@@ -206,6 +241,32 @@ class CacheService:
             evicted, busy = await kv.evict(r, spans.hashes)
             out.append(ReplicaEvictions(replica=r, evicted=evicted, busy=busy))
         return EvictResponse(replicas=out)
+
+    async def warm_provider(
+        self, body: CacheRequest, who: Principal
+    ) -> ProviderWarmResponse | None:
+        target = self._provider_target(body)
+        if target is None:
+            return None
+        if not body.messages:
+            raise InvalidRequest(
+                "a provider warm needs messages", param="messages", code="invalid_value"
+            )
+        assert self._svc.providers is not None
+        chat = self._svc.providers
+        req = ChatCompletionRequest(model=body.model, messages=body.messages)
+        call, _ = chat_call(req, chat.path.target(target).model, chat.layout)
+        try:
+            out = await chat.path.warm(chat.path.target(target), call, body.tenant or who.tenant)
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+        u = out.usage
+        return ProviderWarmResponse(
+            target=target,
+            prompt_tokens=u.prompt_tokens if u else 0,
+            cached_tokens=u.cached_tokens if u else 0,
+            written_tokens=u.cache_write_tokens if u else 0,
+        )
 
     async def warm(self, body: CacheRequest, who: Principal) -> WarmResponse:
         kv = self._manager()
@@ -227,4 +288,12 @@ class CacheService:
         return WarmResponse(replica=target, cached_tokens_before=before, cached_tokens_after=after)
 
     async def stats(self) -> dict[str, object]:
-        return await self._manager().stats()
+        """The local replicas' KV accounting and, with providers, each provider target's
+        hit rate, writes, reads, verified savings and false-warm count."""
+        providers = self._svc.providers
+        out: dict[str, object] = {}
+        if self._kv is not None or providers is None:
+            out.update(await self._manager().stats())
+        if providers is not None:
+            out["providers"] = providers.path.stats()
+        return out

@@ -86,6 +86,58 @@ class CacheSettings(BaseModel):
     default_lease_s: float = Field(300, gt=0)
 
 
+ProviderName = Literal["anthropic", "openai", "gemini", "deepseek"]
+
+PROVIDER_DEFAULTS: dict[str, tuple[str, str]] = {  # base URL, API key variable
+    "anthropic": ("https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"),
+    "openai": ("https://api.openai.com/v1", "OPENAI_API_KEY"),
+    "gemini": ("https://generativelanguage.googleapis.com/v1beta", "GEMINI_API_KEY"),
+    "deepseek": ("https://api.deepseek.com", "DEEPSEEK_API_KEY"),
+}
+
+
+class PriceConfig(BaseModel):
+    """Cache prices as multiples of the model's uncached input price."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    read_mult: float = Field(ge=0, le=1)
+    write_mult: float = Field(ge=0)
+
+
+class ProviderConfig(BaseModel):
+    """A hosted provider.  The key comes from ``api_key`` or the environment variable
+    ``api_key_env`` (default ``ANTHROPIC_API_KEY``, ``OPENAI_API_KEY``, ...); it is
+    never logged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str | None = None
+    api_key: SecretStr | None = None
+    api_key_env: str | None = None
+    timeout_s: float = Field(60, gt=0)
+    max_retries: int = Field(2, ge=0, le=10)
+    backoff_base_s: float = Field(0.5, ge=0)
+    backoff_cap_s: float = Field(8, ge=0)
+    max_retry_after_s: float = Field(30, ge=0)
+    cache_ttl_s: Literal[300, 3600] = 300  # Anthropic breakpoints: 5m or 1h
+    belief_ttl_s: float = Field(300, gt=0)  # implicit caches: mean survival of a prefix
+    cached_content_ttl_s: int = Field(3600, ge=60)  # Gemini explicit caches
+    min_prefix_tokens: dict[str, int] = Field(default_factory=dict)  # model prefix → tokens
+    prices: dict[str, PriceConfig] = Field(default_factory=dict)  # model prefix → prices
+
+    def resolved_base_url(self, provider: str) -> str:
+        return self.base_url or PROVIDER_DEFAULTS[provider][0]
+
+    def resolved_key(self, provider: str) -> str | None:
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(self.api_key_env or PROVIDER_DEFAULTS[provider][1]) or None
+
+
+LOCAL_TARGET = "local"
+
+
 def _default_data_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "vcache"
@@ -107,6 +159,10 @@ class Settings(BaseSettings):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     remote_replicas: list[RemoteReplicaConfig] = Field(default_factory=list)
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    providers: dict[ProviderName, ProviderConfig] = Field(default_factory=dict)
+    # model alias → ordered targets: "local" (the vLLM replicas) or "provider/model"
+    aliases: dict[str, list[str]] = Field(default_factory=dict)
+    prompt_layout: Literal["canonical", "passthrough"] = "canonical"  # providers only
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     log_level: str = "info"
 
@@ -114,6 +170,20 @@ class Settings(BaseSettings):
     def _some_replica(self) -> Settings:
         if self.engine.replicas == 0 and not self.remote_replicas:
             raise ValueError("configure at least one replica (engine.replicas or remote_replicas)")
+        return self
+
+    @model_validator(mode="after")
+    def _targets_exist(self) -> Settings:
+        for alias, targets in self.aliases.items():
+            if not targets:
+                raise ValueError(f"alias {alias!r} needs at least one target")
+            for t in targets:
+                provider, sep, model = t.partition("/")
+                if t != LOCAL_TARGET and (not sep or not model or provider not in self.providers):
+                    raise ValueError(
+                        f"alias {alias!r}: target {t!r} is neither 'local' nor "
+                        "'provider/model' with a configured provider"
+                    )
         return self
 
     @field_validator("log_level")

@@ -9,7 +9,9 @@
     ├── NotFound             404 not_found_error
     ├── PayloadTooLarge      413 invalid_request_error
     ├── RateLimited          429 rate_limit_error (Retry-After)
-    └── Unavailable          503 service_unavailable (Retry-After)
+    ├── BadGateway           502 upstream_error (a provider failed)
+    ├── Unavailable          503 service_unavailable (Retry-After)
+    └── GatewayTimeout       504 timeout_error (a provider did not answer in time)
 
 Engine errors are mapped here once (:func:`from_engine_error`); the HTTP
 handlers (``gateway/http_errors.py``) and later the gRPC servicer render these.
@@ -25,6 +27,16 @@ from engines.errors import (
     EngineInputError,
     EngineOverloaded,
     EngineUnavailable,
+)
+from engines.providers.errors import (
+    ProviderAuthError,
+    ProviderBadRequest,
+    ProviderError,
+    ProviderNotFound,
+    ProviderOverloaded,
+    ProviderRateLimited,
+    ProviderStreamCut,
+    ProviderTimeout,
 )
 
 
@@ -97,7 +109,39 @@ class Unavailable(APIError):
     type = "service_unavailable"
 
 
+class BadGateway(APIError):
+    status = 502
+    type = "upstream_error"
+
+
+class GatewayTimeout(APIError):
+    status = 504
+    type = "timeout_error"
+
+
+def from_provider_error(exc: ProviderError) -> APIError:
+    """A provider's failure, as this gateway's client sees it (the key is never named)."""
+    msg, after = str(exc), exc.retry_after_s
+    if isinstance(exc, ProviderBadRequest):
+        return InvalidRequest(msg, code="upstream_invalid_request")
+    if isinstance(exc, ProviderRateLimited):
+        return RateLimited(msg, code="upstream_rate_limited", retry_after_s=after or 1)
+    if isinstance(exc, ProviderOverloaded):
+        return Unavailable(msg, code="upstream_overloaded", retry_after_s=after or 1)
+    if isinstance(exc, ProviderTimeout):
+        return GatewayTimeout(msg, code="upstream_timeout")
+    if isinstance(exc, ProviderStreamCut):
+        return BadGateway(msg, code="upstream_stream_cut")
+    if isinstance(exc, ProviderAuthError):
+        return BadGateway(msg, code="upstream_auth_failed")
+    if isinstance(exc, ProviderNotFound):
+        return BadGateway(msg, code="upstream_not_found")
+    return BadGateway(msg, code="upstream_unavailable")
+
+
 def from_engine_error(exc: EngineError) -> APIError:
+    if isinstance(exc, ProviderError):
+        return from_provider_error(exc)
     if isinstance(exc, EngineInputError):
         return InvalidRequest(str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, EngineOverloaded):

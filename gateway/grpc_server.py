@@ -25,8 +25,8 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.auth import KeyRing
 from gateway.cache_service import CacheRequest, CacheService
-from gateway.dispatch import Dispatch
 from gateway.errors import APIError, Unavailable
+from gateway.fallback import Served
 from gateway.grpc_api import gateway_pb2 as pb
 from gateway.grpc_api import gateway_pb2_grpc as pb_grpc
 from gateway.http_errors import invalid_request_from
@@ -101,14 +101,15 @@ def _messages(ms: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _usage(u: Usage | None, d: Dispatch) -> pb.Usage:
-    out = pb.Usage(target="local", replica=d.replica_id)
+def _usage(u: Usage | None, served: Served) -> pb.Usage:
+    d = served.dispatch
+    out = pb.Usage(target=served.target, replica=d.replica_id if d is not None else "")
     if u is not None:
         out.prompt_tokens = u.prompt_tokens
         out.completion_tokens = u.completion_tokens
         out.total_tokens = u.total_tokens
         out.cached_tokens = u.prompt_tokens_details.cached_tokens
-    if d.predicted_cached_tokens is not None:
+    if d is not None and d.predicted_cached_tokens is not None:
         out.predicted_cached_tokens = d.predicted_cached_tokens
     return out
 
@@ -186,7 +187,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             created=c.created,
             content=c.choices[0].message.content,
             finish_reason=c.choices[0].finish_reason,
-            usage=_usage(c.usage, done.dispatch),
+            usage=_usage(c.usage, done.served),
         )
 
     async def ChatCompletionStream(
@@ -207,7 +208,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                         finish = choice.finish_reason
                 elif chunk.usage is not None:
                     end = pb.StreamEnd(
-                        finish_reason=finish, usage=_usage(chunk.usage, routed.dispatch)
+                        finish_reason=finish, usage=_usage(chunk.usage, routed.served)
                     )
                     yield pb.ChatCompletionStreamResponse(id=chunk.id, model=chunk.model, end=end)
         except APIError as exc:
@@ -234,7 +235,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             created=c.created,
             text=c.choices[0].text,
             finish_reason=c.choices[0].finish_reason or "stop",
-            usage=_usage(c.usage, done.dispatch),
+            usage=_usage(c.usage, done.served),
         )
 
     async def ListModels(

@@ -89,6 +89,30 @@ class Metrics:
             registry=r,
         )
         self.completion_tokens = Counter("vcache_completion_tokens", "Tokens generated", registry=r)
+        self.provider_requests = Counter(
+            "vcache_provider_requests",
+            "Calls to hosted providers",
+            ["target", "outcome"],
+            registry=r,
+        )
+        self.provider_tokens = Counter(
+            "vcache_provider_tokens",
+            "Provider prompt tokens: prompt, cached (read), written, credited (verified savings)",
+            ["target", "kind"],
+            registry=r,
+        )
+        self.provider_false_warm = Counter(
+            "vcache_provider_false_warm",
+            "Prefixes believed warm that the provider's telemetry read cold",
+            ["target"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "vcache_fallbacks",
+            "Requests moved to the next target of a model alias, by the target that failed",
+            ["target", "reason"],
+            registry=r,
+        )
 
     def watch_engine(self, stats: Callable[[], EngineStats]) -> None:
         self.registry.register(_EngineCollector(stats))

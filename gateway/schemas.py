@@ -172,6 +172,14 @@ class _Out(BaseModel):
 
 class PromptTokensDetails(_Out):
     cached_tokens: int = 0
+    cache_write_tokens: int | None = None  # providers that charge for cache writes
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_writes(self, nxt: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = nxt(self)
+        if out.get("cache_write_tokens") is None:
+            out.pop("cache_write_tokens", None)
+        return out
 
 
 class Usage(_Out):
@@ -181,12 +189,16 @@ class Usage(_Out):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+    def of(cls, prompt: int, completion: int, cached: int, written: int | None = None) -> Usage:
+        """OpenAI's convention: ``prompt`` includes the ``cached`` tokens; cache writes (a
+        provider's) are reported apart in ``prompt_tokens_details.cache_write_tokens``."""
         return cls(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=cached, cache_write_tokens=written
+            ),
         )
 
 

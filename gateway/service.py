@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from engines.base import Engine, GenerateRequest, SamplingOptions
-from gateway.dispatch import Dispatch, Dispatcher, Totals
+from gateway.config import LOCAL_TARGET
+from gateway.dispatch import Dispatcher, Totals
 from gateway.errors import InvalidRequest, NotFound, Unavailable
+from gateway.fallback import Served, Targets, first_ok
+from gateway.metrics import Metrics
+from gateway.provider_chat import ProviderChat
 from gateway.replicas import RouteOverride
 from gateway.schemas import (
     AssistantMessage,
@@ -59,16 +63,30 @@ class Routed(Generic[T]):
     """A result and where it was served (for the x-vcache-* response headers)."""
 
     body: T
-    dispatch: Dispatch
+    served: Served
 
     def headers(self) -> dict[str, str]:
-        return self.dispatch.headers()
+        return self.served.headers()
 
 
 class GatewayService:
-    def __init__(self, dispatcher: Dispatcher, model_name: str) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        model_name: str,
+        targets: Targets | None = None,
+        providers: ProviderChat | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
         self._dispatcher = dispatcher
         self._model = model_name
+        self._targets = targets or Targets(model_name, {}, [])
+        self.providers = providers
+        self._metrics = metrics or Metrics()
+
+    @property
+    def targets(self) -> Targets:
+        return self._targets
 
     @property
     def model_name(self) -> str:
@@ -90,7 +108,9 @@ class GatewayService:
 
     def models(self) -> ModelList:
         max_len = self._engine.capabilities.max_model_len if self.ready else None
-        return ModelList(data=[ModelCard(id=self._model, max_model_len=max_len)])
+        cards = [ModelCard(id=self._model, max_model_len=max_len)]
+        cards += [ModelCard(id=name) for name in self._targets.names()[1:]]
+        return ModelList(data=cards)
 
     def chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of ``messages`` through the model's chat template."""
@@ -106,27 +126,53 @@ class GatewayService:
     # ------------------------------------------------------------ chat
 
     def _chat_request(self, req: ChatCompletionRequest, who: Principal) -> GenerateRequest:
-        self.check_model(req.model)
+        self.check_ready()
         ids = self.chat_tokens(req.messages)
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         return self._generate_request(
             "chatcmpl", ids, req, req.output_limit(), ("messages", limit_param), who
         )
 
+    def _provider_chat(self) -> ProviderChat:
+        if self.providers is None:
+            raise Unavailable("no hosted providers are configured", code="no_providers")
+        return self.providers
+
     async def chat(
         self, req: ChatCompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[ChatCompletion]:
+        """One answer from the first target of ``req.model`` that can serve it."""
+        served = Served()
+
+        async def attempt(target: str) -> ChatCompletion:
+            if target == LOCAL_TARGET:
+                return await self._chat_local(req, who, route, served)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            return await self._provider_chat().complete(req, who.tenant, target, served, rid)
+
+        targets = self._targets.resolve(req.model)
+        body = await first_ok(targets, attempt, served, self._metrics)
+        return Routed(body, served)
+
+    async def _chat_local(
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        route: RouteOverride | None,
+        served: Served,
+    ) -> ChatCompletion:
         t0 = time.perf_counter()
         greq = self._chat_request(req, who)
         d = await self._dispatcher.route(greq, route)
+        served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
         text: list[str] = []
         totals = Totals()
         async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
             async for chunk in chunks:
                 text.append(chunk.text)
-        body = ChatCompletion(
+        return ChatCompletion(
             id=greq.request_id,
-            model=self._model,
+            model=req.model,
             choices=[
                 ChatChoice(
                     message=AssistantMessage(content="".join(text)),
@@ -135,48 +181,85 @@ class GatewayService:
             ],
             usage=totals.usage(),
         )
-        return Routed(body, d)
 
     async def chat_stream(
         self, req: ChatCompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[AsyncGenerator[ChatCompletionChunk, None]]:
+        """A stream that has produced its first chunk: every error before the first token
+        (and every fallback) happens here, before a response starts."""
+        served = Served()
+
+        async def attempt(
+            target: str,
+        ) -> tuple[AsyncGenerator[ChatCompletionChunk, None], ChatCompletionChunk]:
+            if target == LOCAL_TARGET:
+                gen = self._chat_local_stream(req, who, route, served)
+            else:
+                rid = f"chatcmpl-{uuid.uuid4().hex}"
+                gen = self._provider_chat().stream(req, who.tenant, target, served, rid)
+            try:
+                return gen, await anext(gen)
+            except BaseException:
+                await gen.aclose()
+                raise
+
+        targets = self._targets.resolve(req.model)
+        inner, first = await first_ok(targets, attempt, served, self._metrics)
+
+        async def stream() -> AsyncGenerator[ChatCompletionChunk, None]:
+            async with aclosing(inner):
+                yield first
+                async for c in inner:
+                    yield c
+
+        return Routed(stream(), served)
+
+    async def _chat_local_stream(
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        route: RouteOverride | None,
+        served: Served,
+    ) -> AsyncGenerator[ChatCompletionChunk, None]:
         t0 = time.perf_counter()
         greq = self._chat_request(req, who)
         d = await self._dispatcher.route(greq, route)
+        served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(delta: ChunkDelta, finish: str | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
                 id=greq.request_id,
-                model=self._model,
+                model=req.model,
                 choices=[ChunkChoice(delta=delta, finish_reason=finish)],
             )
 
-        async def stream() -> AsyncGenerator[ChatCompletionChunk, None]:
-            totals = Totals()
-            first = True
-            async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
-                async for out in chunks:
-                    if first:  # the engine accepted the request: now the stream may begin
-                        yield chunk(ChunkDelta(role="assistant", content=""))
-                        first = False
-                    if out.text:
-                        yield chunk(ChunkDelta(content=out.text))
-            yield chunk(ChunkDelta(), totals.finish_reason)
-            if include_usage:
-                yield ChatCompletionChunk(
-                    id=greq.request_id,
-                    model=self._model,
-                    choices=[],
-                    usage=totals.usage(),
-                )
-
-        return Routed(stream(), d)
+        totals = Totals()
+        first = True
+        async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
+            async for out in chunks:
+                if first:  # the engine accepted the request: now the stream may begin
+                    yield chunk(ChunkDelta(role="assistant", content=""))
+                    first = False
+                if out.text:
+                    yield chunk(ChunkDelta(content=out.text))
+        yield chunk(ChunkDelta(), totals.finish_reason)
+        if include_usage:
+            yield ChatCompletionChunk(
+                id=greq.request_id, model=req.model, choices=[], usage=totals.usage()
+            )
 
     # ------------------------------------------------------- completions
 
     def _completion_request(self, req: CompletionRequest, who: Principal) -> GenerateRequest:
-        self.check_model(req.model)
+        if LOCAL_TARGET not in self._targets.resolve(req.model):
+            raise InvalidRequest(
+                f"'{req.model}' is served by hosted providers only; text completions are "
+                "served by the local model",
+                param="model",
+                code="unsupported_model",
+            )
+        self.check_ready()
         p = req.prompt
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
             p = p[0]
@@ -205,7 +288,7 @@ class GatewayService:
             choices=[CompletionChoice(text="".join(text), finish_reason=totals.finish_reason)],
             usage=totals.usage(),
         )
-        return Routed(body, d)
+        return Routed(body, Served(dispatch=d))
 
     async def complete_stream(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
@@ -232,15 +315,22 @@ class GatewayService:
                     usage=totals.usage(),
                 )
 
-        return Routed(stream(), d)
+        return Routed(stream(), Served(dispatch=d))
 
     # ---------------------------------------------------------- shared
 
-    def check_model(self, model: str) -> None:
-        if not self.ready:
+    def check_ready(self) -> None:
+        if not self._dispatcher.started:
             raise Unavailable(
                 "the engine is still starting", code="engine_starting", retry_after_s=5
             )
+        if not self.ready:
+            raise Unavailable(
+                "the local engine is not running", code="engine_unavailable", retry_after_s=5
+            )
+
+    def check_model(self, model: str) -> None:
+        self.check_ready()
         if model != self._model:
             raise NotFound(
                 f"The model '{model}' does not exist", param="model", code="model_not_found"

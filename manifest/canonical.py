@@ -204,6 +204,20 @@ def _reordered_tools(previous: CanonicalPrompt, current: CanonicalPrompt) -> lis
     return []
 
 
+def split_volatile(text: str) -> tuple[str, str]:
+    """Split a system prompt into its stable lines and the lines the lint flags.
+
+    Both keep their order; the volatile part is rendered right after the
+    stable one, so the stable part stays a byte-stable, cacheable prefix.
+    """
+    stable: list[str] = []
+    volatile: list[str] = []
+    for line in text.splitlines(keepends=True):
+        data = line.encode()
+        (volatile if any(p.search(data) for p in _PATTERNS.values()) else stable).append(line)
+    return "".join(stable), "".join(volatile)
+
+
 def recommend_layout(prompt: CanonicalPrompt, findings: Sequence[Finding] = ()) -> CanonicalPrompt:
     """Move volatile segments — and stable ones the lint flagged — after all others.
 

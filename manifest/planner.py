@@ -64,15 +64,22 @@ def local_vllm_profile(target: str, block_size: int) -> CapabilityProfile:
     )
 
 
-ANTHROPIC_MIN_PREFIX = {"claude-haiku-4-5": 4096, "default": 1024}
+ANTHROPIC_MIN_PREFIX = {
+    "claude-opus-4": 4096,
+    "claude-haiku-4-5": 4096,
+    "claude-3-haiku": 2048,
+    "default": 1024,
+}
+GEMINI_MIN_PREFIX = {"gemini-2.5-pro": 4096, "gemini-3-pro": 4096, "default": 2048}
+
+
+def _min_prefix(table: dict[str, int], model: str) -> int:
+    return next((v for k, v in table.items() if model.startswith(k)), table["default"])
 
 
 def anthropic_profile(model: str, ttl_s: int = 300) -> CapabilityProfile:
     write = 1.25 if ttl_s <= 300 else 2.0
-    minimum = next(
-        (v for k, v in ANTHROPIC_MIN_PREFIX.items() if model.startswith(k)),
-        ANTHROPIC_MIN_PREFIX["default"],
-    )
+    minimum = _min_prefix(ANTHROPIC_MIN_PREFIX, model)
     return CapabilityProfile(
         f"anthropic:{model}",
         Regime.EXPLICIT,
@@ -95,6 +102,22 @@ def openai_profile(model: str) -> CapabilityProfile:
 def deepseek_profile(model: str) -> CapabilityProfile:
     return CapabilityProfile(
         f"deepseek:{model}", Regime.IMPLICIT, 64, 64, 0, (), WarmPrimitive.NONE, 0.1, 1.0
+    )
+
+
+def gemini_profile(model: str) -> CapabilityProfile:
+    """Implicit caching from the model's minimum; explicit ``cachedContents`` are a warm
+    primitive the gateway uses once an anchor's reuse passes the break-even."""
+    return CapabilityProfile(
+        f"gemini:{model}",
+        Regime.IMPLICIT,
+        _min_prefix(GEMINI_MIN_PREFIX, model),
+        1,
+        0,
+        (),
+        WarmPrimitive.CACHED_CONTENT,
+        0.25,
+        1.0,
     )
 
 

@@ -13,6 +13,7 @@ from gateway.cache_service import (
     EvictResponse,
     LookupResponse,
     PinResponse,
+    ProviderWarmResponse,
     UnpinResponse,
     WarmResponse,
 )
@@ -55,7 +56,11 @@ async def evict(body: CacheRequest, who: Admin, cache: Cache) -> EvictResponse:
 
 
 @router.post("/warm")
-async def warm(body: CacheRequest, who: Admin, cache: Cache) -> WarmResponse:
+async def warm(body: CacheRequest, who: Admin, cache: Cache) -> WarmResponse | ProviderWarmResponse:
+    """Local replicas: prefill the prompt's blocks.  A provider-only model: warm its anchors."""
+    provider = await cache.warm_provider(body, who)
+    if provider is not None:
+        return provider
     return await cache.warm(body, who)
 
 

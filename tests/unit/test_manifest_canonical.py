@@ -209,3 +209,13 @@ def test_vblock_identity_keys_every_axis() -> None:
     )
     with pytest.raises(ValueError, match="sha256"):
         VBlockIdentity("abc", ModelId("m"), TokenizerId("t"))  # type: ignore[arg-type]
+
+
+def test_split_volatile_keeps_order_and_moves_flagged_lines() -> None:
+    from manifest.canonical import split_volatile
+
+    text = "You are helpful.\nNow: 2026-11-29T10:00:00Z\nBe brief.\nRequest 1764410000\n"
+    stable, volatile = split_volatile(text)
+    assert stable == "You are helpful.\nBe brief.\n"
+    assert volatile == "Now: 2026-11-29T10:00:00Z\nRequest 1764410000\n"
+    assert split_volatile("plain\n") == ("plain\n", "")

@@ -141,3 +141,11 @@ def test_breakpoint_invariants(
     assert set(p.breakpoints) <= set(p.anchors)
     assert 0 <= p.predicted_cached_tokens <= min(warm, lay.total_tokens)
     assert p.predicted_cached_tokens + p.predicted_written_tokens <= lay.total_tokens
+
+
+def test_gemini_profile_is_implicit_with_a_cached_content_warm() -> None:
+    from manifest.planner import Regime, WarmPrimitive, gemini_profile
+
+    flash, pro = gemini_profile("gemini-2.5-flash"), gemini_profile("gemini-2.5-pro")
+    assert (flash.min_prefix_tokens, pro.min_prefix_tokens) == (2048, 4096)
+    assert flash.regime is Regime.IMPLICIT and flash.warm is WarmPrimitive.CACHED_CONTENT

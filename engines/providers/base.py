@@ -1,0 +1,111 @@
+"""What the gateway hands an adapter, and what comes back.
+
+A :class:`ChatCall` is provider-neutral: a stable system prompt, an optional
+volatile part of it, and user/assistant turns.  The :class:`CacheDirectives`
+come from the planner: which segments end in a cache breakpoint (explicit
+providers), the TTL, the ``prompt_cache_key``, a Gemini cached-content
+handle, or a warm (``max_tokens: 0``).  The adapter returns a
+:class:`Rendered` request whose ``prompt`` is the provider-ordered byte
+string of the prompt blocks exactly as they appear in ``body``, with the
+byte offset where each segment ends (render records hash these).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engines.sse import ServerSentEvent
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # "user" | "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    model: str  # the provider's model id
+    turns: tuple[Turn, ...]
+    system: str | None = None
+    volatile_system: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+
+    def segment_keys(self) -> list[str]:
+        """Segments in prefix order: system → system:volatile → message:i."""
+        keys = ["system"] if self.system else []
+        if self.volatile_system:
+            keys.append("system:volatile")
+        return keys + [f"message:{i}" for i in range(len(self.turns))]
+
+
+@dataclass(frozen=True)
+class CacheDirectives:
+    breakpoints: tuple[str, ...] = ()  # segment keys that end in a cache marker
+    ttl_s: int = 300
+    cache_key: str | None = None
+    cached_content: str | None = None  # Gemini: covers the system segment
+    warm: bool = False  # prefill only (Anthropic max_tokens: 0)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    path: str  # relative to the provider's base URL
+    body: bytes = field(repr=False)
+    prompt: bytes = field(repr=False)  # the prompt blocks, in the provider's prefix order
+    segment_ends: Mapping[str, int] = field(default_factory=dict)  # key → end offset in prompt
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class ProviderUsage:
+    """OpenAI's convention: ``prompt_tokens`` includes the cached ones."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    cache_write_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    usage: ProviderUsage
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str = ""
+    usage: ProviderUsage | None = None
+    finish_reason: str | None = None
+
+
+class StreamParser(Protocol):
+    def feed(self, event: ServerSentEvent) -> list[Delta]: ...
+
+
+class Adapter(Protocol):
+    provider: str
+
+    def auth_headers(self, api_key: str) -> dict[str, str]: ...
+
+    def render(self, call: ChatCall, cache: CacheDirectives) -> Rendered: ...
+
+    def parse(self, body: Any) -> Answer: ...
+
+    def stream_parser(self) -> StreamParser: ...
+
+    def error_message(self, body: Any) -> str: ...
+
+
+def estimate_tokens(data: bytes) -> int:
+    """A planning estimate (about 4 bytes a token); telemetry corrects it."""
+    return -(-len(data) // 4)

@@ -1,0 +1,122 @@
+"""OpenAI Chat Completions (implicit caching, ``prompt_cache_key``) and DeepSeek (its dialect)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engines.providers.base import (
+    Answer,
+    CacheDirectives,
+    ChatCall,
+    Delta,
+    ProviderUsage,
+    Rendered,
+)
+from engines.providers.errors import ProviderUnavailable
+from engines.sse import ServerSentEvent
+from manifest.canonical import canonical_json
+
+
+class OpenAIAdapter:
+    provider = "openai"
+    supports_cache_key = True
+    limit_field = "max_completion_tokens"
+
+    def auth_headers(self, api_key: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {api_key}"}
+
+    def render(self, call: ChatCall, cache: CacheDirectives) -> Rendered:
+        msgs: list[tuple[str, dict[str, Any]]] = []
+        if call.system:
+            msgs.append(("system", {"role": "system", "content": call.system}))
+        if call.volatile_system:
+            msgs.append(("system:volatile", {"role": "system", "content": call.volatile_system}))
+        msgs += [
+            (f"message:{i}", {"role": t.role, "content": t.content})
+            for i, t in enumerate(call.turns)
+        ]
+        prompt = b""
+        ends: dict[str, int] = {}
+        for key, m in msgs:
+            prompt += canonical_json(m)
+            ends[key] = len(prompt)
+        body: dict[str, Any] = {"model": call.model, "messages": [m for _, m in msgs]}
+        if call.max_tokens is not None:
+            body[self.limit_field] = call.max_tokens
+        if cache.cache_key and self.supports_cache_key:
+            body["prompt_cache_key"] = cache.cache_key
+        if call.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        for name, value in (
+            ("temperature", call.temperature),
+            ("top_p", call.top_p),
+            ("seed", call.seed),
+        ):
+            if value is not None:
+                body[name] = value
+        if call.stop:
+            body["stop"] = list(call.stop)
+        return Rendered("/chat/completions", canonical_json(body), prompt, ends, call.stream)
+
+    def usage(self, u: dict[str, Any]) -> ProviderUsage:
+        details = u.get("prompt_tokens_details") or {}
+        return ProviderUsage(
+            int(u.get("prompt_tokens") or 0),
+            int(details.get("cached_tokens") or 0),
+            int(details.get("cache_write_tokens") or 0),
+            int(u.get("completion_tokens") or 0),
+        )
+
+    def parse(self, body: Any) -> Answer:
+        choice = body["choices"][0]
+        text = choice["message"].get("content") or ""
+        return Answer(
+            text, self.usage(body.get("usage") or {}), choice.get("finish_reason") or "stop"
+        )
+
+    def stream_parser(self) -> _StreamParser:
+        return _StreamParser(self)
+
+    def error_message(self, body: Any) -> str:
+        err = body.get("error") if isinstance(body, dict) else None
+        return str(err.get("message")) if isinstance(err, dict) else str(body)[:200]
+
+
+class DeepSeekAdapter(OpenAIAdapter):
+    """OpenAI's wire format; caching is automatic (64-token units) and reported as
+    ``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``."""
+
+    provider = "deepseek"
+    supports_cache_key = False
+    limit_field = "max_tokens"
+
+    def usage(self, u: dict[str, Any]) -> ProviderUsage:
+        hit = int(u.get("prompt_cache_hit_tokens") or 0)
+        miss = int(u.get("prompt_cache_miss_tokens") or 0)
+        prompt = int(u.get("prompt_tokens") or hit + miss)
+        return ProviderUsage(prompt, hit, 0, int(u.get("completion_tokens") or 0))
+
+
+class _StreamParser:
+    def __init__(self, adapter: OpenAIAdapter) -> None:
+        self._adapter = adapter
+        self._finish: str | None = None
+
+    def feed(self, event: ServerSentEvent) -> list[Delta]:
+        if not event.data or event.data == "[DONE]":
+            return []
+        data = json.loads(event.data)
+        if "error" in data:
+            raise ProviderUnavailable(self._adapter.provider, f"stream error: {data['error']}")
+        out: list[Delta] = []
+        for choice in data.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content") or ""
+            if text:
+                out.append(Delta(text=text))
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+        if data.get("usage"):
+            out.append(Delta(usage=self._adapter.usage(data["usage"]), finish_reason=self._finish))
+        return out

@@ -1,0 +1,261 @@
+"""Verify, then account (shared/seeds/002), for the hosted-provider targets.
+
+Per target, a :class:`PromptView` names each segment boundary of a rendered
+prompt: its byte end, its estimated tokens and the digest of every byte
+before it (salted with tenant and target).  :class:`ProviderCacheBook`
+keeps what the gateway believes is warm (``manifest.belief``), the render
+record of the request that warmed each prefix (``manifest.records``) and
+the savings ledger (``manifest.ledger``).  After each answer,
+:meth:`ProviderCacheBook.settle` folds the provider's usage telemetry:
+a believed-warm prefix that reads cold is a false-warm (with the first
+diverging byte, or none when the bytes matched and the provider evicted
+it), and savings are credited only for reported cached tokens covered by
+a marker whose prefix still renders byte-identically.
+
+Token counts here are the gateway's estimates; a provider counts its own.
+Each answer's ``prompt_tokens`` gives the ratio between the two, and a
+tolerance of one cache step absorbs what is left.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engines.providers.base import ProviderUsage
+from manifest.belief import Telemetry, WarmthBelief
+from manifest.canonical import SegmentKind
+from manifest.identity import ContentDigest, content_digest
+from manifest.ledger import PriceTable, SavingsLedger
+from manifest.planner import Boundary, CapabilityProfile, PromptLayout, Regime
+from manifest.records import MarkerAt, RenderRecord, Verified, make_record, verify
+
+
+def _kind(key: str) -> SegmentKind:
+    if key == "system":
+        return SegmentKind.STABLE
+    return SegmentKind.VOLATILE if key == "system:volatile" else SegmentKind.MESSAGE
+
+
+@dataclass(frozen=True)
+class PromptView:
+    target: str
+    prompt: bytes = field(repr=False)
+    keys: tuple[str, ...]
+    ends: tuple[int, ...]
+    tokens: tuple[int, ...]  # cumulative estimate through each boundary
+    digests: tuple[ContentDigest, ...]
+
+    @classmethod
+    def of(
+        cls, target: str, salt: str, prompt: bytes, ends: dict[str, int], keys: list[str]
+    ) -> PromptView:
+        head = f"{salt}\0{target}\0".encode()
+        byte_ends = tuple(ends[k] for k in keys)
+        return cls(
+            target,
+            prompt,
+            tuple(keys),
+            byte_ends,
+            tuple(-(-e // 4) for e in byte_ends),
+            tuple(content_digest(head + prompt[:e]) for e in byte_ends),
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return self.tokens[-1] if self.tokens else 0
+
+    def layout(self) -> PromptLayout:
+        return PromptLayout(
+            tuple(Boundary(k, _kind(k), t) for k, t in zip(self.keys, self.tokens, strict=True))
+        )
+
+    def marker(self, i: int) -> MarkerAt:
+        return MarkerAt(self.keys[i], self.ends[i], self.tokens[i])
+
+    def markers(self) -> dict[str, MarkerAt]:
+        return {k: self.marker(i) for i, k in enumerate(self.keys)}
+
+
+@dataclass
+class TargetStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    written_tokens: int = 0
+    false_warm: int = 0
+    last_false_warm_offset: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "written_tokens": self.written_tokens,
+            "hit_rate": round(rate, 4),
+            "false_warm": self.false_warm,
+            "last_false_warm_offset": self.last_false_warm_offset,
+        }
+
+
+@dataclass(frozen=True)
+class Settlement:
+    believed_warm_tokens: int
+    false_warm: bool
+    broken_at: int | None
+    credited_tokens: int
+    unverified_tokens: int
+
+
+@dataclass(frozen=True)
+class Believed:
+    index: int | None  # the longest boundary believed warm
+    tokens: int
+    probability: float
+
+
+class ProviderCacheBook:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.belief = WarmthBelief()
+        self.ledger = SavingsLedger()
+        self._records: dict[tuple[str, ContentDigest], RenderRecord] = {}
+        self.stats: dict[str, TargetStats] = {}
+        self._settled = 0
+
+    def believed(self, view: PromptView) -> Believed:
+        now = self._clock()
+        for i in range(len(view.keys) - 1, -1, -1):
+            p = self.belief.probability(view.target, view.digests[i], now)
+            if p >= 0.5:
+                return Believed(i, view.tokens[i], p)
+        return Believed(None, 0, 0.0)
+
+    def settle(
+        self,
+        request_id: str,
+        view: PromptView,
+        profile: CapabilityProfile,
+        prices: PriceTable,
+        believed: Believed,
+        marked: tuple[str, ...],
+        usage: ProviderUsage,
+        ttl_s: float,
+    ) -> Settlement:
+        """Fold one answer's telemetry: belief, ledger, records, stats."""
+        now = self._clock()
+        target = view.target
+        scale = usage.prompt_tokens / view.total_tokens if view.total_tokens else 1.0
+        step = max(profile.granularity, 16)  # tolerance: one cache step, at least 16
+        st = self.stats.setdefault(target, TargetStats())
+        st.requests += 1
+        st.prompt_tokens += usage.prompt_tokens
+        st.cached_tokens += usage.cached_tokens
+        st.written_tokens += usage.cache_write_tokens
+        false_warm, broken_at = False, None
+        verified = Verified((), ())
+        if believed.index is not None:
+            i = believed.index
+            covered = usage.cached_tokens + step >= view.tokens[i] * scale
+            result = self.belief.fold(
+                Telemetry(
+                    target,
+                    view.digests[i],
+                    view.tokens[i],
+                    view.tokens[i] if covered else 0,
+                    view.prompt[: view.ends[i]],
+                    now,
+                )
+            )
+            false_warm, broken_at = result.false_warm, result.broken_at
+            if false_warm:
+                st.false_warm += 1
+                st.last_false_warm_offset = broken_at  # None: the bytes matched (evicted)
+            record = self._records.get((target, view.digests[i]))
+            if record is not None and not false_warm:
+                verified = verify(record, view.prompt, view.markers())
+        kept = tuple(
+            replace(m, prefix_tokens=math.ceil(m.prefix_tokens * scale) + step)
+            for m in verified.kept
+        )
+        credit = self.ledger.credit_provider(
+            target,
+            prices,
+            usage.cached_tokens,
+            usage.cache_write_tokens,
+            Verified(kept, verified.dropped),
+        )
+        self._remember(request_id, view, profile, marked, usage, scale, ttl_s, now)
+        self._settled += 1
+        if self._settled % 256 == 0:
+            self._collect(now)
+        return Settlement(
+            believed.tokens, false_warm, broken_at, credit.credited_tokens, credit.unverified_tokens
+        )
+
+    def _remember(
+        self,
+        request_id: str,
+        view: PromptView,
+        profile: CapabilityProfile,
+        marked: tuple[str, ...],
+        usage: ProviderUsage,
+        scale: float,
+        ttl_s: float,
+        now: float,
+    ) -> None:
+        """What this answer left warm: explicit breakpoints that were written or read; for
+        implicit caches every boundary past the minimum."""
+        minimum = profile.min_prefix_tokens
+        if profile.regime is Regime.EXPLICIT:
+            if usage.cache_write_tokens + usage.cached_tokens == 0:
+                return
+            warm = [
+                i
+                for i, k in enumerate(view.keys)
+                if k in marked and view.tokens[i] * scale >= minimum
+            ]
+        else:
+            warm = [
+                i
+                for i, t in enumerate(view.tokens)
+                if t * scale >= minimum and _kind(view.keys[i]) is not SegmentKind.VOLATILE
+            ]
+        if not warm:
+            return
+        record = make_record(request_id, view.target, view.prompt, [view.marker(i) for i in warm])
+        exact = profile.regime is Regime.EXPLICIT
+        for i in warm:
+            d = view.digests[i]
+            self.belief.record_warm(
+                view.target, d, view.tokens[i], view.prompt[: view.ends[i]], now, ttl_s, exact
+            )
+            self._records[(view.target, d)] = record
+
+    def _collect(self, now: float) -> None:
+        self.belief.expire(now)
+        for key in [k for k in self._records if self.belief.get(*k) is None]:
+            del self._records[key]
+
+    def count_false_warm(self, target: str, offset: int | None = None) -> None:
+        st = self.stats.setdefault(target, TargetStats())
+        st.false_warm += 1
+        st.last_false_warm_offset = offset
+
+    def forget(self, target: str, digest: ContentDigest) -> None:
+        self._records.pop((target, digest), None)
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for target, st in self.stats.items():
+            acc = self.ledger.providers.get(target)
+            out[target] = {
+                **st.as_dict(),
+                "credited_tokens": acc.credited if acc else 0,
+                "unverified_tokens": acc.unverified if acc else 0,
+                "saved_token_equivalents": round(acc.saved, 2) if acc else 0.0,
+            }
+        return out

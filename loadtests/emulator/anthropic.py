@@ -1,0 +1,270 @@
+"""Anthropic Messages API (``POST /v1/messages``) with prompt caching.
+
+Rules modelled (from Anthropic's prompt-caching documentation):
+
+- the prompt is ordered tools → system → messages; ``cache_control``
+  (``{"type": "ephemeral", "ttl": "5m"|"1h"}``) on a block marks a breakpoint;
+  at most 4 breakpoints, and a 1h breakpoint may not follow a 5m one;
+- a breakpoint writes the prefix through its block, unless that prefix is
+  shorter than the model's minimum cacheable length;
+- reads: at each breakpoint the cache is checked there and at up to 20 earlier
+  block boundaries (the lookback); a read refreshes the entry's TTL;
+- usage: ``input_tokens`` (after the last breakpoint),
+  ``cache_creation_input_tokens`` (with the 5m/1h split in ``cache_creation``)
+  and ``cache_read_input_tokens``;
+- ``max_tokens: 0`` prefills only (a warm), and is refused with streaming.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .common import (
+    DEFAULT_OUTPUT_TOKENS,
+    check_key,
+    cut_after,
+    event_stream,
+    fault_response,
+    parse_json,
+    reply_words,
+    sse,
+    state_of,
+)
+from .state import PrefixStore, compact, tokens
+
+router = APIRouter()
+
+MIN_PREFIX = {
+    "claude-opus-4": 4096,
+    "claude-haiku-4-5": 4096,
+    "claude-3-haiku": 2048,
+    "claude-sonnet": 1024,
+}
+DEFAULT_MIN_PREFIX = 1024
+LOOKBACK_BLOCKS = 20
+MAX_BREAKPOINTS = 4
+TTLS = {"5m": 300.0, "1h": 3600.0}
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+
+
+def error(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": message}}
+
+
+def min_prefix(model: str) -> int:
+    return next((v for k, v in MIN_PREFIX.items() if model.startswith(k)), DEFAULT_MIN_PREFIX)
+
+
+class BadRequest(Exception):
+    pass
+
+
+@dataclass
+class Block:
+    data: bytes
+    ttl: str | None  # the breakpoint's TTL, None when the block carries no cache_control
+
+
+def _strip(block: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    cc = block.get("cache_control")
+    rest = {k: v for k, v in block.items() if k != "cache_control"}
+    if cc is None:
+        return rest, None
+    if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
+        raise BadRequest("cache_control.type: Input should be 'ephemeral'")
+    ttl = cc.get("ttl", "5m")
+    if ttl not in TTLS:
+        raise BadRequest("cache_control.ttl: Input should be '5m' or '1h'")
+    return rest, ttl
+
+
+def blocks_of(body: dict[str, Any]) -> list[Block]:
+    out: list[Block] = []
+    for tool in body.get("tools") or []:
+        rest, ttl = _strip(tool)
+        out.append(Block(b"tool:" + compact(rest), ttl))
+    system = body.get("system")
+    if isinstance(system, str):
+        out.append(Block(b"system:" + compact({"type": "text", "text": system}), None))
+    elif isinstance(system, list):
+        for b in system:
+            rest, ttl = _strip(b)
+            out.append(Block(b"system:" + compact(rest), ttl))
+    for m in body["messages"]:
+        role = str(m.get("role")).encode()
+        content = m.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(parts, list) or not parts:
+            raise BadRequest("messages: each message needs content")
+        for p in parts:
+            rest, ttl = _strip(p)
+            out.append(Block(role + b":" + compact(rest), ttl))
+    return out
+
+
+@dataclass
+class CacheUsage:
+    input_tokens: int
+    read: int
+    write_5m: int
+    write_1h: int
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "input_tokens": self.input_tokens,
+            "cache_creation_input_tokens": self.write_5m + self.write_1h,
+            "cache_read_input_tokens": self.read,
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": self.write_5m,
+                "ephemeral_1h_input_tokens": self.write_1h,
+            },
+        }
+
+
+def apply_cache(store: PrefixStore, model: str, blocks: list[Block]) -> CacheUsage:
+    """Read, then write, the breakpoints of one request; returns its usage split."""
+    bps = [i for i, b in enumerate(blocks) if b.ttl is not None]
+    if len(bps) > MAX_BREAKPOINTS:
+        raise BadRequest(
+            f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
+            f"Found {len(bps)}."
+        )
+    if any(blocks[a].ttl == "5m" and blocks[b].ttl == "1h" for a, b in itertools.pairwise(bps)):
+        raise BadRequest("a ttl='1h' cache_control block must not come after a ttl='5m' block")
+    h = hashlib.sha256(model.encode() + b"\0")
+    keys: list[bytes] = []
+    cum: list[int] = []
+    total = 0
+    for b in blocks:
+        h.update(b.data + b"\n")
+        keys.append(h.copy().digest())
+        total += tokens(b.data + b"\n")
+        cum.append(total)
+    minimum = min_prefix(model)
+    read = 0
+    for bp in bps:
+        for j in range(bp, max(-1, bp - LOOKBACK_BLOCKS), -1):
+            if cum[j] > read and store.read(keys[j]) is not None:
+                read = cum[j]
+                break
+    writes = {"5m": 0, "1h": 0}
+    covered = read
+    for bp in bps:
+        if cum[bp] < minimum:
+            continue
+        ttl = blocks[bp].ttl or "5m"
+        if cum[bp] > covered:
+            writes[ttl] += cum[bp] - covered
+            covered = cum[bp]
+        store.write(keys[bp], cum[bp], TTLS[ttl])
+    return CacheUsage(total - covered, read, writes["5m"], writes["1h"])
+
+
+def _validate(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if not isinstance(body.get("model"), str):
+        raise BadRequest("model: Field required")
+    mt = body.get("max_tokens")
+    if not isinstance(mt, int) or mt < 0:
+        raise BadRequest("max_tokens: Field required (a non-negative integer)")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages: at least one message is required")
+    if mt == 0:
+        choice = (body.get("tool_choice") or {}).get("type")
+        if body.get("stream") or body.get("thinking") or choice in ("any", "tool"):
+            raise BadRequest(
+                "max_tokens: 0 cannot be combined with stream, thinking or a forced tool_choice"
+            )
+    return body
+
+
+@router.post("/v1/messages", response_model=None)
+async def messages(request: Request) -> Response:
+    state = state_of(request)
+    raw, body = await parse_json(request, "anthropic")
+    if not check_key(state, request.headers.get("x-api-key")):
+        return JSONResponse(error(401, "invalid x-api-key"), 401)
+    if not request.headers.get("anthropic-version"):
+        return JSONResponse(error(400, "anthropic-version: header is required"), 400)
+    stream = isinstance(body, dict) and bool(body.get("stream"))
+    early, cut = await fault_response(state, "anthropic", error, stream)
+    if early is not None:
+        return early
+    try:
+        body = _validate(body)
+        usage = apply_cache(state.store("anthropic").shard(b""), body["model"], blocks_of(body))
+    except (BadRequest, KeyError, TypeError, AttributeError) as exc:
+        return JSONResponse(error(400, str(exc) or "invalid request"), 400)
+    n = min(body["max_tokens"], DEFAULT_OUTPUT_TOKENS)
+    words = reply_words(raw, n)
+    stop = "max_tokens" if n == body["max_tokens"] else "end_turn"
+    msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+    if not stream:
+        return JSONResponse(
+            {
+                "id": msg_id,
+                "type": "message",
+                "role": "assistant",
+                "model": body["model"],
+                "content": [{"type": "text", "text": "".join(words)}] if words else [],
+                "stop_reason": stop,
+                "stop_sequence": None,
+                "usage": {**usage.fields(), "output_tokens": len(words)},
+            }
+        )
+
+    async def events() -> AsyncIterator[bytes]:
+        start = {
+            "id": msg_id,
+            "type": "message",
+            "role": "assistant",
+            "model": body["model"],
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {**usage.fields(), "output_tokens": 1},
+        }
+        yield sse({"type": "message_start", "message": start}, "message_start")
+        block = {"type": "text", "text": ""}
+        yield sse(
+            {"type": "content_block_start", "index": 0, "content_block": block},
+            "content_block_start",
+        )
+        yield sse({"type": "ping"}, "ping")
+        for w in words:
+            delta = {"type": "text_delta", "text": w}
+            yield sse(
+                {"type": "content_block_delta", "index": 0, "delta": delta}, "content_block_delta"
+            )
+        yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+        yield sse(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop, "stop_sequence": None},
+                "usage": {"output_tokens": len(words)},
+            },
+            "message_delta",
+        )
+        yield sse({"type": "message_stop"}, "message_stop")
+
+    return event_stream(cut_after(events(), cut))

@@ -1,0 +1,25 @@
+"""The emulator application: every provider's routes on one port.
+
+- Anthropic: ``POST /v1/messages`` (``x-api-key``, ``anthropic-version``)
+- OpenAI: ``POST /v1/chat/completions``, ``POST /v1/responses`` (Bearer key)
+- Gemini: ``POST /v1beta/models/{model}:generateContent`` /
+  ``:streamGenerateContent?alt=sse``, ``/v1beta/cachedContents`` (``x-goog-api-key``)
+- DeepSeek: ``POST /deepseek/chat/completions`` (base URL ``…/deepseek``)
+- admin: ``/admin/faults``, ``/admin/clock/advance``, ``/admin/flush``,
+  ``/admin/requests`` (sha256 of every body received), ``/admin/reset``
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from . import admin, anthropic, gemini, openai
+from .state import EmulatorState
+
+
+def create_app(state: EmulatorState | None = None) -> FastAPI:
+    app = FastAPI(title="vcache provider emulator")
+    app.state.emulator = state or EmulatorState()
+    for r in (anthropic.router, openai.router, gemini.router, admin.router):
+        app.include_router(r)
+    return app

@@ -1,0 +1,244 @@
+"""Gemini ``generateContent`` / ``streamGenerateContent`` and ``cachedContents``.
+
+Rules modelled (Gemini API caching documentation):
+
+- implicit caching from a per-model minimum (2048 tokens for Flash, 4096 for
+  Pro), at content boundaries, reported as ``cachedContentTokenCount``;
+- explicit ``cachedContents``: created with ``ttl`` (default 1 hour) or
+  ``expireTime``, refused below the model's minimum; a request that names
+  one pays its tokens as cached and may not also set ``systemInstruction``,
+  ``tools`` or ``toolConfig``; an expired or deleted one is ``NOT_FOUND``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .common import (
+    DEFAULT_OUTPUT_TOKENS,
+    check_key,
+    cut_after,
+    event_stream,
+    fault_response,
+    parse_json,
+    reply_words,
+    state_of,
+)
+from .state import (
+    EmulatorState,
+    compact,
+    implicit_lookup,
+    implicit_write,
+    prefix_keys,
+    tokens,
+)
+
+router = APIRouter()
+
+MIN_PREFIX = {"gemini-2.5-pro": 4096, "gemini-3-pro": 4096}
+DEFAULT_MIN_PREFIX = 2048
+IMPLICIT_TTL_S = 300.0
+DEFAULT_EXPLICIT_TTL_S = 3600.0
+_STATUS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
+
+
+def error(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"code": status, "message": message, "status": _STATUS.get(status, "UNKNOWN")}}
+
+
+def min_prefix(model: str) -> int:
+    return next((v for k, v in MIN_PREFIX.items() if model.startswith(k)), DEFAULT_MIN_PREFIX)
+
+
+def items_of(body: dict[str, Any]) -> list[bytes]:
+    out = [b"tool:" + compact(t) for t in body.get("tools") or []]
+    if body.get("systemInstruction"):
+        out.append(b"system:" + compact(body["systemInstruction"]))
+    out += [b"content:" + compact(c) for c in body.get("contents") or []]
+    return [i + b"\n" for i in out]
+
+
+@dataclass
+class CachedContent:
+    name: str
+    model: str
+    stream: bytes
+    tokens: int
+    expires: float  # emulator clock
+    display_name: str
+
+    def resource(self, state: EmulatorState) -> dict[str, Any]:
+        left = self.expires - state.clock.now()
+        expire = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=left)
+        return {
+            "name": self.name,
+            "model": f"models/{self.model}",
+            "displayName": self.display_name,
+            "expireTime": expire.isoformat().replace("+00:00", "Z"),
+            "usageMetadata": {"totalTokenCount": self.tokens},
+        }
+
+
+def _key_ok(request: Request) -> bool:
+    key = request.headers.get("x-goog-api-key") or request.query_params.get("key")
+    return check_key(state_of(request), key)
+
+
+def _ttl_s(body: dict[str, Any]) -> float:
+    ttl = body.get("ttl")
+    if ttl is None:
+        return DEFAULT_EXPLICIT_TTL_S
+    if not isinstance(ttl, str) or not ttl.endswith("s"):
+        raise ValueError("ttl: a duration like '3600s'")
+    return float(ttl[:-1])
+
+
+def _live(state: EmulatorState, name: str) -> CachedContent | None:
+    cc: CachedContent | None = state.gemini_cached.get(name)
+    if cc is not None and cc.expires <= state.clock.now():
+        del state.gemini_cached[name]
+        return None
+    return cc
+
+
+@router.post("/v1beta/cachedContents", response_model=None)
+async def create_cached(request: Request) -> Response:
+    state = state_of(request)
+    _, body = await parse_json(request, "gemini")
+    if not _key_ok(request):
+        return JSONResponse(error(401, "API key not valid"), 401)
+    early, _ = await fault_response(state, "gemini", error, False)
+    if early is not None:
+        return early
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        return JSONResponse(error(400, "model: required"), 400)
+    model = body["model"].removeprefix("models/")
+    try:
+        ttl = _ttl_s(body)
+    except ValueError as exc:
+        return JSONResponse(error(400, str(exc)), 400)
+    stream = b"".join(items_of(body))
+    n = tokens(stream)
+    if n < min_prefix(model):
+        msg = (
+            f"Cached content is too small. total_token_count={n}, "
+            f"min_total_token_count={min_prefix(model)}"
+        )
+        return JSONResponse(error(400, msg), 400)
+    name = f"cachedContents/{uuid.uuid4().hex[:16]}"
+    cc = CachedContent(
+        name, model, stream, n, state.clock.now() + ttl, str(body.get("displayName", ""))
+    )
+    state.gemini_cached[name] = cc
+    return JSONResponse(cc.resource(state))
+
+
+@router.get("/v1beta/cachedContents/{cid}", response_model=None)
+async def get_cached(cid: str, request: Request) -> Response:
+    state = state_of(request)
+    if not _key_ok(request):
+        return JSONResponse(error(401, "API key not valid"), 401)
+    cc = _live(state, f"cachedContents/{cid}")
+    if cc is None:
+        return JSONResponse(error(404, "CachedContent not found (or permission denied)"), 404)
+    return JSONResponse(cc.resource(state))
+
+
+@router.delete("/v1beta/cachedContents/{cid}", response_model=None)
+async def delete_cached(cid: str, request: Request) -> Response:
+    state = state_of(request)
+    state.log("gemini", request.url.path, b"")
+    if not _key_ok(request):
+        return JSONResponse(error(401, "API key not valid"), 401)
+    if state.gemini_cached.pop(f"cachedContents/{cid}", None) is None:
+        return JSONResponse(error(404, "CachedContent not found (or permission denied)"), 404)
+    return JSONResponse({})
+
+
+@router.post("/v1beta/models/{model_action}", response_model=None)
+async def generate(model_action: str, request: Request) -> Response:
+    state = state_of(request)
+    raw, body = await parse_json(request, "gemini")
+    model, _, action = model_action.partition(":")
+    if action not in ("generateContent", "streamGenerateContent"):
+        return JSONResponse(error(404, f"unknown method {action!r}"), 404)
+    if not _key_ok(request):
+        return JSONResponse(error(401, "API key not valid"), 401)
+    stream = action == "streamGenerateContent"
+    early, cut = await fault_response(state, "gemini", error, stream)
+    if early is not None:
+        return early
+    if not isinstance(body, dict) or not body.get("contents"):
+        return JSONResponse(error(400, "contents: required"), 400)
+    cached = 0
+    prefix = b""
+    if body.get("cachedContent"):
+        if any(body.get(k) for k in ("systemInstruction", "tools", "toolConfig")):
+            msg = (
+                "CachedContent can not be used with GenerateContent request setting "
+                "system_instruction, tools or tool_config."
+            )
+            return JSONResponse(error(400, msg), 400)
+        cc = _live(state, str(body["cachedContent"]))
+        if cc is None:
+            return JSONResponse(error(404, "CachedContent not found (or permission denied)"), 404)
+        if cc.model != model:
+            return JSONResponse(error(400, "the cached content is for another model"), 400)
+        prefix, cached = cc.stream, cc.tokens
+    items = items_of(body)
+    stream_bytes = prefix + b"".join(items)
+    total = tokens(stream_bytes)
+    if not cached:
+        cuts, pos = [], 0
+        for i in items:
+            pos += len(i)
+            if tokens(stream_bytes[:pos]) >= min_prefix(model):
+                cuts.append(tokens(stream_bytes[:pos]))
+        keys = prefix_keys(model.encode() + b"\0", stream_bytes, cuts)
+        shard = state.store("gemini").shard(b"")
+        cached = implicit_lookup(shard, keys)
+        implicit_write(shard, keys, IMPLICIT_TTL_S)
+    limit = (body.get("generationConfig") or {}).get("maxOutputTokens")
+    n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
+    words = reply_words(raw, n)
+    finish = "MAX_TOKENS" if limit is not None and n == int(limit) else "STOP"
+
+    def usage(out: int) -> dict[str, Any]:
+        u = {"promptTokenCount": total, "candidatesTokenCount": out, "totalTokenCount": total + out}
+        if cached:
+            u["cachedContentTokenCount"] = cached
+        return u
+
+    def answer(text: str, out: int, reason: str | None) -> dict[str, Any]:
+        cand: dict[str, Any] = {"content": {"role": "model", "parts": [{"text": text}]}, "index": 0}
+        if reason:
+            cand["finishReason"] = reason
+        return {"candidates": [cand], "usageMetadata": usage(out), "modelVersion": model}
+
+    if not stream:
+        return JSONResponse(answer("".join(words), len(words), finish))
+
+    async def events() -> AsyncIterator[bytes]:
+        for i, w in enumerate(words):
+            last = i == len(words) - 1
+            data = compact(answer(w, i + 1, finish if last else None))
+            yield b"data: " + data + b"\r\n\r\n"
+        if not words:
+            yield b"data: " + compact(answer("", 0, finish)) + b"\r\n\r\n"
+
+    return event_stream(cut_after(events(), cut))

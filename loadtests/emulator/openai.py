@@ -1,0 +1,268 @@
+"""OpenAI Chat Completions and Responses, and DeepSeek's chat completions (under ``/deepseek``).
+
+Rules modelled:
+
+- OpenAI: automatic prefix caching from 1024 tokens in 128-token steps; the
+  cache shard is chosen by a hash of the first 256 tokens with
+  ``prompt_cache_key``, so requests sharing a prefix but not a key may land
+  on different shards; ``prompt_cache_retention`` ``in_memory`` (5 minutes
+  of inactivity) or ``24h``; usage ``prompt_tokens_details.cached_tokens``
+  (chat) and ``input_tokens_details.cached_tokens`` (responses).
+- DeepSeek: caching on by default in 64-token units, one shard; usage
+  ``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``.
+
+A request's cache entries are written once its response begins.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .common import (
+    DEFAULT_OUTPUT_TOKENS,
+    check_key,
+    cut_after,
+    event_stream,
+    fault_response,
+    parse_json,
+    reply_words,
+    sse,
+    state_of,
+)
+from .state import (
+    EmulatorState,
+    compact,
+    implicit_lookup,
+    implicit_write,
+    prefix_keys,
+    tokens,
+)
+
+router = APIRouter()
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
+
+
+def error(status: int, message: str) -> dict[str, Any]:
+    code = {401: "invalid_api_key", 429: "rate_limit_exceeded"}.get(status)
+    kind = _TYPES.get(status, "rate_limit_error" if status == 429 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+@dataclass(frozen=True)
+class Rules:
+    provider: str
+    minimum: int
+    step: int
+    sharded: bool
+    ttl_s: float
+
+
+OPENAI = Rules("openai", 1024, 128, True, 300.0)
+DEEPSEEK = Rules("deepseek", 64, 64, False, 3600.0)
+ROUTE_TOKENS = 256
+
+
+@dataclass
+class Cached:
+    prompt: int
+    cached: int
+
+
+def _cache(
+    state: EmulatorState, rules: Rules, model: str, stream: bytes, key: str, ttl_s: float
+) -> Cached:
+    total = tokens(stream)
+    cuts = list(range(rules.minimum, total + 1, rules.step))
+    keys = prefix_keys(model.encode() + b"\0", stream, cuts)
+    route = stream[: ROUTE_TOKENS * 4] + b"\0" + key.encode() if rules.sharded else b""
+    shard = state.store(rules.provider).shard(route)
+    hit = implicit_lookup(shard, keys)
+    implicit_write(shard, keys, ttl_s)  # readable by the next request, not this one
+    return Cached(total, hit)
+
+
+def chat_stream_bytes(body: dict[str, Any]) -> bytes:
+    parts = [b"tool:" + compact(t) for t in body.get("tools") or []]
+    parts += [b"msg:" + compact(m) for m in body["messages"]]
+    return b"\n".join(parts) + b"\n"
+
+
+def _ttl(rules: Rules, body: dict[str, Any]) -> float:
+    return 86400.0 if body.get("prompt_cache_retention") == "24h" else rules.ttl_s
+
+
+def _usage(rules: Rules, c: Cached, completion: int) -> dict[str, Any]:
+    u: dict[str, Any] = {
+        "prompt_tokens": c.prompt,
+        "completion_tokens": completion,
+        "total_tokens": c.prompt + completion,
+    }
+    if rules is DEEPSEEK:
+        u["prompt_cache_hit_tokens"] = c.cached
+        u["prompt_cache_miss_tokens"] = c.prompt - c.cached
+    else:
+        u["prompt_tokens_details"] = {"cached_tokens": c.cached, "audio_tokens": 0}
+        u["completion_tokens_details"] = {"reasoning_tokens": 0}
+    return u
+
+
+async def _chat(request: Request, rules: Rules) -> Response:
+    state = state_of(request)
+    raw, body = await parse_json(request, rules.provider)
+    auth = request.headers.get("authorization", "")
+    if not auth.startswith("Bearer ") or not check_key(state, auth[7:]):
+        return JSONResponse(error(401, "Incorrect API key provided"), 401)
+    stream = isinstance(body, dict) and bool(body.get("stream"))
+    early, cut = await fault_response(state, rules.provider, error, stream)
+    if early is not None:
+        return early
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        return JSONResponse(error(400, "you must provide a model parameter"), 400)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        return JSONResponse(error(400, "messages: must be a non-empty array"), 400)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
+    key = str(body.get("prompt_cache_key") or "")
+    c = _cache(state, rules, body["model"], chat_stream_bytes(body), key, _ttl(rules, body))
+    words = reply_words(raw, n)
+    finish = "length" if limit is not None and n == int(limit) else "stop"
+    cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    usage = _usage(rules, c, len(words))
+    if not stream:
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "".join(words)},
+                        "finish_reason": finish,
+                    }
+                ],
+                "usage": usage,
+            }
+        )
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+    def chunk(delta: dict[str, Any], reason: str | None = None) -> bytes:
+        return sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body["model"],
+                "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
+            }
+        )
+
+    async def events() -> AsyncIterator[bytes]:
+        yield chunk({"role": "assistant", "content": ""})
+        for w in words:
+            yield chunk({"content": w})
+        yield chunk({}, finish)
+        if include_usage:
+            yield sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": body["model"],
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+        yield b"data: [DONE]\n\n"
+
+    return event_stream(cut_after(events(), cut))
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def openai_chat(request: Request) -> Response:
+    return await _chat(request, OPENAI)
+
+
+@router.post("/deepseek/chat/completions", response_model=None)
+async def deepseek_chat(request: Request) -> Response:
+    return await _chat(request, DEEPSEEK)
+
+
+def responses_stream_bytes(body: dict[str, Any]) -> bytes:
+    parts = [b"tool:" + compact(t) for t in body.get("tools") or []]
+    if body.get("instructions"):
+        parts.append(b"msg:" + compact({"role": "system", "content": body["instructions"]}))
+    inp = body.get("input")
+    items = [{"role": "user", "content": inp}] if isinstance(inp, str) else list(inp or [])
+    parts += [b"msg:" + compact(i) for i in items]
+    return b"\n".join(parts) + b"\n"
+
+
+@router.post("/v1/responses", response_model=None)
+async def responses(request: Request) -> Response:
+    state = state_of(request)
+    raw, body = await parse_json(request, "openai")
+    auth = request.headers.get("authorization", "")
+    if not auth.startswith("Bearer ") or not check_key(state, auth[7:]):
+        return JSONResponse(error(401, "Incorrect API key provided"), 401)
+    stream = isinstance(body, dict) and bool(body.get("stream"))
+    early, cut = await fault_response(state, "openai", error, stream)
+    if early is not None:
+        return early
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        return JSONResponse(error(400, "you must provide a model parameter"), 400)
+    if not body.get("input"):
+        return JSONResponse(error(400, "input: required"), 400)
+    limit = body.get("max_output_tokens")
+    n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
+    key = str(body.get("prompt_cache_key") or "")
+    c = _cache(state, OPENAI, body["model"], responses_stream_bytes(body), key, _ttl(OPENAI, body))
+    text = "".join(reply_words(raw, n))
+    rid = f"resp_{uuid.uuid4().hex[:24]}"
+    done = {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "completed",
+        "model": body["model"],
+        "output": [
+            {
+                "type": "message",
+                "id": f"msg_{uuid.uuid4().hex[:24]}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ],
+        "usage": {
+            "input_tokens": c.prompt,
+            "input_tokens_details": {"cached_tokens": c.cached},
+            "output_tokens": n,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": c.prompt + n,
+        },
+    }
+    if not stream:
+        return JSONResponse(done)
+
+    async def events() -> AsyncIterator[bytes]:
+        created = {**done, "status": "in_progress", "output": [], "usage": None}
+        yield sse({"type": "response.created", "response": created}, "response.created")
+        for w in reply_words(raw, n):
+            yield sse(
+                {"type": "response.output_text.delta", "output_index": 0, "delta": w},
+                "response.output_text.delta",
+            )
+        yield sse({"type": "response.completed", "response": done}, "response.completed")
+
+    return event_stream(cut_after(events(), cut))

@@ -1,0 +1,185 @@
+"""The emulator's shared state: an injectable clock, prefix caches, faults, a request log.
+
+Token model: a prompt is a byte stream; a token is 4 bytes of it (the last one
+may be shorter).  Each provider module builds the stream the way its API
+orders a prompt (tools → system → messages) from the JSON it received, key
+order kept, so a client that reorders keys or rewrites a timestamp changes the
+stream exactly where it would change a real provider's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+BYTES_PER_TOKEN = 4
+
+
+def tokens(data: bytes) -> int:
+    return -(-len(data) // BYTES_PER_TOKEN)
+
+
+def compact(value: Any) -> bytes:
+    """JSON as received (key order kept), without whitespace."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class Clock:
+    """Monotonic time plus an offset the admin API can advance (TTL tests)."""
+
+    def __init__(self) -> None:
+        self._offset = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() + self._offset
+
+    def advance(self, seconds: float) -> None:
+        self._offset += seconds
+
+
+@dataclass
+class Entry:
+    tokens: int
+    ttl_s: float
+    expires: float
+
+
+class PrefixStore:
+    """One cache shard: prefix key → entry, LRU beyond ``capacity``, TTL on the clock."""
+
+    def __init__(self, clock: Clock, capacity: int) -> None:
+        self._clock = clock
+        self._capacity = capacity
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+
+    def read(self, key: bytes) -> Entry | None:
+        """A hit refreshes the entry's TTL and recency."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        now = self._clock.now()
+        if e.expires <= now:
+            del self._entries[key]
+            return None
+        e.expires = now + e.ttl_s
+        self._entries.move_to_end(key)
+        return e
+
+    def write(self, key: bytes, n_tokens: int, ttl_s: float) -> None:
+        now = self._clock.now()
+        old = self._entries.get(key)
+        ttl = max(ttl_s, old.ttl_s) if old is not None and old.expires > now else ttl_s
+        self._entries[key] = Entry(n_tokens, ttl, now + ttl)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._capacity:
+            self._entries.popitem(last=False)
+
+    def flush(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class ShardedStore:
+    """Several shards; a request reaches one by a hash of its routing key."""
+
+    def __init__(self, clock: Clock, shards: int, capacity: int) -> None:
+        self.shards = [PrefixStore(clock, capacity) for _ in range(shards)]
+
+    def shard(self, route: bytes) -> PrefixStore:
+        h = int.from_bytes(hashlib.sha256(route).digest()[:8], "big")
+        return self.shards[h % len(self.shards)]
+
+    def flush(self) -> None:
+        for s in self.shards:
+            s.flush()
+
+
+def prefix_keys(salt: bytes, stream: bytes, cuts: Sequence[int]) -> list[tuple[int, bytes]]:
+    """(cut in tokens, key) for each cut: the sha256 of the salt and the stream up to it."""
+    out: list[tuple[int, bytes]] = []
+    h = hashlib.sha256(salt)
+    pos = 0
+    for cut in sorted(cuts):
+        end = min(len(stream), cut * BYTES_PER_TOKEN)
+        h.update(stream[pos:end])
+        pos = end
+        out.append((cut, h.copy().digest()))
+    return out
+
+
+def implicit_lookup(store: PrefixStore, keys: Sequence[tuple[int, bytes]]) -> int:
+    """The longest cached cut, in tokens (0: a miss)."""
+    for cut, key in sorted(keys, reverse=True):
+        if store.read(key) is not None:
+            return cut
+    return 0
+
+
+def implicit_write(store: PrefixStore, keys: Sequence[tuple[int, bytes]], ttl_s: float) -> None:
+    for cut, key in keys:
+        store.write(key, cut, ttl_s)
+
+
+@dataclass
+class Fault:
+    """Applied to the next ``count`` requests (of ``provider``, or of any)."""
+
+    kind: str  # status | timeout | drop | cut
+    count: int = 1
+    provider: str | None = None
+    status: int = 500
+    retry_after: str | None = None  # the Retry-After header, as sent
+    retry_after_ms: int | None = None
+    delay_s: float = 30.0  # timeout: how long to stall before answering
+    after_events: int = 2  # cut: events sent before the connection drops
+
+
+@dataclass
+class Received:
+    provider: str
+    path: str
+    sha256: str
+    size: int
+
+
+@dataclass
+class EmulatorState:
+    clock: Clock = field(default_factory=Clock)
+    shards: int = 4
+    capacity: int = 4096
+    api_key: str | None = None  # None: any non-empty key is accepted
+    faults: list[Fault] = field(default_factory=list)
+    received: list[Received] = field(default_factory=list)
+    stores: dict[str, ShardedStore] = field(default_factory=dict)
+    gemini_cached: dict[str, Any] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def store(self, provider: str) -> ShardedStore:
+        if provider not in self.stores:
+            self.stores[provider] = ShardedStore(self.clock, self.shards, self.capacity)
+        return self.stores[provider]
+
+    def flush(self) -> None:
+        for s in self.stores.values():
+            s.flush()
+        self.gemini_cached.clear()
+
+    def take_fault(self, provider: str) -> Fault | None:
+        for f in self.faults:
+            if f.provider in (None, provider):
+                f.count -= 1
+                if f.count <= 0:
+                    self.faults.remove(f)
+                return f
+        return None
+
+    def log(self, provider: str, path: str, body: bytes) -> None:
+        self.received.append(Received(provider, path, hashlib.sha256(body).hexdigest(), len(body)))
