@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from engines.tokenizer import ChatTokenizer
-from tests.providers.conftest import MODELS, Emulator, Gw, make_gateway
+from tests.providers.conftest import KEY, MODELS, Emulator, Gw, make_gateway
 
 ANCHOR = "".join(
     f"Rule {i}: answer briefly, cite manual section {i}, and never invent a section.\n"
@@ -158,3 +158,32 @@ def test_a_handle_deleted_behind_the_gateways_back_is_resent_inline(gw: Gw) -> N
     snap = gw.stats()
     assert snap["gemini_cached_contents"]["lost"] == 1
     assert snap[model]["false_warm"] >= 1
+
+
+def test_anthropic_warm_prefills_with_max_tokens_zero_then_streams_a_hit(gw: Gw) -> None:
+    model = f"anthropic/{MODELS['anthropic']}"
+    messages = [
+        {"role": "system", "content": ANCHOR},
+        {"role": "user", "content": "warm me"},
+    ]
+    r = gw.http.post(
+        "/v1/cache/warm",
+        headers={"authorization": f"Bearer {KEY}"},
+        json={"model": model, "messages": messages},
+    )
+    assert r.status_code == 200, r.text
+    warm = r.json()
+    assert warm["target"] == model and warm["written_tokens"] > 0 and warm["cached_tokens"] == 0
+    stream = gw.client().chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": ANCHOR}, {"role": "user", "content": "real"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens_details.cached_tokens or 0) > 0  # the warmed system prefix
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert gw.stats()[model]["false_warm"] == 0

@@ -1,0 +1,167 @@
+"""The provider emulator's caching rules, in process (the wire tests run it on loopback)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
+
+from emulator.app import create_app
+from emulator.state import EmulatorState
+
+A = {"x-api-key": "k", "anthropic-version": "2023-06-01"}
+B = {"authorization": "Bearer k"}
+G = {"x-goog-api-key": "k"}
+LONG = "Policy line that stays the same across requests.\n" * 120  # ~1500 tokens
+
+
+@pytest.fixture
+def emu() -> TestClient:
+    return TestClient(create_app(EmulatorState(shards=4, capacity=64)))
+
+
+def msgs(emu: TestClient, blocks: list[dict[str, Any]], q: str = "q", **kw: Any) -> Any:
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 4, "system": blocks}
+    body |= {"messages": [{"role": "user", "content": q}], **kw}
+    return emu.post("/v1/messages", headers=A, json=body)
+
+
+def cc(ttl: str = "5m") -> dict[str, str]:
+    return {"type": "ephemeral", "ttl": ttl}
+
+
+def test_anthropic_write_then_read_then_ttl(emu: TestClient) -> None:
+    sys_ = [{"type": "text", "text": LONG, "cache_control": cc()}]
+    first = msgs(emu, sys_).json()["usage"]
+    assert first["cache_read_input_tokens"] == 0
+    assert first["cache_creation_input_tokens"] > 1024
+    assert (
+        first["cache_creation"]["ephemeral_5m_input_tokens"] == first["cache_creation_input_tokens"]
+    )
+    second = msgs(emu, sys_, "other").json()["usage"]
+    assert second["cache_read_input_tokens"] == first["cache_creation_input_tokens"]
+    emu.post("/admin/clock/advance", json={"seconds": 299})
+    assert msgs(emu, sys_).json()["usage"]["cache_read_input_tokens"] > 0  # a read refreshes
+    emu.post("/admin/clock/advance", json={"seconds": 301})
+    assert msgs(emu, sys_).json()["usage"]["cache_read_input_tokens"] == 0
+
+
+def test_anthropic_minimum_prefix_and_one_hour_split(emu: TestClient) -> None:
+    short = [{"type": "text", "text": "short", "cache_control": cc()}]
+    u = msgs(emu, short).json()["usage"]
+    assert u["cache_creation_input_tokens"] == 0  # below 1024 tokens: not cached
+    hour = [{"type": "text", "text": LONG, "cache_control": cc("1h")}]
+    u = msgs(emu, hour).json()["usage"]
+    assert u["cache_creation"]["ephemeral_1h_input_tokens"] == u["cache_creation_input_tokens"] > 0
+
+
+def test_anthropic_refuses_five_breakpoints_and_misordered_ttls(emu: TestClient) -> None:
+    five = [{"type": "text", "text": f"{i}", "cache_control": cc()} for i in range(5)]
+    r = msgs(emu, five)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("A maximum of 4 blocks")
+    bad = [
+        {"type": "text", "text": "a", "cache_control": cc("5m")},
+        {"type": "text", "text": "b", "cache_control": cc("1h")},
+    ]
+    assert msgs(emu, bad).status_code == 400
+
+
+def test_anthropic_lookback_reaches_twenty_blocks_back(emu: TestClient) -> None:
+    base = [{"type": "text", "text": LONG, "cache_control": cc()}]
+    msgs(emu, base)
+    near = [{"type": "text", "text": LONG}] + [{"type": "text", "text": f"x{i}"} for i in range(18)]
+    near[-1]["cache_control"] = cc()  # type: ignore[assignment]
+    assert msgs(emu, near).json()["usage"]["cache_read_input_tokens"] > 0
+    far = [{"type": "text", "text": LONG}] + [{"type": "text", "text": f"y{i}"} for i in range(25)]
+    far[-1]["cache_control"] = cc()  # type: ignore[assignment]
+    assert msgs(emu, far).json()["usage"]["cache_read_input_tokens"] == 0
+
+
+def test_anthropic_warm_with_max_tokens_zero_but_not_streamed(emu: TestClient) -> None:
+    sys_ = [{"type": "text", "text": LONG, "cache_control": cc()}]
+    warm = msgs(emu, sys_, max_tokens=0).json()
+    assert warm["content"] == [] and warm["usage"]["cache_creation_input_tokens"] > 0
+    assert msgs(emu, sys_, max_tokens=0, stream=True).status_code == 400
+
+
+def chat(emu: TestClient, key: str | None, path: str = "/v1/chat/completions") -> Any:
+    body: dict[str, Any] = {
+        "model": "gpt-5",
+        "messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "hi"}],
+    }
+    if key is not None:
+        body["prompt_cache_key"] = key
+    return emu.post(path, headers=B, json=body).json()["usage"]
+
+
+def test_openai_steps_and_cache_key_affinity(emu: TestClient) -> None:
+    assert chat(emu, "alpha")["prompt_tokens_details"]["cached_tokens"] == 0
+    hit = chat(emu, "alpha")["prompt_tokens_details"]["cached_tokens"]
+    assert hit >= 1024 and hit % 128 == 0
+    # a different key routes to another shard for at least one of these keys: a cold cache
+    misses = [chat(emu, f"k{i}")["prompt_tokens_details"]["cached_tokens"] for i in range(8)]
+    assert 0 in misses
+
+
+def test_deepseek_units_and_fields(emu: TestClient) -> None:
+    chat(emu, None, "/deepseek/chat/completions")
+    u = chat(emu, None, "/deepseek/chat/completions")
+    assert u["prompt_cache_hit_tokens"] % 64 == 0 and u["prompt_cache_hit_tokens"] > 0
+    assert u["prompt_cache_hit_tokens"] + u["prompt_cache_miss_tokens"] == u["prompt_tokens"]
+
+
+def test_lru_capacity_evicts_oldest(emu: TestClient) -> None:
+    for i in range(70):  # capacity 64 entries per shard; each prompt writes several
+        emu.post(
+            "/deepseek/chat/completions",
+            headers=B,
+            json={"model": "d", "messages": [{"role": "user", "content": f"{i} " + "z" * 400}]},
+        )
+    first = emu.post(
+        "/deepseek/chat/completions",
+        headers=B,
+        json={"model": "d", "messages": [{"role": "user", "content": "0 " + "z" * 400}]},
+    ).json()["usage"]
+    assert first["prompt_cache_hit_tokens"] == 0
+
+
+def test_gemini_cached_content_rules(emu: TestClient) -> None:
+    big = {"parts": [{"text": LONG * 2}]}
+    small = emu.post(
+        "/v1beta/cachedContents",
+        headers=G,
+        json={"model": "models/gemini-2.5-flash", "systemInstruction": {"parts": [{"text": "x"}]}},
+    )
+    assert small.status_code == 400 and "too small" in small.json()["error"]["message"]
+    made = emu.post(
+        "/v1beta/cachedContents",
+        headers=G,
+        json={"model": "models/gemini-2.5-flash", "systemInstruction": big, "ttl": "600s"},
+    ).json()
+    contents = [{"role": "user", "parts": [{"text": "hi"}]}]
+    url = "/v1beta/models/gemini-2.5-flash:generateContent"
+    both = emu.post(
+        url,
+        headers=G,
+        json={"cachedContent": made["name"], "systemInstruction": big, "contents": contents},
+    )
+    assert both.status_code == 400
+    used = emu.post(url, headers=G, json={"cachedContent": made["name"], "contents": contents})
+    tokens = made["usageMetadata"]["totalTokenCount"]
+    assert used.json()["usageMetadata"]["cachedContentTokenCount"] == tokens
+    emu.post("/admin/clock/advance", json={"seconds": 601})
+    gone = emu.post(url, headers=G, json={"cachedContent": made["name"], "contents": contents})
+    assert gone.status_code == 404 and gone.json()["error"]["status"] == "NOT_FOUND"
+
+
+def test_auth_and_request_log(emu: TestClient) -> None:
+    r = emu.post("/v1/messages", json={"model": "m"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    log = emu.get("/admin/requests").json()
+    assert log[-1]["path"] == "/v1/messages" and len(log[-1]["sha256"]) == 64
