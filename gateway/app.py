@@ -133,7 +133,9 @@ def create_app(
     app.state.service = GatewayService(
         dispatcher,
         model_name=settings.model_name,
-        targets=Targets(settings.model_name, settings.aliases, list(settings.providers)),
+        targets=Targets(
+            settings.model_name if local else None, settings.aliases, list(settings.providers)
+        ),
         providers=ProviderChat(providers, settings.prompt_layout) if providers else None,
         metrics=metrics,
     )

@@ -166,10 +166,17 @@ class Settings(BaseSettings):
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     log_level: str = "info"
 
+    @property
+    def has_local(self) -> bool:
+        return self.engine.replicas > 0 or bool(self.remote_replicas)
+
     @model_validator(mode="after")
-    def _some_replica(self) -> Settings:
-        if self.engine.replicas == 0 and not self.remote_replicas:
-            raise ValueError("configure at least one replica (engine.replicas or remote_replicas)")
+    def _some_target(self) -> Settings:
+        if not self.has_local and not self.providers:
+            raise ValueError(
+                "configure at least one replica (engine.replicas or remote_replicas) "
+                "or a provider"
+            )
         return self
 
     @model_validator(mode="after")
@@ -178,6 +185,8 @@ class Settings(BaseSettings):
             if not targets:
                 raise ValueError(f"alias {alias!r} needs at least one target")
             for t in targets:
+                if t == LOCAL_TARGET and not self.has_local:
+                    raise ValueError(f"alias {alias!r}: 'local' needs a local replica")
                 provider, sep, model = t.partition("/")
                 if t != LOCAL_TARGET and (not sep or not model or provider not in self.providers):
                     raise ValueError(

@@ -28,6 +28,8 @@ def build_replicas(settings: Settings, runtime_dir: Path) -> list[LocalReplica]:
     """One embedded vLLM engine per local replica, each publishing KV events on its own
     socket, then the configured remote replicas."""
     e = settings.engine
+    if not settings.has_local:
+        return []  # a provider-only gateway
     model = resolve_model(settings)
     out: list[LocalReplica] = []
     for i in range(e.replicas):

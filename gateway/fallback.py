@@ -47,14 +47,17 @@ class Served:
 
 class Targets:
     def __init__(
-        self, local_model: str, aliases: Mapping[str, Sequence[str]], providers: Sequence[str]
+        self,
+        local_model: str | None,
+        aliases: Mapping[str, Sequence[str]],
+        providers: Sequence[str],
     ) -> None:
         self._local = local_model
         self._aliases = {k: list(v) for k, v in aliases.items()}
         self._providers = set(providers)
 
     def resolve(self, model: str) -> list[str]:
-        if model == self._local:
+        if self._local is not None and model == self._local:
             return [LOCAL_TARGET]
         if model in self._aliases:
             return list(self._aliases[model])
@@ -64,7 +67,7 @@ class Targets:
         raise NotFound(f"The model '{model}' does not exist", param="model", code="model_not_found")
 
     def names(self) -> list[str]:
-        return [self._local, *self._aliases]
+        return [*([self._local] if self._local is not None else []), *self._aliases]
 
 
 def can_fall_back(exc: APIError) -> bool:

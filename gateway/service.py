@@ -107,6 +107,8 @@ class GatewayService:
         return d.started and all(r.engine.ready for r in d.replicas)
 
     def models(self) -> ModelList:
+        if not self._dispatcher.replicas:  # a provider-only gateway
+            return ModelList(data=[ModelCard(id=name) for name in self._targets.names()])
         max_len = self._engine.capabilities.max_model_len if self.ready else None
         cards = [ModelCard(id=self._model, max_model_len=max_len)]
         cards += [ModelCard(id=name) for name in self._targets.names()[1:]]
@@ -331,7 +333,7 @@ class GatewayService:
 
     def check_model(self, model: str) -> None:
         self.check_ready()
-        if model != self._model:
+        if model != self._model or not self._dispatcher.replicas:
             raise NotFound(
                 f"The model '{model}' does not exist", param="model", code="model_not_found"
             )

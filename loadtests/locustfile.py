@@ -1,4 +1,4 @@
-"""Locust users for vcache: HTTP streaming chat over a pre-built workload.
+"""Locust users for vcache: streaming chat over HTTP or gRPC on a pre-built workload.
 
 Run through ``loadtests/run.py`` (``make loadtest``), which builds the
 workload, sets the environment below and writes the report:
@@ -9,9 +9,16 @@ workload, sets the environment below and writes the report:
 - ``VCACHE_API_KEY``, ``VCACHE_MODEL``: optional
 - ``VCACHE_ROUTING`` (a policy) or ``VCACHE_ORACLE_REPLICAS`` (N: group g goes
   to replica g mod N): routing comparisons, with an admin key
+- ``VCACHE_GRPC_TARGET``: ``host:port`` of the gateway's gRPC API (``GrpcChatUser``)
 
-Each request fires three request events: ``ttft`` (first non-empty
-``delta.content``), ``itl`` (mean gap between content deltas) and ``total``.
+Pick the user class on locust's command line: ``ChatUser`` (HTTP, a
+``FastHttpUser`` reading server-sent events) or ``GrpcChatUser``
+(``ChatCompletionStream``; gevent-compatible through
+``grpc.experimental.gevent``, timed by a client interceptor).  Each request
+fires three request events: ``ttft`` (first non-empty content delta),
+``itl`` (mean gap between content deltas) and ``total``.  A system prompt
+containing ``{now}`` gets the current UTC time at send time (the volatile
+line of the layout comparison).
 """
 
 from __future__ import annotations
@@ -25,8 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import gevent
-from locust import FastHttpUser, constant, events, task
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+from locust import FastHttpUser, User, constant, events, task
 from locust.exception import StopUser
+from locust.stats import CSV_STATS_FLUSH_INTERVAL_SEC, CSV_STATS_INTERVAL_SEC
+
+grpc_gevent.init_gevent()  # before any channel exists: gRPC's I/O then yields to gevent
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -34,6 +46,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from workloads import Session, Turn, Workload  # noqa: E402
 
 from engines.sse import SSEDecoder  # noqa: E402
+from gateway.grpc_api import gateway_pb2 as pb  # noqa: E402
+from gateway.grpc_api import gateway_pb2_grpc as pb_grpc  # noqa: E402
 
 RAW_FIELDS = [
     "workload", "label", "ok", "ttft_ms", "itl_mean_ms", "total_ms", "prompt_tokens",
@@ -84,6 +98,9 @@ def _stop_when_done(environment: Any, **_: Any) -> None:
             gevent.sleep(0.2)
             runner = environment.runner
             if environment.vcache_plan.exhausted and runner is not None and runner.user_count == 0:
+                # locust writes its CSV files every CSV_STATS_INTERVAL_SEC and not at quit:
+                # wait for one more write (and flush) so they hold the whole run
+                gevent.sleep(max(CSV_STATS_INTERVAL_SEC, CSV_STATS_FLUSH_INTERVAL_SEC) + 0.5)
                 runner.quit()
                 return
 
@@ -104,36 +121,51 @@ def _lines(resp: Any) -> Any:
         yield line
 
 
+def _system(text: str) -> str:
+    t = time.time()
+    now = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+    return text.replace("{now}", now)
+
+
+def _session(user: Any, chat: Any) -> None:
+    """One session of the plan, turn by turn; ``chat(history, turn, plan)`` answers."""
+    plan: Plan = user.environment.vcache_plan
+    session = plan.take()
+    if session is None:
+        raise StopUser()
+    history: list[dict[str, str]] = []
+    if session.system:
+        history.append({"role": "system", "content": _system(session.system)})
+    for i, turn in enumerate(session.turns):
+        if i and session.think_time_s:
+            gevent.sleep(session.think_time_s)
+        history.append({"role": "user", "content": turn.user})
+        answer = chat(history, turn, plan)
+        if answer is None:
+            return  # a failed turn ends the session; later turns would not extend it
+        history.append({"role": "assistant", "content": answer})
+
+
+def _fire(environment: Any, kind: str, name: str, seconds: float, exc: Exception | None) -> None:
+    environment.events.request.fire(
+        request_type=kind,
+        name=name,
+        response_time=seconds * 1000,
+        response_length=0,
+        exception=exc,
+        context={},
+    )
+
+
 class ChatUser(FastHttpUser):
     wait_time = constant(0)
 
     def _fire(self, name: str, seconds: float) -> None:
-        self.environment.events.request.fire(
-            request_type="SSE",
-            name=name,
-            response_time=seconds * 1000,
-            response_length=0,
-            exception=None,
-            context={},
-        )
+        _fire(self.environment, "SSE", name, seconds, None)
 
     @task
     def run_session(self) -> None:
-        plan: Plan = self.environment.vcache_plan
-        session = plan.take()
-        if session is None:
-            raise StopUser()
-        history: list[dict[str, str]] = []
-        if session.system:
-            history.append({"role": "system", "content": session.system})
-        for i, turn in enumerate(session.turns):
-            if i and session.think_time_s:
-                gevent.sleep(session.think_time_s)
-            history.append({"role": "user", "content": turn.user})
-            answer = self._chat(history, turn, plan)
-            if answer is None:
-                return  # a failed turn ends the session; later turns would not extend it
-            history.append({"role": "assistant", "content": answer})
+        _session(self, self._chat)
 
     def _chat(self, messages: list[dict[str, str]], turn: Turn, plan: Plan) -> str | None:
         body = {
@@ -194,6 +226,7 @@ class ChatUser(FastHttpUser):
                             text.append(content)
             resp.success()
             replica = resp.headers.get("x-vcache-replica", "")
+            target = resp.headers.get("x-vcache-target", "local")
             predicted = resp.headers.get("x-vcache-predicted-cached-tokens", "")
         total = time.perf_counter() - t0
         ttft = (first - t0) if first is not None else total
@@ -212,9 +245,115 @@ class ChatUser(FastHttpUser):
                 "prompt_tokens": usage.get("prompt_tokens", 0),
                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
                 "completion_tokens": usage.get("completion_tokens", 0),
-                "target": "local",
+                "target": target,
                 "replica": replica,
                 "predicted_cached_tokens": predicted,
+            }
+        )
+        return "".join(text)
+
+
+class TimedStream:
+    """A server-streaming call's responses, timed as they arrive; fires the locust events
+    (``ttft``, ``itl``, ``total``, request type ``gRPC``) when the stream ends."""
+
+    def __init__(self, call: Any, t0: float, environment: Any) -> None:
+        self._call = call
+        self._env = environment
+        self.t0 = t0
+        self.first: float | None = None
+        self.gaps: list[float] = []
+        self.total = 0.0
+        self._last = 0.0
+
+    def __iter__(self) -> Any:
+        try:
+            for msg in self._call:
+                if msg.WhichOneof("event") == "delta" and msg.delta:
+                    now = time.perf_counter()
+                    if self.first is None:
+                        self.first = now - self.t0
+                    else:
+                        self.gaps.append(now - self._last)
+                    self._last = now
+                yield msg
+        except grpc.RpcError as exc:
+            _fire(self._env, "gRPC", "total", time.perf_counter() - self.t0, exc)
+            raise
+        self.total = time.perf_counter() - self.t0
+        _fire(self._env, "gRPC", "ttft", self.first or self.total, None)
+        if self.gaps:
+            _fire(self._env, "gRPC", "itl", sum(self.gaps) / len(self.gaps), None)
+        _fire(self._env, "gRPC", "total", self.total, None)
+
+
+class EventInterceptor(grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Times every server-streaming call made through the channel."""
+
+    def __init__(self, environment: Any) -> None:
+        self._env = environment
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        t0 = time.perf_counter()
+        return TimedStream(continuation(details, request), t0, self._env)
+
+
+class GrpcChatUser(User):
+    """``ChatCompletionStream`` over gRPC (no grpc.aio: gevent drives the sync API)."""
+
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        channel = grpc.insecure_channel(os.environ["VCACHE_GRPC_TARGET"])
+        self._channel = grpc.intercept_channel(channel, EventInterceptor(self.environment))
+        self._stub = pb_grpc.GatewayStub(self._channel)  # type: ignore[no-untyped-call]
+        key = os.environ.get("VCACHE_API_KEY")
+        self._metadata = [("authorization", f"Bearer {key}")] if key else []
+
+    def on_stop(self) -> None:
+        self._channel.close()
+
+    @task
+    def run_session(self) -> None:
+        _session(self, self._chat)
+
+    def _chat(self, messages: list[dict[str, str]], turn: Turn, plan: Plan) -> str | None:
+        req = pb.ChatCompletionRequest(
+            model=os.environ.get("VCACHE_MODEL", "vcache-demo"),
+            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+            sampling=pb.SamplingParams(max_tokens=turn.max_tokens, ignore_eos=True),
+        )
+        responses = self._stub.ChatCompletionStream(req, metadata=self._metadata)
+        text: list[str] = []
+        usage: Any = None
+        try:
+            for msg in responses:
+                if msg.WhichOneof("event") == "delta":
+                    text.append(msg.delta)
+                elif msg.WhichOneof("event") == "end":
+                    usage = msg.end.usage
+        except grpc.RpcError:
+            plan.record({"label": turn.label, "ok": 0})
+            return None
+        stream: TimedStream = responses
+        itl = sum(stream.gaps) / len(stream.gaps) if stream.gaps else 0.0
+        plan.record(
+            {
+                "label": turn.label,
+                "ok": 1,
+                "ttft_ms": round((stream.first or stream.total) * 1000, 3),
+                "itl_mean_ms": round(itl * 1000, 3),
+                "total_ms": round(stream.total * 1000, 3),
+                "prompt_tokens": usage.prompt_tokens if usage else 0,
+                "cached_tokens": usage.cached_tokens if usage else 0,
+                "completion_tokens": usage.completion_tokens if usage else 0,
+                "target": usage.target if usage else "",
+                "replica": usage.replica if usage else "",
+                "predicted_cached_tokens": (
+                    usage.predicted_cached_tokens
+                    if usage and usage.HasField("predicted_cached_tokens")
+                    else ""
+                ),
             }
         )
         return "".join(text)

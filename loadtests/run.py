@@ -1,6 +1,7 @@
 """Run the load-test workloads headless against a gateway and write a report.
 
     .venv/bin/python loadtests/run.py [--host URL] [--small] [--duration S] [--users N]
+        [--protocols http,grpc] [--compare-routing] [--compare-layout]
 
 Starts a gateway with the demo model when none answers at --host, runs each
 workload with locust for at most --duration seconds (each ends early once
@@ -15,12 +16,14 @@ p50/p99 and requests/s.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,7 +45,11 @@ from workloads import (  # noqa: E402
 ALL = ("shared_prefix", "multi_turn", "long_document_qa", "zero_reuse")
 
 
-def build(name: str, small: bool, seed: int, run_id: str) -> Workload:
+def build(name: str, small: bool, seed: int, run_id: str, volatile: bool = False) -> Workload:
+    if name == "shared_prefix" and volatile:  # the provider path: past every minimum prefix
+        if small:
+            return shared_prefix(2, 800, 20, 4, 8, 1.0, seed, run_id, volatile=True)
+        return shared_prefix(4, 1200, 40, 16, 60, 1.1, seed, run_id, volatile=True)
     if name == "shared_prefix":
         if small:
             return shared_prefix(2, 400, 20, 4, 8, 1.0, seed, run_id)
@@ -68,29 +75,44 @@ def _ready(host: str) -> bool:
         return False
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 @contextmanager
-def gateway(host: str, out: Path) -> Iterator[None]:
+def serving(
+    cmd: list[str], ready: Callable[[], bool], log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[None]:
+    """Run ``cmd`` until the block ends, once ``ready()`` holds."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{cmd[2]} did not start; see {log_path}")
+            time.sleep(0.5)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@contextmanager
+def gateway(host: str, out: Path, args: argparse.Namespace) -> Iterator[None]:
     """Use the gateway at ``host``, or start one with the demo model there."""
     if _ready(host):
         yield
         return
     port = host.rsplit(":", 1)[1]
-    log = (out / "gateway.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", port, "--grpc-port", "0"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not _ready(host):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"gateway did not start; see {out / 'gateway.log'}")
-            time.sleep(1)
+    grpc_port = args.grpc_target.rsplit(":", 1)[1]
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", port]
+    cmd += ["--grpc-port", grpc_port, "--replicas", str(args.replicas)]
+    with serving(cmd, lambda: _ready(host), out / "gateway.log"):
         yield
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def metrics(host: str) -> dict[str, float]:
@@ -104,24 +126,29 @@ def run_one(
     args: argparse.Namespace,
     tag: str = "",
     extra_env: dict[str, str] | None = None,
+    protocol: str = "http",
+    volatile: bool = False,
+    model: str | None = None,
 ) -> dict[str, object]:
     wdir = out / (f"{name}-{tag}" if tag else name)
     wdir.mkdir(parents=True, exist_ok=True)
     run_id = f"{args.run_id}-{tag}" if tag else args.run_id  # each arm starts cold
-    workload = build(name, args.small, args.seed, run_id)
+    workload = build(name, args.small, args.seed, run_id, volatile)
     workload.dump(wdir / "workload.json")
     (wdir / "raw.csv").unlink(missing_ok=True)  # rows of this run only
     env = {
         **os.environ,
         "VCACHE_WORKLOAD": str(wdir / "workload.json"),
         "VCACHE_RAW_CSV": str(wdir / "raw.csv"),
-        "VCACHE_MODEL": args.model,
+        "VCACHE_MODEL": model or args.model,
+        "VCACHE_GRPC_TARGET": args.grpc_target,
     }
     if args.api_key:
         env["VCACHE_API_KEY"] = args.api_key
     env.update(extra_env or {})
     cmd = [
-        sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless",
+        sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"),
+        "GrpcChatUser" if protocol == "grpc" else "ChatUser", "--headless",
         "-u", str(args.users), "-r", str(args.users), "-t", f"{args.duration}s",
         "--host", host, "--csv", str(wdir / "locust"), "--html", str(wdir / "locust.html"),
         "--only-summary", "--loglevel", "WARNING",
@@ -140,12 +167,13 @@ def run_one(
     summary["run_id"] = run_id
     summary["elapsed_s"] = round(elapsed, 2)
     summary["counters"] = counter_cross_check(before, after)
+    summary["protocol"] = protocol
     return summary
 
 
 def table(results: dict[str, dict[str, object]]) -> str:
     head = (
-        f"{'workload':<18}{'req':>5}{'err':>5}{'hit':>8}"
+        f"{'workload':<26}{'req':>5}{'err':>5}{'hit':>8}"
         f"{'ttft p50':>10}{'p90':>9}{'p99':>9}{'req/s':>8}"
     )
     lines = [head]
@@ -157,7 +185,7 @@ def table(results: dict[str, dict[str, object]]) -> str:
             return "-" if v is None else f"{float(v):.0f}"  # type: ignore[arg-type]
 
         lines.append(
-            f"{name:<18}{s['requests']:>5}{s['errors']:>5}{float(s['hit_rate']):>8.3f}"  # type: ignore[arg-type]
+            f"{name:<26}{s['requests']:>5}{s['errors']:>5}{float(s['hit_rate']):>8.3f}"  # type: ignore[arg-type]
             f"{ms(ttft['p50']):>10}{ms(ttft['p90']):>9}{ms(ttft['p99']):>9}"
             f"{float(s['requests_per_s']):>8.2f}"  # type: ignore[arg-type]
         )
@@ -206,6 +234,61 @@ def compare_routing(host: str, out: Path, args: argparse.Namespace) -> dict[str,
     }
 
 
+LAYOUTS = ("canonical", "passthrough")
+
+
+def compare_layout(out: Path, args: argparse.Namespace) -> dict[str, object]:
+    """The provider path through the emulator: shared_prefix with a timestamp line in every
+    system prompt, under ``prompt_layout: canonical`` and ``passthrough``, per provider model.
+
+    Starts the emulator and, per layout, a provider-only gateway (no local engine)."""
+    emu_port, results = free_port(), {}
+    emu = f"http://127.0.0.1:{emu_port}"
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    base = {"anthropic": f"{emu}/v1", "openai": f"{emu}/v1", "gemini": f"{emu}/v1beta"}
+    base["deepseek"] = f"{emu}/deepseek"
+    emulator = [sys.executable, "-m", "loadtests.emulator", "--port", str(emu_port)]
+    with serving(emulator, lambda: _get_ok(f"{emu}/admin/requests"), out / "emulator.log", env):
+        for layout in LAYOUTS:
+            port = free_port()
+            host = f"http://127.0.0.1:{port}"
+            genv = {
+                **env,
+                "VCACHE_ENGINE__REPLICAS": "0",
+                "VCACHE_PROMPT_LAYOUT": layout,
+                "VCACHE_PROVIDERS": json.dumps(
+                    {p: {"base_url": u, "api_key": "loadtest"} for p, u in base.items()}
+                ),
+            }
+            cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+            cmd += ["--grpc-port", str(free_port())]
+            ready = functools.partial(_ready, host)
+            with serving(cmd, ready, out / f"gateway-{layout}.log", genv):
+                for model in args.layout_models.split(","):
+                    tag = f"{model.split('/')[0]}-{layout}"
+                    results[tag] = run_one(
+                        "shared_prefix", host, out, args, tag=tag, volatile=True, model=model
+                    )
+    ratios = {}
+    for model in args.layout_models.split(","):
+        p = model.split("/")[0]
+        on, off = results[f"{p}-canonical"], results[f"{p}-passthrough"]
+        hit_on, hit_off = float(on["hit_rate"]), float(off["hit_rate"])  # type: ignore[arg-type]
+        ratios[model] = {
+            "hit_rate_canonical": hit_on,
+            "hit_rate_passthrough": hit_off,
+            "hit_rate_ratio": hit_on / hit_off if hit_off else None,
+        }
+    return {"arms": results, "ratios": ratios}
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--host", default="http://127.0.0.1:8000")
@@ -222,6 +305,16 @@ def main(argv: list[str] | None = None) -> int:
         help="also run shared_prefix under kv, round_robin, least_loaded and an oracle "
         "(needs an admin --api-key when keys are configured)",
     )
+    ap.add_argument(
+        "--compare-layout",
+        action="store_true",
+        help="also run the provider path through the emulator with prompt_layout canonical "
+        "and passthrough (starts the emulator and provider-only gateways)",
+    )
+    ap.add_argument("--layout-models", default="anthropic/claude-sonnet-4-5,openai/gpt-5")
+    ap.add_argument("--protocols", default="http", help="http, grpc or both (comma-separated)")
+    ap.add_argument("--grpc-target", default="127.0.0.1:50051")
+    ap.add_argument("--replicas", type=int, default=1, help="replicas of a gateway started here")
     ap.add_argument("--run-id", default=f"{time.time_ns():x}", help="opens every prompt")
     ap.add_argument(
         "--out", type=Path, default=Path("reports") / time.strftime("loadtest-%Y%m%d-%H%M%S")
@@ -229,10 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, object]] = {}
-    with gateway(args.host, args.out):
-        for name in args.workloads.split(","):
-            results[name] = run_one(name, args.host, args.out, args)
+    t0 = time.monotonic()
+    protocols = args.protocols.split(",")
+    with gateway(args.host, args.out, args):
+        for name in (w for w in args.workloads.split(",") if w):
+            for protocol in protocols:
+                key = name if protocol == "http" else f"{name}-{protocol}"
+                tag = "" if protocol == "http" else protocol
+                results[key] = run_one(name, args.host, args.out, args, tag, protocol=protocol)
         comparison = compare_routing(args.host, args.out, args) if args.compare_routing else None
+    layout = compare_layout(args.out, args) if args.compare_layout else None
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
     print(table(results))
     if comparison is not None:
@@ -241,7 +340,20 @@ def main(argv: list[str] | None = None) -> int:
         assert isinstance(arms, dict)
         print(f"\nrouting comparison, shared_prefix on {comparison['replicas']} replicas")
         print(table(arms))
-    print(f"report: {args.out}")
+    if layout is not None:
+        (args.out / "layout.json").write_text(json.dumps(layout, indent=2))
+        arms = layout["arms"]
+        assert isinstance(arms, dict)
+        print("\nprovider path through the emulator: prompt_layout canonical vs passthrough")
+        print(table(arms))
+        for model, r in layout["ratios"].items():  # type: ignore[attr-defined]
+            ratio = r["hit_rate_ratio"]
+            print(
+                f"  {model}: hit rate {r['hit_rate_canonical']:.3f} canonical, "
+                f"{r['hit_rate_passthrough']:.3f} passthrough, ratio "
+                + ("inf" if ratio is None else f"{ratio:.2f}")
+            )
+    print(f"total {time.monotonic() - t0:.0f} s; report: {args.out}")
     return 0
 
 

@@ -93,9 +93,13 @@ def shared_prefix(
     seed: int,
     run_id: str,
     count: CountTokens | None = None,
+    volatile: bool = False,
 ) -> Workload:
+    """``volatile``: each system prompt opens with a ``Current time: {now}`` line that the
+    user fills in at send time (what a careless prompt template does)."""
     rng = random.Random(seed)
-    systems = [_opening(run_id) + _text(rng, system_tokens, count) for _ in range(groups)]
+    head = "Current time: {now}\n" if volatile else ""
+    systems = [head + _opening(run_id) + _text(rng, system_tokens, count) for _ in range(groups)]
     picks = rng.choices(range(groups), weights=zipf_weights(groups, skew), k=requests)
     sessions = [
         Session(systems[g], [Turn(_text(rng, question_tokens, count), output_tokens, f"group-{g}")])

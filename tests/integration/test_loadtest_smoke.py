@@ -37,7 +37,10 @@ def test_every_workload_reports_and_hits_only_where_prefixes_are_shared(
         # the gateway's counters over the run agree with the per-request rows
         assert s["counters"]["gateway_cached_tokens"] == s["cached_tokens"]
         assert s["counters"]["gateway_prompt_tokens"] == s["prompt_tokens"]
-        assert (out / name / "locust_stats.csv").exists() and (out / name / "locust.html").exists()
+        assert (out / name / "locust.html").exists()
+        stats = (out / name / "locust_stats.csv").read_text().splitlines()
+        ttft = next(r for r in stats if r.startswith("SSE,ttft,"))
+        assert int(ttft.split(",")[2]) == s["requests"]  # locust's own count of the run
         for plot in ("ttft_hits_vs_misses.png", "hit_rate_over_time.png"):
             assert (out / name / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
     assert summary["shared_prefix"]["requests"] == 8 and summary["multi_turn"]["requests"] == 6
@@ -67,3 +70,25 @@ def test_routing_comparison_runs_every_arm(gateway: Gateway, tmp_path: Path) -> 
     rows = (out / "shared_prefix-oracle" / "raw.csv").read_text().splitlines()[1:]
     placed = {(r.split(",")[1], r.split(",")[10]) for r in rows}
     assert placed <= {("group-0", "replica-0"), ("group-1", "replica-1")}
+
+
+def test_grpc_user_measures_the_same_workload(gateway: Gateway, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    cmd = [
+        sys.executable, str(REPO / "loadtests" / "run.py"), "--host", gateway.base_url,
+        "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
+        "--workloads", "shared_prefix", "--protocols", "grpc",
+        "--grpc-target", gateway.grpc_target,
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print("\n" + done.stdout)
+    s = json.loads((out / "summary.json").read_text())["shared_prefix-grpc"]
+    assert s["protocol"] == "grpc"
+    assert s["requests"] == 8 and s["errors"] == 0
+    assert s["hit_rate"] > 0.3
+    assert s["counters"]["gateway_cached_tokens"] == s["cached_tokens"]
+    stats = (out / "shared_prefix-grpc" / "locust_stats.csv").read_text()
+    assert "gRPC,ttft" in stats and "gRPC,total" in stats  # events fired by the interceptor
+    rows = (out / "shared_prefix-grpc" / "raw.csv").read_text().splitlines()[1:]
+    assert {r.split(",")[9] for r in rows} == {"local"}

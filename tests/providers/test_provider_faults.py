@@ -162,3 +162,40 @@ def test_unknown_provider_model_names_are_404(gw: Gw) -> None:
     )
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_provider_only_gateway_serves_aliases_and_refuses_the_local_model(
+    emulator: Emulator,
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from gateway.app import create_app
+    from tests.providers.conftest import provider_settings
+
+    emulator.admin("reset")
+    settings = provider_settings(
+        emulator, engine={"replicas": 0}, aliases={"fast": [OPENAI, ANTHROPIC]}
+    )
+    with TestClient(create_app(settings, [])) as http:
+        auth = {"authorization": f"Bearer {KEY}"}
+        assert http.get("/readyz").status_code == 200
+        assert [m["id"] for m in http.get("/v1/models", headers=auth).json()["data"]] == ["fast"]
+        r = http.post(
+            "/v1/chat/completions", headers=auth, json={"model": "fast", "messages": HELLO}
+        )
+        assert r.status_code == 200 and r.headers["x-vcache-target"] == OPENAI
+        r = http.post(
+            "/v1/chat/completions", headers=auth, json={"model": "vcache-demo", "messages": HELLO}
+        )
+        assert r.status_code == 404
+
+
+def test_local_in_an_alias_needs_a_local_replica() -> None:
+    from gateway.config import Settings
+
+    with pytest.raises(ValueError, match="needs a local replica"):
+        Settings(
+            engine={"replicas": 0},
+            providers={"openai": {"api_key": "x"}},
+            aliases={"a": ["local", OPENAI]},
+        )
