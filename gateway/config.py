@@ -174,8 +174,7 @@ class Settings(BaseSettings):
     def _some_target(self) -> Settings:
         if not self.has_local and not self.providers:
             raise ValueError(
-                "configure at least one replica (engine.replicas or remote_replicas) "
-                "or a provider"
+                "configure at least one replica (engine.replicas or remote_replicas) or a provider"
             )
         return self
 
