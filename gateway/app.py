@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from fastapi import FastAPI
 
 from engines.base import Engine
+from engines.tokenizer import ChatTokenizer
 from gateway.auth import KeyRing
 from gateway.config import Settings
 from gateway.dispatch import Dispatcher
@@ -27,10 +28,13 @@ from gateway.kvcache import CoreControlled, KVCacheManager
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from gateway.provider_chat import ProviderChat
-from gateway.providers import ProviderPath
+from gateway.providers import ProviderPath, adapter_for
+from gateway.reconstruct import Reconstructor
 from gateway.replicas import LocalReplica, Replica, Router
 from gateway.routers import cache, chat, completions, health, models
 from gateway.service import GatewayService
+from gateway.session_log import SessionLog
+from gateway.session_store import SessionStore
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,23 @@ async def _start(
     except Exception as exc:
         log.exception("engine failed to start")
         app.state.engine_failure = f"{type(exc).__name__}: {exc}"
+
+
+def _session_log(settings: Settings, replicas: Sequence[Replica]) -> SessionLog | None:
+    cfg = settings.session_log
+    if not cfg.enabled:
+        return None
+    store = SessionStore(cfg.db_path(settings.data_dir), cfg.fsync)
+    if cfg.retention_days is not None or cfg.retention_max_bytes is not None:
+        age = cfg.retention_days * 86400 if cfg.retention_days is not None else None
+        dropped = store.retain(age, cfg.retention_max_bytes)
+        if dropped:
+            log.info("session log retention: dropped %d sessions", dropped)
+
+    def tokenizer() -> ChatTokenizer | None:
+        return replicas[0].engine.tokenizer if replicas and replicas[0].engine.ready else None
+
+    return SessionLog(store, Reconstructor(adapter_for, tokenizer), cfg.verify_reconstruction)
 
 
 def create_app(
@@ -122,6 +143,8 @@ def create_app(
                 await r.engine.close()
             if providers is not None:
                 await providers.close()
+            if session_log is not None:
+                session_log.close()
 
     app = FastAPI(title="vcache", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -130,14 +153,19 @@ def create_app(
     app.state.kv = None
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.providers = providers
+    session_log = _session_log(settings, replicas)
+    app.state.session_log = session_log
     app.state.service = GatewayService(
         dispatcher,
         model_name=settings.model_name,
         targets=Targets(
             settings.model_name if local else None, settings.aliases, list(settings.providers)
         ),
-        providers=ProviderChat(providers, settings.prompt_layout) if providers else None,
+        providers=(
+            ProviderChat(providers, settings.prompt_layout, session_log) if providers else None
+        ),
         metrics=metrics,
+        log=session_log,
     )
     install_error_handlers(app, metrics)
     for r in (health.router, models.router, chat.router, completions.router, cache.router):

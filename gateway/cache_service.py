@@ -255,7 +255,7 @@ class CacheService:
         assert self._svc.providers is not None
         chat = self._svc.providers
         req = ChatCompletionRequest(model=body.model, messages=body.messages)
-        call, _ = chat_call(req, chat.path.target(target).model, chat.layout)
+        call, _ = chat_call(req, target, chat.layout)
         try:
             out = await chat.path.warm(chat.path.target(target), call, body.tenant or who.tenant)
         except EngineError as exc:

@@ -138,6 +138,22 @@ class ProviderConfig(BaseModel):
 LOCAL_TARGET = "local"
 
 
+class SessionLogSettings(BaseModel):
+    """The session log: every request reconstructable from it (SQLite, WAL)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    path: Path | None = None  # default: <data_dir>/sessions.db
+    fsync: Literal["full", "normal", "off"] = "normal"
+    verify_reconstruction: bool = False  # rebuild each request from the log before sending
+    retention_days: float | None = Field(None, gt=0)
+    retention_max_bytes: int | None = Field(None, ge=1 << 20)
+
+    def db_path(self, data_dir: Path) -> Path:
+        return self.path or data_dir / "sessions.db"
+
+
 def _default_data_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "vcache"
@@ -163,6 +179,7 @@ class Settings(BaseSettings):
     # model alias → ordered targets: "local" (the vLLM replicas) or "provider/model"
     aliases: dict[str, list[str]] = Field(default_factory=dict)
     prompt_layout: Literal["canonical", "passthrough"] = "canonical"  # providers only
+    session_log: SessionLogSettings = Field(default_factory=SessionLogSettings)
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     log_level: str = "info"
 

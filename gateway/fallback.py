@@ -33,6 +33,7 @@ class Served:
     dispatch: Dispatch | None = None
     lint: tuple[str, ...] = ()
     fallback_from: tuple[str, ...] = ()
+    session: str | None = None  # the session-log session it was appended to
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-target": self.target}
@@ -40,6 +41,8 @@ class Served:
             h.update(self.dispatch.headers())
         if self.lint:
             h["x-vcache-prefix-lint"] = ", ".join(self.lint)
+        if self.session:
+            h["x-vcache-session"] = self.session
         if self.fallback_from:
             h["x-vcache-fallback-from"] = ", ".join(self.fallback_from)
         return h

@@ -11,14 +11,15 @@ cacheable anchor.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
 
 from engines.errors import EngineError
-from engines.providers.base import ChatCall, ProviderUsage, Turn
+from engines.providers.base import CacheDirectives, ChatCall, ProviderUsage, Rendered, Turn
 from gateway.errors import from_engine_error
 from gateway.fallback import Served
-from gateway.providers import Outcome, ProviderPath
+from gateway.providers import BeforeSend, Outcome, ProviderPath
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -30,40 +31,88 @@ from gateway.schemas import (
     Usage,
 )
 from manifest.canonical import canonicalize, lint, split_volatile
+from manifest.sessionlog import Header, MessageEvent
+
+if TYPE_CHECKING:
+    from gateway.session_log import Open, SessionLog
 
 
-def chat_call(req: ChatCompletionRequest, model: str, layout: str) -> tuple[ChatCall, list[str]]:
+def request_parts(
+    req: ChatCompletionRequest,
+) -> tuple[tuple[str, ...], tuple[MessageEvent, ...]]:
+    """Leading system/developer messages (the system prompt) and the turns after them."""
     msgs = list(req.messages)
     lead = 0
     while lead < len(msgs) and msgs[lead].role in ("system", "developer"):
         lead += 1
-    system = "\n\n".join(m.text() for m in msgs[:lead]) or None
-    turns = tuple(
-        Turn("assistant", m.text())
-        if m.role == "assistant"
-        else Turn("user", m.text() if m.role == "user" else f"[{m.role}] {m.text()}")
-        for m in msgs[lead:]
-    )
+    system = tuple(m.text() for m in msgs[:lead])
+    turns = tuple(MessageEvent(m.role, m.text(), m.name) for m in msgs[lead:])
+    return system, turns
+
+
+def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, Any]:
+    """The call config a header snapshot keeps (what frames the request, not the turns)."""
+    return {
+        "max_tokens": req.output_limit(),
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stop": list(req.stop_list()),
+        "seed": req.seed,
+        "stream": req.stream,
+        "layout": layout,
+    }
+
+
+def provider_call(header: Header, turns: Sequence[MessageEvent]) -> tuple[ChatCall, list[str]]:
+    """The provider-neutral call a header and turns render to (live and when rebuilt).
+
+    The system prompts are joined; the prefix lint runs over them and, under
+    the ``canonical`` layout, the lines it flags move to a volatile part.
+    """
+    cfg = header.settings()
+    system = "\n\n".join(header.system) or None
     findings = lint(canonicalize([], system=system)) if system else []
     named = [f"{f.rule}@{f.segment_key}+{f.byte_offset}" for f in findings]
     volatile = None
-    if system and findings and layout == "canonical":
+    if system and findings and cfg.get("layout") == "canonical":
         stable, volatile = split_volatile(system)
         system = stable or None
         volatile = volatile or None
     call = ChatCall(
-        model=model,
-        turns=turns,
+        model=header.target.partition("/")[2],
+        turns=tuple(
+            Turn("assistant", m.content)
+            if m.role == "assistant"
+            else Turn("user", m.content if m.role == "user" else f"[{m.role}] {m.content}")
+            for m in turns
+        ),
         system=system,
         volatile_system=volatile,
-        max_tokens=req.output_limit(),
-        temperature=req.temperature,
-        top_p=req.top_p,
-        stop=req.stop_list(),
-        seed=req.seed,
-        stream=req.stream,
+        max_tokens=cfg.get("max_tokens"),
+        temperature=cfg.get("temperature"),
+        top_p=cfg.get("top_p"),
+        stop=tuple(cfg.get("stop") or ()),
+        seed=cfg.get("seed"),
+        stream=bool(cfg.get("stream", False)),
     )
     return call, named
+
+
+def chat_call(req: ChatCompletionRequest, target: str, layout: str) -> tuple[ChatCall, list[str]]:
+    system, turns = request_parts(req)
+    header = Header.make(req.model, target, system, None, request_config(req, layout))
+    return provider_call(header, turns)
+
+
+def directives_of(d: CacheDirectives) -> dict[str, Any]:
+    """The cache directives a dispatch event keeps (what the request was rendered with)."""
+    return {
+        "breakpoints": list(d.breakpoints),
+        "ttl_s": d.ttl_s,
+        "cache_key": d.cache_key,
+        "cached_content": d.cached_content,
+        "warm": d.warm,
+    }
 
 
 def usage_of(u: ProviderUsage | None) -> Usage:
@@ -73,46 +122,90 @@ def usage_of(u: ProviderUsage | None) -> Usage:
 
 
 class ProviderChat:
-    def __init__(self, path: ProviderPath, layout: str) -> None:
+    def __init__(self, path: ProviderPath, layout: str, log: SessionLog | None = None) -> None:
         self.path = path
         self.layout = layout
+        self.log = log
 
     def _prepare(
-        self, req: ChatCompletionRequest, target: str, served: Served
-    ) -> tuple[ChatCall, str]:
-        t = self.path.target(target)
-        call, lint_names = chat_call(req, t.model, self.layout)
+        self,
+        req: ChatCompletionRequest,
+        target: str,
+        served: Served,
+        tenant: str,
+        session: str | None,
+    ) -> tuple[ChatCall, Open | None]:
+        self.path.target(target)  # 404 / 503 before anything else
+        system, turns = request_parts(req)
+        header = Header.make(req.model, target, system, None, request_config(req, self.layout))
+        call, lint_names = provider_call(header, turns)
         served.target, served.dispatch, served.lint = target, None, tuple(lint_names)
-        return call, target
+        op = self.log.open(tenant, header, turns, session) if self.log else None
+        return call, op
+
+    def _hook(self, op: Open | None, rid: str, target: str) -> BeforeSend | None:
+        log = self.log
+        if log is None or op is None:
+            return None
+
+        async def before_send(r: Rendered, d: CacheDirectives, attempt: int) -> None:
+            request_id = rid if attempt == 0 else f"{rid}-{attempt}"
+            await log.dispatch(op, request_id, target, "provider", directives_of(d), r.body)
+
+        return before_send
+
+    async def _respond(
+        self, op: Open | None, rid: str, text: str, usage: Usage, response: Any = None
+    ) -> None:
+        if self.log is not None and op is not None:
+            await self.log.respond(op, rid, text, usage_record(usage), response)
 
     async def complete(
-        self, req: ChatCompletionRequest, tenant: str, target: str, served: Served, rid: str
+        self,
+        req: ChatCompletionRequest,
+        tenant: str,
+        target: str,
+        served: Served,
+        rid: str,
+        session: str | None = None,
     ) -> ChatCompletion:
-        call, name = self._prepare(req, target, served)
+        call, op = self._prepare(req, target, served, tenant, session)
         out = Outcome()
         text: list[str] = []
         finish = "stop"
         try:
-            stream = self.path.stream(self.path.target(name), call, tenant, rid, out)
+            stream = self.path.stream(
+                self.path.target(target), call, tenant, rid, out,
+                before_send=self._hook(op, rid, target),
+            )  # fmt: skip
             async with aclosing(stream) as deltas:
                 async for d in deltas:
                     text.append(d.text)
                     finish = d.finish_reason or finish
         except EngineError as exc:
             raise from_engine_error(exc) from exc
+        usage = usage_of(out.usage)
+        served.session = op.session_id if op else None
+        await self._respond(op, rid, "".join(text), usage)
         return ChatCompletion(
             id=rid,
             model=req.model,
             choices=[
                 ChatChoice(message=AssistantMessage(content="".join(text)), finish_reason=finish)
             ],
-            usage=usage_of(out.usage),
+            usage=usage,
         )
 
     async def stream(
-        self, req: ChatCompletionRequest, tenant: str, target: str, served: Served, rid: str
+        self,
+        req: ChatCompletionRequest,
+        tenant: str,
+        target: str,
+        served: Served,
+        rid: str,
+        session: str | None = None,
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
-        call, name = self._prepare(req, target, served)
+        call, op = self._prepare(req, target, served, tenant, session)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
@@ -126,20 +219,39 @@ class ProviderChat:
 
         out = Outcome()
         first, finish = True, "stop"
+        text: list[str] = []
         try:
-            stream = self.path.stream(self.path.target(name), call, tenant, rid, out)
+            stream = self.path.stream(
+                self.path.target(target), call, tenant, rid, out,
+                before_send=self._hook(op, rid, target),
+            )  # fmt: skip
             async with aclosing(stream) as deltas:
                 async for d in deltas:
                     if first:
+                        served.session = op.session_id if op else None
                         yield chunk(ChunkDelta(role="assistant", content=""))
                         first = False
                     if d.text:
+                        text.append(d.text)
                         yield chunk(ChunkDelta(content=d.text))
                     finish = d.finish_reason or finish
         except EngineError as exc:
             raise from_engine_error(exc) from exc
+        usage = usage_of(out.usage)
+        await self._respond(op, rid, "".join(text), usage)
         yield chunk(ChunkDelta(), finish)
         if include_usage:
             yield ChatCompletionChunk(
-                id=rid, created=created, model=req.model, choices=[], usage=usage_of(out.usage)
+                id=rid, created=created, model=req.model, choices=[], usage=usage
             )
+
+
+def usage_record(u: Usage) -> dict[str, Any]:
+    """What a response event keeps of an answer's usage."""
+    d = u.prompt_tokens_details
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "cached_tokens": d.cached_tokens,
+        "cache_write_tokens": d.cache_write_tokens or 0,
+        "completion_tokens": u.completion_tokens,
+    }

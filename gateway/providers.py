@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,8 @@ from manifest.planner import (
 
 log = logging.getLogger(__name__)
 
+BeforeSend = Callable[[Rendered, CacheDirectives, int], Awaitable[None]]
+
 _ADAPTERS: dict[str, Callable[[], Adapter]] = {
     "anthropic": AnthropicAdapter,
     "openai": OpenAIAdapter,
@@ -65,6 +67,10 @@ _PROFILES: dict[str, Callable[[str, ProviderConfig], CapabilityProfile]] = {
     "gemini": lambda m, c: gemini_profile(m),
     "deepseek": lambda m, c: deepseek_profile(m),
 }
+
+
+def adapter_for(provider: str) -> Adapter:
+    return _ADAPTERS[provider]()
 
 
 def _by_prefix(table: dict[str, Any], model: str) -> Any:
@@ -183,9 +189,11 @@ class ProviderPath:
         request_id: str,
         out: Outcome,
         warm: bool = False,
+        before_send: BeforeSend | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """Deltas of one call; ``out`` holds the usage and settlement once it ends.
-        ``warm``: prefill only, where the provider has a primitive for it."""
+        ``warm``: prefill only, where the provider has a primitive for it.
+        ``before_send(rendered, directives, attempt)`` runs before each send (the log)."""
         view = self._view(t, call, tenant)
         believed = self.book.believed(view)
         state = TargetState(
@@ -207,6 +215,8 @@ class ProviderPath:
         rendered = t.client.adapter.render(call, directives)
         m = self._metrics
         try:
+            if before_send is not None:
+                await before_send(rendered, directives, 0)
             try:
                 async with aclosing(self._send(t, rendered)) as deltas:
                     async for d in deltas:
@@ -220,9 +230,10 @@ class ProviderPath:
                 self.book.count_false_warm(t.name)
                 m.provider_false_warm.labels(t.name).inc()
                 out.cached_content = None
-                rendered = t.client.adapter.render(
-                    call, dataclasses.replace(directives, cached_content=None)
-                )
+                directives = dataclasses.replace(directives, cached_content=None)
+                rendered = t.client.adapter.render(call, directives)
+                if before_send is not None:
+                    await before_send(rendered, directives, 1)
                 async with aclosing(self._send(t, rendered)) as deltas:
                     async for d in deltas:
                         out.usage = d.usage or out.usage

@@ -8,6 +8,7 @@ before the first token still become a proper HTTP status.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -21,7 +22,8 @@ from gateway.dispatch import Dispatcher, Totals
 from gateway.errors import InvalidRequest, NotFound, Unavailable
 from gateway.fallback import Served, Targets, first_ok
 from gateway.metrics import Metrics
-from gateway.provider_chat import ProviderChat
+from gateway.provider_chat import ProviderChat, request_config, request_parts, usage_record
+from gateway.reconstruct import vllm_payload
 from gateway.replicas import RouteOverride
 from gateway.schemas import (
     AssistantMessage,
@@ -38,7 +40,10 @@ from gateway.schemas import (
     ModelCard,
     ModelList,
     SamplingFields,
+    Usage,
 )
+from gateway.session_log import Open, SessionLog
+from manifest.sessionlog import Header
 
 
 def tenant_salt(tenant: str) -> str:
@@ -77,12 +82,14 @@ class GatewayService:
         targets: Targets | None = None,
         providers: ProviderChat | None = None,
         metrics: Metrics | None = None,
+        log: SessionLog | None = None,
     ) -> None:
         self._dispatcher = dispatcher
         self._model = model_name
         self._targets = targets or Targets(model_name, {}, [])
         self.providers = providers
         self._metrics = metrics or Metrics()
+        self.log = log
 
     @property
     def targets(self) -> Targets:
@@ -141,16 +148,22 @@ class GatewayService:
         return self.providers
 
     async def chat(
-        self, req: ChatCompletionRequest, who: Principal, route: RouteOverride | None = None
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        route: RouteOverride | None = None,
+        session: str | None = None,
     ) -> Routed[ChatCompletion]:
-        """One answer from the first target of ``req.model`` that can serve it."""
+        """One answer from the first target of ``req.model`` that can serve it.
+        ``session``: an explicit session-log session (else found or started implicitly)."""
         served = Served()
 
         async def attempt(target: str) -> ChatCompletion:
             if target == LOCAL_TARGET:
-                return await self._chat_local(req, who, route, served)
+                return await self._chat_local(req, who, route, served, session)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            return await self._provider_chat().complete(req, who.tenant, target, served, rid)
+            chat = self._provider_chat()
+            return await chat.complete(req, who.tenant, target, served, rid, session)
 
         targets = self._targets.resolve(req.model)
         body = await first_ok(targets, attempt, served, self._metrics)
@@ -162,16 +175,19 @@ class GatewayService:
         who: Principal,
         route: RouteOverride | None,
         served: Served,
+        session: str | None = None,
     ) -> ChatCompletion:
         t0 = time.perf_counter()
         greq = self._chat_request(req, who)
         d = await self._dispatcher.route(greq, route)
         served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
+        op = await self._log_local(req, who, greq, session, served)
         text: list[str] = []
         totals = Totals()
         async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
             async for chunk in chunks:
                 text.append(chunk.text)
+        await self._log_answer(op, greq.request_id, "".join(text), totals.usage())
         return ChatCompletion(
             id=greq.request_id,
             model=req.model,
@@ -185,7 +201,11 @@ class GatewayService:
         )
 
     async def chat_stream(
-        self, req: ChatCompletionRequest, who: Principal, route: RouteOverride | None = None
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        route: RouteOverride | None = None,
+        session: str | None = None,
     ) -> Routed[AsyncGenerator[ChatCompletionChunk, None]]:
         """A stream that has produced its first chunk: every error before the first token
         (and every fallback) happens here, before a response starts."""
@@ -195,10 +215,11 @@ class GatewayService:
             target: str,
         ) -> tuple[AsyncGenerator[ChatCompletionChunk, None], ChatCompletionChunk]:
             if target == LOCAL_TARGET:
-                gen = self._chat_local_stream(req, who, route, served)
+                gen = self._chat_local_stream(req, who, route, served, session)
             else:
                 rid = f"chatcmpl-{uuid.uuid4().hex}"
-                gen = self._provider_chat().stream(req, who.tenant, target, served, rid)
+                chat = self._provider_chat()
+                gen = chat.stream(req, who.tenant, target, served, rid, session)
             try:
                 return gen, await anext(gen)
             except BaseException:
@@ -222,11 +243,13 @@ class GatewayService:
         who: Principal,
         route: RouteOverride | None,
         served: Served,
+        session: str | None = None,
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
         t0 = time.perf_counter()
         greq = self._chat_request(req, who)
         d = await self._dispatcher.route(greq, route)
         served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
+        op = await self._log_local(req, who, greq, session, served)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(delta: ChunkDelta, finish: str | None = None) -> ChatCompletionChunk:
@@ -238,18 +261,46 @@ class GatewayService:
 
         totals = Totals()
         first = True
+        text: list[str] = []
         async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
             async for out in chunks:
                 if first:  # the engine accepted the request: now the stream may begin
                     yield chunk(ChunkDelta(role="assistant", content=""))
                     first = False
                 if out.text:
+                    text.append(out.text)
                     yield chunk(ChunkDelta(content=out.text))
+        await self._log_answer(op, greq.request_id, "".join(text), totals.usage())
         yield chunk(ChunkDelta(), totals.finish_reason)
         if include_usage:
             yield ChatCompletionChunk(
                 id=greq.request_id, model=req.model, choices=[], usage=totals.usage()
             )
+
+    async def _log_local(
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        greq: GenerateRequest,
+        session: str | None,
+        served: Served,
+    ) -> Open | None:
+        """Log a local request before it reaches the engine (token ids, salt, sampling)."""
+        if self.log is None:
+            return None
+        system, turns = request_parts(req)
+        header = Header.make(req.model, LOCAL_TARGET, system, None, request_config(req, None))
+        op = self.log.open(who.tenant, header, turns, session)
+        sampling = dataclasses.asdict(greq.sampling)
+        sent = vllm_payload(greq.prompt_token_ids, greq.cache_salt, sampling)
+        directives = {"cache_salt": greq.cache_salt, "sampling": sampling}
+        await self.log.dispatch(op, greq.request_id, LOCAL_TARGET, "vllm", directives, sent)
+        served.session = op.session_id
+        return op
+
+    async def _log_answer(self, op: Open | None, rid: str, text: str, usage: Usage) -> None:
+        if self.log is not None and op is not None:
+            await self.log.respond(op, rid, text, usage_record(usage))
 
     # ------------------------------------------------------- completions
 

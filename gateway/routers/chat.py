@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -44,15 +45,31 @@ def routing_override(
     return RouteOverride(policy=policy, replica=replica)  # type: ignore[arg-type]
 
 
+SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def session_header(request: Request) -> str | None:
+    """``x-vcache-session``: append this request to that session of the log."""
+    sid = request.headers.get("x-vcache-session")
+    if sid is not None and not SESSION_ID.match(sid):
+        raise InvalidRequest(
+            "x-vcache-session must be 1-128 characters of letters, digits, '_', '.', ':' or '-'",
+            param="x-vcache-session",
+            code="invalid_value",
+        )
+    return sid
+
+
 @router.post("/chat/completions", response_model=None)
 async def create_chat_completion(
     body: ChatCompletionRequest,
     who: Annotated[Principal, Depends(require_principal)],
     svc: Annotated[GatewayService, Depends(service)],
     route: Annotated[RouteOverride | None, Depends(routing_override)],
+    session: Annotated[str | None, Depends(session_header)],
 ) -> JSONResponse | StreamingResponse:
     if body.stream:
-        routed = await svc.chat_stream(body, who, route)
+        routed = await svc.chat_stream(body, who, route, session)
         return await open_stream(routed.body, routed.headers())
-    done = await svc.chat(body, who, route)
+    done = await svc.chat(body, who, route, session)
     return JSONResponse(done.body.model_dump(mode="json"), headers=done.headers())

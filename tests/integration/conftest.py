@@ -42,6 +42,7 @@ class Gateway:
     grpc_target: str
     model: str
     log_path: Path
+    sessions_db: Path
 
     def client(self, key: str = KEY_A, **kwargs: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0, **kwargs)  # type: ignore[arg-type]
@@ -69,6 +70,9 @@ def gateway(
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     env["VCACHE_API_KEYS"] = json.dumps(keys)
+    sessions = tmp_path_factory.mktemp("sessions") / "sessions.db"
+    env["VCACHE_SESSION_LOG__PATH"] = str(sessions)
+    env["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
     cmd = [
         sys.executable, "-m", "gateway.cli", "serve",
         "--port", str(port),
@@ -88,6 +92,7 @@ def gateway(
             grpc_target=f"127.0.0.1:{grpc_port}",
             model="vcache-demo",
             log_path=log_path,
+            sessions_db=sessions,
         )
 
 

@@ -1,0 +1,305 @@
+"""The session log on disk: SQLite in WAL mode, append-only events, content-addressed blobs.
+
+One transaction per append: the events of a request (header snapshot,
+messages, dispatch), its request row and its conversation heads land
+together or not at all, so a writer killed at any point leaves a store that
+opens cleanly with every acknowledged (committed) request whole.  Long
+strings are stored once as sha256-addressed blobs shared by every session
+that references them.  ``fsync``: ``full`` (every commit reaches the disk),
+``normal`` (WAL default: a power cut may lose the last commits, never
+corrupt) or ``off``.  Retention deletes whole sessions, oldest first, then
+every blob no remaining session references.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from manifest.sessionlog import Event, decode, encode
+
+FsyncPolicy = Literal["full", "normal", "off"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions(
+  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS events(
+  session_id TEXT NOT NULL, seq INTEGER NOT NULL, data BLOB NOT NULL, created REAL NOT NULL,
+  PRIMARY KEY(session_id, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blobs(digest TEXT PRIMARY KEY, data BLOB NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blob_refs(
+  digest TEXT NOT NULL, session_id TEXT NOT NULL, PRIMARY KEY(digest, session_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS requests(
+  request_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq INTEGER NOT NULL,
+  target TEXT NOT NULL, sha256 TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS heads(
+  tenant TEXT NOT NULL, digest TEXT NOT NULL, session_id TEXT NOT NULL, length INTEGER NOT NULL,
+  PRIMARY KEY(tenant, digest)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS responses(
+  id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq INTEGER NOT NULL, tenant TEXT NOT NULL,
+  body TEXT NOT NULL, stored INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0,
+  created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS requests_by_session ON requests(session_id);
+"""
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    request_id: str
+    session_id: str
+    seq: int
+    target: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ResponseRow:
+    id: str
+    session_id: str
+    seq: int
+    tenant: str
+    body: str
+    stored: bool
+    deleted: bool
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    id: str
+    tenant: str
+    events: int
+    requests: int
+    bytes: int  # event bytes plus the blobs it references
+    created: float
+    updated: float
+
+
+class SessionStore:
+    def __init__(self, path: Path, fsync: FsyncPolicy = "normal") -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={fsync.upper()}")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ----------------------------------------------------------------- writes
+
+    def create(self, tenant: str, session_id: str | None = None) -> str:
+        sid = session_id or f"sess_{uuid.uuid4().hex}"
+        now = time.time()
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO sessions VALUES (?, ?, ?, ?)", (sid, tenant, now, now)
+            )
+        return sid
+
+    def append(
+        self,
+        session_id: str,
+        events: Sequence[Event],
+        request: tuple[str, str, str] | None = None,
+        heads: Sequence[tuple[str, str, int]] = (),
+        response: tuple[str, str, str, bool] | None = None,
+    ) -> list[int]:
+        """Append in one transaction; returns the events' sequence numbers.
+
+        ``request``: (request id, target, sha256) of the last event (a dispatch).
+        ``heads``: (tenant, digest, length) conversation heads of this session.
+        ``response``: (response id, tenant, body JSON, stored) for the last event.
+        """
+        now = time.time()
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                row = db.execute(
+                    "SELECT COALESCE(MAX(seq), -1) FROM events WHERE session_id = ?", (session_id,)
+                ).fetchone()
+                seq = int(row[0]) + 1
+                seqs: list[int] = []
+                for e in events:
+                    enc = encode(e)
+                    for digest, data in enc.blobs.items():
+                        db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (digest, data))
+                        db.execute(
+                            "INSERT OR IGNORE INTO blob_refs VALUES (?, ?)", (digest, session_id)
+                        )
+                    db.execute(
+                        "INSERT INTO events VALUES (?, ?, ?, ?)", (session_id, seq, enc.data, now)
+                    )
+                    seqs.append(seq)
+                    seq += 1
+                last = seqs[-1] if seqs else seq - 1
+                if request is not None:
+                    rid, target, sha = request
+                    db.execute(
+                        "INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?)",
+                        (rid, session_id, last, target, sha, now),
+                    )
+                for tenant, digest, length in heads:
+                    db.execute(
+                        "INSERT OR REPLACE INTO heads VALUES (?, ?, ?, ?)",
+                        (tenant, digest, session_id, length),
+                    )
+                if response is not None:
+                    resp_id, tenant, body, stored = response
+                    db.execute(
+                        "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
+                        (resp_id, session_id, last, tenant, body, int(stored), now),
+                    )
+                db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (now, session_id))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return seqs
+
+    def delete_response(self, response_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE responses SET deleted = 1 WHERE id = ? AND deleted = 0", (response_id,)
+            )
+            return cur.rowcount == 1
+
+    # ------------------------------------------------------------------ reads
+
+    def _blob(self, digest: str) -> bytes:
+        row = self._db.execute("SELECT data FROM blobs WHERE digest = ?", (digest,)).fetchone()
+        if row is None:
+            raise KeyError(f"blob {digest} is missing")
+        data: bytes = row[0]
+        return data
+
+    def events(self, session_id: str, upto_seq: int | None = None) -> list[tuple[int, Event]]:
+        """Events in order, through ``upto_seq`` when given."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, data FROM events WHERE session_id = ? AND seq <= ? ORDER BY seq",
+                (session_id, upto_seq if upto_seq is not None else 1 << 62),
+            ).fetchall()
+            return [(int(seq), decode(data, self._blob)) for seq, data in rows]
+
+    def tenant(self, session_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT tenant FROM sessions WHERE id = ?", (session_id,)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def request(self, request_id: str) -> RequestRow | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT request_id, session_id, seq, target, sha256 FROM requests "
+                "WHERE request_id = ?",
+                (request_id,),
+            ).fetchone()
+        return None if row is None else RequestRow(*row)
+
+    def requests(self, session_id: str | None = None) -> list[RequestRow]:
+        q = "SELECT request_id, session_id, seq, target, sha256 FROM requests"
+        args: tuple[Any, ...] = ()
+        if session_id is not None:
+            q, args = q + " WHERE session_id = ?", (session_id,)
+        with self._lock:
+            return [RequestRow(*r) for r in self._db.execute(q + " ORDER BY created", args)]
+
+    def find_head(self, tenant: str, digests: Sequence[str]) -> tuple[str, int] | None:
+        """The session whose conversation head is the longest of ``digests`` (by length)."""
+        with self._lock:
+            for digest in reversed(digests):
+                row = self._db.execute(
+                    "SELECT session_id, length FROM heads WHERE tenant = ? AND digest = ?",
+                    (tenant, digest),
+                ).fetchone()
+                if row is not None:
+                    return str(row[0]), int(row[1])
+        return None
+
+    def response(self, response_id: str) -> ResponseRow | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT id, session_id, seq, tenant, body, stored, deleted FROM responses "
+                "WHERE id = ?",
+                (response_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        return ResponseRow(row[0], row[1], row[2], row[3], row[4], bool(row[5]), bool(row[6]))
+
+    def sessions(self) -> list[SessionInfo]:
+        with self._lock:
+            rows = self._db.execute(
+                """
+                SELECT s.id, s.tenant,
+                  (SELECT COUNT(*) FROM events e WHERE e.session_id = s.id),
+                  (SELECT COUNT(*) FROM requests r WHERE r.session_id = s.id),
+                  (SELECT COALESCE(SUM(LENGTH(e.data)), 0) FROM events e
+                     WHERE e.session_id = s.id)
+                  + (SELECT COALESCE(SUM(LENGTH(b.data)), 0) FROM blob_refs f
+                     JOIN blobs b ON b.digest = f.digest WHERE f.session_id = s.id),
+                  s.created, s.updated
+                FROM sessions s ORDER BY s.updated DESC
+                """
+            ).fetchall()
+        return [SessionInfo(*r) for r in rows]
+
+    def size_bytes(self) -> int:
+        with self._lock:
+            ev = self._db.execute("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM events").fetchone()
+            bl = self._db.execute("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM blobs").fetchone()
+        return int(ev[0]) + int(bl[0])
+
+    def integrity(self) -> str:
+        with self._lock:
+            return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
+
+    # -------------------------------------------------------------- retention
+
+    def retain(self, max_age_s: float | None = None, max_bytes: int | None = None) -> int:
+        """Delete whole sessions (oldest first) older than ``max_age_s`` or until the store
+        holds at most ``max_bytes``; then the blobs nothing references.  Returns how many."""
+        doomed: list[str] = []
+        infos = sorted(self.sessions(), key=lambda s: s.updated)
+        if max_age_s is not None:
+            cutoff = time.time() - max_age_s
+            doomed += [s.id for s in infos if s.updated < cutoff]
+        if max_bytes is not None:
+            total = self.size_bytes()
+            for s in infos:
+                if total <= max_bytes:
+                    break
+                if s.id not in doomed:
+                    doomed.append(s.id)
+                total -= s.bytes
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for sid in doomed:
+                    for table, col in (
+                        ("events", "session_id"),
+                        ("requests", "session_id"),
+                        ("heads", "session_id"),
+                        ("responses", "session_id"),
+                        ("blob_refs", "session_id"),
+                        ("sessions", "id"),
+                    ):
+                        db.execute(f"DELETE FROM {table} WHERE {col} = ?", (sid,))
+                db.execute("DELETE FROM blobs WHERE digest NOT IN (SELECT digest FROM blob_refs)")
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return len(doomed)

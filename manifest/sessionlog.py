@@ -1,0 +1,308 @@
+"""The session log's event model (shared/seeds/000): append-only, folded into requests.
+
+A session is a sequence of events:
+
+- :class:`HeaderEvent` — a snapshot of what frames every request: the model
+  asked for, the target, the leading system prompt(s), the tool schemas and
+  the call config; reason ``initial``, ``resume`` or ``change``.  Empty
+  values are canonicalized to absent, so ``[]``, ``{}``, ``""`` and ``None``
+  never make two snapshots differ.
+- :class:`MessageEvent` — one conversation entry after the system prompt.
+- :class:`ReplaceEvent` / :class:`TruncateEvent` — an entry replaced (a
+  trimmed tool result) or the history cut back; never an edit in place.
+- :class:`DispatchEvent` — a request sent: target, kind (``provider`` or
+  ``vllm``), the render inputs that are not conversation (cache directives,
+  resolved sampling) and the sha256 of what was sent.
+- :class:`ResponseEvent` — the usage and cache telemetry of an answer.
+
+:func:`fold` turns a prefix of the log into the state a request is rendered
+from; rendering itself (bytes for a provider, token ids for vLLM) belongs to
+the adapters, so the same fold rebuilds what was sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from manifest.canonical import canonical_json
+
+BLOB_MIN_BYTES = 64  # shorter strings stay inline in the event
+
+
+class Reason(StrEnum):
+    INITIAL = "initial"
+    RESUME = "resume"
+    CHANGE = "change"
+
+
+def _absent(value: Any) -> bool:
+    return value is None or value == "" or value == [] or value == {} or value == ()
+
+
+def canonical_config(config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Sorted items with empty values dropped; lists become tuples (hashable, stable)."""
+    return tuple(
+        (k, tuple(v) if isinstance(v, list) else v)
+        for k, v in sorted(config.items())
+        if not _absent(v)
+    )
+
+
+@dataclass(frozen=True)
+class Header:
+    model: str
+    target: str
+    system: tuple[str, ...] = ()
+    tools: str | None = None  # canonical JSON of the tool schemas
+    config: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def make(
+        cls,
+        model: str,
+        target: str,
+        system: Sequence[str] = (),
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> Header:
+        return cls(
+            model,
+            target,
+            tuple(system),
+            None if _absent(tools) else canonical_json(list(tools or [])).decode(),
+            canonical_config(config or {}),
+        )
+
+    def settings(self) -> dict[str, Any]:
+        return dict(self.config)
+
+    def tool_list(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = json.loads(self.tools) if self.tools else []
+        return out
+
+
+@dataclass(frozen=True)
+class HeaderEvent:
+    header: Header
+    reason: Reason
+    kind: Literal["header"] = "header"
+
+
+@dataclass(frozen=True)
+class MessageEvent:
+    role: str
+    content: str
+    name: str | None = None
+    kind: Literal["message"] = "message"
+
+    def key(self) -> tuple[str, str, str | None]:
+        return (self.role, self.content, self.name)
+
+
+@dataclass(frozen=True)
+class ReplaceEvent:
+    index: int
+    message: MessageEvent
+    kind: Literal["replace"] = "replace"
+
+
+@dataclass(frozen=True)
+class TruncateEvent:
+    length: int
+    kind: Literal["truncate"] = "truncate"
+
+
+@dataclass(frozen=True)
+class DispatchEvent:
+    request_id: str
+    target: str
+    render: Literal["provider", "vllm"]
+    directives: tuple[tuple[str, Any], ...]
+    sha256: str
+    kind: Literal["dispatch"] = "dispatch"
+
+    def settings(self) -> dict[str, Any]:
+        return dict(self.directives)
+
+
+@dataclass(frozen=True)
+class ResponseEvent:
+    request_id: str
+    usage: tuple[tuple[str, Any], ...] = ()
+    response_id: str | None = None
+    kind: Literal["response"] = "response"
+
+
+Event = HeaderEvent | MessageEvent | ReplaceEvent | TruncateEvent | DispatchEvent | ResponseEvent
+
+
+@dataclass(frozen=True)
+class State:
+    header: Header | None = None
+    messages: tuple[MessageEvent, ...] = ()
+    last_dispatch: DispatchEvent | None = None
+
+
+def fold(events: Iterable[Event]) -> State:
+    """The state after ``events``: the current header and conversation."""
+    header: Header | None = None
+    messages: list[MessageEvent] = []
+    last: DispatchEvent | None = None
+    for e in events:
+        if isinstance(e, HeaderEvent):
+            header = e.header
+        elif isinstance(e, MessageEvent):
+            messages.append(e)
+        elif isinstance(e, ReplaceEvent):
+            if not 0 <= e.index < len(messages):
+                raise ValueError(f"replace of entry {e.index} in a history of {len(messages)}")
+            messages[e.index] = e.message
+        elif isinstance(e, TruncateEvent):
+            if not 0 <= e.length <= len(messages):
+                raise ValueError(f"truncate to {e.length} in a history of {len(messages)}")
+            del messages[e.length :]
+        elif isinstance(e, DispatchEvent):
+            last = e
+    return State(header, tuple(messages), last)
+
+
+def changes(state: State, header: Header, messages: Sequence[MessageEvent]) -> list[Event]:
+    """The events that take ``state`` to ``header`` + ``messages``: a header snapshot when
+    it differs, then replaces, a truncation or appended entries (never a rewrite)."""
+    out: list[Event] = []
+    if state.header is None:
+        out.append(HeaderEvent(header, Reason.INITIAL))
+    elif state.header != header:
+        out.append(HeaderEvent(header, Reason.CHANGE))
+    old = state.messages
+    common = min(len(old), len(messages))
+    for i in range(common):
+        if old[i].key() != messages[i].key():
+            out.append(ReplaceEvent(i, messages[i]))
+    if len(messages) < len(old):
+        out.append(TruncateEvent(len(messages)))
+    out += list(messages[len(old) :])
+    return out
+
+
+# ------------------------------------------------------------------ encoding
+
+
+@dataclass
+class Encoded:
+    data: bytes  # canonical JSON of the event, long strings replaced by {"$blob": sha256}
+    blobs: dict[str, bytes] = field(default_factory=dict)
+
+
+def _blob_out(value: Any, blobs: dict[str, bytes]) -> Any:
+    if isinstance(value, str) and len(value.encode()) >= BLOB_MIN_BYTES:
+        data = value.encode()
+        digest = hashlib.sha256(data).hexdigest()
+        blobs[digest] = data
+        return {"$blob": digest}
+    if isinstance(value, list | tuple):
+        return [_blob_out(v, blobs) for v in value]
+    if isinstance(value, dict):
+        return {k: _blob_out(v, blobs) for k, v in value.items()}
+    return value
+
+
+def _as_dict(event: Event) -> dict[str, Any]:
+    if isinstance(event, HeaderEvent):
+        h = event.header
+        return {
+            "kind": "header",
+            "reason": event.reason.value,
+            "model": h.model,
+            "target": h.target,
+            "system": list(h.system),
+            "tools": h.tools,
+            "config": [list(kv) for kv in h.config],
+        }
+    if isinstance(event, MessageEvent):
+        return {"kind": "message", "role": event.role, "content": event.content, "name": event.name}
+    if isinstance(event, ReplaceEvent):
+        m = event.message
+        return {"kind": "replace", "index": event.index, "message": _as_dict(m)}
+    if isinstance(event, TruncateEvent):
+        return {"kind": "truncate", "length": event.length}
+    if isinstance(event, DispatchEvent):
+        return {
+            "kind": "dispatch",
+            "request_id": event.request_id,
+            "target": event.target,
+            "render": event.render,
+            "directives": [list(kv) for kv in event.directives],
+            "sha256": event.sha256,
+        }
+    return {
+        "kind": "response",
+        "request_id": event.request_id,
+        "usage": [list(kv) for kv in event.usage],
+        "response_id": event.response_id,
+    }
+
+
+def encode(event: Event) -> Encoded:
+    blobs: dict[str, bytes] = {}
+    body = _blob_out(_as_dict(event), blobs)
+    return Encoded(canonical_json(body), blobs)
+
+
+def _blob_in(value: Any, get: Callable[[str], bytes]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"$blob"}:
+            return get(value["$blob"]).decode()
+        return {k: _blob_in(v, get) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_blob_in(v, get) for v in value]
+    return value
+
+
+def _pairs(items: list[list[Any]]) -> tuple[tuple[str, Any], ...]:
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in items)
+
+
+def _message(d: dict[str, Any]) -> MessageEvent:
+    return MessageEvent(d["role"], d["content"], d.get("name"))
+
+
+def decode(data: bytes, get_blob: Callable[[str], bytes]) -> Event:
+    """The event ``encode`` wrote; ``get_blob`` returns a blob's bytes by sha256."""
+    d = _blob_in(json.loads(data), get_blob)
+    kind = d["kind"]
+    if kind == "header":
+        header = Header(
+            d["model"], d["target"], tuple(d["system"]), d["tools"], _pairs(d["config"])
+        )
+        return HeaderEvent(header, Reason(d["reason"]))
+    if kind == "message":
+        return _message(d)
+    if kind == "replace":
+        return ReplaceEvent(d["index"], _message(d["message"]))
+    if kind == "truncate":
+        return TruncateEvent(d["length"])
+    if kind == "dispatch":
+        return DispatchEvent(
+            d["request_id"], d["target"], d["render"], _pairs(d["directives"]), d["sha256"]
+        )
+    if kind == "response":
+        return ResponseEvent(d["request_id"], _pairs(d["usage"]), d["response_id"])
+    raise ValueError(f"unknown event kind {kind!r}")
+
+
+def chain(root: bytes, entries: Sequence[bytes]) -> list[str]:
+    """Rolling digests: ``h_0`` of ``root``, ``h_k`` of ``h_{k-1}`` and entry ``k``.
+
+    A request whose entries extend an earlier one's shares its digests up to
+    the earlier length, which is how a stateless client's conversation is
+    found again (implicit sessions)."""
+    out = [hashlib.sha256(root).hexdigest()]
+    for e in entries:
+        out.append(hashlib.sha256(out[-1].encode() + b"\0" + e).hexdigest())
+    return out

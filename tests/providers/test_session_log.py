@@ -1,0 +1,163 @@
+"""The session log: every request rebuilt byte-for-byte, checked against what was received."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+
+from gateway.session_log import SessionLog
+from manifest.sessionlog import DispatchEvent, HeaderEvent, Reason, ReplaceEvent, fold
+from tests.providers.conftest import KEY, MODELS, Gw
+
+SYSTEM = "You answer questions about the vcache manual.\n" * 40
+
+
+def converse(
+    gw: Gw, model: str, turns: int, headers: dict[str, str] | None = None, system: str = SYSTEM
+) -> list[Any]:
+    """A stateless client: each request resends the whole conversation so far."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    out = []
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"question {i}: what does section {i} say?"})
+        r = gw.http.post(
+            "/v1/chat/completions",
+            headers={"authorization": f"Bearer {KEY}", **(headers or {})},
+            json={"model": model, "messages": messages, "max_tokens": 6},
+        )
+        assert r.status_code == 200, r.text
+        out.append(r)
+        messages.append(
+            {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}
+        )
+    return out
+
+
+def log_of(gw: Gw) -> SessionLog:
+    log: SessionLog = gw.http.app.state.session_log  # type: ignore[attr-defined]
+    return log
+
+
+@pytest.mark.parametrize("provider", list(MODELS))
+def test_every_provider_request_rebuilds_to_the_bytes_the_emulator_received(
+    gw: Gw, provider: str
+) -> None:
+    model = f"{provider}/{MODELS[provider]}"
+    replies = converse(gw, model, 4)
+    sessions = {r.headers["x-vcache-session"] for r in replies}
+    assert len(sessions) == 1  # the stateless conversation was found again each turn
+    log = log_of(gw)
+    assert log.verify and log.verified >= 4
+    received = [
+        r["sha256"]
+        for r in gw.emulator.received()
+        if "cachedContents" not in r["path"] or not r["path"].endswith("/cachedContents")
+    ]
+    received = [
+        r["sha256"] for r in gw.emulator.received() if r["path"] != "/v1beta/cachedContents"
+    ]
+    rows = log.store.requests(sessions.pop())
+    assert len(rows) == 4
+    rebuilt = []
+    for row in rows:
+        event, data = log.rebuild(row.session_id, row.seq)
+        assert hashlib.sha256(data).hexdigest() == row.sha256 == event.sha256
+        rebuilt.append(row.sha256)
+    assert rebuilt == received  # byte for byte what reached the provider, in order
+
+
+def test_local_requests_rebuild_to_the_token_ids_the_engine_received(gw: Gw) -> None:
+    replies = converse(gw, "vcache-demo", 3, system="You are brief.")
+    sid = replies[0].headers["x-vcache-session"]
+    assert {r.headers["x-vcache-session"] for r in replies} == {sid}
+    log = log_of(gw)
+    rows = log.store.requests(sid)
+    assert [r.request_id for r in rows] == [g.request_id for g in gw.engine.received]
+    import json
+
+    for row, greq in zip(rows, gw.engine.received, strict=True):
+        _, data = log.rebuild(row.session_id, row.seq)
+        payload = json.loads(data)
+        assert payload["prompt_token_ids"] == list(greq.prompt_token_ids)
+        assert payload["cache_salt"] == greq.cache_salt
+        assert payload["sampling"]["max_tokens"] == greq.sampling.max_tokens
+
+
+def test_an_explicit_session_logs_a_change_snapshot_and_still_rebuilds(gw: Gw) -> None:
+    model = f"anthropic/{MODELS['anthropic']}"
+    h = {"x-vcache-session": "team-a.chat-1"}
+    converse(gw, model, 2, h)
+    r = gw.http.post(  # the same conversation, now with another system prompt
+        "/v1/chat/completions",
+        headers={"authorization": f"Bearer {KEY}", **h},
+        json={
+            "model": model,
+            "messages": [
+                {"role": "system", "content": SYSTEM + "Answer in French.\n"},
+                {"role": "user", "content": "question 0: what does section 0 say?"},
+            ],
+            "max_tokens": 6,
+        },
+    )
+    assert r.status_code == 200 and r.headers["x-vcache-session"] == "team-a.chat-1"
+    log = log_of(gw)
+    events = [e for _, e in log.store.events("team-a.chat-1")]
+    headers = [e.reason for e in events if isinstance(e, HeaderEvent)]
+    assert headers == [Reason.INITIAL, Reason.CHANGE]
+    assert any(isinstance(e, ReplaceEvent) or e.kind == "truncate" for e in events)
+    for row in log.store.requests("team-a.chat-1"):
+        _, data = log.rebuild(row.session_id, row.seq)
+        assert hashlib.sha256(data).hexdigest() == row.sha256
+    assert fold(events).messages[-1].role == "assistant"
+    assert sum(isinstance(e, DispatchEvent) for e in events) == 3
+
+
+def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
+    gw: Gw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gateway.provider_chat as pc
+
+    real = pc.request_parts
+
+    def corrupt(req: Any) -> Any:  # what the log records differs from what the live path renders
+        system, turns = real(req)
+        return system, tuple(type(t)(t.role, t.content + "!", t.name) for t in turns)
+
+    model = f"openai/{MODELS['openai']}"
+    before = len(gw.emulator.received())
+    monkeypatch.setattr(pc, "request_parts", corrupt)
+    monkeypatch.setattr(
+        pc.ProviderChat,
+        "_prepare",
+        _prepare_with_live_turns(real),
+    )
+    r = gw.http.post(
+        "/v1/chat/completions",
+        headers={"authorization": f"Bearer {KEY}"},
+        json={"model": model, "messages": [{"role": "user", "content": "hello"}]},
+    )
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["code"] == "reconstruction_mismatch"
+    assert "differs from the live request at byte" in err["message"]
+    assert len(gw.emulator.received()) == before  # nothing was sent
+
+
+def _prepare_with_live_turns(real: Any) -> Any:
+    """A _prepare whose live call renders the real turns while the log gets corrupted ones."""
+    import gateway.provider_chat as pc
+    from manifest.sessionlog import Header
+
+    def _prepare(self: Any, req: Any, target: str, served: Any, tenant: str, session: Any) -> Any:
+        self.path.target(target)
+        system, turns = real(req)
+        header = Header.make(req.model, target, system, None, pc.request_config(req, self.layout))
+        call, lint_names = pc.provider_call(header, turns)
+        served.target, served.dispatch, served.lint = target, None, tuple(lint_names)
+        _, logged = pc.request_parts(req)
+        op = self.log.open(tenant, header, logged, session)
+        return call, op
+
+    return _prepare
