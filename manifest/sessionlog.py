@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from manifest.canonical import canonical_json
 
-BLOB_MIN_BYTES = 64  # shorter strings stay inline in the event
+BLOB_MIN_BYTES = 256  # shorter strings (ids, digests, short turns) stay inline
 
 
 class Reason(StrEnum):

@@ -1,0 +1,190 @@
+"""The session log's pure event model and its SQLite store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.session_store import SessionStore
+from manifest.sessionlog import (
+    DispatchEvent,
+    Event,
+    Header,
+    HeaderEvent,
+    MessageEvent,
+    Reason,
+    ReplaceEvent,
+    ResponseEvent,
+    State,
+    TruncateEvent,
+    canonical_config,
+    chain,
+    changes,
+    decode,
+    encode,
+    fold,
+)
+
+LONG = "a system prompt long enough to be stored as a blob, shared by sessions. " * 5
+
+
+def test_empty_values_are_absent_in_header_snapshots() -> None:
+    a = Header.make("m", "local", ["s"], [], {"stop": [], "seed": None, "temperature": 0.5})
+    b = Header.make("m", "local", ["s"], None, {"temperature": 0.5, "user": ""})
+    assert a == b and a.tools is None and a.config == (("temperature", 0.5),)
+    assert canonical_config({"stop": ["x"], "b": 1}) == (("b", 1), ("stop", ("x",)))
+    tools = Header.make("m", "t", (), [{"type": "function", "function": {"name": "f"}}])
+    assert tools.tool_list() == [{"function": {"name": "f"}, "type": "function"}]
+
+
+def test_changes_append_snapshot_replace_and_truncate() -> None:
+    h1 = Header.make("m", "local", ["s"])
+    u1, a1, u2 = (
+        MessageEvent("user", "q1"),
+        MessageEvent("assistant", "a1"),
+        MessageEvent("user", "q2"),
+    )
+    first = changes(State(), h1, [u1])
+    assert first == [HeaderEvent(h1, Reason.INITIAL), u1]
+    state = fold([*first, a1])
+    assert changes(state, h1, [u1, a1, u2]) == [u2]  # an extension appends only
+    h2 = Header.make("m", "local", ["s2"])
+    trimmed = MessageEvent("user", "q1 (trimmed)")
+    out = changes(state, h2, [trimmed])
+    assert out == [HeaderEvent(h2, Reason.CHANGE), ReplaceEvent(0, trimmed), TruncateEvent(1)]
+    after = fold([*first, a1, *out])
+    assert after.header == h2 and after.messages == (trimmed,)
+
+
+def test_fold_refuses_impossible_edits_and_tracks_the_last_dispatch() -> None:
+    with pytest.raises(ValueError, match="replace"):
+        fold([ReplaceEvent(0, MessageEvent("user", "x"))])
+    with pytest.raises(ValueError, match="truncate"):
+        fold([TruncateEvent(2)])
+    d = DispatchEvent("r1", "local", "vllm", (("cache_salt", "t"),), "00")
+    assert fold([d]).last_dispatch == d and d.settings() == {"cache_salt": "t"}
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        HeaderEvent(
+            Header.make("m", "anthropic/c", [LONG, "short"], [{"n": 1}], {"stop": ["x"]}),
+            Reason.RESUME,
+        ),
+        MessageEvent("user", LONG, "alice"),
+        MessageEvent("assistant", "short"),
+        ReplaceEvent(3, MessageEvent("tool", LONG)),
+        TruncateEvent(2),
+        DispatchEvent(
+            "r", "openai/gpt-5", "provider", (("breakpoints", ("system",)), ("ttl_s", 300)), "ab"
+        ),
+        ResponseEvent("r", (("cached_tokens", 5), ("prompt_tokens", 9)), "resp_1"),
+    ],
+)
+def test_encode_decode_round_trip_with_blobs(event: Event) -> None:
+    enc = encode(event)
+    assert LONG.encode() not in enc.data  # long strings live in blobs
+    back = decode(enc.data, lambda d: enc.blobs[d])
+    assert back == event
+
+
+def test_decode_rejects_unknown_kinds() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        decode(b'{"kind":"nope"}', lambda d: b"")
+
+
+def test_chain_digests_extend() -> None:
+    a = chain(b"root", [b"x", b"y"])
+    b = chain(b"root", [b"x", b"y", b"z"])
+    assert len(a) == 3 and b[:3] == a and chain(b"other", [b"x"])[1] != a[1]
+
+
+def _dispatch(i: int) -> DispatchEvent:
+    return DispatchEvent(f"req-{i}", "local", "vllm", (), f"{i:064x}")
+
+
+def test_store_shares_blobs_and_retention_drops_whole_sessions(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "s.db", "full")
+    h = Header.make("m", "local", [LONG])
+    ids = []
+    for i in range(3):
+        sid = store.create("t")
+        store.append(
+            sid, [HeaderEvent(h, Reason.INITIAL), MessageEvent("user", f"q{i}"), _dispatch(i)],
+            (f"req-{i}", "local", f"{i:064x}"), [("t", f"head-{i}", 2)],
+        )  # fmt: skip
+        ids.append(sid)
+        time.sleep(0.01)
+    blobs = store._db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]
+    assert blobs == 1  # the shared system prompt is stored once
+    assert store.find_head("t", ["nope", "head-1"]) == (ids[1], 2)
+    assert store.request("req-2") is not None
+    infos = {s.id: s for s in store.sessions()}
+    assert infos[ids[0]].events == 3 and infos[ids[0]].requests == 1 and infos[ids[0]].bytes > 0
+    assert store.retain(max_bytes=store.size_bytes() - 1) == 1  # the oldest goes first
+    assert store.request("req-0") is None and store.request("req-1") is not None
+    assert store.retain(max_age_s=0.0) == 2
+    assert store._db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == 0
+    assert store.integrity() == "ok"
+    store.close()
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {repo!r})
+from gateway.session_store import SessionStore
+from manifest.sessionlog import DispatchEvent, Header, HeaderEvent, MessageEvent, Reason
+store = SessionStore(__import__("pathlib").Path({db!r}), "full")
+h = Header.make("m", "local", ["system " * 40])
+sid = store.create("t")
+store.append(sid, [HeaderEvent(h, Reason.INITIAL)])
+i = 0
+while True:
+    rid = f"req-{{i}}"
+    d = DispatchEvent(rid, "local", "vllm", (), f"{{i:064x}}")
+    events = [MessageEvent("user", f"question {{i}} " * 30), d]
+    store.append(sid, events, (rid, "local", f"{{i:064x}}"))
+    print(rid, flush=True)  # acknowledged: committed
+    i += 1
+"""
+
+
+def test_a_writer_killed_mid_append_leaves_every_acknowledged_request(tmp_path: Path) -> None:
+    db = tmp_path / "killed.db"
+    repo = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER.format(repo=repo, db=str(db))],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": repo},
+    )
+    assert proc.stdout is not None
+    acked: list[str] = []
+    while len(acked) < 200:
+        line = proc.stdout.readline()
+        assert line, "the writer died on its own"
+        acked.append(line.strip())
+    os.kill(proc.pid, signal.SIGKILL)  # in the middle of the next appends
+    proc.wait()
+    acked += [line.strip() for line in proc.stdout.read().splitlines() if line.strip()]
+    store = SessionStore(db)
+    assert store.integrity() == "ok"
+    rows = {r.request_id: r for r in store.requests()}
+    assert set(acked) <= set(rows)
+    for rid in acked:
+        row = rows[rid]
+        events = store.events(row.session_id, row.seq)
+        state = fold(e for _, e in events[:-1])
+        assert isinstance(events[-1][1], DispatchEvent) and events[-1][1].request_id == rid
+        assert state.header is not None and state.messages[-1].content.startswith("question")
+    print(f"\nkill -9 after {len(acked)} acknowledged appends: store ok, all rebuilt")
+    assert json.dumps([len(acked), len(rows)])
+    store.close()
