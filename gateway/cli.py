@@ -1,4 +1,4 @@
-"""``vcache`` command line: ``serve``, ``hash-key``, ``demo-model``."""
+"""``vcache`` command line: ``serve``, ``hash-key``, ``demo-model``, ``sessions``, ``replay``."""
 
 from __future__ import annotations
 
@@ -53,6 +53,16 @@ def _parser() -> argparse.ArgumentParser:
     hk.add_argument("key")
     dm = sub.add_parser("demo-model", help="build the demo model and print its path")
     dm.add_argument("--data-dir", dest="data_dir", type=Path, default=argparse.SUPPRESS)
+    ss = sub.add_parser("sessions", help="list the session log's sessions, with sizes")
+    rp = sub.add_parser("replay", help="rebuild a request from the session log, check its sha256")
+    rp.add_argument("request_id")
+    rp.add_argument("--quiet", action="store_true", help="print only the digests")
+    for cmd in (ss, rp):
+        cmd.add_argument("--config", dest="config_file", type=Path, default=argparse.SUPPRESS)
+        cmd.add_argument("--data-dir", dest="data_dir", type=Path, default=argparse.SUPPRESS)
+        cmd.add_argument("--model", dest="model", type=str, default=argparse.SUPPRESS)
+        cmd.add_argument("--db", dest="_db", type=Path, default=None, help="the log's file")
+    ss.add_argument("--limit", dest="_limit", type=int, default=50)
     return p
 
 
@@ -97,6 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "hash-key":
         print(hash_api_key(ns.key))
         return 0
+    if ns.command in ("sessions", "replay"):
+        from gateway import session_cli
+
+        db, limit = ns._db, getattr(ns, "_limit", 50)
+        rid, quiet = getattr(ns, "request_id", ""), getattr(ns, "quiet", False)
+        for name in ("_db", "_limit", "request_id", "quiet"):
+            if hasattr(ns, name):
+                delattr(ns, name)
+        settings = Settings(**overrides_from_flags(ns))
+        if ns.command == "sessions":
+            return session_cli.list_sessions(settings, db, limit)
+        return session_cli.replay(settings, db, rid, quiet)
     settings = Settings(**overrides_from_flags(ns))
     if ns.command == "demo-model":
         from engines.vllm.demo_model import ensure_demo_model

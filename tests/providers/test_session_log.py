@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import pytest
@@ -161,3 +162,29 @@ def _prepare_with_live_turns(real: Any) -> Any:
         return call, op
 
     return _prepare
+
+
+def test_cli_lists_sessions_and_replays_a_request(gw: Gw) -> None:
+    import subprocess
+    import sys
+
+    model = f"deepseek/{MODELS['deepseek']}"
+    replies = converse(gw, model, 2)
+    log = log_of(gw)
+    db = str(log.store.path)
+    rows = log.store.requests(replies[0].headers["x-vcache-session"])
+    cli = [sys.executable, "-m", "gateway.cli"]
+    listed = subprocess.run([*cli, "sessions", "--db", db], capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr
+    assert rows[0].session_id in listed.stdout
+    done = subprocess.run(
+        [*cli, "replay", rows[-1].request_id, "--db", db], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"sha256   {rows[-1].sha256}" in done.stdout
+    assert "match: the log rebuilds what was sent" in done.stdout
+    assert rows[-1].sha256 == gw.emulator.received()[-1]["sha256"]
+    body = json.loads(done.stdout.splitlines()[0])
+    assert body["model"] == MODELS["deepseek"] and len(body["messages"]) == 4
+    missing = subprocess.run([*cli, "replay", "nope", "--db", db], capture_output=True, text=True)
+    assert missing.returncode == 2

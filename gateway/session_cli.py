@@ -1,0 +1,60 @@
+"""``vcache sessions`` and ``vcache replay``: read the session log offline."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from engines.tokenizer import ChatTokenizer
+from gateway.config import Settings
+from gateway.providers import adapter_for
+from gateway.reconstruct import Reconstructor, sha256
+from gateway.session_log import SessionLog
+from gateway.session_store import SessionStore
+
+
+def _store(settings: Settings, db: Path | None) -> SessionStore:
+    path = db or settings.session_log.db_path(settings.data_dir)
+    if not path.exists():
+        raise SystemExit(f"no session log at {path}")
+    return SessionStore(path, settings.session_log.fsync)
+
+
+def list_sessions(settings: Settings, db: Path | None, limit: int) -> int:
+    store = _store(settings, db)
+    rows = store.sessions()[:limit]
+    print(f"{'session':<40} {'tenant':<12} {'events':>7} {'requests':>9} {'bytes':>10}  updated")
+    for s in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.updated))
+        print(f"{s.id:<40} {s.tenant:<12} {s.events:>7} {s.requests:>9} {s.bytes:>10}  {when}")
+    print(f"{len(rows)} of {len(store.sessions())} sessions; store {store.size_bytes()} bytes")
+    store.close()
+    return 0
+
+
+def replay(settings: Settings, db: Path | None, request_id: str, quiet: bool) -> int:
+    """Print the request rebuilt from the log and its sha256; 1 when it does not match."""
+    store = _store(settings, db)
+    row = store.request(request_id)
+    if row is None:
+        print(f"no request {request_id!r} in the log", file=sys.stderr)
+        return 2
+
+    def tokenizer() -> ChatTokenizer:
+        from gateway.engine_factory import resolve_model
+
+        return ChatTokenizer.from_pretrained(resolve_model(settings))
+
+    log = SessionLog(store, Reconstructor(adapter_for, tokenizer), verify=False)
+    event, data = log.rebuild(row.session_id, row.seq)
+    digest = sha256(data)
+    if not quiet:
+        sys.stdout.write(data.decode(errors="replace") + "\n")
+    print(f"request  {request_id}  session {row.session_id}  target {row.target}")
+    print(f"sha256   {digest}")
+    print(f"recorded {row.sha256}")
+    ok = digest == row.sha256 == event.sha256
+    print("match: the log rebuilds what was sent" if ok else "MISMATCH")
+    store.close()
+    return 0 if ok else 1
