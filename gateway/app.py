@@ -31,7 +31,7 @@ from gateway.provider_chat import ProviderChat
 from gateway.providers import ProviderPath, adapter_for
 from gateway.reconstruct import Reconstructor
 from gateway.replicas import LocalReplica, Replica, Router
-from gateway.routers import cache, chat, completions, health, models
+from gateway.routers import cache, chat, completions, health, models, responses
 from gateway.service import GatewayService
 from gateway.session_log import SessionLog
 from gateway.session_store import SessionStore
@@ -168,7 +168,8 @@ def create_app(
         log=session_log,
     )
     install_error_handlers(app, metrics)
-    for r in (health.router, models.router, chat.router, completions.router, cache.router):
+    routers = (health, models, chat, completions, responses, cache)
+    for r in (m.router for m in routers):
         app.include_router(r)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes, metrics=metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)

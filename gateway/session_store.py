@@ -166,6 +166,19 @@ class SessionStore:
                 raise
         return seqs
 
+    def add_response(
+        self, response_id: str, session_id: str, tenant: str, body: str, stored: bool
+    ) -> None:
+        """A Responses API response, at the session's latest event (its answer)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT COALESCE(MAX(seq), -1) FROM events WHERE session_id = ?", (session_id,)
+            ).fetchone()
+            self._db.execute(
+                "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
+                (response_id, session_id, int(row[0]), tenant, body, int(stored), time.time()),
+            )
+
     def delete_response(self, response_id: str) -> bool:
         with self._lock:
             cur = self._db.execute(
