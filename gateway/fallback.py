@@ -74,8 +74,8 @@ class Targets:
 
 
 def can_fall_back(exc: APIError) -> bool:
-    if isinstance(exc, InvalidRequest):
-        return exc.code == "context_length_exceeded"
+    if isinstance(exc, InvalidRequest):  # what this target cannot do, another may
+        return exc.code in ("context_length_exceeded", "tools_unsupported")
     return isinstance(exc, Unavailable | RateLimited) or exc.status >= 500
 
 

@@ -60,7 +60,9 @@ class CachedContents:
     ) -> Handle | None:
         """The handle to name in this request, creating one when the break-even is met."""
         adapter = client.adapter
-        if not call.system or "system" not in view.keys or not isinstance(adapter, GeminiAdapter):
+        if not isinstance(adapter, GeminiAdapter) or not call.system or call.tools:
+            return None  # a request naming a handle may not set tools: none is made for them
+        if "system" not in view.keys:
             return None
         i = view.keys.index("system")
         key = (target, view.digests[i])

@@ -34,6 +34,8 @@ from manifest.records import MarkerAt, RenderRecord, Verified, make_record, veri
 
 
 def _kind(key: str) -> SegmentKind:
+    if key == "tools":
+        return SegmentKind.TOOL_SCHEMA
     if key == "system":
         return SegmentKind.STABLE
     return SegmentKind.VOLATILE if key == "system:volatile" else SegmentKind.MESSAGE

@@ -60,6 +60,7 @@ def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, 
         "seed": req.seed,
         "stream": req.stream,
         "layout": layout,
+        "tool_choice": req.tool_choice,
     }
 
 
@@ -88,6 +89,8 @@ def provider_call(header: Header, turns: Sequence[MessageEvent]) -> tuple[ChatCa
         ),
         system=system,
         volatile_system=volatile,
+        tools=tuple(header.tool_list()),
+        tool_choice=cfg.get("tool_choice"),
         max_tokens=cfg.get("max_tokens"),
         temperature=cfg.get("temperature"),
         top_p=cfg.get("top_p"),
@@ -100,7 +103,7 @@ def provider_call(header: Header, turns: Sequence[MessageEvent]) -> tuple[ChatCa
 
 def chat_call(req: ChatCompletionRequest, target: str, layout: str) -> tuple[ChatCall, list[str]]:
     system, turns = request_parts(req)
-    header = Header.make(req.model, target, system, None, request_config(req, layout))
+    header = Header.make(req.model, target, system, req.tool_dicts(), request_config(req, layout))
     return provider_call(header, turns)
 
 
@@ -137,7 +140,8 @@ class ProviderChat:
     ) -> tuple[ChatCall, Open | None]:
         self.path.target(target)  # 404 / 503 before anything else
         system, turns = request_parts(req)
-        header = Header.make(req.model, target, system, None, request_config(req, self.layout))
+        config = request_config(req, self.layout)
+        header = Header.make(req.model, target, system, req.tool_dicts(), config)
         call, lint_names = provider_call(header, turns)
         served.target, served.dispatch, served.lint = target, None, tuple(lint_names)
         op = self.log.open(tenant, header, turns, session) if self.log else None

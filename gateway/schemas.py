@@ -48,7 +48,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities")
+_UNSUPPORTED = ("functions", "function_call", "audio", "modalities")
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    """A function tool (OpenAI's shape); hosted providers get their own rendering of it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class SamplingFields(BaseModel):
@@ -96,8 +114,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     response_format: dict[str, Any] | None = None
 
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -123,6 +141,9 @@ class ChatCompletionRequest(SamplingFields):
         if v is not None and v.get("type", "text") != "text":
             raise ValueError("only response_format type 'text' is supported")
         return v
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     def output_limit(self) -> int | None:
         return (

@@ -135,6 +135,12 @@ class GatewayService:
     # ------------------------------------------------------------ chat
 
     def _chat_request(self, req: ChatCompletionRequest, who: Principal) -> GenerateRequest:
+        if req.tools:
+            raise InvalidRequest(
+                "tools are not supported by the local model; use a hosted provider target",
+                param="tools",
+                code="tools_unsupported",
+            )
         self.check_ready()
         ids = self.chat_tokens(req.messages)
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"

@@ -22,6 +22,18 @@ DEFAULT_MAX_TOKENS = 1024  # Anthropic requires max_tokens; OpenAI callers may o
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length"}
 
 
+def _tool(t: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI function tool in Anthropic's shape."""
+    fn = t["function"]
+    out: dict[str, Any] = {
+        "name": fn["name"],
+        "input_schema": fn.get("parameters") or {"type": "object", "properties": {}},
+    }
+    if fn.get("description"):
+        out["description"] = fn["description"]
+    return out
+
+
 def _usage(u: dict[str, Any], output: int) -> ProviderUsage:
     read = int(u.get("cache_read_input_tokens") or 0)
     write = int(u.get("cache_creation_input_tokens") or 0)
@@ -46,6 +58,13 @@ class AnthropicAdapter:
             blocks.append((f"message:{i}", t.role, {"type": "text", "text": t.content}))
         prompt = b""
         ends: dict[str, int] = {}
+        tools = [_tool(spec) for spec in call.tools]
+        for tool in tools:
+            prompt += canonical_json(tool)
+        if tools:
+            ends["tools"] = len(prompt)
+            if "tools" in cache.breakpoints:  # the marker goes on the last tool
+                tools[-1] = {**tools[-1], "cache_control": marker}
         system: list[dict[str, Any]] = []
         messages: list[dict[str, Any]] = []
         for key, place, block in blocks:
@@ -61,6 +80,10 @@ class AnthropicAdapter:
             "max_tokens": 0 if cache.warm else (call.max_tokens or DEFAULT_MAX_TOKENS),
             "messages": messages,
         }
+        if tools:
+            body["tools"] = tools
+        if call.tool_choice:
+            body["tool_choice"] = {"type": call.tool_choice}
         if system:
             body["system"] = system
         if call.stream and not cache.warm:

@@ -31,6 +31,8 @@ class ChatCall:
     turns: tuple[Turn, ...]
     system: str | None = None
     volatile_system: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # OpenAI function tools, in order
+    tool_choice: str | None = None  # "auto" | "none"
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -39,8 +41,10 @@ class ChatCall:
     stream: bool = False
 
     def segment_keys(self) -> list[str]:
-        """Segments in prefix order: system → system:volatile → message:i."""
-        keys = ["system"] if self.system else []
+        """Segments in prefix order: tools → system → system:volatile → message:i."""
+        keys = ["tools"] if self.tools else []
+        if self.system:
+            keys.append("system")
         if self.volatile_system:
             keys.append("system:volatile")
         return keys + [f"message:{i}" for i in range(len(self.turns))]

@@ -29,6 +29,16 @@ def _usage(u: dict[str, Any]) -> ProviderUsage:
     )
 
 
+def _declaration(t: dict[str, Any]) -> dict[str, Any]:
+    fn = t["function"]
+    out: dict[str, Any] = {"name": fn["name"]}
+    if fn.get("description"):
+        out["description"] = fn["description"]
+    if fn.get("parameters"):
+        out["parameters"] = fn["parameters"]
+    return out
+
+
 def _content(role: str, text: str) -> dict[str, Any]:
     return {"role": "model" if role == "assistant" else "user", "parts": [{"text": text}]}
 
@@ -47,6 +57,14 @@ class GeminiAdapter:
         ends: dict[str, int] = {}
         body: dict[str, Any] = {}
         contents: list[dict[str, Any]] = []
+        if call.tools:  # never with a cached-content handle: the gateway does not make one
+            decls = [_declaration(t) for t in call.tools]
+            body["tools"] = [{"functionDeclarations": decls}]
+            prompt += canonical_json(body["tools"])
+            ends["tools"] = len(prompt)
+            if call.tool_choice:
+                mode = {"auto": "AUTO", "none": "NONE"}[call.tool_choice]
+                body["toolConfig"] = {"functionCallingConfig": {"mode": mode}}
         if cache.cached_content:
             body["cachedContent"] = cache.cached_content
             if call.system:

@@ -38,10 +38,17 @@ class OpenAIAdapter:
         ]
         prompt = b""
         ends: dict[str, int] = {}
+        if call.tools:  # first in the prefix: a tool change invalidates everything after
+            prompt += canonical_json(list(call.tools))
+            ends["tools"] = len(prompt)
         for key, m in msgs:
             prompt += canonical_json(m)
             ends[key] = len(prompt)
         body: dict[str, Any] = {"model": call.model, "messages": [m for _, m in msgs]}
+        if call.tools:
+            body["tools"] = list(call.tools)
+        if call.tool_choice:
+            body["tool_choice"] = call.tool_choice
         if call.max_tokens is not None:
             body[self.limit_field] = call.max_tokens
         if cache.cache_key and self.supports_cache_key:

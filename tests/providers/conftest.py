@@ -9,6 +9,7 @@ a user would run it; the gateway runs in-process over a fake local engine
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,8 @@ def gw(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
 
 
 def make_gateway(emulator: Emulator, tokenizer: ChatTokenizer, **overrides: Any) -> Iterator[Gw]:
+    db = Path(tempfile.mkdtemp(prefix="vcache-sessions-")) / "sessions.db"
+    overrides.setdefault("session_log", {"path": str(db), "verify_reconstruction": True})
     settings = provider_settings(emulator, **overrides)
     clock = FakeClock()
     engine = FakeEngine(tokenizer, block_size=16, max_model_len=512)

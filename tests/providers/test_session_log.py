@@ -188,3 +188,63 @@ def test_cli_lists_sessions_and_replays_a_request(gw: Gw) -> None:
     assert body["model"] == MODELS["deepseek"] and len(body["messages"]) == 4
     missing = subprocess.run([*cli, "replay", "nope", "--db", db], capture_output=True, text=True)
     assert missing.returncode == 2
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup_section",
+            "description": "Fetch a manual section by number",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("provider", list(MODELS))
+def test_tools_added_mid_session_are_a_change_snapshot_and_rebuild(gw: Gw, provider: str) -> None:
+    model = f"{provider}/{MODELS[provider]}"
+    h = {"authorization": f"Bearer {KEY}", "x-vcache-session": f"tools-{provider}"}
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "first"},
+    ]
+    r1 = gw.http.post(
+        "/v1/chat/completions", headers=h, json={"model": model, "messages": messages}
+    )
+    assert r1.status_code == 200, r1.text
+    messages += [
+        {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "second, with a tool at hand"},
+    ]
+    r2 = gw.http.post(
+        "/v1/chat/completions",
+        headers=h,
+        json={"model": model, "messages": messages, "tools": TOOLS, "tool_choice": "auto"},
+    )
+    assert r2.status_code == 200, r2.text
+    log = log_of(gw)
+    events = [e for _, e in log.store.events(f"tools-{provider}")]
+    snaps = [e for e in events if isinstance(e, HeaderEvent)]
+    assert [s.reason for s in snaps] == [Reason.INITIAL, Reason.CHANGE]
+    assert snaps[0].header.tools is None and snaps[1].header.tool_list()[0]["function"]["name"]
+    rows = log.store.requests(f"tools-{provider}")
+    received = [
+        r["sha256"] for r in gw.emulator.received() if r["path"] != "/v1beta/cachedContents"
+    ]
+    assert [row.sha256 for row in rows] == received
+    for row in rows:
+        _, data = log.rebuild(row.session_id, row.seq)
+        assert hashlib.sha256(data).hexdigest() == row.sha256
+
+
+def test_tools_on_a_local_alias_fall_back_to_the_provider(gw: Gw) -> None:
+    r = gw.http.post(
+        "/v1/chat/completions",
+        headers={"authorization": f"Bearer {KEY}"},
+        json={"model": "smart", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-vcache-target"] == f"anthropic/{MODELS['anthropic']}"
+    assert r.headers["x-vcache-fallback-from"] == "local"

@@ -147,7 +147,12 @@ def test_models(client: TestClient) -> None:
             "Input should be",
         ),
         (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
-        (chat(tools=[{"type": "function"}]), "tools", "not supported"),
+        (chat(tools=[{"type": "function"}]), "tools[0].function", "Missing required"),
+        (
+            chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+            "tools",
+            "not supported by the local model",
+        ),
         (chat(logprobs=True), "logprobs", "not supported"),
         (chat(model=""), "model", "at least 1"),
         (chat(max_tokens=10_000), "max_tokens", "maximum context length is 512"),

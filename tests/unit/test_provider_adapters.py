@@ -213,3 +213,33 @@ def test_config_overrides_minimum_and_prices() -> None:
 def test_aliases_must_name_configured_targets() -> None:
     with pytest.raises(ValueError, match="neither"):
         Settings(aliases={"smart": ["local", "anthropic/claude"]})
+
+
+def test_tools_render_first_in_each_providers_shape() -> None:
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "description": "d", "parameters": {"type": "object"}},
+    }
+    call = ChatCall(model="m", system="sys", turns=(Turn("user", "hi"),), tools=(tool,))
+    assert call.segment_keys()[:2] == ["tools", "system"]
+    a = AnthropicAdapter().render(call, CacheDirectives(breakpoints=("tools",)))
+    body = _body(a.body)
+    assert body["tools"] == [
+        {
+            "name": "f",
+            "description": "d",
+            "input_schema": {"type": "object"},
+            "cache_control": {"type": "ephemeral", "ttl": "5m"},
+        }
+    ]
+    assert a.segment_ends["tools"] < a.segment_ends["system"]
+    o = _body(OpenAIAdapter().render(call, CacheDirectives()).body)
+    assert o["tools"] == [tool]
+    g = _body(GeminiAdapter().render(call, CacheDirectives()).body)
+    assert g["tools"] == [
+        {
+            "functionDeclarations": [
+                {"name": "f", "description": "d", "parameters": {"type": "object"}}
+            ]
+        }
+    ]
