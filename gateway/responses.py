@@ -60,6 +60,7 @@ class ResponsesRequest(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     metadata: dict[str, str] | None = None
+    ignore_eos: bool = False  # vLLM extension, as on chat completions
     tools: Any = None
 
     @field_validator("tools")
@@ -128,6 +129,7 @@ class Responses:
             top_p=req.top_p,
             stream=req.stream,
             stream_options=StreamOptions(include_usage=True) if req.stream else None,
+            ignore_eos=req.ignore_eos,
         )
         return chat, session
 
