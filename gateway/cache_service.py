@@ -8,19 +8,18 @@ names another ``tenant``: the tenant is part of every block hash.
 
 from __future__ import annotations
 
+import uuid
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engines.errors import EngineError
 from gateway.config import LOCAL_TARGET
 from gateway.errors import (
     InvalidRequest,
     NotFound,
     PermissionDenied,
     Unavailable,
-    from_engine_error,
 )
 from gateway.kvcache import KVCacheManager
-from gateway.provider_chat import chat_call
 from gateway.schemas import ChatCompletionRequest, ChatMessage
 from gateway.service import GatewayService, Principal, tenant_salt
 from manifest.hashing import BlockHash, from_hex
@@ -253,14 +252,9 @@ class CacheService:
                 "a provider warm needs messages", param="messages", code="invalid_value"
             )
         assert self._svc.providers is not None
-        chat = self._svc.providers
         req = ChatCompletionRequest(model=body.model, messages=body.messages)
-        call, _ = chat_call(req, target, chat.layout)
-        try:
-            out = await chat.path.warm(chat.path.target(target), call, body.tenant or who.tenant)
-        except EngineError as exc:
-            raise from_engine_error(exc) from exc
-        u = out.usage
+        rid = f"warm-{uuid.uuid4().hex}"
+        u = await self._svc.providers.warm(req, body.tenant or who.tenant, target, rid)
         return ProviderWarmResponse(
             target=target,
             prompt_tokens=u.prompt_tokens if u else 0,

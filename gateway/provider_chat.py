@@ -164,6 +164,21 @@ class ProviderChat:
         if self.log is not None and op is not None:
             await self.log.respond(op, rid, text, usage_record(usage), response)
 
+    async def warm(
+        self, req: ChatCompletionRequest, tenant: str, target: str, rid: str
+    ) -> ProviderUsage | None:
+        """A warm of ``req``'s anchors, logged like any request that reaches a model."""
+        req = req.model_copy(update={"max_tokens": 1, "stream": False})
+        call, op = self._prepare(req, target, Served(), tenant, None)
+        try:
+            out = await self.path.warm(
+                self.path.target(target), call, tenant, rid, self._hook(op, rid, target)
+            )
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+        await self._respond(op, rid, "", usage_of(out.usage))
+        return out.usage
+
     async def complete(
         self,
         req: ChatCompletionRequest,

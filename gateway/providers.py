@@ -273,13 +273,20 @@ class ProviderPath:
             yield Delta(text=answer.text)
         yield Delta(usage=answer.usage, finish_reason=answer.finish_reason)
 
-    async def warm(self, t: ProviderTarget, call: ChatCall, tenant: str) -> Outcome:
+    async def warm(
+        self,
+        t: ProviderTarget,
+        call: ChatCall,
+        tenant: str,
+        rid: str,
+        before_send: BeforeSend | None = None,
+    ) -> Outcome:
         """Prefill the planned breakpoints without generating (Anthropic ``max_tokens: 0``);
-        on implicit providers the first real request warms, so this sends a normal call."""
+        on implicit providers the first real request warms, so this sends a normal call
+        (``call`` should then ask for one token, unstreamed)."""
         out = Outcome()
-        call = dataclasses.replace(call, stream=False, max_tokens=1)
-        rid = f"warm-{time.time_ns()}"
-        async with aclosing(self.stream(t, call, tenant, rid, out, warm=True)) as s:
+        stream = self.stream(t, call, tenant, rid, out, warm=True, before_send=before_send)
+        async with aclosing(stream) as s:
             async for _ in s:
                 pass
         return out

@@ -35,6 +35,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from plots import hit_rate_over_time, ttft_hits_vs_misses  # noqa: E402
 from report import counter_cross_check, parse_metrics, read_raw, summarize  # noqa: E402
 from workloads import (  # noqa: E402
+    CountTokens,
     Workload,
     long_document_qa,
     multi_turn,
@@ -45,27 +46,52 @@ from workloads import (  # noqa: E402
 ALL = ("shared_prefix", "multi_turn", "long_document_qa", "zero_reuse")
 
 
-def build(name: str, small: bool, seed: int, run_id: str, volatile: bool = False) -> Workload:
+def build(
+    name: str,
+    small: bool,
+    seed: int,
+    run_id: str,
+    volatile: bool = False,
+    count: CountTokens | None = None,
+) -> Workload:
+    """Sizes are in tokens of the served model when ``count`` is given (else in words:
+    the provider path, whose emulator counts bytes)."""
     if name == "shared_prefix" and volatile:  # the provider path: past every minimum prefix
         if small:
             return shared_prefix(2, 800, 20, 4, 8, 1.0, seed, run_id, volatile=True)
         return shared_prefix(4, 1200, 40, 16, 60, 1.1, seed, run_id, volatile=True)
     if name == "shared_prefix":
         if small:
-            return shared_prefix(2, 400, 20, 4, 8, 1.0, seed, run_id)
-        return shared_prefix(8, 1200, 40, 16, 120, 1.1, seed, run_id)
+            return shared_prefix(2, 400, 20, 4, 8, 1.0, seed, run_id, count)
+        return shared_prefix(8, 1200, 40, 16, 120, 1.1, seed, run_id, count)
     if name == "multi_turn":
         if small:
-            return multi_turn(2, 3, 300, 30, 8, 0.0, seed, run_id)
-        return multi_turn(8, 6, 500, 60, 32, 0.5, seed, run_id)
+            return multi_turn(2, 3, 300, 30, 8, 0.0, seed, run_id, count)
+        return multi_turn(8, 6, 500, 60, 32, 0.5, seed, run_id, count)
     if name == "long_document_qa":
         if small:
-            return long_document_qa(2, 500, 3, 20, 4, True, seed, run_id)
-        return long_document_qa(4, 1600, 8, 30, 16, False, seed, run_id)
+            return long_document_qa(2, 500, 3, 20, 4, True, seed, run_id, count)
+        return long_document_qa(4, 1600, 8, 30, 16, False, seed, run_id, count)
     if name == "zero_reuse":
         n, p, o = (6, 400, 4) if small else (60, 1200, 16)
-        return zero_reuse(n, p, o, seed, run_id)
+        return zero_reuse(n, p, o, seed, run_id, count)
     raise ValueError(f"unknown workload {name}")
+
+
+def token_counter(tokenizer: str | None) -> CountTokens:
+    """Prompt sizes in tokens of the served model (workloads are built before the run)."""
+    from engines.tokenizer import ChatTokenizer
+
+    if tokenizer is None:
+        out = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "demo-model"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        tokenizer = out.stdout.strip().splitlines()[-1]
+    tok = ChatTokenizer.from_pretrained(tokenizer)
+    return lambda text: len(tok.encode(text))
 
 
 def _ready(host: str) -> bool:
@@ -133,7 +159,9 @@ def run_one(
     wdir = out / (f"{name}-{tag}" if tag else name)
     wdir.mkdir(parents=True, exist_ok=True)
     run_id = f"{args.run_id}-{tag}" if tag else args.run_id  # each arm starts cold
-    workload = build(name, args.small, args.seed, run_id, volatile)
+    workload = build(
+        name, args.small, args.seed, run_id, volatile, None if volatile else args.count
+    )
     workload.dump(wdir / "workload.json")
     (wdir / "raw.csv").unlink(missing_ok=True)  # rows of this run only
     env = {
@@ -315,12 +343,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocols", default="http", help="http, grpc or both (comma-separated)")
     ap.add_argument("--grpc-target", default="127.0.0.1:50051")
     ap.add_argument("--replicas", type=int, default=1, help="replicas of a gateway started here")
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the served model's tokenizer (a path or hub id) to size prompts in its tokens "
+        "(default: the demo model's, built if needed)",
+    )
     ap.add_argument("--run-id", default=f"{time.time_ns():x}", help="opens every prompt")
     ap.add_argument(
         "--out", type=Path, default=Path("reports") / time.strftime("loadtest-%Y%m%d-%H%M%S")
     )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    args.count = None  # the served model's token counter, loaded when a local workload runs
     results: dict[str, dict[str, object]] = {}
     t0 = time.monotonic()
     protocols = args.protocols.split(",")

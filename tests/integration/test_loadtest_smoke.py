@@ -17,12 +17,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_workload_reports_and_hits_only_where_prefixes_are_shared(
-    gateway: Gateway, tmp_path: Path
+    gateway: Gateway, tmp_path: Path, demo_model: Path
 ) -> None:
     out = tmp_path / "report"
     cmd = [
         sys.executable, str(REPO / "loadtests" / "run.py"), "--host", gateway.base_url,
         "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
+        "--tokenizer", str(demo_model),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -50,11 +51,14 @@ def test_every_workload_reports_and_hits_only_where_prefixes_are_shared(
     assert summary["zero_reuse"]["counters"]["engine_prefix_cache_hits"] == 0
 
 
-def test_routing_comparison_runs_every_arm(gateway: Gateway, tmp_path: Path) -> None:
+def test_routing_comparison_runs_every_arm(
+    gateway: Gateway, tmp_path: Path, demo_model: Path
+) -> None:
     out = tmp_path / "report"
     cmd = [
         sys.executable, str(REPO / "loadtests" / "run.py"), "--host", gateway.base_url,
         "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
+        "--tokenizer", str(demo_model),
         "--workloads", "zero_reuse", "--compare-routing",
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -72,11 +76,14 @@ def test_routing_comparison_runs_every_arm(gateway: Gateway, tmp_path: Path) -> 
     assert placed <= {("group-0", "replica-0"), ("group-1", "replica-1")}
 
 
-def test_grpc_user_measures_the_same_workload(gateway: Gateway, tmp_path: Path) -> None:
+def test_grpc_user_measures_the_same_workload(
+    gateway: Gateway, tmp_path: Path, demo_model: Path
+) -> None:
     out = tmp_path / "report"
     cmd = [
         sys.executable, str(REPO / "loadtests" / "run.py"), "--host", gateway.base_url,
         "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
+        "--tokenizer", str(demo_model),
         "--workloads", "shared_prefix", "--protocols", "grpc",
         "--grpc-target", gateway.grpc_target,
     ]  # fmt: skip

@@ -6,6 +6,7 @@ which renders it for the provider and sends it over loopback.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,6 +175,11 @@ def test_anthropic_warm_prefills_with_max_tokens_zero_then_streams_a_hit(gw: Gw)
     assert r.status_code == 200, r.text
     warm = r.json()
     assert warm["target"] == model and warm["written_tokens"] > 0 and warm["cached_tokens"] == 0
+    log = gw.http.app.state.session_log  # type: ignore[attr-defined]
+    (row,) = [w for w in log.store.requests() if w.request_id.startswith("warm-")]
+    event, data = log.rebuild(row.session_id, row.seq)  # the warm is logged and rebuilds
+    assert json.loads(data)["max_tokens"] == 0 and dict(event.directives)["warm"] is True
+    assert row.sha256 == gw.emulator.received()[-1]["sha256"]
     stream = gw.client().chat.completions.create(
         model=model,
         messages=[{"role": "system", "content": ANCHOR}, {"role": "user", "content": "real"}],
