@@ -159,6 +159,8 @@ def run_one(
     wdir = out / (f"{name}-{tag}" if tag else name)
     wdir.mkdir(parents=True, exist_ok=True)
     run_id = f"{args.run_id}-{tag}" if tag else args.run_id  # each arm starts cold
+    if not volatile and args.count is None:
+        args.count = token_counter(args.tokenizer)
     workload = build(
         name, args.small, args.seed, run_id, volatile, None if volatile else args.count
     )
