@@ -1,7 +1,8 @@
 """Chat completions served by a hosted provider, in OpenAI's shapes.
 
-:func:`chat_call` turns the OpenAI request into a provider-neutral
-:class:`~engines.providers.base.ChatCall`: leading system/developer messages
+:func:`request_parts` and :func:`provider_call` turn the OpenAI request into a
+provider-neutral :class:`~engines.providers.base.ChatCall` (the same function
+renders it again from the session log): leading system/developer messages
 become the system prompt; the prefix lint runs over it, and under the
 ``canonical`` layout the lines it flags (dates, times, ids) move to a
 volatile part rendered after the stable one, so the stable part stays a
@@ -99,12 +100,6 @@ def provider_call(header: Header, turns: Sequence[MessageEvent]) -> tuple[ChatCa
         stream=bool(cfg.get("stream", False)),
     )
     return call, named
-
-
-def chat_call(req: ChatCompletionRequest, target: str, layout: str) -> tuple[ChatCall, list[str]]:
-    system, turns = request_parts(req)
-    header = Header.make(req.model, target, system, req.tool_dicts(), request_config(req, layout))
-    return provider_call(header, turns)
 
 
 def directives_of(d: CacheDirectives) -> dict[str, Any]:

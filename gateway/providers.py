@@ -214,30 +214,30 @@ class ProviderPath:
         out.cached_content = directives.cached_content
         rendered = t.client.adapter.render(call, directives)
         m = self._metrics
+        attempt, yielded = 0, False
         try:
-            if before_send is not None:
-                await before_send(rendered, directives, 0)
-            try:
-                async with aclosing(self._send(t, rendered)) as deltas:
-                    async for d in deltas:
-                        out.usage = d.usage or out.usage
-                        yield d
-            except ProviderNotFound:
-                if handle is None or out.usage is not None:
-                    raise
-                # the handle expired or was deleted on the provider's side: a false warm
+            while True:
+                if before_send is not None:
+                    await before_send(rendered, directives, attempt)
+                try:
+                    async with aclosing(self._send(t, rendered)) as deltas:
+                        async for d in deltas:
+                            out.usage = d.usage or out.usage
+                            yielded = True
+                            yield d
+                    break
+                except ProviderNotFound:
+                    if handle is None or yielded or attempt:
+                        raise
+                # the handle expired or was deleted on the provider's side: a false warm;
+                # send the prompt inline instead
                 self.cached_contents.lost(t.name, handle)
                 self.book.count_false_warm(t.name)
                 m.provider_false_warm.labels(t.name).inc()
                 out.cached_content = None
                 directives = dataclasses.replace(directives, cached_content=None)
                 rendered = t.client.adapter.render(call, directives)
-                if before_send is not None:
-                    await before_send(rendered, directives, 1)
-                async with aclosing(self._send(t, rendered)) as deltas:
-                    async for d in deltas:
-                        out.usage = d.usage or out.usage
-                        yield d
+                attempt += 1
         except Exception:
             m.provider_requests.labels(t.name, "error").inc()
             raise

@@ -59,7 +59,7 @@ class Reconstructor:
             if tok is None:
                 raise ValueError("no local tokenizer to rebuild a vLLM request with")
             ids = tok.render_chat(local_messages(state.header, state.messages))
-            return vllm_payload(ids, d.get("cache_salt"), _plain(d.get("sampling")))
+            return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"))
         call, _ = provider_call(state.header, state.messages)
         directives = CacheDirectives(
             breakpoints=tuple(d.get("breakpoints") or ()),
@@ -70,12 +70,3 @@ class Reconstructor:
         )
         provider = dispatch.target.partition("/")[0]
         return self._adapters(provider).render(call, directives).body
-
-
-def _plain(value: Any) -> Any:
-    """Tuples (from the canonical config form) back to lists, recursively."""
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value

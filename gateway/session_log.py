@@ -64,6 +64,7 @@ class Open:
     session_id: str | None = None  # set at dispatch
     dispatch_seq: int | None = None
     entries: list[bytes] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)  # chain(root, entries)
 
 
 def _entries(header: Header, messages: tuple[MessageEvent, ...]) -> list[bytes]:
@@ -91,6 +92,7 @@ class SessionLog:
         root = f"{tenant}\0{header.model}".encode()
         op = Open(tenant, header, messages, root, session_id is not None, session_id)
         op.entries = _entries(header, messages)
+        op.digests = chain(root, op.entries)
         return op
 
     def _state(self, sid: str) -> State:
@@ -112,8 +114,7 @@ class SessionLog:
                 )
             sid = self.store.create(op.tenant, op.session_id)
             return sid, self._events_for(sid, op, resume=sid not in self._states)
-        digests = chain(op.root, op.entries)
-        found = self.store.find_head(op.tenant, digests)
+        found = self.store.find_head(op.tenant, op.digests)
         if found is not None:
             sid = found[0]
             resume = sid not in self._states
@@ -146,7 +147,7 @@ class SessionLog:
         async with self._lock:
             sid, events = await asyncio.to_thread(self._place, op)
             events.append(event)
-            heads = [(op.tenant, chain(op.root, op.entries)[-1], len(op.entries))]
+            heads = [(op.tenant, op.digests[-1], len(op.entries))]
             seqs = await asyncio.to_thread(
                 self.store.append, sid, events, (request_id, target, digest), heads
             )
