@@ -99,15 +99,12 @@ class AnthropicAdapter:
         text = "".join(
             b.get("text", "") for b in body.get("content", []) if b.get("type") == "text"
         )
-        usage = _usage(body.get("usage") or {}, int(body["usage"].get("output_tokens") or 0))
+        u = body.get("usage") or {}
+        usage = _usage(u, int(u.get("output_tokens") or 0))
         return Answer(text, usage, _FINISH.get(str(body.get("stop_reason")), "stop"))
 
     def stream_parser(self) -> _StreamParser:
         return _StreamParser()
-
-    def error_message(self, body: Any) -> str:
-        err = body.get("error") if isinstance(body, dict) else None
-        return str(err.get("message")) if isinstance(err, dict) else str(body)[:200]
 
 
 class _StreamParser:

@@ -107,7 +107,11 @@ class Adapter(Protocol):
 
     def stream_parser(self) -> StreamParser: ...
 
-    def error_message(self, body: Any) -> str: ...
+
+def error_message(body: Any) -> str:
+    """The message of an error body; every provider nests it as ``{"error": {"message"}}``."""
+    err = body.get("error") if isinstance(body, dict) else None
+    return str(err.get("message")) if isinstance(err, dict) else str(body)[:200]
 
 
 def estimate_tokens(data: bytes) -> int:

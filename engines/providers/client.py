@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from engines.providers.base import Adapter, Delta, Rendered
+from engines.providers.base import Adapter, Delta, Rendered, error_message
 from engines.providers.errors import (
     ProviderError,
     ProviderStreamCut,
@@ -65,7 +65,7 @@ class ProviderClient:
 
     def _error(self, resp: httpx.Response) -> ProviderError:
         try:
-            message = self.adapter.error_message(resp.json())
+            message = error_message(resp.json())
         except (json.JSONDecodeError, UnicodeDecodeError):
             message = resp.text[:200]
         after = parse_retry_after(resp.headers)

@@ -128,10 +128,6 @@ class GeminiAdapter:
     def stream_parser(self) -> _StreamParser:
         return _StreamParser()
 
-    def error_message(self, body: Any) -> str:
-        err = body.get("error") if isinstance(body, dict) else None
-        return str(err.get("message")) if isinstance(err, dict) else str(body)[:200]
-
 
 class _StreamParser:
     def __init__(self) -> None:

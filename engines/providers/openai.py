@@ -86,10 +86,6 @@ class OpenAIAdapter:
     def stream_parser(self) -> _StreamParser:
         return _StreamParser(self)
 
-    def error_message(self, body: Any) -> str:
-        err = body.get("error") if isinstance(body, dict) else None
-        return str(err.get("message")) if isinstance(err, dict) else str(body)[:200]
-
 
 class DeepSeekAdapter(OpenAIAdapter):
     """OpenAI's wire format; caching is automatic (64-token units) and reported as
