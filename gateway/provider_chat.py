@@ -17,7 +17,14 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from engines.errors import EngineError
-from engines.providers.base import CacheDirectives, ChatCall, ProviderUsage, Rendered, Turn
+from engines.providers.base import (
+    CacheDirectives,
+    ChatCall,
+    Delta,
+    ProviderUsage,
+    Rendered,
+    Turn,
+)
 from gateway.errors import from_engine_error
 from gateway.fallback import Served
 from gateway.providers import BeforeSend, Outcome, ProviderPath
@@ -153,6 +160,21 @@ class ProviderChat:
 
         return before_send
 
+    async def _deltas(
+        self, call: ChatCall, op: Open | None, tenant: str, target: str, rid: str, out: Outcome
+    ) -> AsyncGenerator[Delta, None]:
+        """The provider's deltas for ``call``, logged before sending, errors in the API's terms."""
+        try:
+            stream = self.path.stream(
+                self.path.target(target), call, tenant, rid, out,
+                before_send=self._hook(op, rid, target),
+            )  # fmt: skip
+            async with aclosing(stream) as deltas:
+                async for d in deltas:
+                    yield d
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+
     async def _respond(
         self, op: Open | None, rid: str, text: str, usage: Usage, response: Any = None
     ) -> None:
@@ -187,17 +209,10 @@ class ProviderChat:
         out = Outcome()
         text: list[str] = []
         finish = "stop"
-        try:
-            stream = self.path.stream(
-                self.path.target(target), call, tenant, rid, out,
-                before_send=self._hook(op, rid, target),
-            )  # fmt: skip
-            async with aclosing(stream) as deltas:
-                async for d in deltas:
-                    text.append(d.text)
-                    finish = d.finish_reason or finish
-        except EngineError as exc:
-            raise from_engine_error(exc) from exc
+        async with aclosing(self._deltas(call, op, tenant, target, rid, out)) as deltas:
+            async for d in deltas:
+                text.append(d.text)
+                finish = d.finish_reason or finish
         usage = usage_of(out.usage)
         served.session = op.session_id if op else None
         await self._respond(op, rid, "".join(text), usage)
@@ -234,23 +249,16 @@ class ProviderChat:
         out = Outcome()
         first, finish = True, "stop"
         text: list[str] = []
-        try:
-            stream = self.path.stream(
-                self.path.target(target), call, tenant, rid, out,
-                before_send=self._hook(op, rid, target),
-            )  # fmt: skip
-            async with aclosing(stream) as deltas:
-                async for d in deltas:
-                    if first:
-                        served.session = op.session_id if op else None
-                        yield chunk(ChunkDelta(role="assistant", content=""))
-                        first = False
-                    if d.text:
-                        text.append(d.text)
-                        yield chunk(ChunkDelta(content=d.text))
-                    finish = d.finish_reason or finish
-        except EngineError as exc:
-            raise from_engine_error(exc) from exc
+        async with aclosing(self._deltas(call, op, tenant, target, rid, out)) as deltas:
+            async for d in deltas:
+                if first:
+                    served.session = op.session_id if op else None
+                    yield chunk(ChunkDelta(role="assistant", content=""))
+                    first = False
+                if d.text:
+                    text.append(d.text)
+                    yield chunk(ChunkDelta(content=d.text))
+                finish = d.finish_reason or finish
         usage = usage_of(out.usage)
         await self._respond(op, rid, "".join(text), usage)
         yield chunk(ChunkDelta(), finish)
