@@ -10,6 +10,7 @@ previous response, as in OpenAI's API.  Answers come from the same chat path
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -24,6 +25,7 @@ from gateway.fallback import Served
 from gateway.schemas import ChatCompletionRequest, ChatMessage, StreamOptions, Usage
 from gateway.service import GatewayService, Principal
 from gateway.session_log import SessionLog
+from gateway.session_store import ResponseRow
 from manifest.sessionlog import fold
 
 
@@ -98,15 +100,16 @@ class Responses:
             raise Unavailable("the Responses API needs the session log", code="no_session_log")
         return self._svc.log
 
-    def _stored(self, response_id: str, who: Principal, param: str | None) -> tuple[str, int]:
-        row = self._log.store.response(response_id)
+    async def _stored(self, response_id: str, who: Principal, param: str | None) -> ResponseRow:
+        """The caller's stored, undeleted response (the store is read off the event loop)."""
+        row = await asyncio.to_thread(self._log.store.response, response_id)
         if row is None or row.deleted or not row.stored or row.tenant != who.tenant:
             raise NotFound(
                 f"Response with id '{response_id}' not found.", param=param, code="not_found"
             )
-        return row.session_id, row.seq
+        return row
 
-    def _chat_request(
+    async def _chat_request(
         self, req: ResponsesRequest, who: Principal
     ) -> tuple[ChatCompletionRequest, str | None]:
         messages: list[ChatMessage] = []
@@ -114,8 +117,10 @@ class Responses:
             messages.append(ChatMessage(role="system", content=req.instructions))
         session = None
         if req.previous_response_id is not None:
-            session, seq = self._stored(req.previous_response_id, who, "previous_response_id")
-            state = fold(e for _, e in self._log.store.events(session, seq))
+            row = await self._stored(req.previous_response_id, who, "previous_response_id")
+            session = row.session_id
+            events = await asyncio.to_thread(self._log.store.events, session, row.seq)
+            state = fold(e for _, e in events)
             messages += [
                 ChatMessage.model_validate({"role": m.role, "content": m.content})
                 for m in state.messages
@@ -177,14 +182,15 @@ class Responses:
             "usage": _usage(usage) if done else None,
         }
 
-    def _save(self, served: Served, body: dict[str, Any], who: Principal) -> None:
+    async def _save(self, served: Served, body: dict[str, Any], who: Principal) -> None:
         if served.session is not None:
-            self._log.store.add_response(
-                body["id"], served.session, who.tenant, json.dumps(body), body["store"]
-            )
+            await asyncio.to_thread(
+                self._log.store.add_response,
+                body["id"], served.session, who.tenant, json.dumps(body), body["store"],
+            )  # fmt: skip
 
     async def create(self, req: ResponsesRequest, who: Principal) -> tuple[dict[str, Any], Served]:
-        chat, session = self._chat_request(req, who)
+        chat, session = await self._chat_request(req, who)
         done = await self._svc.chat(chat, who, None, session)
         c = done.body
         rid = f"resp_{uuid.uuid4().hex}"
@@ -192,14 +198,14 @@ class Responses:
             rid, req, c.choices[0].message.content, c.choices[0].finish_reason, c.usage,
             "completed", int(time.time()), f"msg_{uuid.uuid4().hex}",
         )  # fmt: skip
-        self._save(done.served, body, who)
+        await self._save(done.served, body, who)
         return body, done.served
 
     async def stream(
         self, req: ResponsesRequest, who: Principal
     ) -> tuple[AsyncGenerator[bytes, None], Served]:
         """Server-sent events in the Responses API's types; started (first token) on return."""
-        chat, session = self._chat_request(req, who)
+        chat, session = await self._chat_request(req, who)
         routed = await self._svc.chat_stream(chat, who, None, session)
         chunks = routed.body
         first = await anext(chunks)  # errors before the first token surface here
@@ -250,20 +256,18 @@ class Responses:
             yield ev("response.content_part.done", **where, part={**part, "text": full})
             body = self._body(rid, req, full, finish, usage, "completed", created, msg_id)
             yield ev("response.output_item.done", output_index=0, item=body["output"][0])
-            self._save(served, body, who)
+            await self._save(served, body, who)
             kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
             yield ev(kind, response=body)
 
         return events(), served
 
-    def get(self, response_id: str, who: Principal) -> dict[str, Any]:
-        self._stored(response_id, who, None)
-        row = self._log.store.response(response_id)
-        assert row is not None
+    async def get(self, response_id: str, who: Principal) -> dict[str, Any]:
+        row = await self._stored(response_id, who, None)
         body: dict[str, Any] = json.loads(row.body)
         return body
 
-    def delete(self, response_id: str, who: Principal) -> dict[str, Any]:
-        self._stored(response_id, who, None)
-        self._log.store.delete_response(response_id)
+    async def delete(self, response_id: str, who: Principal) -> dict[str, Any]:
+        await self._stored(response_id, who, None)
+        await asyncio.to_thread(self._log.store.delete_response, response_id)
         return {"id": response_id, "object": "response", "deleted": True}

@@ -37,9 +37,9 @@ async def create_response(body: ResponsesRequest, who: Who, api: Api) -> Any:
 
 @router.get("/responses/{response_id}")
 async def get_response(response_id: str, who: Who, api: Api) -> dict[str, Any]:
-    return api.get(response_id, who)
+    return await api.get(response_id, who)
 
 
 @router.delete("/responses/{response_id}")
 async def delete_response(response_id: str, who: Who, api: Api) -> dict[str, Any]:
-    return api.delete(response_id, who)
+    return await api.delete(response_id, who)
