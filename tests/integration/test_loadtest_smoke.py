@@ -16,18 +16,23 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_every_workload_reports_and_hits_only_where_prefixes_are_shared(
-    gateway: Gateway, tmp_path: Path, demo_model: Path
-) -> None:
-    out = tmp_path / "report"
+def run_loadtest(gateway: Gateway, demo_model: Path, out: Path, *extra: str) -> None:
+    """``loadtests/run.py --small`` against the session's gateway; fails with its stderr."""
     cmd = [
         sys.executable, str(REPO / "loadtests" / "run.py"), "--host", gateway.base_url,
         "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
-        "--tokenizer", str(demo_model),
+        "--tokenizer", str(demo_model), *extra,
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     print("\n" + done.stdout)
+
+
+def test_every_workload_reports_and_hits_only_where_prefixes_are_shared(
+    gateway: Gateway, tmp_path: Path, demo_model: Path
+) -> None:
+    out = tmp_path / "report"
+    run_loadtest(gateway, demo_model, out)
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"shared_prefix", "multi_turn", "long_document_qa", "zero_reuse"}
     for name, s in summary.items():
@@ -55,15 +60,7 @@ def test_routing_comparison_runs_every_arm(
     gateway: Gateway, tmp_path: Path, demo_model: Path
 ) -> None:
     out = tmp_path / "report"
-    cmd = [
-        sys.executable, str(REPO / "loadtests" / "run.py"), "--host", gateway.base_url,
-        "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
-        "--tokenizer", str(demo_model),
-        "--workloads", "zero_reuse", "--compare-routing",
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    print("\n" + done.stdout)
+    run_loadtest(gateway, demo_model, out, "--workloads", "zero_reuse", "--compare-routing")
     routing = json.loads((out / "routing.json").read_text())
     assert routing["replicas"] == 2
     assert set(routing["arms"]) == {"kv", "round_robin", "least_loaded", "oracle"}
@@ -80,16 +77,17 @@ def test_grpc_user_measures_the_same_workload(
     gateway: Gateway, tmp_path: Path, demo_model: Path
 ) -> None:
     out = tmp_path / "report"
-    cmd = [
-        sys.executable, str(REPO / "loadtests" / "run.py"), "--host", gateway.base_url,
-        "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
-        "--tokenizer", str(demo_model),
-        "--workloads", "shared_prefix", "--protocols", "grpc",
-        "--grpc-target", gateway.grpc_target,
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    print("\n" + done.stdout)
+    run_loadtest(
+        gateway,
+        demo_model,
+        out,
+        "--workloads",
+        "shared_prefix",
+        "--protocols",
+        "grpc",
+        "--grpc-target",
+        gateway.grpc_target,
+    )
     s = json.loads((out / "summary.json").read_text())["shared_prefix-grpc"]
     assert s["protocol"] == "grpc"
     assert s["requests"] == 8 and s["errors"] == 0
