@@ -24,7 +24,6 @@ from gateway.dispatch import Dispatcher
 from gateway.fallback import Targets
 from gateway.grpc_server import GatewayServicer, GrpcServer
 from gateway.http_errors import install_error_handlers
-from gateway.kvcache import CoreControlled, KVCacheManager
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from gateway.provider_chat import ProviderChat
@@ -35,46 +34,11 @@ from gateway.routers import cache, chat, completions, health, models, responses
 from gateway.service import GatewayService
 from gateway.session_log import SessionLog
 from gateway.session_store import SessionStore
+from gateway.supervisor import Supervisor
+from gateway.version import version_info
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
-
-PROBE_TEXT = "vcache probe: the manifest must hash blocks exactly as the engine does. "
-
-
-async def _start(
-    app: FastAPI,
-    built: Sequence[LocalReplica],
-    dispatcher: Dispatcher,
-    grpc_server: GrpcServer | None,
-) -> None:
-    settings: Settings = app.state.settings
-    try:
-        for r in built:  # one at a time: each engine sizes its memory on start
-            await r.engine.start()
-        tracked = [r for r in built if r.events_endpoint and hasattr(r.engine, "call_core")]
-        if tracked:
-            first = built[0].engine
-            kv = KVCacheManager(
-                block_size=first.capabilities.block_size,
-                hash_seed=settings.engine.hash_seed,
-                pin_max_share=settings.cache.pin_max_share,
-                default_lease_s=settings.cache.default_lease_s,
-            )
-            for r in tracked:
-                assert r.events_endpoint is not None
-                engine: CoreControlled = r.engine  # type: ignore[assignment]
-                kv.attach(r.id, engine, r.events_endpoint, r.replay_endpoint)
-            probe = first.tokenizer.encode(PROBE_TEXT * 64)[: 2 * kv.block_size + 1]
-            app.state.kv = kv
-            await kv.start(probe)
-            dispatcher.kv = kv
-        dispatcher.started = True
-        if grpc_server is not None:
-            await grpc_server.serving()
-    except Exception as exc:
-        log.exception("engine failed to start")
-        app.state.engine_failure = f"{type(exc).__name__}: {exc}"
 
 
 def _session_log(settings: Settings, replicas: Sequence[Replica]) -> SessionLog | None:
@@ -89,7 +53,8 @@ def _session_log(settings: Settings, replicas: Sequence[Replica]) -> SessionLog 
             log.info("session log retention: dropped %d sessions", dropped)
 
     def tokenizer() -> ChatTokenizer | None:
-        return replicas[0].engine.tokenizer if replicas and replicas[0].engine.ready else None
+        ready = [r.engine for r in replicas if r.engine.ready]
+        return ready[0].tokenizer if ready else None
 
     return SessionLog(store, Reconstructor(adapter_for, tokenizer), cfg.verify_reconstruction)
 
@@ -112,21 +77,35 @@ def create_app(
     dispatcher = Dispatcher(
         replicas, router, None, metrics, max_inflight=settings.engine.max_queued_requests
     )
+    supervisor = Supervisor(
+        local,
+        dispatcher,
+        hash_seed=settings.engine.hash_seed,
+        pin_max_share=settings.cache.pin_max_share,
+        default_lease_s=settings.cache.default_lease_s,
+        poll_s=settings.engine.watch_interval_s,
+        backoff_base_s=settings.engine.restart_backoff_s,
+        backoff_cap_s=settings.engine.restart_backoff_cap_s,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.watch_engine(dispatcher.stats)
         grpc_server = None
         if settings.grpc_port is not None:
-            servicer = GatewayServicer(app.state.service, app.state.keyring, lambda: app.state.kv)
+            servicer = GatewayServicer(app.state.service, app.state.keyring, lambda: supervisor.kv)
             grpc_server = GrpcServer(
                 servicer, settings.host, settings.grpc_port, settings.max_request_body_bytes
             )
             await grpc_server.start()
         app.state.grpc = grpc_server
-        starting = asyncio.create_task(
-            _start(app, local, dispatcher, grpc_server), name="engine-start"
-        )
+
+        async def health_changed() -> None:
+            if grpc_server is not None:
+                await grpc_server.set_serving(app.state.service.ready)
+
+        supervisor.on_change = health_changed
+        starting = asyncio.create_task(supervisor.boot(), name="engine-start")
         try:
             yield
         finally:
@@ -136,21 +115,16 @@ def create_app(
                 starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
-            kv: KVCacheManager | None = app.state.kv
-            if kv is not None:
-                await kv.close()
-            for r in local:
-                await r.engine.close()
+            await supervisor.close()
             if providers is not None:
                 await providers.close()
             if session_log is not None:
                 session_log.close()
 
-    app = FastAPI(title="vcache", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="vcache", version=str(version_info()["version"]), lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.engine_failure = None
-    app.state.kv = None
+    app.state.supervisor = supervisor
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.providers = providers
     session_log = _session_log(settings, replicas)

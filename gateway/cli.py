@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from gateway.config import Settings, hash_api_key
+from gateway.version import version_info
 
 # Flags of `vcache serve` and where they land in Settings.  Absent flags are
 # left out, so environment and YAML values still apply beneath them.
@@ -38,6 +41,12 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vcache", description=__doc__)
+    info = version_info()
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"vcache {info['version']} (vllm {info['vllm']}, python {info['python']})",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gateway")
     for flag, dest, typ, help_ in _SERVE_FLAGS:
@@ -90,6 +99,8 @@ def serve(settings: Settings) -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # A lost terminal (SIGHUP) shuts down gracefully like SIGTERM: engines are closed.
+    signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:
         replicas = build_replicas(settings, Path(runtime))
         app = create_app(settings, replicas)

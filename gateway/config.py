@@ -56,6 +56,9 @@ class EngineSettings(BaseModel):
     max_queued_requests: int = Field(256, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: str = "auto"
+    watch_interval_s: float = Field(1.0, gt=0)  # how often replicas are checked for death
+    restart_backoff_s: float = Field(1.0, ge=0)  # first restart delay of a dead replica
+    restart_backoff_cap_s: float = Field(60.0, ge=0)  # doubling up to this
 
 
 class RemoteReplicaConfig(BaseModel):

@@ -9,7 +9,7 @@ import asyncio
 import time
 import zlib
 from array import array
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -71,6 +71,12 @@ class Dispatcher:
         self._max_inflight = max_inflight
         self._inflight = 0
         self.started = False  # set once every replica is up (and probed)
+        self.failed: str | None = None  # why the replicas could not start at boot
+        self.retry_after_s: Callable[[], float] = lambda: 5.0  # the supervisor's estimate
+
+    def serving(self) -> list[Replica]:
+        """The replicas that can take a request now (a dead one is being restarted)."""
+        return [r for r in self.replicas if r.engine.ready]
 
     def stats(self) -> EngineStats:
         parts = [r.engine.stats() for r in self.replicas]
@@ -104,7 +110,14 @@ class Dispatcher:
             replica = forced
         else:
             policy = override.policy if override is not None else None
-            replica = self.router.choose(self.replicas, predicted, policy, affinity)
+            serving = self.serving()
+            if not serving:
+                raise Unavailable(
+                    "the local engine is not running; it is being restarted",
+                    code="engine_unavailable",
+                    retry_after_s=self.retry_after_s(),
+                )
+            replica = self.router.choose(serving, predicted, policy, affinity)
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p = predicted.get(replica.id) if predicted is not None and exact else None
         return Dispatch(replica, replica.id, p)

@@ -357,8 +357,10 @@ class GrpcServer:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, status)
 
-    async def serving(self) -> None:
-        await self._set(health_pb2.HealthCheckResponse.SERVING)
+    async def set_serving(self, serving: bool) -> None:
+        """SERVING while the gateway can serve its local model (or its providers)."""
+        r = health_pb2.HealthCheckResponse
+        await self._set(r.SERVING if serving else r.NOT_SERVING)
 
     async def stop(self, grace_s: float) -> None:
         await self._health.enter_graceful_shutdown()

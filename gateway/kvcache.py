@@ -20,11 +20,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from engines.base import GenerateRequest, SamplingOptions
+from engines.errors import EngineError
 from engines.vllm.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -53,7 +55,10 @@ class ReplicaCacheState:
     replica: LocationId
     engine: CoreControlled
     subscriber: KVEventSubscriber
+    events_endpoint: str
+    replay_endpoint: str | None
     agreement: Agreement = "unknown"
+    live: bool = True  # False between the engine's death and its restart
     predictions_matched: int = 0
     predictions_missed: int = 0
 
@@ -90,6 +95,9 @@ class KVCacheManager:
         self._replicas: dict[LocationId, ReplicaCacheState] = {}
         self._leases: dict[tuple[LocationId, BlockHash], list[_Lease]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._subscribers: dict[LocationId, asyncio.Task[None]] = {}
+        # The index's events, drained after every change and counted (its queue stays empty).
+        self.index_events: Counter[tuple[LocationId, str]] = Counter()
 
     # ---------------------------------------------------------- replicas
 
@@ -101,22 +109,61 @@ class KVCacheManager:
         replay_endpoint: str | None,
     ) -> None:
         self.index.add_location(replica)
+        sub = self._subscriber(replica, events_endpoint, replay_endpoint)
+        self._replicas[replica] = ReplicaCacheState(
+            replica, engine, sub, events_endpoint, replay_endpoint
+        )
 
+    def _subscriber(
+        self, replica: LocationId, events_endpoint: str, replay_endpoint: str | None
+    ) -> KVEventSubscriber:
         def apply(batch: EventBatch) -> None:
             self._apply(replica, batch)
 
         async def resync() -> None:
             await self._resync(replica)
 
-        sub = KVEventSubscriber(events_endpoint, replay_endpoint, apply, resync)
-        self._replicas[replica] = ReplicaCacheState(replica, engine, sub)
+        return KVEventSubscriber(events_endpoint, replay_endpoint, apply, resync)
+
+    def detach(self, replica: LocationId) -> None:
+        """The replica's engine died: stop listening and forget what it held and pinned.
+        Its predictions are not exact until :meth:`reattach` probes the new engine."""
+        st = self._replicas[replica]
+        st.live, st.agreement = False, "unknown"
+        task = self._subscribers.pop(replica, None)
+        if task is not None:
+            task.cancel()
+        st.subscriber.close()
+        self.index.apply_cleared(replica)
+        self._drop_leases(replica)
+        self._drain()
+
+    async def reattach(
+        self, replica: LocationId, engine: CoreControlled, probe_tokens: Sequence[int]
+    ) -> Agreement:
+        """A restarted engine for ``replica``: a fresh subscriber (its event sequence starts
+        again), the index rebuilt from the engine, and the hash probe run again."""
+        st = self._replicas[replica]
+        st.engine = engine
+        st.subscriber = self._subscriber(replica, st.events_endpoint, st.replay_endpoint)
+        self._subscribers[replica] = asyncio.create_task(st.subscriber.run(), name=f"kv-{replica}")
+        await self._resync(replica)
+        st.live = True
+        return await self.probe(replica, probe_tokens)
 
     @property
     def replicas(self) -> list[LocationId]:
         return list(self._replicas)
 
+    def _live(self) -> list[ReplicaCacheState]:
+        return [st for st in self._replicas.values() if st.live]
+
     def state(self, replica: LocationId) -> ReplicaCacheState:
         return self._replicas[replica]
+
+    def _drain(self) -> None:
+        for ev in self.index.take_events():
+            self.index_events[(ev.location, ev.kind)] += ev.blocks
 
     def _apply(self, replica: LocationId, batch: EventBatch) -> None:
         for ev in batch.events:
@@ -127,6 +174,7 @@ class KVCacheManager:
             elif isinstance(ev, AllBlocksCleared):
                 self.index.apply_cleared(replica)
                 self._drop_leases(replica)
+        self._drain()
 
     async def _resync(self, replica: LocationId) -> None:
         """Rebuild one replica's index from the engine's own view of its cache."""
@@ -134,6 +182,7 @@ class KVCacheManager:
         self.index.apply_cleared(replica)
         self._drop_leases(replica)  # a restarted engine holds no pins: owners must pin again
         self.index.apply_stored(replica, [BlockHash(bytes(h)) for h in resident])
+        self._drain()
         log.info("replica %s: index resynced, %d blocks resident", replica, len(resident))
 
     def _drop_leases(self, replica: LocationId) -> None:
@@ -146,20 +195,24 @@ class KVCacheManager:
     async def start(self, probe_tokens: Sequence[int]) -> None:
         """Start the subscribers and the lease reaper, then probe every replica."""
         for st in self._replicas.values():
-            self._tasks.append(asyncio.create_task(st.subscriber.run(), name=f"kv-{st.replica}"))
+            task = asyncio.create_task(st.subscriber.run(), name=f"kv-{st.replica}")
+            self._subscribers[st.replica] = task
         self._tasks.append(asyncio.create_task(self._reap_forever(), name="pin-reaper"))
         for replica in self._replicas:
             await self.probe(replica, probe_tokens)
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._subscribers.values()]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        self._subscribers.clear()
         for st in self._replicas.values():
-            st.subscriber.close()
+            if st.live:
+                st.subscriber.close()
 
     async def sync(self, barrier: bool = False) -> None:
         """Fold every event the replicas have published so far.
@@ -168,7 +221,7 @@ class KVCacheManager:
         subscriber waits for it: exact even for the request that just finished
         (one round trip per replica; admin operations use it, dispatch does not).
         """
-        for st in self._replicas.values():
+        for st in self._live():
             if barrier:
                 await self._barrier(st)
             else:
@@ -280,6 +333,7 @@ class KVCacheManager:
             out.missing = [bytes(h).hex() for h in res["missing"]]
             out.refused = [bytes(h).hex() for h in res["refused"]]
             self.index.pin(replica, [BlockHash(h) for h in took])
+            self._drain()
             for h in fresh:
                 if h in took:
                     self._leases[(replica, h)] = []
@@ -312,6 +366,7 @@ class KVCacheManager:
             return
         await self._replicas[replica].engine.call_core("vcache_unpin", [bytes(h) for h in hashes])
         self.index.unpin(replica, hashes)
+        self._drain()
 
     def pin_owners(self, replica: LocationId, h: BlockHash) -> list[str]:
         return [x.owner for x in self._leases.get((replica, h), [])]
@@ -346,6 +401,7 @@ class KVCacheManager:
         )
         evicted = [BlockHash(bytes(h)) for h in res["evicted"]]
         self.index.apply_removed(replica, evicted)  # the BlockRemoved events agree later
+        self._drain()
         return [h.hex() for h in evicted], [bytes(h).hex() for h in res["busy"]]
 
     # ------------------------------------------------------------- stats
@@ -355,9 +411,13 @@ class KVCacheManager:
         out: dict[str, Any] = {"index_blocks": len(self.index), "replicas": {}}
         for r, st in self._replicas.items():
             counts = self.index.counts(r)
-            engine: dict[str, Any] = await st.engine.call_core("vcache_cache_stats")
+            engine: dict[str, Any] | None = None
+            if st.live:
+                with contextlib.suppress(EngineError):  # it died between the check and now
+                    engine = await st.engine.call_core("vcache_cache_stats")
             sub = st.subscriber.stats
             out["replicas"][r] = {
+                "live": st.live and engine is not None,
                 "hash_agreement": st.agreement,
                 "blocks_resident": counts.resident,
                 "blocks_pinned": counts.pinned,
@@ -371,5 +431,6 @@ class KVCacheManager:
                     "resyncs": sub.resyncs,
                     "last_seq": sub.last_seq,
                 },
+                "index_events": {k: n for (loc, k), n in self.index_events.items() if loc == r},
             }
         return out

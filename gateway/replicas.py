@@ -12,7 +12,7 @@ cache; they exist for comparison.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -40,13 +40,14 @@ class RouteOverride:
 
 @dataclass(frozen=True)
 class LocalReplica:
-    """A replica as built (embedded or remote): its engine and, when it publishes them,
-    its KV-event sockets."""
+    """A replica as built (embedded or remote): its engine, when it publishes them its
+    KV-event sockets, and how to build a fresh engine when this one dies."""
 
     id: LocationId
     engine: Engine
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
+    factory: Callable[[], Engine] | None = None
 
 
 class Router:

@@ -105,13 +105,17 @@ class GatewayService:
 
     @property
     def _engine(self) -> Engine:
-        """The first replica: all replicas serve the same model and tokenizer."""
-        return self._dispatcher.replicas[0].engine
+        """A serving replica's engine (the first one when none serves): all replicas serve
+        the same model and tokenizer."""
+        d = self._dispatcher
+        serving = d.serving()
+        return serving[0].engine if serving else d.replicas[0].engine
 
     @property
     def ready(self) -> bool:
+        """Started, and (unless provider-only) at least one local replica serving."""
         d = self._dispatcher
-        return d.started and all(r.engine.ready for r in d.replicas)
+        return d.started and (not d.replicas or bool(d.serving()))
 
     def models(self) -> ModelList:
         if not self._dispatcher.replicas:  # a provider-only gateway
@@ -379,13 +383,17 @@ class GatewayService:
     # ---------------------------------------------------------- shared
 
     def check_ready(self) -> None:
+        if self._dispatcher.failed is not None:
+            raise Unavailable("the local engine failed to start", code="engine_failed")
         if not self._dispatcher.started:
             raise Unavailable(
                 "the engine is still starting", code="engine_starting", retry_after_s=5
             )
         if not self.ready:
             raise Unavailable(
-                "the local engine is not running", code="engine_unavailable", retry_after_s=5
+                "the local engine is not running; it is being restarted",
+                code="engine_unavailable",
+                retry_after_s=self._dispatcher.retry_after_s(),
             )
 
     def check_model(self, model: str) -> None:

@@ -30,6 +30,7 @@ from engines.errors import (
     EngineUnavailable,
 )
 from engines.tokenizer import ChatTokenizer
+from engines.vllm.lifeline import GATEWAY_PID_ENV
 from engines.vllm.stats import CoreStats
 
 if TYPE_CHECKING:
@@ -134,6 +135,8 @@ class VllmEngine:
         # The engine core process inherits the environment: block hashes are
         # seeded by PYTHONHASHSEED there (vllm.v1.core.kv_cache_utils).
         os.environ["PYTHONHASHSEED"] = self._config.hash_seed
+        # ...and dies with this process (engines/vllm/lifeline.py).
+        os.environ[GATEWAY_PID_ENV] = str(os.getpid())
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = self._engine_args()

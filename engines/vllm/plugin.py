@@ -158,8 +158,13 @@ _METHODS = {
 
 
 def register() -> None:
-    """Entry point: add the methods to EngineCore (safe to call many times)."""
+    """Entry point: tie this process's life to the gateway's (engines/vllm/lifeline.py),
+    then add the methods to EngineCore (safe to call many times)."""
     from vllm.v1.engine.core import EngineCore
+
+    from engines.vllm.lifeline import die_with_parent
+
+    die_with_parent()
 
     for name, fn in _METHODS.items():
         if getattr(EngineCore, name, None) is not fn:

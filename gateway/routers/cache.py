@@ -28,7 +28,7 @@ def require_admin(who: Annotated[Principal, Depends(require_principal)]) -> Prin
 
 
 def cache_service(request: Request) -> CacheService:
-    return CacheService(request.app.state.service, request.app.state.kv)
+    return CacheService(request.app.state.service, request.app.state.supervisor.kv)
 
 
 Admin = Annotated[Principal, Depends(require_admin)]

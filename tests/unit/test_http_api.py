@@ -293,8 +293,13 @@ def test_not_ready_is_503_and_readyz_says_starting(tokenizer: ChatTokenizer) -> 
             await asyncio.sleep(3600)
 
     with _client(SlowStart(tokenizer)) as c:
-        assert c.get("/healthz").json() == {"status": "ok"}
+        assert c.get("/healthz").json() == {
+            "status": "ok",
+            "error": None,
+            "replicas": {"replica-0": {"state": "starting", "restarts": 0, "last_error": None}},
+        }
         assert c.get("/readyz").status_code == 503
+        assert c.get("/readyz").json()["status"] == "starting"
         r = c.post("/v1/chat/completions", json=chat())
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "engine_starting"
@@ -308,7 +313,15 @@ def test_failed_engine_fails_health(tokenizer: ChatTokenizer) -> None:
     with _client(Broken(tokenizer)) as c:
         r = c.get("/healthz")
         assert r.status_code == 503
-        assert r.json() == {"status": "failed", "error": "RuntimeError: no GPU memory"}
+        failed = {"state": "failed", "restarts": 0, "last_error": None}
+        assert r.json() == {
+            "status": "failed",
+            "error": "RuntimeError: no GPU memory",
+            "replicas": {"replica-0": failed},
+        }
+        r = c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "engine_failed"
 
 
 def test_metrics_count_requests_tokens_and_errors(client: TestClient) -> None:
