@@ -40,6 +40,7 @@ class FakeEngine:
         self._running: set[str] = set()
         self._started = False
         self._closed = False
+        self._dead = False
         self.aborted: list[str] = []
         self.received: list[GenerateRequest] = []
 
@@ -53,7 +54,11 @@ class FakeEngine:
 
     @property
     def ready(self) -> bool:
-        return self._started and not self._closed
+        return self._started and not self._closed and not self._dead
+
+    def kill(self) -> None:
+        """Die as an engine whose process exited: not ready, every call refused."""
+        self._dead = True
 
     async def start(self) -> None:
         if self._started:

@@ -84,6 +84,7 @@ class Supervisor:
         self.health: dict[LocationId, ReplicaHealth] = {b.id: ReplicaHealth() for b in built}
         self.kv: KVCacheManager | None = None
         self.boot_failure: str | None = None
+        self._start_s = 0.0  # the longest engine start seen: how long a restart takes
         self._watch: asyncio.Task[None] | None = None
         dispatcher.retry_after_s = self.retry_after_s
 
@@ -101,7 +102,8 @@ class Supervisor:
         )
 
     def retry_after_s(self) -> float:
-        """How long until a dead local engine may serve again (at least 1 s)."""
+        """How long until a dead local engine may serve again (at least 1 s): the next
+        restart attempt, or the end of the one under way (as long as a boot start took)."""
         at = [h.next_attempt_at for h in self.health.values() if h.next_attempt_at is not None]
         return max(1.0, min(at) - self._clock()) if at else 5.0
 
@@ -118,7 +120,9 @@ class Supervisor:
         is recorded in ``boot_failure`` and the replica states."""
         try:
             for b in self._built.values():
+                t0 = self._clock()
                 await b.engine.start()
+                self._start_s = max(self._start_s, self._clock() - t0)
                 self.health[b.id].state = "ready"
             self.kv = await self._attach_kv()
             self._dispatcher.kv = self.kv
@@ -200,6 +204,7 @@ class Supervisor:
         factory = self._built[rid].factory
         assert factory is not None  # dead replicas without one have no next attempt
         h.state = "restarting"
+        h.next_attempt_at = self._clock() + self._start_s  # when it should serve again
         engine = factory()
         try:
             await engine.start()
