@@ -30,6 +30,11 @@ class ChatTokenizer:
         hf = cast(_HFTokenizer, AutoTokenizer.from_pretrained(path_or_id))
         return cls(hf, name=path_or_id)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are ``0 <= id < vocab_size`` (added special tokens included)."""
+        return len(self._tok)  # type: ignore[arg-type]
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 

@@ -10,7 +10,7 @@ from gateway.config import ApiKeyConfig, hash_api_key
 from gateway.errors import AuthenticationFailed
 from gateway.service import Principal
 
-ANONYMOUS = Principal(tenant="default", key_name="anonymous", admin=True)
+ANONYMOUS = Principal(tenant="default", key_name="anonymous", admin=True, global_admin=True)
 
 
 class KeyRing:
@@ -38,7 +38,12 @@ class KeyRing:
                 match = key
         if match is None:
             raise AuthenticationFailed("Incorrect API key provided", code="invalid_api_key")
-        return Principal(tenant=match.tenant, key_name=match.name, admin=match.admin)
+        return Principal(
+            tenant=match.tenant,
+            key_name=match.name,
+            admin=match.admin,
+            global_admin=match.admin and match.scope == "global",
+        )
 
 
 def require_principal(request: Request) -> Principal:

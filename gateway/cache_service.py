@@ -2,8 +2,10 @@
 
 Spans are named by a prompt (``messages``, ``prompt`` or ``token_ids``,
 rendered and hashed exactly as a request would be) or by explicit
-``block_hashes`` (hex).  They belong to the caller's tenant unless an admin
-names another ``tenant``: the tenant is part of every block hash.
+``block_hashes`` (hex).  They belong to the caller's tenant unless a global
+admin names another ``tenant``: the tenant is part of every block hash.  An
+admin key's scope is its own tenant; raw block hashes, which can name any
+tenant's span, need a global admin key (``scope: global``).
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ from gateway.errors import (
     Unavailable,
 )
 from gateway.kvcache import KVCacheManager
-from gateway.schemas import ChatCompletionRequest, ChatMessage
+from gateway.schemas import ChatCompletionRequest, ChatMessage, RequestModel, TokenId
 from gateway.service import GatewayService, Principal, tenant_salt
 from manifest.hashing import BlockHash, from_hex
 from manifest.index import LocationId
 
 
-class CacheRequest(BaseModel):
+class CacheRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     prompt: str | None = Field(None, min_length=1)
-    token_ids: list[int] | None = Field(None, min_length=1)
+    token_ids: list[TokenId] | None = Field(None, min_length=1)
     block_hashes: list[str] | None = Field(None, min_length=1)
     replica: str | None = None
     tenant: str | None = None
@@ -110,13 +112,26 @@ class ProviderWarmResponse(BaseModel):
     written_tokens: int
 
 
+def check_scope(body: CacheRequest, who: Principal) -> None:
+    """An admin acts on its own tenant's spans; only a global admin on another's."""
+    if body.tenant is not None and body.tenant != who.tenant and not who.global_admin:
+        raise PermissionDenied(
+            "Only a global admin key may name another tenant", code="global_admin_required"
+        )
+    if body.block_hashes and not who.global_admin:
+        # A raw hash can name any tenant's span: only a global admin may use them.
+        raise PermissionDenied(
+            "block_hashes need a global admin key (scope: global); name the span by "
+            "messages, prompt or token_ids instead",
+            code="global_admin_required",
+        )
+
+
 class _Spans:
     """A cache request resolved to tokens (when given), block hashes and replicas."""
 
     def __init__(self, body: CacheRequest, who: Principal, svc: GatewayService, kv: KVCacheManager):
         svc.check_model(body.model)
-        if body.tenant is not None and body.tenant != who.tenant and not who.admin:
-            raise PermissionDenied("Only an admin may name another tenant", code="admin_required")
         self.salt = tenant_salt(body.tenant or who.tenant)
         self.tokens: list[int] | None = None
         if body.messages:
@@ -124,7 +139,7 @@ class _Spans:
         elif body.prompt:
             self.tokens = svc.text_tokens(body.prompt)
         elif body.token_ids:
-            self.tokens = list(body.token_ids)
+            self.tokens = svc.check_token_ids(list(body.token_ids), "token_ids")
         self.hashes: list[BlockHash]
         if self.tokens is not None:
             self.hashes = kv.hashes(self.tokens, self.salt)
@@ -159,14 +174,18 @@ class CacheService:
             )
         return self._kv
 
+    def _spans(self, body: CacheRequest, who: Principal) -> tuple[KVCacheManager, _Spans]:
+        check_scope(body, who)
+        kv = self._manager()
+        return kv, _Spans(body, who, self._svc, kv)
+
     @staticmethod
     def require_admin(who: Principal) -> None:
         if not who.admin:
             raise PermissionDenied("The cache API needs an admin key", code="admin_required")
 
     async def lookup(self, body: CacheRequest, who: Principal) -> LookupResponse:
-        kv = self._manager()
-        spans = _Spans(body, who, self._svc, kv)
+        kv, spans = self._spans(body, who)
         await kv.sync(barrier=True)
         n = len(spans.tokens) if spans.tokens is not None else len(spans.hashes) * kv.block_size + 1
         predicted = kv.predict(spans.hashes, n)
@@ -189,8 +208,7 @@ class CacheService:
         )
 
     async def pin(self, body: CacheRequest, who: Principal) -> PinResponse:
-        kv = self._manager()
-        spans = _Spans(body, who, self._svc, kv)
+        kv, spans = self._spans(body, who)
         await kv.sync(barrier=True)
         owner = who.key_name or who.tenant
         results = [await kv.pin(r, spans.hashes, owner, body.lease_s) for r in spans.replicas]
@@ -206,8 +224,7 @@ class CacheService:
         )
 
     async def unpin(self, body: CacheRequest, who: Principal) -> UnpinResponse:
-        kv = self._manager()
-        spans = _Spans(body, who, self._svc, kv)
+        kv, spans = self._spans(body, who)
         owner = who.key_name or who.tenant
         return UnpinResponse(
             replicas=[
@@ -233,8 +250,7 @@ class CacheService:
             return EvictResponse(
                 replicas=[ReplicaEvictions(replica=target, evicted=[str(n)], busy=[])]
             )
-        kv = self._manager()
-        spans = _Spans(body, who, self._svc, kv)
+        kv, spans = self._spans(body, who)
         out = []
         for r in spans.replicas:
             evicted, busy = await kv.evict(r, spans.hashes)
@@ -263,8 +279,7 @@ class CacheService:
         )
 
     async def warm(self, body: CacheRequest, who: Principal) -> WarmResponse:
-        kv = self._manager()
-        spans = _Spans(body, who, self._svc, kv)
+        kv, spans = self._spans(body, who)
         if spans.tokens is None:
             raise InvalidRequest(
                 "warm needs a prompt (messages, prompt or token_ids), not block hashes",

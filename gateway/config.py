@@ -42,7 +42,8 @@ class ApiKeyConfig(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     tenant: str = "default"
     name: str = ""
-    admin: bool = False
+    admin: bool = False  # the cache API and routing overrides, within its own tenant
+    scope: Literal["tenant", "global"] = "tenant"  # global: an admin over every tenant
 
 
 class EngineSettings(BaseModel):

@@ -30,6 +30,7 @@ from engines.errors import (
 )
 from engines.providers.errors import (
     ProviderAuthError,
+    ProviderBadAnswer,
     ProviderBadRequest,
     ProviderError,
     ProviderNotFound,
@@ -130,6 +131,8 @@ def from_provider_error(exc: ProviderError) -> APIError:
         return Unavailable(msg, code="upstream_overloaded", retry_after_s=after or 1)
     if isinstance(exc, ProviderTimeout):
         return GatewayTimeout(msg, code="upstream_timeout")
+    if isinstance(exc, ProviderBadAnswer):
+        return BadGateway(msg, code="upstream_bad_answer")
     if isinstance(exc, ProviderStreamCut):
         return BadGateway(msg, code="upstream_stream_cut")
     if isinstance(exc, ProviderAuthError):

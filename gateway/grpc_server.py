@@ -11,13 +11,11 @@ the handler, which aborts its engine request.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import duration_pb2, json_format
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
@@ -25,10 +23,12 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.auth import KeyRing
 from gateway.cache_service import CacheRequest, CacheService
-from gateway.errors import APIError, Unavailable
+from gateway.errors import APIError
 from gateway.fallback import Served
 from gateway.grpc_api import gateway_pb2 as pb
 from gateway.grpc_api import gateway_pb2_grpc as pb_grpc
+from gateway.grpc_errors import status_of
+from gateway.grpc_register import add_servicer
 from gateway.http_errors import invalid_request_from
 from gateway.kvcache import KVCacheManager
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
@@ -38,38 +38,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 M = TypeVar("M", bound=BaseModel)
-
-_CODES: dict[int, int] = {
-    400: code_pb2.INVALID_ARGUMENT,
-    401: code_pb2.UNAUTHENTICATED,
-    403: code_pb2.PERMISSION_DENIED,
-    404: code_pb2.NOT_FOUND,
-    413: code_pb2.RESOURCE_EXHAUSTED,
-    429: code_pb2.RESOURCE_EXHAUSTED,
-    503: code_pb2.UNAVAILABLE,
-}
-_BUSY = {"queue_full", "engine_overloaded"}  # retryable load shedding: RESOURCE_EXHAUSTED
-
-
-def status_of(exc: APIError) -> status_pb2.Status:
-    code = _CODES.get(exc.status, code_pb2.INTERNAL)
-    if isinstance(exc, Unavailable) and exc.code in _BUSY:
-        code = code_pb2.RESOURCE_EXHAUSTED
-    info = error_details_pb2.ErrorInfo(
-        reason=(exc.code or exc.type).upper(),
-        domain="vcache",
-        metadata={"type": exc.type, **({"param": exc.param} if exc.param else {})},
-    )
-    status = status_pb2.Status(code=code, message=exc.message)
-    status.details.add().Pack(info)
-    if exc.param:
-        bad = error_details_pb2.BadRequest()
-        bad.field_violations.add(field=exc.param, description=exc.message)
-        status.details.add().Pack(bad)
-    if exc.retry_after_s is not None:
-        delay = duration_pb2.Duration(seconds=max(1, math.ceil(exc.retry_after_s)))
-        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-    return status
 
 
 def _validate(model: type[M], data: dict[str, Any]) -> M:
@@ -340,7 +308,7 @@ class GrpcServer:
             ("grpc.so_reuseport", 0),
         ]
         self._server = grpc.aio.server(options=options)
-        pb_grpc.add_GatewayServicer_to_server(servicer, self._server)  # type: ignore[no-untyped-call]
+        add_servicer(servicer, self._server, SERVICE_NAME)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(

@@ -27,10 +27,17 @@ def error_response(exc: APIError, metrics: Metrics | None = None) -> JSONRespons
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
+def _param_parts(loc: tuple[int | str, ...]) -> list[str]:
+    """The field path without "body" and pydantic's union-branch tags ("str", "list[X]")."""
+    return [
+        p
+        for p in (str(x) for x in loc if x != "body")
+        if not ("[" in p or p in ("str", "int", "float", "bool") or p.startswith("constrained-"))
+    ]
+
+
 def _param(loc: tuple[int | str, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    # Drop pydantic's union-branch tags (e.g. "str", "list[TextPart]").
-    parts = [p for p in parts if not ("[" in p or p in ("str", "int", "float", "bool"))]
+    parts = _param_parts(loc)
     if not parts:
         return None
     out = parts[0]
@@ -46,10 +53,22 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
 def invalid_request_from(errors: Sequence[Any]) -> InvalidRequest:
     """The first of pydantic's errors as a 400 naming the parameter (HTTP and gRPC alike)."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # A union reports one error per branch: of those on the same field, the deepest names
+    # the value that is wrong (stop[1], not stop), and a broken constraint says more than
+    # another branch's wrong type.
+    field = tuple(first.get("loc", ()))[:1]
+    same = [e for e in errors if tuple(e.get("loc", ()))[:1] == field]
+
+    def specific(e: Any) -> tuple[int, bool]:
+        depth = len(_param_parts(tuple(e.get("loc", ()))))
+        return depth, not str(e.get("type", "")).endswith("_type")
+
+    first = max(same, key=specific, default=first)
     if first.get("type") == "json_invalid":
         return InvalidRequest("The request body is not valid JSON", code="invalid_json")
     loc = tuple(first.get("loc", ()))
-    param = _param(loc)
+    ctx: Any = first.get("ctx") or {}
+    param = _param(loc) or ctx.get("param")
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None and first.get("type") == "missing":
         return InvalidRequest("The request body is missing", code="invalid_json")

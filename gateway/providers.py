@@ -268,7 +268,7 @@ class ProviderPath:
                 async for d in deltas:
                     yield d
             return
-        answer = t.client.adapter.parse(await t.client.send(r))
+        answer = await t.client.complete(r)
         if answer.text:
             yield Delta(text=answer.text)
         yield Delta(usage=answer.usage, finish_reason=answer.finish_reason)

@@ -22,7 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.errors import NotFound, Unavailable
 from gateway.fallback import Served
-from gateway.schemas import ChatCompletionRequest, ChatMessage, StreamOptions, Usage
+from gateway.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    RequestModel,
+    StreamOptions,
+    Usage,
+)
 from gateway.service import GatewayService, Principal
 from gateway.session_log import SessionLog
 from gateway.session_store import ResponseRow
@@ -49,9 +55,7 @@ class InputItem(BaseModel):
         )
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ResponsesRequest(RequestModel):
     model: str = Field(min_length=1)
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None

@@ -19,9 +19,62 @@ from pydantic import (
     ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 # ---------------------------------------------------------------- requests
+
+SEED_MAX = 2**63 - 1  # seeds are 64-bit signed integers, as in OpenAI's API
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string in ``value`` that is not valid Unicode text (a lone
+    surrogate such as ``"\\ud800"``, which JSON escapes can carry), or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and lone_surrogate(key) is not None:
+            return path or "body"
+        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
+        found = lone_surrogate(item, sub)
+        if found is not None:
+            return found
+    return None
+
+
+class RequestModel(BaseModel):
+    """A request body: every string in it must be valid Unicode (else a 400 naming it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "the string contains a lone surrogate (it is not valid Unicode text)",
+                {"param": found},
+            )
+        return data
+
+
+StopText = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]  # the upper bound (the vocabulary) is the model's
 
 
 class TextPart(BaseModel):
@@ -69,20 +122,18 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Fields shared by chat and text completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopText | list[StopText] | None = None
+    seed: Annotated[int, Field(ge=-SEED_MAX - 1, le=SEED_MAX)] | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
@@ -110,7 +161,7 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     response_format: dict[str, Any] | None = None
 
@@ -154,15 +205,15 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _single_prompt(
-        cls, v: str | list[str] | list[int] | list[list[int]]
-    ) -> str | list[str] | list[int] | list[list[int]]:
+        cls, v: str | list[str] | list[TokenId] | list[list[TokenId]]
+    ) -> str | list[str] | list[TokenId] | list[list[TokenId]]:
         if isinstance(v, list) and v and isinstance(v[0], str | list) and len(v) != 1:
             raise ValueError("only one prompt per request is supported")
         if isinstance(v, list) and not v:

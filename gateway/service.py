@@ -58,6 +58,7 @@ class Principal:
     tenant: str
     key_name: str = ""
     admin: bool = False
+    global_admin: bool = False  # may act on other tenants' spans (names them or raw hashes)
 
 
 T = TypeVar("T")
@@ -135,6 +136,19 @@ class GatewayService:
 
     def text_tokens(self, text: str) -> list[int]:
         return self._engine.tokenizer.encode(text)
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        """Client-given token ids, each inside the model's vocabulary (else a 400)."""
+        vocab = self._engine.tokenizer.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise InvalidRequest(
+                    f"Invalid value for '{param}[{i}]': token id {t} is outside the model's "
+                    f"vocabulary (0 to {vocab - 1})",
+                    param=f"{param}[{i}]",
+                    code="invalid_value",
+                )
+        return ids
 
     # ------------------------------------------------------------ chat
 
@@ -323,11 +337,11 @@ class GatewayService:
                 code="unsupported_model",
             )
         self.check_ready()
-        p = req.prompt
+        p, param = req.prompt, "prompt"
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-            p = p[0]
+            p, param = p[0], "prompt[0]"
         tok = self._engine.tokenizer
-        ids = tok.encode(p) if isinstance(p, str) else [int(t) for t in p]  # type: ignore[arg-type]
+        ids = tok.encode(p) if isinstance(p, str) else self.check_token_ids(p, param)  # type: ignore[arg-type]
         if not ids:
             raise InvalidRequest("prompt must not be empty", param="prompt", code="invalid_value")
         return self._generate_request(

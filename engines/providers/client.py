@@ -18,8 +18,10 @@ from typing import Any
 
 import httpx
 
-from engines.providers.base import Adapter, Delta, Rendered, error_message
+from engines.providers.base import Adapter, Answer, Delta, Rendered, error_message
 from engines.providers.errors import (
+    PARSE_ERRORS,
+    ProviderBadAnswer,
     ProviderError,
     ProviderStreamCut,
     ProviderTimeout,
@@ -101,6 +103,18 @@ class ProviderClient:
             await self._backoff(attempt, err)
             attempt += 1
 
+    async def complete(self, r: Rendered) -> Answer:
+        """POST ``r`` and parse the answer (a body of the wrong shape is a bad answer)."""
+        body = await self.send(r)
+        try:
+            return self.adapter.parse(body)
+        except PARSE_ERRORS as exc:
+            raise self._bad_answer(exc) from exc
+
+    def _bad_answer(self, exc: Exception) -> ProviderBadAnswer:
+        log.warning("%s: unreadable answer (%s: %s)", self.provider, type(exc).__name__, exc)
+        return ProviderBadAnswer(self.provider, "the provider's answer could not be read")
+
     async def delete(self, path: str) -> None:
         try:
             resp = await self._http.delete(path)
@@ -124,7 +138,11 @@ class ProviderClient:
                         parser = self.adapter.stream_parser()
                         async for raw in resp.aiter_bytes():
                             for event in decoder.feed(raw):
-                                for delta in parser.feed(event):
+                                try:
+                                    deltas = parser.feed(event)
+                                except PARSE_ERRORS as exc:
+                                    raise self._bad_answer(exc) from exc
+                                for delta in deltas:
                                     started = True
                                     finished = finished or delta.finish_reason is not None
                                     yield delta

@@ -8,7 +8,8 @@ EngineError
     ├── ProviderRateLimited  429 (retry-after honoured)
     ├── ProviderOverloaded   529, 503
     └── ProviderUnavailable  other 5xx, 409, transport errors, a stream cut mid-way
-        └── ProviderTimeout  408, connect/read timeouts
+        ├── ProviderTimeout  408, connect/read timeouts
+        └── ProviderBadAnswer  a 2xx answer (or stream event) that does not parse
 """
 
 from __future__ import annotations
@@ -85,3 +86,14 @@ def from_status(
     else:
         kind = ProviderBadRequest
     return kind(provider, f"HTTP {status}: {message}", status, retry_after_s)
+
+
+class ProviderBadAnswer(ProviderUnavailable):
+    """The provider answered 2xx with a body its adapter cannot read: not the client's
+    fault; a 502, and an alias falls back.  Not retried: the same bytes would come back."""
+
+    retryable = False
+
+
+# What an adapter's parser raises on an answer of the wrong shape.
+PARSE_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError)

@@ -15,7 +15,7 @@ router = APIRouter(prefix="/admin")
 
 
 class FaultSpec(BaseModel):
-    kind: Literal["status", "timeout", "drop", "cut"]
+    kind: Literal["status", "timeout", "drop", "cut", "garbage"]
     count: int = Field(1, ge=1)
     provider: Literal["anthropic", "openai", "gemini", "deepseek"] | None = None
     status: int = Field(500, ge=400, le=599)

@@ -82,11 +82,21 @@ async def fault_response(
     if fault.kind == "timeout":
         await asyncio.sleep(fault.delay_s)
         return None, None
+    if fault.kind == "garbage":  # a 2xx whose body no client can read
+        if stream:
+            events = [b'data: {"choices": "not a list", "type": "message_start"}\n\n']
+            return StreamingResponse(_replay(events), media_type="text/event-stream"), None
+        return JSONResponse({"id": 7, "choices": None, "content": "?", "candidates": 3}), None
     if fault.kind == "drop":
         return StreamingResponse(_dropped(), media_type="application/json"), None
     if fault.kind == "cut" and stream:
         return None, fault
     return None, None
+
+
+async def _replay(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for c in chunks:
+        yield c
 
 
 async def _dropped() -> AsyncIterator[bytes]:

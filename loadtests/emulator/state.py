@@ -132,7 +132,7 @@ def implicit_write(store: PrefixStore, keys: Sequence[tuple[int, bytes]], ttl_s:
 class Fault:
     """Applied to the next ``count`` requests (of ``provider``, or of any)."""
 
-    kind: str  # status | timeout | drop | cut
+    kind: str  # status | timeout | drop | cut | garbage (a 200 of the wrong shape)
     count: int = 1
     provider: str | None = None
     status: int = 500

@@ -199,3 +199,48 @@ def test_local_in_an_alias_needs_a_local_replica() -> None:
             providers={"openai": {"api_key": "x"}},
             aliases={"a": ["local", OPENAI]},
         )
+
+
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai", "gemini", "deepseek"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_that_does_not_parse_is_a_502(gw: Gw, provider: str, stream: bool) -> None:
+    gw.emulator.admin("faults", kind="garbage", provider=provider)
+    body = {"model": f"{provider}/{MODELS[provider]}", "messages": HELLO, "stream": stream}
+    r = gw.http.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    if stream and err["code"] == "upstream_stream_cut":
+        # a lenient stream parser skips events it does not know (forward compatible):
+        # then the stream ends without an answer
+        assert err["message"] == f"{provider}: the stream ended before the answer"
+        return
+    assert err == {
+        "message": f"{provider}: the provider's answer could not be read",
+        "type": "upstream_error",
+        "param": None,
+        "code": "upstream_bad_answer",
+    }
+
+
+@pytest.fixture
+def two_providers(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
+    emulator.admin("reset")
+    yield from make_gateway(emulator, tokenizer, aliases={"two": [ANTHROPIC, OPENAI]})
+
+
+def test_an_alias_falls_back_past_an_answer_that_does_not_parse(two_providers: Gw) -> None:
+    gw = two_providers
+    gw.emulator.admin("faults", kind="garbage", provider="anthropic")
+    body = {"model": "two", "messages": HELLO, "max_tokens": 4}
+    r = gw.http.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-vcache-target"] == OPENAI
+    assert r.headers["x-vcache-fallback-from"] == ANTHROPIC
+    metrics = gw.http.get("/metrics").text
+    assert (
+        f'vcache_fallbacks_total{{reason="upstream_bad_answer",target="{ANTHROPIC}"}} 1.0'
+        in metrics
+    )

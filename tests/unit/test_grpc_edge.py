@@ -23,15 +23,20 @@ USER = "sk-grpc-user"
 
 
 @pytest.fixture(scope="module")
-def stub(demo_model: Path) -> Iterator[pb_grpc.GatewayStub]:
+def channel(demo_model: Path) -> Iterator[grpc.Channel]:
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512)
     keys = [
         ApiKeyConfig(sha256=hash_api_key(KEY), tenant="a", name="admin", admin=True),
         ApiKeyConfig(sha256=hash_api_key(USER), tenant="u", name="user"),
     ]
     app = create_app(Settings(api_keys=keys, grpc_port=0), [engine])
-    with TestClient(app), grpc.insecure_channel(f"127.0.0.1:{app.state.grpc.port}") as channel:
-        yield pb_grpc.GatewayStub(channel)
+    with TestClient(app), grpc.insecure_channel(f"127.0.0.1:{app.state.grpc.port}") as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel: grpc.Channel) -> pb_grpc.GatewayStub:
+    return pb_grpc.GatewayStub(channel)
 
 
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -119,3 +124,29 @@ def test_models_and_completion(stub: pb_grpc.GatewayStub) -> None:
         metadata=AUTH,
     )
     assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("method", "stream"),
+    [("ChatCompletion", False), ("ChatCompletionStream", True), ("Lookup", False)],
+)
+def test_bytes_that_are_not_a_message_are_invalid_argument(
+    channel: grpc.Channel, method: str, stream: bool
+) -> None:
+    path = f"/vcache.v1.Gateway/{method}"
+    garbage = b"\xff\xff\xff\xff"
+    with pytest.raises(grpc.RpcError) as info:
+        if stream:
+            list(channel.unary_stream(path)(garbage, metadata=AUTH, timeout=10))
+        else:
+            channel.unary_unary(path)(garbage, metadata=AUTH, timeout=10)
+    err = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("The request is not a valid vcache.v1.")
+    d = details(err)
+    info_ = d["ErrorInfo"]
+    assert isinstance(info_, error_details_pb2.ErrorInfo)
+    assert info_.reason == "MALFORMED_REQUEST"
+    bad = d["BadRequest"]
+    assert isinstance(bad, error_details_pb2.BadRequest)
+    assert [v.field for v in bad.field_violations] == ["request"]

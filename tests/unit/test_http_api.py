@@ -138,7 +138,23 @@ def test_models(client: TestClient) -> None:
     [
         (chat(temperature=3), "temperature", "less than or equal to 2"),
         (chat(top_p=0), "top_p", "greater than 0"),
-        (chat(max_tokens=-1), "max_tokens", "greater than or equal to 0"),
+        (chat(max_tokens=-1), "max_tokens", "greater than or equal to 1"),
+        (chat(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+        (chat(max_completion_tokens=0), "max_completion_tokens", "greater than or equal to 1"),
+        (chat(stop=""), "stop", "at least 1 character"),
+        (chat(stop=["ok", ""]), "stop[1]", "at least 1 character"),
+        (chat(seed=2**64), "seed", "less than or equal to 9223372036854775807"),
+        (chat(seed=-(2**63) - 1), "seed", "greater than or equal to"),
+        (
+            chat(messages=[{"role": "user", "content": "a\ud800b"}]),
+            "messages[0].content",
+            "lone surrogate",
+        ),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]),
+            "messages[0].content[0].text",
+            "lone surrogate",
+        ),
         (chat(n=2), "n", "only n=1"),
         (chat(messages=[]), "messages", "at least 1"),
         (
@@ -167,7 +183,9 @@ def test_models(client: TestClient) -> None:
 def test_invalid_parameters_are_400_naming_the_parameter(
     client: TestClient, body: dict[str, object], param: str, fragment: str
 ) -> None:
-    r = client.post("/v1/chat/completions", json=body)
+    # json.dumps escapes lone surrogates as \\udXXX, as a client's JSON encoder may
+    headers = {"content-type": "application/json"}
+    r = client.post("/v1/chat/completions", content=json.dumps(body), headers=headers)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -397,3 +415,42 @@ def test_replica_override_header(engine: FakeEngine) -> None:
             "param": "x-vcache-replica",
             "code": "replica_not_found",
         }
+
+
+def test_admin_scope_is_its_tenant_unless_global(engine: FakeEngine) -> None:
+    keys = [
+        ApiKeyConfig(sha256=hash_api_key(KEY_A), tenant="a", admin=True),
+        ApiKeyConfig(sha256=hash_api_key("sk-root"), tenant="ops", admin=True, scope="global"),
+    ]
+    hashes = {"model": MODEL, "block_hashes": ["00" * 32]}
+    with _client(engine, api_keys=keys) as c:
+        tenant_admin = {"Authorization": f"Bearer {KEY_A}"}
+        for path in ("/v1/cache/lookup", "/v1/cache/pin", "/v1/cache/unpin", "/v1/cache/evict"):
+            r = c.post(path, json=hashes, headers=tenant_admin)
+            assert r.status_code == 403, path
+            assert r.json()["error"]["code"] == "global_admin_required"
+            other = {"model": MODEL, "prompt": "x", "tenant": "b"}
+            r = c.post(path, json=other, headers=tenant_admin)
+            assert r.status_code == 403
+            assert r.json()["error"]["message"] == "Only a global admin key may name another tenant"
+        # a global admin passes the scope check (then: no exact tracking on the fake engine)
+        r = c.post("/v1/cache/evict", json=hashes, headers={"Authorization": "Bearer sk-root"})
+        assert r.json()["error"]["code"] == "kv_tracking_unavailable"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param", "fragment"),
+    [
+        ([1, -1], "prompt[1]", "greater than or equal to 0"),
+        ([1, 10**9], "prompt[1]", "outside the model's vocabulary"),
+        ([[3, 10**9]], "prompt[0][1]", "outside the model's vocabulary"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_400(
+    client: TestClient, prompt: object, param: str, fragment: str
+) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, "invalid_value")
+    assert fragment in err["message"]

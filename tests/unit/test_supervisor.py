@@ -164,7 +164,7 @@ def test_http_reports_engine_dead_then_recovers(tokenizer: ChatTokenizer) -> Non
     built = [LocalReplica(LocationId("replica-0"), factory(), factory=factory)]
     settings = Settings(
         grpc_port=None,
-        engine={"watch_interval_s": 0.01, "restart_backoff_s": 3600, "restart_backoff_cap_s": 3600},  # type: ignore[arg-type]
+        engine={"watch_interval_s": 0.01, "restart_backoff_s": 3600, "restart_backoff_cap_s": 3600},
     )
     app = create_app(settings, built)
     body = {"model": "vcache-demo", "messages": [{"role": "user", "content": "hi"}]}
