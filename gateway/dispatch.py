@@ -6,10 +6,11 @@ One path for every request, whichever edge it came from.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import zlib
 from array import array
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -122,10 +123,10 @@ class Dispatcher:
         p = predicted.get(replica.id) if predicted is not None and exact else None
         return Dispatch(replica, replica.id, p)
 
-    async def run(
-        self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, totals: Totals
-    ) -> AsyncGenerator[GenerateChunk, None]:
-        """Stream from the chosen replica under admission control; fold usage as it arrives."""
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """Admission control, first: a request refused here (503 queue_full) has cost no
+        tokenizing and left nothing in the session log.  Held until the request ends."""
         if self._inflight >= self._max_inflight:
             raise Unavailable(
                 "The gateway's request queue is full; retry shortly",
@@ -133,6 +134,15 @@ class Dispatcher:
                 retry_after_s=1,
             )
         self._inflight += 1
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+
+    async def run(
+        self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, totals: Totals
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives."""
         d.replica.inflight += 1
         first = True
         cached_known = False
@@ -162,7 +172,6 @@ class Dispatcher:
             m.aborted.labels(endpoint).inc()  # the client went away
             raise
         finally:
-            self._inflight -= 1
             d.replica.inflight -= 1
 
     def _fold_prediction(self, d: Dispatch, actual: int) -> None:

@@ -45,6 +45,25 @@ from gateway.schemas import (
 from gateway.session_log import Open, SessionLog
 from manifest.sessionlog import Header
 
+T = TypeVar("T")
+
+
+async def primed(gen: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """``gen`` with its first item already produced: errors before it are raised here."""
+    try:
+        first = await anext(gen)
+    except BaseException:
+        await gen.aclose()
+        raise
+
+    async def stream() -> AsyncGenerator[T, None]:
+        async with aclosing(gen):
+            yield first
+            async for item in gen:
+                yield item
+
+    return stream()
+
 
 def tenant_salt(tenant: str) -> str:
     """vLLM's cache_salt for a tenant: tenants never share a prefix-cache span."""
@@ -59,9 +78,6 @@ class Principal:
     key_name: str = ""
     admin: bool = False
     global_admin: bool = False  # may act on other tenants' spans (names them or raw hashes)
-
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -201,17 +217,18 @@ class GatewayService:
         served: Served,
         session: str | None = None,
     ) -> ChatCompletion:
-        t0 = time.perf_counter()
-        greq = self._chat_request(req, who)
-        d = await self._dispatcher.route(greq, route)
-        served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
-        op = await self._log_local(req, who, greq, session, served)
-        text: list[str] = []
-        totals = Totals()
-        async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
-            async for chunk in chunks:
-                text.append(chunk.text)
-        await self._log_answer(op, greq.request_id, "".join(text), totals.usage())
+        with self._dispatcher.admit():
+            t0 = time.perf_counter()
+            greq = self._chat_request(req, who)
+            d = await self._dispatcher.route(greq, route)
+            served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
+            op = await self._log_local(req, who, greq, session, served)
+            text: list[str] = []
+            totals = Totals()
+            async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
+                async for chunk in chunks:
+                    text.append(chunk.text)
+            await self._log_answer(op, greq.request_id, "".join(text), totals.usage())
         return ChatCompletion(
             id=greq.request_id,
             model=req.model,
@@ -268,6 +285,19 @@ class GatewayService:
         route: RouteOverride | None,
         served: Served,
         session: str | None = None,
+    ) -> AsyncGenerator[ChatCompletionChunk, None]:
+        with self._dispatcher.admit():
+            async with aclosing(self._chat_local_admitted(req, who, route, served, session)) as s:
+                async for c in s:
+                    yield c
+
+    async def _chat_local_admitted(
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        route: RouteOverride | None,
+        served: Served,
+        session: str | None,
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
         t0 = time.perf_counter()
         greq = self._chat_request(req, who)
@@ -351,14 +381,15 @@ class GatewayService:
     async def complete(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[Completion]:
-        t0 = time.perf_counter()
-        greq = self._completion_request(req, who)
-        d = await self._dispatcher.route(greq, route)
-        text: list[str] = []
-        totals = Totals()
-        async with aclosing(self._dispatcher.run(greq, d, "completions", t0, totals)) as chunks:
-            async for chunk in chunks:
-                text.append(chunk.text)
+        with self._dispatcher.admit():
+            t0 = time.perf_counter()
+            greq = self._completion_request(req, who)
+            d = await self._dispatcher.route(greq, route)
+            text: list[str] = []
+            totals = Totals()
+            async with aclosing(self._dispatcher.run(greq, d, "completions", t0, totals)) as cs:
+                async for chunk in cs:
+                    text.append(chunk.text)
         body = Completion(
             id=greq.request_id,
             model=self._model,
@@ -370,29 +401,26 @@ class GatewayService:
     async def complete_stream(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[AsyncGenerator[Completion, None]]:
-        t0 = time.perf_counter()
-        greq = self._completion_request(req, who)
-        d = await self._dispatcher.route(greq, route)
+        """A stream that has produced its first chunk (errors before it are raised here)."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        served = Served()
 
         async def stream() -> AsyncGenerator[Completion, None]:
-            totals = Totals()
-            async with aclosing(self._dispatcher.run(greq, d, "completions", t0, totals)) as chunks:
-                async for out in chunks:
-                    yield Completion(
-                        id=greq.request_id,
-                        model=self._model,
-                        choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
-                    )
+            with self._dispatcher.admit():
+                t0 = time.perf_counter()
+                greq = self._completion_request(req, who)
+                served.dispatch = d = await self._dispatcher.route(greq, route)
+                totals = Totals()
+                async with aclosing(self._dispatcher.run(greq, d, "completions", t0, totals)) as cs:
+                    async for out in cs:
+                        choice = CompletionChoice(text=out.text, finish_reason=out.finish_reason)
+                        yield Completion(id=greq.request_id, model=self._model, choices=[choice])
             if include_usage:
                 yield Completion(
-                    id=greq.request_id,
-                    model=self._model,
-                    choices=[],
-                    usage=totals.usage(),
+                    id=greq.request_id, model=self._model, choices=[], usage=totals.usage()
                 )
 
-        return Routed(stream(), Served(dispatch=d))
+        return Routed(await primed(stream()), served)
 
     # ---------------------------------------------------------- shared
 

@@ -273,12 +273,28 @@ def test_auth_required_when_keys_configured(engine: FakeEngine) -> None:
         assert c.get("/healthz").status_code == 200  # health needs no key
 
 
-def test_queue_full_is_503_with_retry_after(tokenizer: ChatTokenizer) -> None:
+def test_queue_full_is_503_with_retry_after(
+    tokenizer: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = FakeEngine(tokenizer, step_delay_s=0.05)
+    tokenized = 0
+    render, encode = tokenizer.render_chat, tokenizer.encode
+
+    def counted(fn):  # type: ignore[no-untyped-def]
+        def call(*a):  # type: ignore[no-untyped-def]
+            nonlocal tokenized
+            tokenized += 1
+            return fn(*a)
+
+        return call
+
+    monkeypatch.setattr(tokenizer, "render_chat", counted(render))
+    monkeypatch.setattr(tokenizer, "encode", counted(encode))
     with _client(engine, engine={"max_queued_requests": 1}) as c:
         body = chat(stream=True, max_tokens=50)
         with c.stream("POST", "/v1/chat/completions", json=body) as held:
             assert held.status_code == 200
+            before = tokenized
             r = c.post("/v1/chat/completions", json=chat())
             assert r.status_code == 503
             assert r.headers["retry-after"] == "1"
@@ -288,9 +304,21 @@ def test_queue_full_is_503_with_retry_after(tokenizer: ChatTokenizer) -> None:
                 None,
                 "queue_full",
             )
+            r = c.post("/v1/chat/completions", json=chat(stream=True))
+            assert r.status_code == 503
+            r = c.post("/v1/chat/completions", json=chat(), headers={"x-vcache-session": "s1"})
+            assert r.status_code == 503
+            cmpl = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            for stream in (False, True):
+                r = c.post("/v1/completions", json={**cmpl, "stream": stream})
+                assert (r.status_code, r.json()["error"]["code"]) == (503, "queue_full")
+            # shed before anything else: not tokenized, not in the session log
+            assert tokenized == before
+            assert len(c.app.state.session_log.store.requests()) == 1  # type: ignore[attr-defined]
             assert list(held.iter_lines())[-2] == "data: [DONE]"  # the held one finishes
         assert engine.stats().unfinished_requests == 0
         assert c.post("/v1/chat/completions", json=chat()).status_code == 200
+        assert len(c.app.state.session_log.store.requests()) == 2  # type: ignore[attr-defined]
 
 
 def test_engine_overload_maps_to_503(tokenizer: ChatTokenizer) -> None:
