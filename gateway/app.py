@@ -46,17 +46,29 @@ def _session_log(settings: Settings, replicas: Sequence[Replica]) -> SessionLog 
     if not cfg.enabled:
         return None
     store = SessionStore(cfg.db_path(settings.data_dir), cfg.fsync)
-    if cfg.retention_days is not None or cfg.retention_max_bytes is not None:
-        age = cfg.retention_days * 86400 if cfg.retention_days is not None else None
-        dropped = store.retain(age, cfg.retention_max_bytes)
-        if dropped:
-            log.info("session log retention: dropped %d sessions", dropped)
 
     def tokenizer() -> ChatTokenizer | None:
         ready = [r.engine for r in replicas if r.engine.ready]
         return ready[0].tokenizer if ready else None
 
-    return SessionLog(store, Reconstructor(adapter_for, tokenizer), cfg.verify_reconstruction)
+    rebuild = Reconstructor(adapter_for, tokenizer)
+    return SessionLog(store, rebuild, cfg.verify_reconstruction, cfg.cached_sessions)
+
+
+async def _retain_forever(settings: Settings, session_log: SessionLog) -> None:
+    """Session-log retention at start, then every ``retention_interval_s``."""
+    cfg = settings.session_log
+    if cfg.retention_days is None and cfg.retention_max_bytes is None:
+        return
+    age = cfg.retention_days * 86400 if cfg.retention_days is not None else None
+    while True:
+        try:
+            dropped = await session_log.retain(age, cfg.retention_max_bytes)
+            if dropped:
+                log.info("session log retention: dropped %d sessions", dropped)
+        except Exception:
+            log.exception("session log retention failed; retrying later")
+        await asyncio.sleep(cfg.retention_interval_s)
 
 
 def create_app(
@@ -106,9 +118,18 @@ def create_app(
 
         supervisor.on_change = health_changed
         starting = asyncio.create_task(supervisor.boot(), name="engine-start")
+        retention = None
+        if session_log is not None:
+            retention = asyncio.create_task(
+                _retain_forever(settings, session_log), name="session-retention"
+            )
         try:
             yield
         finally:
+            if retention is not None:
+                retention.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retention
             if grpc_server is not None:
                 await grpc_server.stop(grace_s=5)
             if not starting.done():

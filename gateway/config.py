@@ -40,7 +40,7 @@ class ApiKeyConfig(BaseModel):
     """One accepted key, stored as its sha256 (``vcache hash-key KEY`` prints it)."""
 
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    tenant: str = "default"
+    tenant: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     name: str = ""
     admin: bool = False  # the cache API and routing overrides, within its own tenant
     scope: Literal["tenant", "global"] = "tenant"  # global: an admin over every tenant
@@ -151,8 +151,12 @@ class SessionLogSettings(BaseModel):
     path: Path | None = None  # default: <data_dir>/sessions.db
     fsync: Literal["full", "normal", "off"] = "normal"
     verify_reconstruction: bool = False  # rebuild each request from the log before sending
-    retention_days: float | None = Field(None, gt=0)
-    retention_max_bytes: int | None = Field(None, ge=1 << 20)
+    # Whole sessions older than this, or the oldest beyond the size cap, are deleted at
+    # start and every retention_interval_s; None keeps them (no default keeps them forever).
+    retention_days: float | None = Field(30, gt=0)
+    retention_max_bytes: int | None = Field(16 << 30, ge=1 << 20)
+    retention_interval_s: float = Field(3600, gt=0)
+    cached_sessions: int = Field(4096, ge=1)  # folded session states kept in memory (LRU)
 
     def db_path(self, data_dir: Path) -> Path:
         return self.path or data_dir / "sessions.db"

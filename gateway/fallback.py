@@ -19,6 +19,7 @@ from gateway.config import LOCAL_TARGET
 from gateway.dispatch import Dispatch
 from gateway.errors import APIError, InvalidRequest, NotFound, RateLimited, Unavailable
 from gateway.metrics import Metrics
+from manifest.sessionlog import session_name
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ class Served:
     dispatch: Dispatch | None = None
     lint: tuple[str, ...] = ()
     fallback_from: tuple[str, ...] = ()
-    session: str | None = None  # the session-log session it was appended to
+    session: str | None = None  # the stored id of the session-log session it was appended to
+    answer_seq: int | None = None  # the sequence number of its answer in that session
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-target": self.target}
@@ -42,7 +44,7 @@ class Served:
         if self.lint:
             h["x-vcache-prefix-lint"] = ", ".join(self.lint)
         if self.session:
-            h["x-vcache-session"] = self.session
+            h["x-vcache-session"] = session_name(self.session)
         if self.fallback_from:
             h["x-vcache-fallback-from"] = ", ".join(self.fallback_from)
         return h

@@ -176,10 +176,12 @@ class ProviderChat:
             raise from_engine_error(exc) from exc
 
     async def _respond(
-        self, op: Open | None, rid: str, text: str, usage: Usage, response: Any = None
+        self, op: Open | None, rid: str, text: str, usage: Usage, served: Served | None = None
     ) -> None:
         if self.log is not None and op is not None:
-            await self.log.respond(op, rid, text, usage_record(usage), response)
+            await self.log.respond(op, rid, text, usage_record(usage))
+            if served is not None:
+                served.answer_seq = op.answer_seq
 
     async def warm(
         self, req: ChatCompletionRequest, tenant: str, target: str, rid: str
@@ -215,7 +217,7 @@ class ProviderChat:
                 finish = d.finish_reason or finish
         usage = usage_of(out.usage)
         served.session = op.session_id if op else None
-        await self._respond(op, rid, "".join(text), usage)
+        await self._respond(op, rid, "".join(text), usage, served)
         return ChatCompletion(
             id=rid,
             model=req.model,
@@ -260,7 +262,7 @@ class ProviderChat:
                     yield chunk(ChunkDelta(content=d.text))
                 finish = d.finish_reason or finish
         usage = usage_of(out.usage)
-        await self._respond(op, rid, "".join(text), usage)
+        await self._respond(op, rid, "".join(text), usage, served)
         yield chunk(ChunkDelta(), finish)
         if include_usage:
             yield ChatCompletionChunk(

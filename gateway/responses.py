@@ -32,7 +32,7 @@ from gateway.schemas import (
 from gateway.service import GatewayService, Principal
 from gateway.session_log import SessionLog
 from gateway.session_store import ResponseRow
-from manifest.sessionlog import fold
+from manifest.sessionlog import fold, session_name
 
 
 class ContentPart(BaseModel):
@@ -122,8 +122,8 @@ class Responses:
         session = None
         if req.previous_response_id is not None:
             row = await self._stored(req.previous_response_id, who, "previous_response_id")
-            session = row.session_id
-            events = await asyncio.to_thread(self._log.store.events, session, row.seq)
+            session = session_name(row.session_id)  # the name the chat path scopes again
+            events = await asyncio.to_thread(self._log.store.events, row.session_id, row.seq)
             state = fold(e for _, e in events)
             messages += [
                 ChatMessage.model_validate({"role": m.role, "content": m.content})
@@ -187,10 +187,11 @@ class Responses:
         }
 
     async def _save(self, served: Served, body: dict[str, Any], who: Principal) -> None:
-        if served.session is not None:
+        if served.session is not None and served.answer_seq is not None:
             await asyncio.to_thread(
                 self._log.store.add_response,
-                body["id"], served.session, who.tenant, json.dumps(body), body["store"],
+                body["id"], served.session, served.answer_seq, who.tenant, json.dumps(body),
+                body["store"],
             )  # fmt: skip
 
     async def create(self, req: ResponsesRequest, who: Principal) -> tuple[dict[str, Any], Served]:

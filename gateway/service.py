@@ -228,7 +228,7 @@ class GatewayService:
             async with aclosing(self._dispatcher.run(greq, d, "chat", t0, totals)) as chunks:
                 async for chunk in chunks:
                     text.append(chunk.text)
-            await self._log_answer(op, greq.request_id, "".join(text), totals.usage())
+            await self._log_answer(op, served, greq.request_id, "".join(text), totals.usage())
         return ChatCompletion(
             id=greq.request_id,
             model=req.model,
@@ -324,7 +324,7 @@ class GatewayService:
                 if out.text:
                     text.append(out.text)
                     yield chunk(ChunkDelta(content=out.text))
-        await self._log_answer(op, greq.request_id, "".join(text), totals.usage())
+        await self._log_answer(op, served, greq.request_id, "".join(text), totals.usage())
         yield chunk(ChunkDelta(), totals.finish_reason)
         if include_usage:
             yield ChatCompletionChunk(
@@ -352,9 +352,12 @@ class GatewayService:
         served.session = op.session_id
         return op
 
-    async def _log_answer(self, op: Open | None, rid: str, text: str, usage: Usage) -> None:
+    async def _log_answer(
+        self, op: Open | None, served: Served, rid: str, text: str, usage: Usage
+    ) -> None:
         if self.log is not None and op is not None:
             await self.log.respond(op, rid, text, usage_record(usage))
+            served.answer_seq = op.answer_seq
 
     # ------------------------------------------------------- completions
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.errors import APIError
+from gateway.errors import APIError, NotFound
 from gateway.reconstruct import Reconstructor, sha256
 from gateway.session_store import SessionStore
 from manifest.belief import first_difference
@@ -42,6 +44,8 @@ from manifest.sessionlog import (
     chain,
     changes,
     fold,
+    scoped_session,
+    session_name,
 )
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,7 @@ class Open:
     explicit: bool
     session_id: str | None = None  # set at dispatch
     dispatch_seq: int | None = None
+    answer_seq: int | None = None  # set when the answer is appended
     entries: list[bytes] = field(default_factory=list)
     digests: list[str] = field(default_factory=list)  # chain(root, entries)
 
@@ -74,13 +79,33 @@ def _entries(header: Header, messages: tuple[MessageEvent, ...]) -> list[bytes]:
 
 
 class SessionLog:
-    def __init__(self, store: SessionStore, rebuild: Reconstructor, verify: bool) -> None:
+    def __init__(
+        self, store: SessionStore, rebuild: Reconstructor, verify: bool, cached: int = 4096
+    ) -> None:
         self.store = store
         self._rebuild = rebuild
         self.verify = verify
         self._lock = asyncio.Lock()
-        self._states: dict[str, State] = {}  # sessions this process has touched
+        # Folded states of the sessions this process touched last (LRU, at most ``cached``).
+        # A session that fell out is folded again from the store when it comes back, and its
+        # next request records a ``resume`` header snapshot, as after a restart.
+        self._states: OrderedDict[str, State] = OrderedDict()
+        self._cached = cached
         self.verified = 0
+
+    def _remember(self, sid: str, state: State) -> None:
+        self._states[sid] = state
+        self._states.move_to_end(sid)
+        while len(self._states) > self._cached:
+            self._states.popitem(last=False)
+
+    async def retain(self, max_age_s: float | None, max_bytes: int | None) -> int:
+        """Apply retention (whole sessions); forget the dropped ones.  Returns how many."""
+        async with self._lock:
+            dropped = await asyncio.to_thread(self.store.retain, max_age_s, max_bytes)
+            for sid in dropped:
+                self._states.pop(sid, None)
+        return len(dropped)
 
     def open(
         self,
@@ -90,7 +115,8 @@ class SessionLog:
         session_id: str | None = None,
     ) -> Open:
         root = f"{tenant}\0{header.model}".encode()
-        op = Open(tenant, header, messages, root, session_id is not None, session_id)
+        sid = None if session_id is None else scoped_session(tenant, session_id)
+        op = Open(tenant, header, messages, root, session_id is not None, sid)
         op.entries = _entries(header, messages)
         op.digests = chain(root, op.entries)
         return op
@@ -99,17 +125,17 @@ class SessionLog:
         state = self._states.get(sid)
         if state is None:
             state = fold(e for _, e in self.store.events(sid))
-            self._states[sid] = state
+            self._remember(sid, state)
         return state
 
     def _place(self, op: Open) -> tuple[str, list[Event]]:
         """The session and the events that bring it to this request (under the lock)."""
         if op.explicit and op.session_id is not None:
             tenant = self.store.tenant(op.session_id)
-            if tenant is not None and tenant != op.tenant:
-                raise APIError(
-                    "this session belongs to another tenant",
-                    code="session_forbidden",
+            if tenant is not None and tenant != op.tenant:  # unreachable for scoped ids
+                raise NotFound(
+                    f"Session '{session_name(op.session_id)}' not found",
+                    code="session_not_found",
                     param="x-vcache-session",
                 )
             sid = self.store.create(op.tenant, op.session_id)
@@ -121,7 +147,8 @@ class SessionLog:
             events = self._events_for(sid, op, resume)
             if not any(isinstance(e, ReplaceEvent | TruncateEvent) for e in events):
                 return sid, events
-        sid = self.store.create(op.tenant)  # a new conversation, or a fork of one
+        # a new conversation, or a fork of one
+        sid = self.store.create(op.tenant, scoped_session(op.tenant, f"sess_{uuid.uuid4().hex}"))
         return sid, self._events_for(sid, op, resume=False)
 
     def _events_for(self, sid: str, op: Open, resume: bool) -> list[Event]:
@@ -152,7 +179,7 @@ class SessionLog:
                 self.store.append, sid, events, (request_id, target, digest), heads
             )
             state = self._states.get(sid, State())
-            self._states[sid] = fold([_as_header(state), *state.messages, *events])
+            self._remember(sid, fold([_as_header(state), *state.messages, *events]))
             op.session_id, op.dispatch_seq = sid, seqs[-1]
         if self.verify:
             await asyncio.to_thread(self._verify, sid, seqs[-1], event, sent)
@@ -179,30 +206,26 @@ class SessionLog:
             )
         self.verified += 1
 
-    async def respond(
-        self,
-        op: Open,
-        request_id: str,
-        text: str,
-        usage: Mapping[str, Any],
-        response: tuple[str, str, bool] | None = None,
-    ) -> None:
+    async def respond(self, op: Open, request_id: str, text: str, usage: Mapping[str, Any]) -> None:
         """Append the answer (it extends the conversation) and its telemetry.
-        ``response``: (response id, body JSON, stored) for the Responses API."""
-        if op.session_id is None:
+
+        Requests of one session may run at once (forks of a Responses conversation):
+        if others were appended since this one was dispatched, the session is first
+        brought back to this request's messages, so the answer follows its own question
+        and a fold up to ``op.answer_seq`` is exactly this conversation."""
+        sid = op.session_id
+        if sid is None:
             return
         answer = MessageEvent("assistant", text)
-        events: list[Event] = [
-            answer,
-            ResponseEvent(request_id, tuple(sorted(usage.items())), response and response[0]),
-        ]
+        tail: list[Event] = [answer, ResponseEvent(request_id, tuple(sorted(usage.items())))]
         entries = [*op.entries, canonical_json(list(answer.key()))]
         heads = [(op.tenant, chain(op.root, entries)[-1], len(entries))]
-        resp = None if response is None else (response[0], op.tenant, response[1], response[2])
         async with self._lock:
-            await asyncio.to_thread(self.store.append, op.session_id, events, None, heads, resp)
-            state = self._states.get(op.session_id, State())
-            self._states[op.session_id] = fold([_as_header(state), *state.messages, *events])
+            state = await asyncio.to_thread(self._state, sid)
+            events = [*changes(state, op.header, op.messages), *tail]
+            seqs = await asyncio.to_thread(self.store.append, sid, events, None, heads)
+            op.answer_seq = seqs[-1]
+            self._remember(sid, fold([_as_header(state), *state.messages, *events]))
 
     def close(self) -> None:
         self.store.close()

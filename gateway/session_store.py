@@ -13,6 +13,7 @@ every blob no remaining session references.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -82,7 +83,11 @@ class SessionInfo:
 
 class SessionStore:
     def __init__(self, path: Path, fsync: FsyncPolicy = "normal") -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # Prompts live here: the folder (when created here) and the file are the owner's
+        # alone.  SQLite gives the -wal and -shm files the database file's mode.
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+        os.chmod(path, 0o600)
         self.path = path
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
@@ -111,13 +116,11 @@ class SessionStore:
         events: Sequence[Event],
         request: tuple[str, str, str] | None = None,
         heads: Sequence[tuple[str, str, int]] = (),
-        response: tuple[str, str, str, bool] | None = None,
     ) -> list[int]:
         """Append in one transaction; returns the events' sequence numbers.
 
         ``request``: (request id, target, sha256) of the last event (a dispatch).
         ``heads``: (tenant, digest, length) conversation heads of this session.
-        ``response``: (response id, tenant, body JSON, stored) for the last event.
         """
         now = time.time()
         with self._lock:
@@ -153,12 +156,6 @@ class SessionStore:
                         "INSERT OR REPLACE INTO heads VALUES (?, ?, ?, ?)",
                         (tenant, digest, session_id, length),
                     )
-                if response is not None:
-                    resp_id, tenant, body, stored = response
-                    db.execute(
-                        "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
-                        (resp_id, session_id, last, tenant, body, int(stored), now),
-                    )
                 db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (now, session_id))
                 db.execute("COMMIT")
             except BaseException:
@@ -167,16 +164,14 @@ class SessionStore:
         return seqs
 
     def add_response(
-        self, response_id: str, session_id: str, tenant: str, body: str, stored: bool
+        self, response_id: str, session_id: str, seq: int, tenant: str, body: str, stored: bool
     ) -> None:
-        """A Responses API response, at the session's latest event (its answer)."""
+        """A Responses API response at event ``seq`` of its session (its answer, whatever
+        was appended to the session since), in one statement."""
         with self._lock:
-            row = self._db.execute(
-                "SELECT COALESCE(MAX(seq), -1) FROM events WHERE session_id = ?", (session_id,)
-            ).fetchone()
             self._db.execute(
                 "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
-                (response_id, session_id, int(row[0]), tenant, body, int(stored), time.time()),
+                (response_id, session_id, seq, tenant, body, int(stored), time.time()),
             )
 
     def delete_response(self, response_id: str) -> bool:
@@ -280,9 +275,9 @@ class SessionStore:
 
     # -------------------------------------------------------------- retention
 
-    def retain(self, max_age_s: float | None = None, max_bytes: int | None = None) -> int:
+    def retain(self, max_age_s: float | None = None, max_bytes: int | None = None) -> list[str]:
         """Delete whole sessions (oldest first) older than ``max_age_s`` or until the store
-        holds at most ``max_bytes``; then the blobs nothing references.  Returns how many."""
+        holds at most ``max_bytes``; then the blobs nothing references.  Returns their ids."""
         doomed: list[str] = []
         infos = sorted(self.sessions(), key=lambda s: s.updated)
         if max_age_s is not None:
@@ -315,4 +310,4 @@ class SessionStore:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        return len(doomed)
+        return doomed

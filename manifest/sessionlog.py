@@ -306,3 +306,14 @@ def chain(root: bytes, entries: Sequence[bytes]) -> list[str]:
     for e in entries:
         out.append(hashlib.sha256(out[-1].encode() + b"\0" + e).hexdigest())
     return out
+
+
+def scoped_session(tenant: str, name: str) -> str:
+    """The store's id for a tenant's session name: each tenant has its own namespace, so a
+    name another tenant chose is simply another session (tenants never see each other's)."""
+    return f"{tenant}/{name}"
+
+
+def session_name(session_id: str) -> str:
+    """The name a client sees (``x-vcache-session``) and sends back for a stored id."""
+    return session_id.partition("/")[2] or session_id

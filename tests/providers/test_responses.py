@@ -112,3 +112,33 @@ def test_bad_responses_requests_are_400s(gw: Gw) -> None:
         "/v1/responses", headers={"authorization": f"Bearer {KEY}"}, json={"model": "vcache-demo"}
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_concurrent_forks_each_continue_from_their_own_answer(gw: Gw) -> None:
+    """Forks of one response answered at once: each stored response points at its own
+    answer in the log, so continuing it sees its own question, not a sibling's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = gw.client()
+    root = client.responses.create(model="vcache-demo", input="root", max_output_tokens=2)
+
+    def fork(i: int) -> str:
+        r = client.responses.create(
+            model="vcache-demo",
+            input=f"fork number {i} zebra{i}",
+            previous_response_id=root.id,
+            max_output_tokens=2,
+        )
+        return r.id
+
+    with ThreadPoolExecutor(8) as pool:
+        forks = list(pool.map(fork, range(8)))
+    for i, fid in enumerate(forks):
+        gw.engine.received.clear()
+        client.responses.create(
+            model="vcache-demo", input="go on", previous_response_id=fid, max_output_tokens=2
+        )
+        (sent,) = gw.engine.received
+        text = gw.engine.tokenizer.decode(list(sent.prompt_token_ids))
+        assert f"zebra{i}" in text
+        assert [j for j in range(8) if j != i and f"zebra{j}" in text] == []

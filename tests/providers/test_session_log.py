@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from gateway.session_log import SessionLog
-from manifest.sessionlog import DispatchEvent, HeaderEvent, Reason, ReplaceEvent, fold
+from manifest.sessionlog import (
+    DispatchEvent,
+    HeaderEvent,
+    Reason,
+    ReplaceEvent,
+    fold,
+    scoped_session,
+)
 from tests.providers.conftest import KEY, MODELS, Gw
 
 SYSTEM = "You answer questions about the vcache manual.\n" * 40
@@ -59,7 +66,7 @@ def test_every_provider_request_rebuilds_to_the_bytes_the_emulator_received(
     received = [
         r["sha256"] for r in gw.emulator.received() if r["path"] != "/v1beta/cachedContents"
     ]
-    rows = log.store.requests(sessions.pop())
+    rows = log.store.requests(scoped_session("t", sessions.pop()))
     assert len(rows) == 4
     rebuilt = []
     for row in rows:
@@ -74,7 +81,7 @@ def test_local_requests_rebuild_to_the_token_ids_the_engine_received(gw: Gw) -> 
     sid = replies[0].headers["x-vcache-session"]
     assert {r.headers["x-vcache-session"] for r in replies} == {sid}
     log = log_of(gw)
-    rows = log.store.requests(sid)
+    rows = log.store.requests(scoped_session("t", sid))
     assert [r.request_id for r in rows] == [g.request_id for g in gw.engine.received]
     import json
 
@@ -104,11 +111,11 @@ def test_an_explicit_session_logs_a_change_snapshot_and_still_rebuilds(gw: Gw) -
     )
     assert r.status_code == 200 and r.headers["x-vcache-session"] == "team-a.chat-1"
     log = log_of(gw)
-    events = [e for _, e in log.store.events("team-a.chat-1")]
+    events = [e for _, e in log.store.events(scoped_session("t", "team-a.chat-1"))]
     headers = [e.reason for e in events if isinstance(e, HeaderEvent)]
     assert headers == [Reason.INITIAL, Reason.CHANGE]
     assert any(isinstance(e, ReplaceEvent) or e.kind == "truncate" for e in events)
-    for row in log.store.requests("team-a.chat-1"):
+    for row in log.store.requests(scoped_session("t", "team-a.chat-1")):
         _, data = log.rebuild(row.session_id, row.seq)
         assert hashlib.sha256(data).hexdigest() == row.sha256
     assert fold(events).messages[-1].role == "assistant"
@@ -172,7 +179,7 @@ def test_cli_lists_sessions_and_replays_a_request(gw: Gw) -> None:
     replies = converse(gw, model, 2)
     log = log_of(gw)
     db = str(log.store.path)
-    rows = log.store.requests(replies[0].headers["x-vcache-session"])
+    rows = log.store.requests(scoped_session("t", replies[0].headers["x-vcache-session"]))
     cli = [sys.executable, "-m", "gateway.cli"]
     listed = subprocess.run([*cli, "sessions", "--db", db], capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
@@ -225,11 +232,11 @@ def test_tools_added_mid_session_are_a_change_snapshot_and_rebuild(gw: Gw, provi
     )
     assert r2.status_code == 200, r2.text
     log = log_of(gw)
-    events = [e for _, e in log.store.events(f"tools-{provider}")]
+    events = [e for _, e in log.store.events(scoped_session("t", f"tools-{provider}"))]
     snaps = [e for e in events if isinstance(e, HeaderEvent)]
     assert [s.reason for s in snaps] == [Reason.INITIAL, Reason.CHANGE]
     assert snaps[0].header.tools is None and snaps[1].header.tool_list()[0]["function"]["name"]
-    rows = log.store.requests(f"tools-{provider}")
+    rows = log.store.requests(scoped_session("t", f"tools-{provider}"))
     received = [
         r["sha256"] for r in gw.emulator.received() if r["path"] != "/v1beta/cachedContents"
     ]

@@ -274,14 +274,14 @@ def test_auth_required_when_keys_configured(engine: FakeEngine) -> None:
 
 
 def test_queue_full_is_503_with_retry_after(
-    tokenizer: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
+    tokenizer: ChatTokenizer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     engine = FakeEngine(tokenizer, step_delay_s=0.05)
     tokenized = 0
     render, encode = tokenizer.render_chat, tokenizer.encode
 
-    def counted(fn):  # type: ignore[no-untyped-def]
-        def call(*a):  # type: ignore[no-untyped-def]
+    def counted(fn):
+        def call(*a):
             nonlocal tokenized
             tokenized += 1
             return fn(*a)
@@ -290,7 +290,8 @@ def test_queue_full_is_503_with_retry_after(
 
     monkeypatch.setattr(tokenizer, "render_chat", counted(render))
     monkeypatch.setattr(tokenizer, "encode", counted(encode))
-    with _client(engine, engine={"max_queued_requests": 1}) as c:
+    log = {"path": str(tmp_path / "sessions.db")}
+    with _client(engine, engine={"max_queued_requests": 1}, session_log=log) as c:
         body = chat(stream=True, max_tokens=50)
         with c.stream("POST", "/v1/chat/completions", json=body) as held:
             assert held.status_code == 200
@@ -482,3 +483,65 @@ def test_token_ids_outside_the_vocabulary_are_400(
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (param, "invalid_value")
     assert fragment in err["message"]
+
+
+def test_session_names_are_scoped_per_tenant(engine: FakeEngine, tmp_path: Path) -> None:
+    keys = [
+        ApiKeyConfig(sha256=hash_api_key(KEY_A), tenant="a"),
+        ApiKeyConfig(sha256=hash_api_key("sk-b"), tenant="b"),
+    ]
+    log = {"path": str(tmp_path / "sessions.db")}
+    with _client(engine, api_keys=keys, session_log=log) as c:
+        # b takes the name first: a is not refused (no squatting), each has its own session
+        for key in ("sk-b", KEY_A, KEY_A):
+            h = {"Authorization": f"Bearer {key}", "x-vcache-session": "shared-name"}
+            r = c.post("/v1/chat/completions", json=chat(), headers=h)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-vcache-session"] == "shared-name"
+        store = c.app.state.session_log.store  # type: ignore[attr-defined]
+        assert store.tenant("a/shared-name") == "a" and store.tenant("b/shared-name") == "b"
+        assert len(store.requests("a/shared-name")) == 2
+        assert len(store.requests("b/shared-name")) == 1
+        # an implicit session's name, sent back by another tenant, is not that session
+        h = {"Authorization": f"Bearer {KEY_A}"}
+        first = c.post("/v1/chat/completions", json=chat(), headers=h)
+        name = first.headers["x-vcache-session"]
+        assert not name.startswith("a/")
+        hb = {"Authorization": "Bearer sk-b", "x-vcache-session": name}
+        assert c.post("/v1/chat/completions", json=chat(), headers=hb).status_code == 200
+        assert len(store.requests(f"a/{name}")) == 1
+        assert len(store.requests(f"b/{name}")) == 1
+
+
+def test_session_states_are_bounded_and_retention_forgets_them(
+    engine: FakeEngine, tmp_path: Path
+) -> None:
+    """At most ``cached_sessions`` folded states stay in memory; a session that fell out, or
+    was deleted by retention, still logs requests that rebuild byte for byte (the app
+    verifies every dispatch against the store: a stale state would be a 500)."""
+    from manifest.sessionlog import HeaderEvent, Reason
+
+    log_cfg = {"path": str(tmp_path / "s.db"), "cached_sessions": 2, "retention_days": None}
+    with _client(engine, session_log=log_cfg) as c:
+        log = c.app.state.session_log  # type: ignore[attr-defined]
+        msgs: dict[int, list[dict[str, str]]] = {i: [] for i in range(5)}
+        for turn in range(2):
+            for i in range(5):
+                msgs[i].append({"role": "user", "content": f"session {i} turn {turn}"})
+                h = {"x-vcache-session": f"s{i}"}
+                r = c.post("/v1/chat/completions", json=chat(messages=msgs[i]), headers=h)
+                assert r.status_code == 200, r.text
+                msgs[i].append(
+                    {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}
+                )
+                assert len(log._states) <= 2
+        reasons = [
+            e.reason for _, e in log.store.events("default/s0") if isinstance(e, HeaderEvent)
+        ]
+        assert reasons == [Reason.INITIAL, Reason.RESUME]  # it fell out between its turns
+        assert c.portal.call(log.retain, 0.0, None) == 5  # type: ignore[union-attr]
+        assert len(log._states) == 0
+        r = c.post("/v1/chat/completions", json=chat(), headers={"x-vcache-session": "s0"})
+        assert r.status_code == 200, r.text
+        first = log.store.events("default/s0")[0][1]
+        assert isinstance(first, HeaderEvent) and first.reason == Reason.INITIAL

@@ -129,12 +129,26 @@ def test_store_shares_blobs_and_retention_drops_whole_sessions(tmp_path: Path) -
     assert store.request("req-2") is not None
     infos = {s.id: s for s in store.sessions()}
     assert infos[ids[0]].events == 3 and infos[ids[0]].requests == 1 and infos[ids[0]].bytes > 0
-    assert store.retain(max_bytes=store.size_bytes() - 1) == 1  # the oldest goes first
+    assert store.retain(max_bytes=store.size_bytes() - 1) == [ids[0]]  # the oldest goes first
     assert store.request("req-0") is None and store.request("req-1") is not None
-    assert store.retain(max_age_s=0.0) == 2
+    assert sorted(store.retain(max_age_s=0.0)) == sorted(ids[1:])
     assert store._db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == 0
     assert store.integrity() == "ok"
     store.close()
+
+
+def test_the_store_is_the_owners_alone(tmp_path: Path) -> None:
+    path = tmp_path / "fresh" / "sessions.db"
+    store = SessionStore(path, "normal")
+    sid = store.create("t")
+    store.append(sid, [MessageEvent("user", "a secret prompt")])
+    modes = {p.name: p.stat().st_mode & 0o777 for p in path.parent.iterdir()}
+    assert modes == {"sessions.db": 0o600, "sessions.db-wal": 0o600, "sessions.db-shm": 0o600}
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    store.close()
+    path.chmod(0o644)  # an older store, opened again, is tightened
+    SessionStore(path, "normal").close()
+    assert path.stat().st_mode & 0o777 == 0o600
 
 
 WRITER = """
