@@ -230,12 +230,15 @@ class ProviderCacheBook:
             return
         record = make_record(request_id, view.target, view.prompt, [view.marker(i) for i in warm])
         exact = profile.regime is Regime.EXPLICIT
+        shared = memoryview(view.prompt)  # every boundary's bytes are a view of one buffer
         for i in warm:
             d = view.digests[i]
             self.belief.record_warm(
-                view.target, d, view.tokens[i], view.prompt[: view.ends[i]], now, ttl_s, exact
+                view.target, d, view.tokens[i], shared[: view.ends[i]], now, ttl_s, exact
             )
             self._records[(view.target, d)] = record
+        for key in self.belief.take_evicted():  # the belief keeps at most max_entries
+            self._records.pop(key, None)
 
     def _collect(self, now: float) -> None:
         self.belief.expire(now)

@@ -124,3 +124,33 @@ def test_credited_never_exceeds_confirmed(calls: list[tuple[int, int, bool]]) ->
             TARGET, PriceTable(0.1, 1.25), cached, written, verify(rec, body, markers_of(body))
         )
         ledger.check_integrity()
+
+
+def _byte_loop(a: bytes, b: bytes) -> int | None:
+    """The reference: the first differing byte, one at a time."""
+    for i in range(min(len(a), len(b))):
+        if a[i] != b[i]:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@given(st.binary(max_size=300), st.binary(max_size=40), st.binary(max_size=40))
+@settings(max_examples=400)
+def test_first_difference_matches_the_byte_loop(common: bytes, x: bytes, y: bytes) -> None:
+    a, b = common + x, common + y
+    assert first_difference(a, b) == _byte_loop(a, b)
+    assert first_difference(memoryview(a), b) == _byte_loop(a, b)
+
+
+def test_the_belief_keeps_at_most_max_entries_least_recently_warmed_out() -> None:
+    belief = WarmthBelief(max_entries=3)
+    d = [content_digest(f"p{i}".encode()) for i in range(5)]
+    for i in range(3):
+        belief.record_warm("t", d[i], 10, b"x", float(i), 300, True)
+    belief.record_warm("t", d[0], 10, b"x", 3.0, 300, True)  # d0 warmed again: now newest
+    belief.record_warm("t", d[3], 10, b"x", 4.0, 300, True)
+    assert belief.take_evicted() == [("t", d[1])]
+    assert belief.take_evicted() == []
+    assert len(belief) == 3 and belief.get("t", d[1]) is None and belief.get("t", d[0])
+    belief.fold(Telemetry("t", d[4], 10, 10, b"x", 5.0))  # a confirmed read adds one too
+    assert belief.take_evicted() == [("t", d[2])]
