@@ -166,6 +166,11 @@ def create_app(
     routers = (health, models, chat, completions, responses, cache)
     for r in (m.router for m in routers):
         app.include_router(r)
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes, metrics=metrics)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        limit=settings.max_request_body_bytes,
+        metrics=metrics,
+        chunk_timeout_s=settings.http.body_timeout_s,
+    )
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app

@@ -94,6 +94,7 @@ def serve(settings: Settings) -> None:
 
     from gateway.app import create_app
     from gateway.engine_factory import build_replicas
+    from gateway.http_server import guarded_protocol
 
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -104,12 +105,16 @@ def serve(settings: Settings) -> None:
     with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:
         replicas = build_replicas(settings, Path(runtime))
         app = create_app(settings, replicas)
+        h = settings.http
         uvicorn.run(
             app,
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
             timeout_graceful_shutdown=10,
+            http=guarded_protocol(h.max_header_bytes, h.header_timeout_s),
+            timeout_keep_alive=int(max(1, h.keep_alive_s)),
+            limit_concurrency=h.max_connections,
         )
 
 

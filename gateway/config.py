@@ -162,6 +162,18 @@ class SessionLogSettings(BaseModel):
         return self.path or data_dir / "sessions.db"
 
 
+class HttpSettings(BaseModel):
+    """Limits of the HTTP server (see gateway/http_server.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers, else 431
+    header_timeout_s: float = Field(10.0, gt=0)  # the whole head must arrive in time, else 408
+    body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next body chunk, else 408
+    keep_alive_s: float = Field(5.0, gt=0)  # idle kept-alive connections close after this
+    max_connections: int = Field(2048, ge=1)  # served at once; beyond, 503
+
+
 def _default_data_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "vcache"
@@ -189,6 +201,7 @@ class Settings(BaseSettings):
     prompt_layout: Literal["canonical", "passthrough"] = "canonical"  # providers only
     session_log: SessionLogSettings = Field(default_factory=SessionLogSettings)
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
+    http: HttpSettings = Field(default_factory=HttpSettings)
     log_level: str = "info"
 
     @property

@@ -7,6 +7,7 @@
     ├── AuthenticationFailed 401 authentication_error
     ├── PermissionDenied     403 permission_error
     ├── NotFound             404 not_found_error
+    ├── RequestTimeout       408 invalid_request_error (the request did not arrive in time)
     ├── PayloadTooLarge      413 invalid_request_error
     ├── RateLimited          429 rate_limit_error (Retry-After)
     ├── BadGateway           502 upstream_error (a provider failed)
@@ -93,6 +94,11 @@ class PermissionDenied(APIError):
 class NotFound(APIError):
     status = 404
     type = "not_found_error"
+
+
+class RequestTimeout(APIError):
+    status = 408
+    type = "invalid_request_error"
 
 
 class PayloadTooLarge(APIError):

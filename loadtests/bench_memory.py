@@ -1,0 +1,187 @@
+"""Gateway memory under sustained traffic: RSS must stay flat as requests accumulate.
+
+Starts ``vcache serve`` (and, for the provider path, the provider emulator)
+as separate processes, sends ``--requests`` requests over loopback, each a
+new conversation with a prefix of its own (new sessions, new belief
+entries, new KV blocks), and samples the gateway process's RSS (the engine
+core is a child process and not counted).  The target: RSS at the end within
+``--tolerance`` (10%) of RSS after the warm-up share of the run.  Prints a
+table, writes JSON, exits 1 when a target is missed.
+
+    python loadtests/bench_memory.py --path provider --requests 50000
+    python loadtests/bench_memory.py --path local --requests 50000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = "cache block prefix anchor tenant replica token span warm pin lease evict".split()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} not ready in {timeout_s}s")
+
+
+def _prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def _body(path: str, model: str, rng: random.Random, i: int) -> dict[str, Any]:
+    system = f"conversation {i}: " + _prompt(rng, 120 if path == "local" else 400)
+    turns = [{"role": "system", "content": system}]
+    for t in range(rng.randint(0, 2)):  # some requests carry earlier turns
+        turns += [
+            {"role": "user", "content": f"q{t} " + _prompt(rng, 8)},
+            {"role": "assistant", "content": _prompt(rng, 6)},
+        ]
+    turns.append({"role": "user", "content": "question: " + _prompt(rng, 10)})
+    return {"model": model, "messages": turns, "max_tokens": 1}
+
+
+async def _drive(
+    base: str, path: str, model: str, n: int, concurrency: int, sample: Any
+) -> tuple[int, float]:
+    rng = random.Random(7)
+    bodies = (_body(path, model, rng, i) for i in range(n))
+    errors = 0
+    done = 0
+    t0 = time.perf_counter()
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
+
+        async def worker() -> None:
+            nonlocal errors, done
+            for body in bodies:
+                r = await client.post("/v1/chat/completions", json=body)
+                errors += r.status_code != 200
+                done += 1
+                sample(done)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return errors, time.perf_counter() - t0
+
+
+def run(path: str, requests: int, concurrency: int, warmup: float, data_dir: Path) -> dict[str, Any]:
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
+    tmp = Path(tempfile.mkdtemp(prefix="vcache-mem-"))
+    env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--data-dir",
+           str(data_dir), "--log-level", "warning"]  # fmt: skip
+    model = "vcache-demo"
+    try:
+        if path == "provider":
+            eport = _free_port()
+            emu = subprocess.Popen(
+                [sys.executable, "-m", "loadtests.emulator", "--port", str(eport)],
+                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            procs.append(emu)
+            _wait_ready(f"http://127.0.0.1:{eport}/admin/requests", emu, 60)
+            provider = {"base_url": f"http://127.0.0.1:{eport}/v1", "api_key": "sk-emulator"}
+            env["VCACHE_PROVIDERS"] = json.dumps({"anthropic": provider})
+            env["VCACHE_ENGINE__REPLICAS"] = "0"
+            cmd += ["--grpc-port", "0"]
+            model = "anthropic/claude-sonnet-4-5"
+        else:
+            cmd += ["--kv-cache-bytes", str(64 << 20), "--enforce-eager", "--grpc-port", "0"]
+        with open(tmp / "gateway.log", "wb") as log:
+            gw = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append(gw)
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(f"{base}/readyz", gw)
+        proc = psutil.Process(gw.pid)
+        samples: list[tuple[int, float]] = []
+        every = max(1, requests // 50)
+
+        def sample(done: int) -> None:
+            if done % every == 0 or done == requests:
+                samples.append((done, proc.memory_info().rss / 2**20))
+
+        sample(0)
+        errors, elapsed = asyncio.run(_drive(base, path, model, requests, concurrency, sample))
+        after_warmup = next(rss for n, rss in samples if n >= requests * warmup)
+        end = samples[-1][1]
+        return {
+            "path": path,
+            "requests": requests,
+            "errors": errors,
+            "seconds": round(elapsed, 1),
+            "rss_start_mib": round(samples[0][1], 1),
+            "rss_after_warmup_mib": round(after_warmup, 1),
+            "rss_end_mib": round(end, 1),
+            "growth": round(end / after_warmup - 1, 4),
+            "samples": samples,
+        }
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--path", choices=["provider", "local", "both"], default="both")
+    ap.add_argument("--requests", type=int, default=50_000)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--warmup", type=float, default=0.2, help="share of the run before the baseline")
+    ap.add_argument("--tolerance", type=float, default=0.10)
+    ap.add_argument("--data-dir", type=Path, default=REPO / ".vcache-test-data")
+    ap.add_argument("--out", type=Path, default=REPO / "loadtests" / "results" / "memory.json")
+    a = ap.parse_args()
+    paths = ["provider", "local"] if a.path == "both" else [a.path]
+    results = [run(p, a.requests, a.concurrency, a.warmup, a.data_dir) for p in paths]
+    print(f"{'path':<9} {'requests':>8} {'errors':>6} {'s':>7} {'RSS start':>10} "
+          f"{'after warm-up':>13} {'end':>8} {'growth':>7}  target")  # fmt: skip
+    ok = True
+    for r in results:
+        hit = r["growth"] <= a.tolerance and r["errors"] == 0
+        ok &= hit
+        print(f"{r['path']:<9} {r['requests']:>8} {r['errors']:>6} {r['seconds']:>7} "
+              f"{r['rss_start_mib']:>9}M {r['rss_after_warmup_mib']:>12}M {r['rss_end_mib']:>7}M "
+              f"{r['growth']:>+7.1%}  {'ok' if hit else 'MISSED'} (<= {a.tolerance:.0%}, 0 errors)")  # fmt: skip
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"tolerance": a.tolerance, "results": results}, indent=1))
+    print(f"wrote {a.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
