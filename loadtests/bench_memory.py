@@ -94,7 +94,9 @@ async def _drive(
     return errors, time.perf_counter() - t0
 
 
-def run(path: str, requests: int, concurrency: int, warmup: float, data_dir: Path) -> dict[str, Any]:
+def run(
+    path: str, requests: int, concurrency: int, warmup: float, data_dir: Path
+) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     tmp = Path(tempfile.mkdtemp(prefix="vcache-mem-"))
@@ -161,22 +163,25 @@ def main() -> int:
     ap.add_argument("--path", choices=["provider", "local", "both"], default="both")
     ap.add_argument("--requests", type=int, default=50_000)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--warmup", type=float, default=0.2, help="share of the run before the baseline")
+    ap.add_argument("--warmup", type=float, default=0.2, help="share of the run before baseline")
     ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--data-dir", type=Path, default=REPO / ".vcache-test-data")
     ap.add_argument("--out", type=Path, default=REPO / "loadtests" / "results" / "memory.json")
     a = ap.parse_args()
     paths = ["provider", "local"] if a.path == "both" else [a.path]
     results = [run(p, a.requests, a.concurrency, a.warmup, a.data_dir) for p in paths]
-    print(f"{'path':<9} {'requests':>8} {'errors':>6} {'s':>7} {'RSS start':>10} "
-          f"{'after warm-up':>13} {'end':>8} {'growth':>7}  target")  # fmt: skip
+    cols = ("path", "requests", "errors", "s", "RSS start", "after warm-up", "end", "growth")
+    print("{:<9} {:>8} {:>6} {:>7} {:>10} {:>13} {:>8} {:>7}  target".format(*cols))
     ok = True
     for r in results:
         hit = r["growth"] <= a.tolerance and r["errors"] == 0
         ok &= hit
-        print(f"{r['path']:<9} {r['requests']:>8} {r['errors']:>6} {r['seconds']:>7} "
-              f"{r['rss_start_mib']:>9}M {r['rss_after_warmup_mib']:>12}M {r['rss_end_mib']:>7}M "
-              f"{r['growth']:>+7.1%}  {'ok' if hit else 'MISSED'} (<= {a.tolerance:.0%}, 0 errors)")  # fmt: skip
+        verdict = f"{'ok' if hit else 'MISSED'} (<= {a.tolerance:.0%}, 0 errors)"
+        print(
+            f"{r['path']:<9} {r['requests']:>8} {r['errors']:>6} {r['seconds']:>7} "
+            f"{r['rss_start_mib']:>9}M {r['rss_after_warmup_mib']:>12}M {r['rss_end_mib']:>7}M "
+            f"{r['growth']:>+7.1%}  {verdict}"
+        )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"tolerance": a.tolerance, "results": results}, indent=1))
     print(f"wrote {a.out}")

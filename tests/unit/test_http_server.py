@@ -105,7 +105,7 @@ def test_a_body_that_stalls_is_408(server: tuple[str, int]) -> None:
     with socket.create_connection(server) as s:
         s.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: 100\r\n\r\n{\"model\": "
+            b'content-length: 100\r\n\r\n{"model": '
         )
         raw = _read_all(s)
     status, body = _response(raw)
