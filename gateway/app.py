@@ -26,6 +26,7 @@ from gateway.grpc_server import GatewayServicer, GrpcServer
 from gateway.http_errors import install_error_handlers
 from gateway.metrics import Metrics
 from gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from gateway.openapi import install_openapi
 from gateway.provider_chat import ProviderChat
 from gateway.providers import ProviderPath, adapter_for
 from gateway.reconstruct import Reconstructor
@@ -163,6 +164,7 @@ def create_app(
         log=session_log,
     )
     install_error_handlers(app, metrics)
+    install_openapi(app)
     routers = (health, models, chat, completions, responses, cache)
     for r in (m.router for m in routers):
         app.include_router(r)

@@ -17,9 +17,11 @@ from gateway.cache_service import (
     UnpinResponse,
     WarmResponse,
 )
+from gateway.openapi import COMMON, errors
 from gateway.service import Principal
 
 router = APIRouter(prefix="/v1/cache", tags=["cache"])
+CACHE_ERRORS = errors(*COMMON, 403, 404, 502)
 
 
 def require_admin(who: Annotated[Principal, Depends(require_principal)]) -> Principal:
@@ -35,27 +37,27 @@ Admin = Annotated[Principal, Depends(require_admin)]
 Cache = Annotated[CacheService, Depends(cache_service)]
 
 
-@router.post("/lookup")
+@router.post("/lookup", responses=CACHE_ERRORS)
 async def lookup(body: CacheRequest, who: Admin, cache: Cache) -> LookupResponse:
     return await cache.lookup(body, who)
 
 
-@router.post("/pin")
+@router.post("/pin", responses=CACHE_ERRORS)
 async def pin(body: CacheRequest, who: Admin, cache: Cache) -> PinResponse:
     return await cache.pin(body, who)
 
 
-@router.post("/unpin")
+@router.post("/unpin", responses=CACHE_ERRORS)
 async def unpin(body: CacheRequest, who: Admin, cache: Cache) -> UnpinResponse:
     return await cache.unpin(body, who)
 
 
-@router.post("/evict")
+@router.post("/evict", responses=CACHE_ERRORS)
 async def evict(body: CacheRequest, who: Admin, cache: Cache) -> EvictResponse:
     return await cache.evict(body, who)
 
 
-@router.post("/warm")
+@router.post("/warm", responses=CACHE_ERRORS)
 async def warm(body: CacheRequest, who: Admin, cache: Cache) -> WarmResponse | ProviderWarmResponse:
     """Local replicas: prefill the prompt's blocks.  A provider-only model: warm its anchors."""
     provider = await cache.warm_provider(body, who)
@@ -64,6 +66,6 @@ async def warm(body: CacheRequest, who: Admin, cache: Cache) -> WarmResponse | P
     return await cache.warm(body, who)
 
 
-@router.get("/stats")
+@router.get("/stats", responses=errors(401, 403, 503))
 async def stats(who: Admin, cache: Cache) -> dict[str, object]:
     return await cache.stats()

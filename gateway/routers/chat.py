@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.auth import require_principal
 from gateway.errors import InvalidRequest, PermissionDenied
+from gateway.openapi import GENERATION, streamed
 from gateway.replicas import POLICIES, RouteOverride
 from gateway.routers.sse import open_stream
-from gateway.schemas import ChatCompletionRequest
+from gateway.schemas import ChatCompletion, ChatCompletionRequest
 from gateway.service import GatewayService, Principal
 
 router = APIRouter(prefix="/v1", tags=["chat"])
@@ -60,7 +61,11 @@ def session_header(request: Request) -> str | None:
     return sid
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post(
+    "/chat/completions",
+    response_model=None,
+    responses={**streamed(ChatCompletion), **GENERATION},
+)
 async def create_chat_completion(
     body: ChatCompletionRequest,
     who: Annotated[Principal, Depends(require_principal)],

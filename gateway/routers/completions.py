@@ -8,16 +8,17 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.auth import require_principal
+from gateway.openapi import GENERATION, streamed
 from gateway.replicas import RouteOverride
 from gateway.routers.chat import routing_override, service
 from gateway.routers.sse import open_stream
-from gateway.schemas import CompletionRequest
+from gateway.schemas import Completion, CompletionRequest
 from gateway.service import GatewayService, Principal
 
 router = APIRouter(prefix="/v1", tags=["completions"])
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, responses={**streamed(Completion), **GENERATION})
 async def create_completion(
     body: CompletionRequest,
     who: Annotated[Principal, Depends(require_principal)],

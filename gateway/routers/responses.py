@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.auth import require_principal
+from gateway.openapi import GENERATION, ResponseDeleted, ResponseObject, errors, streamed
 from gateway.responses import Responses, ResponsesRequest
 from gateway.service import Principal
 
@@ -22,7 +23,9 @@ Who = Annotated[Principal, Depends(require_principal)]
 Api = Annotated[Responses, Depends(responses)]
 
 
-@router.post("/responses", response_model=None)
+@router.post(
+    "/responses", response_model=None, responses={**streamed(ResponseObject), **GENERATION}
+)
 async def create_response(body: ResponsesRequest, who: Who, api: Api) -> Any:
     if body.stream:
         events, served = await api.stream(body, who)
@@ -35,11 +38,15 @@ async def create_response(body: ResponsesRequest, who: Who, api: Api) -> Any:
     return JSONResponse(done, headers=served.headers())
 
 
-@router.get("/responses/{response_id}")
+@router.get(
+    "/responses/{response_id}", response_model=ResponseObject, responses=errors(401, 404, 503)
+)
 async def get_response(response_id: str, who: Who, api: Api) -> dict[str, Any]:
     return await api.get(response_id, who)
 
 
-@router.delete("/responses/{response_id}")
+@router.delete(
+    "/responses/{response_id}", response_model=ResponseDeleted, responses=errors(401, 404, 503)
+)
 async def delete_response(response_id: str, who: Who, api: Api) -> dict[str, Any]:
     return await api.delete(response_id, who)
