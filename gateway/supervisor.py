@@ -158,8 +158,10 @@ class Supervisor:
         return kv
 
     def probe_tokens(self, engine: Engine) -> list[int]:
-        block = engine.capabilities.block_size
-        return engine.tokenizer.encode(PROBE_TEXT * 64)[: 2 * block + 1]
+        """Two blocks and a token, or as many as the context allows (one block at least)."""
+        caps = engine.capabilities
+        n = min(2 * caps.block_size + 1, caps.max_model_len - 1)
+        return engine.tokenizer.encode(PROBE_TEXT * 64)[:n]
 
     async def close(self) -> None:
         if self._watch is not None:

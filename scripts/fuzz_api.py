@@ -50,8 +50,11 @@ def _wait(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
         if proc.poll() is not None:
             raise SystemExit(f"exited with {proc.returncode} before {url} answered")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200:
                 return
+            if r.headers.get("content-type") == "application/json" and r.json().get("error"):
+                raise SystemExit(f"{url}: {r.json()}")  # failed to start: say so now
         except httpx.TransportError:
             pass
         time.sleep(0.5)

@@ -196,3 +196,9 @@ def _wait(cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def
     while not cond():
         assert time.monotonic() < deadline, "condition not met"
         time.sleep(0.01)
+
+
+def test_the_hash_probe_fits_a_short_context(tokenizer: ChatTokenizer) -> None:
+    sup, *_ = _setup(tokenizer, 1)
+    assert len(sup.probe_tokens(FakeEngine(tokenizer, block_size=16, max_model_len=2048))) == 33
+    assert len(sup.probe_tokens(FakeEngine(tokenizer, block_size=128, max_model_len=256))) == 255
