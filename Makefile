@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration bench loadtest clean
+.PHONY: setup serve test lint typecheck unit integration bench bench-memory fuzz loadtest clean
 
 setup:
 	@bash scripts/setup.sh
@@ -33,6 +33,12 @@ test: lint typecheck
 
 bench: setup
 	$(BIN)/python loadtests/bench_manifest.py
+
+bench-memory: setup
+	$(BIN)/python loadtests/bench_memory.py
+
+fuzz: setup
+	$(BIN)/python scripts/fuzz_api.py
 
 loadtest: setup
 	$(BIN)/python loadtests/run.py $(LOADTEST_ARGS)
