@@ -166,7 +166,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=0.2, help="share of the run before baseline")
     ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--data-dir", type=Path, default=REPO / ".vcache-test-data")
-    ap.add_argument("--out", type=Path, default=REPO / "loadtests" / "results" / "memory.json")
+    ap.add_argument("--out", type=Path, default=REPO / "reports" / "bench_memory.json")
     a = ap.parse_args()
     paths = ["provider", "local"] if a.path == "both" else [a.path]
     results = [run(p, a.requests, a.concurrency, a.warmup, a.data_dir) for p in paths]
