@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,27 +31,10 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "loadtests"))
+from procs import free_port, get_ok, serving  # noqa: E402
+
 WORDS = "cache block prefix anchor tenant replica token span warm pin lease evict".split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not ready in {timeout_s}s")
 
 
 def _prompt(rng: random.Random, words: int) -> str:
@@ -97,35 +79,28 @@ async def _drive(
 def run(
     path: str, requests: int, concurrency: int, warmup: float, data_dir: Path
 ) -> dict[str, Any]:
-    procs: list[subprocess.Popen[bytes]] = []
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     tmp = Path(tempfile.mkdtemp(prefix="vcache-mem-"))
     env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--data-dir",
-           str(data_dir), "--log-level", "warning"]  # fmt: skip
-    model = "vcache-demo"
-    try:
+           str(data_dir), "--log-level", "warning", "--grpc-port", "0"]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    with contextlib.ExitStack() as stack:
         if path == "provider":
-            eport = _free_port()
-            emu = subprocess.Popen(
-                [sys.executable, "-m", "loadtests.emulator", "--port", str(eport)],
-                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            procs.append(emu)
-            _wait_ready(f"http://127.0.0.1:{eport}/admin/requests", emu, 60)
+            eport = free_port()
+            emulator = [sys.executable, "-m", "loadtests.emulator", "--port", str(eport)]
+            ready = functools.partial(get_ok, f"http://127.0.0.1:{eport}/admin/requests")
+            stack.enter_context(serving(emulator, ready, tmp / "emulator.log", cwd=REPO))
             provider = {"base_url": f"http://127.0.0.1:{eport}/v1", "api_key": "sk-emulator"}
             env["VCACHE_PROVIDERS"] = json.dumps({"anthropic": provider})
             env["VCACHE_ENGINE__REPLICAS"] = "0"
-            cmd += ["--grpc-port", "0"]
             model = "anthropic/claude-sonnet-4-5"
         else:
-            cmd += ["--kv-cache-bytes", str(64 << 20), "--enforce-eager", "--grpc-port", "0"]
-        with open(tmp / "gateway.log", "wb") as log:
-            gw = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(gw)
-        base = f"http://127.0.0.1:{port}"
-        _wait_ready(f"{base}/readyz", gw)
+            cmd += ["--kv-cache-bytes", str(64 << 20), "--enforce-eager"]
+            model = "vcache-demo"
+        ready = functools.partial(get_ok, f"{base}/readyz")
+        gw = stack.enter_context(serving(cmd, ready, tmp / "gateway.log", env, REPO))
         proc = psutil.Process(gw.pid)
         samples: list[tuple[int, float]] = []
         every = max(1, requests // 50)
@@ -136,26 +111,19 @@ def run(
 
         sample(0)
         errors, elapsed = asyncio.run(_drive(base, path, model, requests, concurrency, sample))
-        after_warmup = next(rss for n, rss in samples if n >= requests * warmup)
-        end = samples[-1][1]
-        return {
-            "path": path,
-            "requests": requests,
-            "errors": errors,
-            "seconds": round(elapsed, 1),
-            "rss_start_mib": round(samples[0][1], 1),
-            "rss_after_warmup_mib": round(after_warmup, 1),
-            "rss_end_mib": round(end, 1),
-            "growth": round(end / after_warmup - 1, 4),
-            "samples": samples,
-        }
-    finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    after_warmup = next(rss for n, rss in samples if n >= requests * warmup)
+    end = samples[-1][1]
+    return {
+        "path": path,
+        "requests": requests,
+        "errors": errors,
+        "seconds": round(elapsed, 1),
+        "rss_start_mib": round(samples[0][1], 1),
+        "rss_after_warmup_mib": round(after_warmup, 1),
+        "rss_end_mib": round(end, 1),
+        "growth": round(end / after_warmup - 1, 4),
+        "samples": samples,
+    }
 
 
 def main() -> int:

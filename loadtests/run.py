@@ -19,11 +19,10 @@ import argparse
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from plots import hit_rate_over_time, ttft_hits_vs_misses  # noqa: E402
+from procs import free_port, get_ok, serving  # noqa: E402
 from report import counter_cross_check, parse_metrics, read_raw, summarize  # noqa: E402
 from workloads import (  # noqa: E402
     CountTokens,
@@ -95,36 +95,7 @@ def token_counter(tokenizer: str | None) -> CountTokens:
 
 
 def _ready(host: str) -> bool:
-    try:
-        return httpx.get(f"{host}/readyz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextmanager
-def serving(
-    cmd: list[str], ready: Callable[[], bool], log_path: Path, env: dict[str, str] | None = None
-) -> Iterator[None]:
-    """Run ``cmd`` until the block ends, once ``ready()`` holds."""
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not ready():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{cmd[2]} did not start; see {log_path}")
-            time.sleep(0.5)
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    return get_ok(f"{host}/readyz")
 
 
 @contextmanager
@@ -278,7 +249,7 @@ def compare_layout(out: Path, args: argparse.Namespace) -> dict[str, object]:
     base = {"anthropic": f"{emu}/v1", "openai": f"{emu}/v1", "gemini": f"{emu}/v1beta"}
     base["deepseek"] = f"{emu}/deepseek"
     emulator = [sys.executable, "-m", "loadtests.emulator", "--port", str(emu_port)]
-    with serving(emulator, lambda: _get_ok(f"{emu}/admin/requests"), out / "emulator.log", env):
+    with serving(emulator, lambda: get_ok(f"{emu}/admin/requests"), out / "emulator.log", env):
         for layout in LAYOUTS:
             port = free_port()
             host = f"http://127.0.0.1:{port}"
@@ -310,13 +281,6 @@ def compare_layout(out: Path, args: argparse.Namespace) -> dict[str, object]:
             "hit_rate_ratio": hit_on / hit_off if hit_off else None,
         }
     return {"arms": results, "ratios": ratios}
-
-
-def _get_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

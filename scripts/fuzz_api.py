@@ -15,10 +15,10 @@ exits 1 on a missed target.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +29,9 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "loadtests"))
+from procs import free_port, get_ok, serving  # noqa: E402
+
 KEY = "sk-fuzz-admin"
 GATING = {
     "not_a_server_error",
@@ -38,27 +41,15 @@ GATING = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"exited with {proc.returncode} before {url} answered")
-        try:
-            r = httpx.get(url, timeout=2)
-            if r.status_code == 200:
-                return
-            if r.headers.get("content-type") == "application/json" and r.json().get("error"):
-                raise SystemExit(f"{url}: {r.json()}")  # failed to start: say so now
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not ready in {timeout_s}s")
+def _ready(base: str) -> bool:
+    """Ready; a gateway whose engine failed to start stops the run at once."""
+    try:
+        r = httpx.get(f"{base}/readyz", timeout=2)
+    except httpx.TransportError:
+        return False
+    if r.status_code != 200 and r.json().get("status") == "failed":
+        raise SystemExit(f"the gateway failed to start: {r.json().get('error')}")
+    return r.status_code == 200
 
 
 def _env(emulator: str, tmp: Path) -> dict[str, str]:
@@ -117,26 +108,19 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "reports" / "fuzz")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="vcache-fuzz-"))
-    eport, port = _free_port(), _free_port()
+    eport, port = free_port(), free_port()
     base = f"http://127.0.0.1:{port}"
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        emu = subprocess.Popen(
-            [sys.executable, "-m", "loadtests.emulator", "--port", str(eport)],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        procs.append(emu)
-        _wait(f"http://127.0.0.1:{eport}/admin/requests", emu, 60)
+    with contextlib.ExitStack() as stack:
+        emulator = [sys.executable, "-m", "loadtests.emulator", "--port", str(eport)]
+        ready = functools.partial(get_ok, f"http://127.0.0.1:{eport}/admin/requests")
+        stack.enter_context(serving(emulator, ready, tmp / "emulator.log", cwd=REPO))
         cmd = [
             sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--grpc-port", "0",
             "--data-dir", str(a.data_dir), "--max-model-len", "256", "--enforce-eager",
             "--kv-cache-bytes", str(32 << 20), "--log-level", "warning",
         ]  # fmt: skip
-        log = open(tmp / "gateway.log", "wb")  # noqa: SIM115 - lives as long as the process
         env = _env(f"http://127.0.0.1:{eport}", tmp)
-        gw = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(gw)
-        _wait(f"{base}/readyz", gw, 300)
+        gw = stack.enter_context(serving(cmd, lambda: _ready(base), tmp / "gateway.log", env, REPO))
         a.out.mkdir(parents=True, exist_ok=True)
         ndjson = a.out / "events.ndjson"
         st = [
@@ -154,13 +138,6 @@ def main() -> int:
         (a.out / "schemathesis.txt").write_text(run.stdout + run.stderr)
         summary = _summary(ndjson)
         alive = gw.poll() is None
-    finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
     statuses: dict[str, int] = summary["statuses"]  # type: ignore[assignment]
     failures: dict[str, int] = summary["failures"]  # type: ignore[assignment]
     server_errors = sum(n for s, n in statuses.items() if s.startswith("5"))

@@ -1,0 +1,56 @@
+"""Processes the benchmarks and load tests start: free ports, readiness, clean stops."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextmanager
+def serving(
+    cmd: list[str],
+    ready: Callable[[], bool],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout_s: float = 300,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``cmd`` until the block ends, once ``ready()`` holds; stopped with SIGTERM
+    (killed if it has not exited a minute later)."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{' '.join(cmd[:4])} did not start; see {log_path}")
+            time.sleep(0.5)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
