@@ -545,3 +545,32 @@ def test_session_states_are_bounded_and_retention_forgets_them(
         assert r.status_code == 200, r.text
         first = log.store.events("default/s0")[0][1]
         assert isinstance(first, HeaderEvent) and first.reason == Reason.INITIAL
+
+
+def test_openapi_describes_errors_auth_and_bodies(client: TestClient) -> None:
+    doc = client.get("/openapi.json").json()
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    chat_op = doc["paths"]["/v1/chat/completions"]["post"]
+    assert chat_op["security"] == [{"bearer": []}]
+    assert "422" not in chat_op["responses"]
+    ok = chat_op["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["$ref"].endswith("/ChatCompletion")
+    assert "text/event-stream" in ok
+    err = chat_op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
+    assert err.endswith("/ErrorResponse")
+    assert {"401", "404", "503"} <= set(chat_op["responses"])
+    assert "security" not in doc["paths"]["/healthz"]["get"]  # probes need no key
+
+
+def test_version_is_served_and_printed(
+    client: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.cli import main
+
+    body = client.get("/version").json()
+    assert body["version"] and body["python"].count(".") == 2
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"vcache {body['version']} (vllm ")

@@ -168,3 +168,39 @@ def test_predict_caps_at_whole_blocks_before_the_last_token(make: Callable[[int]
     assert kv.predict(hashes, 64) == {R: 48}  # 3 resident blocks of 16
     assert kv.predict(hashes, 33) == {R: 32}  # the last token is never served from cache
     assert kv.predict(hashes, 32) == {R: 16}
+
+
+def test_the_index_queue_is_drained_into_counts(make: Callable[[int], Setup]) -> None:
+    """Every change the manager makes leaves the index's event queue empty (it grew without
+    bound before): the events are counted per (replica, kind) instead."""
+    from engines.vllm.kv_events import BlockRemoved, BlockStored, EventBatch
+
+    async def main() -> None:
+        kv, _, _, hashes = make(10)
+        more = block_hashes(list(range(1000, 1064)), 16, "0")
+        for i in range(100):
+            h = bytes(more[i % 4])
+            kv._apply(R, EventBatch(ts=float(i), events=[BlockStored(block_hashes=[h])]))
+            kv._apply(R, EventBatch(ts=float(i), events=[BlockRemoved(block_hashes=[h])]))
+        await kv.pin(R, hashes[:2], "alice")
+        await kv.unpin(R, hashes[:2], "alice")
+        assert kv.index.take_events() == []
+        assert kv.index_events[(R, "stored")] == 3 + 100  # the setup's 3 blocks, then ours
+        assert kv.index_events[(R, "removed")] == 100
+        assert kv.index_events[(R, "pinned")] == 2 and kv.index_events[(R, "unpinned")] == 2
+
+    asyncio.run(main())
+
+
+def test_a_detached_replica_forgets_its_blocks_and_pins(make: Callable[[int], Setup]) -> None:
+    async def main() -> None:
+        kv, _, _, hashes = make(10)
+        await kv.pin(R, hashes[:2], "alice")
+        kv.detach(R)  # its engine died
+        assert kv.index.counts(R) == (0, 0, 0) and kv.pin_owners(R, hashes[0]) == []
+        assert not kv.is_exact(R) and kv.state(R).live is False
+        await kv.sync()  # skips the dead replica's closed subscriber
+        stats = await kv.stats()
+        assert stats["replicas"][R]["live"] is False and stats["replicas"][R]["engine"] is None
+
+    asyncio.run(main())
