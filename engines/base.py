@@ -65,6 +65,7 @@ class EngineCapabilities:
     exact_prefix_cache: bool
     hash_algo: str | None = None
     hash_seed: str | None = None
+    vocab_size: int | None = None  # the model's (embedding rows); None: the tokenizer's
 
 
 @dataclass(frozen=True)

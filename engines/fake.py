@@ -25,6 +25,7 @@ class FakeEngine:
         max_queued_requests: int | None = None,
         step_delay_s: float = 0.0,
         reply: str = "hello from the fake engine",
+        vocab_size: int | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._caps = EngineCapabilities(
@@ -32,6 +33,7 @@ class FakeEngine:
             max_model_len=max_model_len,
             block_size=block_size,
             exact_prefix_cache=True,
+            vocab_size=vocab_size,
         )
         self._max_queued = max_queued_requests
         self._delay = step_delay_s

@@ -154,8 +154,10 @@ class GatewayService:
         return self._engine.tokenizer.encode(text)
 
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
-        """Client-given token ids, each inside the model's vocabulary (else a 400)."""
-        vocab = self._engine.tokenizer.vocab_size
+        """Client-given token ids, each inside the model's vocabulary (else a 400): the
+        larger of the tokenizer's and the model's, as vLLM's own check."""
+        engine = self._engine
+        vocab = max(engine.tokenizer.vocab_size, engine.capabilities.vocab_size or 0)
         for i, t in enumerate(ids):
             if not 0 <= t < vocab:
                 raise InvalidRequest(

@@ -333,8 +333,15 @@ def test_full_queue_is_503_with_retry_after(gateway: Gateway) -> None:
 
 
 def test_health_endpoints(gateway: Gateway) -> None:
-    assert httpx.get(f"{gateway.base_url}/healthz").json() == {"status": "ok"}
-    assert httpx.get(f"{gateway.base_url}/readyz").json() == {"status": "ready"}
+    ready = {"state": "ready", "restarts": 0, "last_error": None}
+    replicas = {"replica-0": ready, "replica-1": ready}
+    healthz = httpx.get(f"{gateway.base_url}/healthz").json()
+    assert healthz == {"status": "ok", "error": None, "replicas": replicas}
+    assert httpx.get(f"{gateway.base_url}/health").json() == healthz
+    readyz = httpx.get(f"{gateway.base_url}/readyz").json()
+    assert readyz == {"status": "ready", "error": None, "replicas": replicas}
+    version = httpx.get(f"{gateway.base_url}/version").json()
+    assert version["vllm"].startswith("0.32")
     body = httpx.get(f"{gateway.base_url}/metrics").text
     assert "vcache_ttft_seconds_bucket" in body
 

@@ -574,3 +574,17 @@ def test_version_is_served_and_printed(
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith(f"vcache {body['version']} (vllm ")
+
+
+def test_the_vocabulary_bound_is_the_larger_of_tokenizer_and_model(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """As vLLM's own check: a model with more embedding rows than tokens accepts those ids."""
+    padded = tokenizer.vocab_size + 64
+    with _client(FakeEngine(tokenizer, vocab_size=padded)) as c:
+        body = {"model": MODEL, "max_tokens": 1}
+        ok = c.post("/v1/completions", json={**body, "prompt": [1, padded - 1]})
+        assert ok.status_code == 200, ok.text
+        bad = c.post("/v1/completions", json={**body, "prompt": [1, padded]})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["message"].endswith(f"(0 to {padded - 1})")
