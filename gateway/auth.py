@@ -46,7 +46,7 @@ class KeyRing:
         )
 
 
-def require_principal(request: Request) -> Principal:
+async def require_principal(request: Request) -> Principal:
     """FastAPI dependency for every /v1 route."""
     keyring: KeyRing = request.app.state.keyring
     return keyring.authenticate(request.headers.get("authorization"))

@@ -24,12 +24,12 @@ router = APIRouter(prefix="/v1/cache", tags=["cache"])
 CACHE_ERRORS = errors(*COMMON, 403, 404, 502)
 
 
-def require_admin(who: Annotated[Principal, Depends(require_principal)]) -> Principal:
+async def require_admin(who: Annotated[Principal, Depends(require_principal)]) -> Principal:
     CacheService.require_admin(who)
     return who
 
 
-def cache_service(request: Request) -> CacheService:
+async def cache_service(request: Request) -> CacheService:
     return CacheService(request.app.state.service, request.app.state.supervisor.kv)
 
 

@@ -19,12 +19,12 @@ from gateway.service import GatewayService, Principal
 router = APIRouter(prefix="/v1", tags=["chat"])
 
 
-def service(request: Request) -> GatewayService:
+async def service(request: Request) -> GatewayService:
     svc: GatewayService = request.app.state.service
     return svc
 
 
-def routing_override(
+async def routing_override(
     request: Request, who: Annotated[Principal, Depends(require_principal)]
 ) -> RouteOverride | None:
     """Admin headers for one request: ``x-vcache-routing`` forces a policy (comparisons),
@@ -49,7 +49,7 @@ def routing_override(
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
-def session_header(request: Request) -> str | None:
+async def session_header(request: Request) -> str | None:
     """``x-vcache-session``: append this request to that session of the log."""
     sid = request.headers.get("x-vcache-session")
     if sid is not None and not SESSION_ID.match(sid):

@@ -15,7 +15,7 @@ from gateway.service import Principal
 router = APIRouter(prefix="/v1", tags=["responses"])
 
 
-def responses(request: Request) -> Responses:
+async def responses(request: Request) -> Responses:
     return Responses(request.app.state.service)
 
 
