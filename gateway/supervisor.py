@@ -35,7 +35,7 @@ from typing import Literal
 from engines.base import Engine
 from gateway.dispatch import Dispatcher
 from gateway.kvcache import CoreControlled, KVCacheManager
-from gateway.replicas import LocalReplica, Replica
+from gateway.replicas import LocalReplica
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
@@ -83,12 +83,17 @@ class Supervisor:
         self._clock = clock
         self.health: dict[LocationId, ReplicaHealth] = {b.id: ReplicaHealth() for b in built}
         self.kv: KVCacheManager | None = None
-        self.boot_failure: str | None = None
         self._start_s = 0.0  # the longest engine start seen: how long a restart takes
         self._watch: asyncio.Task[None] | None = None
         dispatcher.retry_after_s = self.retry_after_s
 
     # ------------------------------------------------------------- view
+
+    @property
+    def boot_failure(self) -> str | None:
+        """Why the replicas could not start at boot (kept by the dispatcher, which refuses
+        requests with it)."""
+        return self._dispatcher.failed
 
     @property
     def any_ready(self) -> bool:
@@ -129,7 +134,7 @@ class Supervisor:
             self._dispatcher.started = True
         except Exception as exc:
             log.exception("engine failed to start")
-            self.boot_failure = self._dispatcher.failed = f"{type(exc).__name__}: {exc}"
+            self._dispatcher.failed = f"{type(exc).__name__}: {exc}"
             for h in self.health.values():
                 h.state = "failed"
             return
@@ -230,6 +235,3 @@ class Supervisor:
         if self.on_change is not None:
             await self.on_change()
 
-
-def serving_replicas(replicas: Sequence[Replica]) -> list[Replica]:
-    return [r for r in replicas if r.engine.ready]
