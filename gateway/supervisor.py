@@ -234,4 +234,3 @@ class Supervisor:
     async def _changed(self) -> None:
         if self.on_change is not None:
             await self.on_change()
-
