@@ -21,6 +21,7 @@ from gateway.kvcache import KVCacheManager
 from gateway.metrics import Metrics
 from gateway.replicas import Replica, RouteOverride, Router
 from gateway.schemas import Usage
+from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
 AFFINITY_TOKENS = 256  # a new prefix family is placed by its first tokens
@@ -48,6 +49,7 @@ class Dispatch:
     replica: Replica = field(repr=False)
     replica_id: str
     predicted_cached_tokens: int | None  # None: no exact prediction for this replica
+    hashes: Sequence[BlockHash] = ()  # the prompt's full blocks (empty without a KV index)
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-replica": self.replica_id}
@@ -95,6 +97,7 @@ class Dispatcher:
 
     async def route(self, greq: GenerateRequest, override: RouteOverride | None) -> Dispatch:
         predicted: dict[LocationId, int] | None = None
+        hashes: list[BlockHash] = []
         affinity = hash_tokens(greq.prompt_token_ids[:AFFINITY_TOKENS])
         if self.kv is not None:
             await self.kv.sync()
@@ -121,7 +124,7 @@ class Dispatcher:
             replica = self.router.choose(serving, predicted, policy, affinity)
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p = predicted.get(replica.id) if predicted is not None and exact else None
-        return Dispatch(replica, replica.id, p)
+        return Dispatch(replica, replica.id, p, hashes)
 
     @contextlib.contextmanager
     def admit(self) -> Iterator[None]:
@@ -151,6 +154,8 @@ class Dispatcher:
             async with aclosing(d.replica.engine.generate(greq)) as stream:
                 async for chunk in stream:
                     if first:
+                        if self.kv is not None:
+                            self.kv.answered(d.replica.id, d.hashes)
                         m.ttft.labels(endpoint).observe(time.perf_counter() - t0)
                         totals.prompt = chunk.num_prompt_tokens
                         m.prompt_tokens.inc(totals.prompt)

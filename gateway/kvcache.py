@@ -40,6 +40,7 @@ from manifest.index import LocationId, PrefixIndex
 log = logging.getLogger(__name__)
 
 Agreement = Literal["unknown", "exact", "approximate"]
+MAX_ANSWERED = 1024  # per replica between two syncs; past it, answers are not tracked
 
 
 class CoreControlled(Protocol):
@@ -61,6 +62,10 @@ class ReplicaCacheState:
     live: bool = True  # False between the engine's death and its restart
     predictions_matched: int = 0
     predictions_missed: int = 0
+    # Last full-block hash of each prompt the engine has answered since the last sync:
+    # its BlockStored events were sent before the answer, but may still be in transit.
+    answered: list[BlockHash] = field(default_factory=list)
+    late_event_waits: int = 0  # syncs that had to wait for such events
 
 
 @dataclass
@@ -214,18 +219,35 @@ class KVCacheManager:
             if st.live:
                 st.subscriber.close()
 
+    def answered(self, replica: LocationId, hashes: Sequence[BlockHash]) -> None:
+        """The engine answered a prompt with these full blocks (its first output arrived):
+        it has stored them, and the next :meth:`sync` makes sure the index has seen that."""
+        st = self._replicas.get(replica)
+        if st is not None and hashes and len(st.answered) < MAX_ANSWERED:
+            st.answered.append(hashes[-1])
+
     async def sync(self, barrier: bool = False) -> None:
         """Fold every event the replicas have published so far.
 
         With ``barrier`` each engine is asked which batch it sent last and the
         subscriber waits for it: exact even for the request that just finished
-        (one round trip per replica; admin operations use it, dispatch does not).
+        (one round trip per replica; admin operations use it).  Without it
+        (dispatch), a replica whose answered prompts are not all in the index yet
+        gets the barrier: their events are still on the wire, and a client that
+        sends the next turn at once must be predicted against them.
         """
         for st in self._live():
             if barrier:
                 await self._barrier(st)
             else:
                 await st.subscriber.sync()
+                if st.answered and not self._all_seen(st):
+                    st.late_event_waits += 1
+                    await self._barrier(st)
+            st.answered.clear()
+
+    def _all_seen(self, st: ReplicaCacheState) -> bool:
+        return all(self.index.match([h])[st.replica] for h in st.answered)
 
     async def _barrier(self, st: ReplicaCacheState) -> None:
         seq = await st.engine.call_core("vcache_events_barrier")
@@ -424,6 +446,7 @@ class KVCacheManager:
                 "blocks_evictable": counts.evictable,
                 "engine": engine,
                 "predictions": {"matched": st.predictions_matched, "missed": st.predictions_missed},
+                "late_event_waits": st.late_event_waits,
                 "events": {
                     "batches": sub.batches,
                     "gaps": sub.gaps,

@@ -23,14 +23,27 @@ client reaches with ``call_utility_async("vcache_pin", ...)``:
 
 Hashes travel as 32-byte ``bytes``.  All of this runs on the engine core's
 own thread between scheduler steps, so it never races a step.
+
+Events before answers
+    vLLM's ZMQ publisher hands each step's KV event batch to a sender thread,
+    and the step's outputs to another: under CPU contention the answer could
+    reach the client (who sends the next turn at once) before the batch that
+    stored its blocks reached the gateway, and the gateway predicted one block
+    short.  The plugin makes ``publish`` return only once the batch has been
+    handed to ZMQ (bounded by :data:`FLUSH_TIMEOUT_S`), so a step's events are
+    always on the wire before its outputs are queued.  Cost: one thread handoff
+    per step that changed the cache.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 _GROUP = 0  # single KV-cache-group models (all the gateway serves today)
+FLUSH_TIMEOUT_S = 0.05  # longest a step waits for its events to be sent
 
 
 def _pool(core: Any) -> Any:
@@ -139,6 +152,23 @@ def vcache_events_barrier(core: Any, timeout_s: float = 2.0) -> int:
     return int(buffer[-1][0]) if buffer else -1
 
 
+def in_order(
+    publish: Callable[[Any, Any], None], timeout_s: float = FLUSH_TIMEOUT_S
+) -> Callable[[Any, Any], None]:
+    """Wrap ``ZmqEventPublisher.publish`` to return once the sender thread has sent the batch."""
+
+    @functools.wraps(publish)
+    def publish_in_order(publisher: Any, events: Any) -> None:
+        publish(publisher, events)
+        queue = publisher._event_queue
+        deadline = time.monotonic() + timeout_s
+        while queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.0001)  # releases the GIL to the sender thread
+
+    publish_in_order.vcache_in_order = True  # type: ignore[attr-defined]
+    return publish_in_order
+
+
 def vcache_resident(core: Any) -> list[bytes]:
     """Every block hash resident in the prefix cache (group 0)."""
     from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
@@ -169,3 +199,8 @@ def register() -> None:
     for name, fn in _METHODS.items():
         if getattr(EngineCore, name, None) is not fn:
             setattr(EngineCore, name, fn)
+
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    if not getattr(ZmqEventPublisher.publish, "vcache_in_order", False):
+        ZmqEventPublisher.publish = in_order(ZmqEventPublisher.publish)  # type: ignore[method-assign,assignment]
