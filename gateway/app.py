@@ -18,25 +18,25 @@ from fastapi import FastAPI
 
 from engines.base import Engine
 from engines.tokenizer import ChatTokenizer
-from gateway.auth import KeyRing
-from gateway.config import Settings
-from gateway.dispatch import Dispatcher
-from gateway.fallback import Targets
-from gateway.grpc_server import GatewayServicer, GrpcServer
-from gateway.http_errors import install_error_handlers
-from gateway.metrics import Metrics
-from gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
-from gateway.openapi import install_openapi
-from gateway.provider_chat import ProviderChat
-from gateway.providers import ProviderPath, adapter_for
-from gateway.reconstruct import Reconstructor
-from gateway.replicas import LocalReplica, Replica, Router
-from gateway.routers import cache, chat, completions, health, models, responses
-from gateway.service import GatewayService
-from gateway.session_log import SessionLog
-from gateway.session_store import SessionStore
-from gateway.supervisor import Supervisor
-from gateway.version import version_info
+from gateway.core.config import Settings
+from gateway.core.metrics import Metrics
+from gateway.core.version import version_info
+from gateway.grpc.server import GatewayServicer, GrpcServer
+from gateway.http.errors import install_error_handlers
+from gateway.http.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from gateway.http.openapi import install_openapi
+from gateway.http.routes import cache, chat, completions, health, models, responses
+from gateway.local.dispatch import Dispatcher
+from gateway.local.replicas import LocalReplica, Replica, Router
+from gateway.local.supervisor import Supervisor
+from gateway.providers.path import ProviderPath, adapter_for
+from gateway.service.auth import KeyRing
+from gateway.service.chat import GatewayService
+from gateway.service.provider_chat import ProviderChat
+from gateway.service.targets import Targets
+from gateway.sessions.log import SessionLog
+from gateway.sessions.reconstruct import Reconstructor
+from gateway.sessions.store import SessionStore
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)

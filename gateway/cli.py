@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gateway.config import Settings, hash_api_key
-from gateway.version import version_info
+from gateway.core.config import Settings, hash_api_key
+from gateway.core.version import version_info
 
 # Flags of `vcache serve` and where they land in Settings.  Absent flags are
 # left out, so environment and YAML values still apply beneath them.
@@ -93,8 +93,8 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.engine_factory import build_replicas
-    from gateway.http_server import guarded_protocol
+    from gateway.http.server import guarded_protocol
+    from gateway.local.build import build_replicas
 
     logging.basicConfig(
         level=settings.log_level.upper(),

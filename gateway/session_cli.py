@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 
 from engines.tokenizer import ChatTokenizer
-from gateway.config import Settings
-from gateway.providers import adapter_for
-from gateway.reconstruct import Reconstructor, sha256
-from gateway.session_log import SessionLog
-from gateway.session_store import SessionStore
+from gateway.core.config import Settings
+from gateway.providers.path import adapter_for
+from gateway.sessions.log import SessionLog
+from gateway.sessions.reconstruct import Reconstructor, sha256
+from gateway.sessions.store import SessionStore
 
 
 def _store(settings: Settings, db: Path | None) -> SessionStore:
@@ -42,7 +42,7 @@ def replay(settings: Settings, db: Path | None, request_id: str, quiet: bool) ->
         return 2
 
     def tokenizer() -> ChatTokenizer:
-        from gateway.engine_factory import resolve_model
+        from gateway.local.build import resolve_model
 
         return ChatTokenizer.from_pretrained(resolve_model(settings))
 

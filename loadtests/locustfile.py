@@ -46,8 +46,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from workloads import Session, Turn, Workload  # noqa: E402
 
 from engines.sse import SSEDecoder  # noqa: E402
-from gateway.grpc_api import gateway_pb2 as pb  # noqa: E402
-from gateway.grpc_api import gateway_pb2_grpc as pb_grpc  # noqa: E402
+from gateway.grpc.api import gateway_pb2 as pb  # noqa: E402
+from gateway.grpc.api import gateway_pb2_grpc as pb_grpc  # noqa: E402
 
 RAW_FIELDS = [
     "workload", "label", "ok", "ttft_ms", "itl_mean_ms", "total_ms", "prompt_tokens",

@@ -53,7 +53,7 @@ def _ready(base: str) -> bool:
 
 
 def _env(emulator: str, tmp: Path) -> dict[str, str]:
-    from gateway.config import hash_api_key
+    from gateway.core.config import hash_api_key
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     keys = [{"sha256": hash_api_key(KEY), "tenant": "fuzz", "admin": True, "scope": "global"}]

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Generate the Python gRPC stubs from protos/ into gateway/grpc_api/ (never edit them by hand).
+# Generate the Python gRPC stubs from protos/ into gateway/grpc/api/ (never edit them by hand).
 # The virtual include path makes the generated modules import each other as
-# gateway.grpc_api.*, while the proto package stays vcache.v1.
+# gateway.grpc.api.*, while the proto package stays vcache.v1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 "$PY" -m grpc_tools.protoc \
-  -Igateway/grpc_api=protos/vcache/v1 \
+  -Igateway/grpc/api=protos/vcache/v1 \
   --python_out=. --grpc_python_out=. --pyi_out=. \
-  gateway/grpc_api/gateway.proto
+  gateway/grpc/api/gateway.proto

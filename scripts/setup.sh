@@ -41,7 +41,7 @@ if [ "$build" = cpu ]; then
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 PY="$VENV/bin/python" bash scripts/gen_protos.sh
-"$VENV/bin/python" -c "import vllm, transformers, gateway.cli, gateway.grpc_server" >/dev/null
+"$VENV/bin/python" -c "import vllm, transformers, gateway.cli, gateway.grpc.server" >/dev/null
 rm -f "$VENV"/.vcache-setup-*
 touch "$stamp"
 echo "setup: done" >&2

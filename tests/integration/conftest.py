@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import hash_api_key
+from gateway.core.config import hash_api_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
 from report import parse_metrics

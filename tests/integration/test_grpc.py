@@ -9,8 +9,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gateway.grpc_api import gateway_pb2 as pb
-from gateway.grpc_api import gateway_pb2_grpc as pb_grpc
+from gateway.grpc.api import gateway_pb2 as pb
+from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
 from tests.integration.conftest import KEY_A, Gateway, wait_for
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.config import hash_api_key
+from gateway.core.config import hash_api_key
 from tests.integration.conftest import KEY_A, _free_port, running, wait_for
 
 pytestmark = pytest.mark.integration

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from engines.tokenizer import ChatTokenizer
-from gateway.providers import adapter_for
-from gateway.reconstruct import Reconstructor
-from gateway.session_log import SessionLog
-from gateway.session_store import SessionStore
+from gateway.providers.path import adapter_for
+from gateway.sessions.log import SessionLog
+from gateway.sessions.reconstruct import Reconstructor
+from gateway.sessions.store import SessionStore
 from tests.integration.conftest import KEY_A, Gateway
 
 pytestmark = pytest.mark.integration

@@ -23,8 +23,8 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.config import ApiKeyConfig, Settings, hash_api_key
-from gateway.providers import ProviderPath
+from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.providers.path import ProviderPath
 from tests.integration.conftest import _free_port, running
 
 KEY = "sk-provider-tests"

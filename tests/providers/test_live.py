@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.config import PROVIDER_DEFAULTS, ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import PROVIDER_DEFAULTS, ApiKeyConfig, Settings, hash_api_key
 from tests.providers.conftest import KEY, MODELS
 
 ANCHOR = "You answer questions about the vcache test manual.\n" * 150

@@ -191,7 +191,7 @@ def test_a_provider_only_gateway_serves_aliases_and_refuses_the_local_model(
 
 
 def test_local_in_an_alias_needs_a_local_replica() -> None:
-    from gateway.config import Settings
+    from gateway.core.config import Settings
 
     with pytest.raises(ValueError, match="needs a local replica"):
         Settings(

@@ -8,7 +8,7 @@ import itertools
 import openai
 import pytest
 
-from gateway.session_log import SessionLog
+from gateway.sessions.log import SessionLog
 from tests.providers.conftest import KEY, MODELS, Gw
 
 INSTRUCTIONS = "You are the vcache manual's assistant. Cite sections.\n" * 100

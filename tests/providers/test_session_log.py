@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.session_log import SessionLog
+from gateway.sessions.log import SessionLog
 from manifest.sessionlog import (
     DispatchEvent,
     HeaderEvent,
@@ -125,7 +125,7 @@ def test_an_explicit_session_logs_a_change_snapshot_and_still_rebuilds(gw: Gw) -
 def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
     gw: Gw, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gateway.provider_chat as pc
+    import gateway.service.provider_chat as pc
 
     real = pc.request_parts
 
@@ -155,7 +155,7 @@ def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
 
 def _prepare_with_live_turns(real: Any) -> Any:
     """A _prepare whose live call renders the real turns while the log gets corrupted ones."""
-    import gateway.provider_chat as pc
+    import gateway.service.provider_chat as pc
     from manifest.sessionlog import Header
 
     def _prepare(self: Any, req: Any, target: str, served: Any, tenant: str, session: Any) -> Any:

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.cli import _parser, overrides_from_flags
-from gateway.config import DEMO_MODEL_NAME, Settings, hash_api_key
+from gateway.core.config import DEMO_MODEL_NAME, Settings, hash_api_key
 
 
 @pytest.fixture(autouse=True)

@@ -14,9 +14,9 @@ from grpc_status import rpc_status
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.config import ApiKeyConfig, Settings, hash_api_key
-from gateway.grpc_api import gateway_pb2 as pb
-from gateway.grpc_api import gateway_pb2_grpc as pb_grpc
+from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.grpc.api import gateway_pb2 as pb
+from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
 
 KEY = "sk-grpc-admin"
 USER = "sk-grpc-user"

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
 
 MODEL = "vcache-demo"
 KEY_A = "sk-tenant-a"

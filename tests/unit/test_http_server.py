@@ -16,8 +16,8 @@ import uvicorn
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.config import Settings
-from gateway.http_server import guarded_protocol
+from gateway.core.config import Settings
+from gateway.http.server import guarded_protocol
 
 TIMEOUT_S = 0.5
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.kvcache import KVCacheManager
+from gateway.local.spans import KVCacheManager
 from manifest.hashing import BlockHash, block_hashes
 from manifest.index import LocationId
 

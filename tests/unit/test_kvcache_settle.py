@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from engines.vllm.plugin import in_order
-from gateway.kvcache import KVCacheManager
+from gateway.local.spans import KVCacheManager
 from manifest.hashing import BlockHash, block_hashes, event_hash
 from manifest.index import LocationId
 

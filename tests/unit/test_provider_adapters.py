@@ -24,10 +24,10 @@ from engines.providers.gemini import GeminiAdapter
 from engines.providers.openai import DeepSeekAdapter, OpenAIAdapter
 from engines.providers.retry import RetryPolicy, parse_retry_after
 from engines.sse import SSEDecoder
-from gateway.config import Settings
-from gateway.metrics import Metrics
-from gateway.provider_cache import PromptView
-from gateway.providers import ProviderPath, target_profile
+from gateway.core.config import Settings
+from gateway.core.metrics import Metrics
+from gateway.providers.book import PromptView
+from gateway.providers.path import ProviderPath, target_profile
 from manifest.planner import TargetState, plan
 
 CALL = ChatCall(

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from engines.fake import FakeEngine
-from gateway.replicas import Replica, Router
+from gateway.local.replicas import Replica, Router
 from manifest.index import LocationId
 
 R0, R1, R2 = LocationId("replica-0"), LocationId("replica-1"), LocationId("replica-2")

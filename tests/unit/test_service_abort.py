@@ -7,11 +7,11 @@ from pathlib import Path
 
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
-from gateway.dispatch import Dispatcher
-from gateway.metrics import Metrics
-from gateway.replicas import Replica, Router
-from gateway.schemas import ChatCompletionRequest, ChatMessage
-from gateway.service import GatewayService, Principal
+from gateway.core.metrics import Metrics
+from gateway.core.schemas import ChatCompletionRequest, ChatMessage
+from gateway.local.dispatch import Dispatcher
+from gateway.local.replicas import Replica, Router
+from gateway.service.chat import GatewayService, Principal
 from manifest.index import LocationId
 
 

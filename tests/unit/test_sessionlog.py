@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.session_store import SessionStore
+from gateway.sessions.store import SessionStore
 from manifest.sessionlog import (
     DispatchEvent,
     Event,
@@ -154,7 +154,7 @@ def test_the_store_is_the_owners_alone(tmp_path: Path) -> None:
 WRITER = """
 import sys
 sys.path.insert(0, {repo!r})
-from gateway.session_store import SessionStore
+from gateway.sessions.store import SessionStore
 from manifest.sessionlog import DispatchEvent, Header, HeaderEvent, MessageEvent, Reason
 store = SessionStore(__import__("pathlib").Path({db!r}), "full")
 h = Header.make("m", "local", ["system " * 40])

@@ -11,12 +11,12 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.config import Settings
-from gateway.dispatch import Dispatcher
-from gateway.errors import Unavailable
-from gateway.metrics import Metrics
-from gateway.replicas import LocalReplica, Replica, Router
-from gateway.supervisor import Supervisor, backoff_s
+from gateway.core.config import Settings
+from gateway.core.errors import Unavailable
+from gateway.core.metrics import Metrics
+from gateway.local.dispatch import Dispatcher
+from gateway.local.replicas import LocalReplica, Replica, Router
+from gateway.local.supervisor import Supervisor, backoff_s
 from manifest.index import LocationId
 
 

@@ -1,0 +1,280 @@
+"""Gateway configuration.
+
+Sources, highest precedence first:
+
+1. ``vcache serve`` flags (passed as keyword arguments),
+2. environment variables ``VCACHE_<FIELD>`` (nested with ``__``, e.g.
+   ``VCACHE_ENGINE__MAX_MODEL_LEN=4096``; lists as JSON),
+3. a YAML file (``--config FILE`` or ``VCACHE_CONFIG_FILE``; example in
+   ``deploy/vcache.example.yaml``),
+4. the defaults below.
+
+Nested sections merge field by field across sources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+DEMO_MODEL_NAME = "vcache-demo"
+
+
+def hash_api_key(key: str) -> str:
+    """The form in which keys are stored in config: hex sha256 of the key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ApiKeyConfig(BaseModel):
+    """One accepted key, stored as its sha256 (``vcache hash-key KEY`` prints it)."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tenant: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    name: str = ""
+    admin: bool = False  # the cache API and routing overrides, within its own tenant
+    scope: Literal["tenant", "global"] = "tenant"  # global: an admin over every tenant
+
+
+class EngineSettings(BaseModel):
+    replicas: int = Field(1, ge=0, le=64)  # embedded vLLM engines, one per GPU / TP group
+    max_model_len: int = Field(2048, ge=16)
+    block_size: int | None = Field(None, ge=1)
+    kv_cache_bytes: int | None = Field(None, ge=1 << 20)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = False
+    hash_seed: str = "0"
+    max_queued_requests: int = Field(256, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = "auto"
+    watch_interval_s: float = Field(1.0, gt=0)  # how often replicas are checked for death
+    restart_backoff_s: float = Field(1.0, ge=0)  # first restart delay of a dead replica
+    restart_backoff_cap_s: float = Field(60.0, ge=0)  # doubling up to this
+
+
+class RemoteReplicaConfig(BaseModel):
+    """A vLLM replica served by ``python -m vllm.entrypoints.openai.api_server``.
+
+    It runs the vcache plugins (``VLLM_PLUGINS=vcache,vcache-control``) with
+    ``VCACHE_CONTROL_SECRET`` set, publishes KV events on ZMQ, and uses this
+    gateway's ``engine.hash_seed`` as its ``PYTHONHASHSEED``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str  # http://host:port of the API server (its control endpoint is there too)
+    kv_events: str  # its KV events PUB endpoint, e.g. tcp://host:5557
+    kv_events_replay: str | None = None  # its replay ROUTER endpoint, e.g. tcp://host:5558
+    control_secret: SecretStr
+    api_key: SecretStr | None = None
+    served_model_name: str | None = None
+
+
+class CacheSettings(BaseModel):
+    """Exact KV spans on the local replicas (KV events, pins, routing)."""
+
+    kv_events: bool = True  # subscribe to the engines' KV events; predictions need them
+    routing: Literal["kv", "round_robin", "least_loaded"] = "kv"
+    load_imbalance: int = Field(4, ge=0)  # kv routing falls back to least loaded beyond it
+    pin_max_share: float = Field(0.5, gt=0, le=1)  # most of the KV blocks pins may hold
+    default_lease_s: float = Field(300, gt=0)
+
+
+ProviderName = Literal["anthropic", "openai", "gemini", "deepseek"]
+
+PROVIDER_DEFAULTS: dict[str, tuple[str, str]] = {  # base URL, API key variable
+    "anthropic": ("https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"),
+    "openai": ("https://api.openai.com/v1", "OPENAI_API_KEY"),
+    "gemini": ("https://generativelanguage.googleapis.com/v1beta", "GEMINI_API_KEY"),
+    "deepseek": ("https://api.deepseek.com", "DEEPSEEK_API_KEY"),
+}
+
+
+class PriceConfig(BaseModel):
+    """Cache prices as multiples of the model's uncached input price."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    read_mult: float = Field(ge=0, le=1)
+    write_mult: float = Field(ge=0)
+
+
+class ProviderConfig(BaseModel):
+    """A hosted provider.  The key comes from ``api_key`` or the environment variable
+    ``api_key_env`` (default ``ANTHROPIC_API_KEY``, ``OPENAI_API_KEY``, ...); it is
+    never logged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str | None = None
+    api_key: SecretStr | None = None
+    api_key_env: str | None = None
+    timeout_s: float = Field(60, gt=0)
+    max_retries: int = Field(2, ge=0, le=10)
+    backoff_base_s: float = Field(0.5, ge=0)
+    backoff_cap_s: float = Field(8, ge=0)
+    max_retry_after_s: float = Field(30, ge=0)
+    cache_ttl_s: Literal[300, 3600] = 300  # Anthropic breakpoints: 5m or 1h
+    belief_ttl_s: float = Field(300, gt=0)  # implicit caches: mean survival of a prefix
+    cached_content_ttl_s: int = Field(3600, ge=60)  # Gemini explicit caches
+    min_prefix_tokens: dict[str, int] = Field(default_factory=dict)  # model prefix → tokens
+    prices: dict[str, PriceConfig] = Field(default_factory=dict)  # model prefix → prices
+
+    def resolved_base_url(self, provider: str) -> str:
+        return self.base_url or PROVIDER_DEFAULTS[provider][0]
+
+    def resolved_key(self, provider: str) -> str | None:
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(self.api_key_env or PROVIDER_DEFAULTS[provider][1]) or None
+
+
+LOCAL_TARGET = "local"
+
+
+class SessionLogSettings(BaseModel):
+    """The session log: every request reconstructable from it (SQLite, WAL)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    path: Path | None = None  # default: <data_dir>/sessions.db
+    fsync: Literal["full", "normal", "off"] = "normal"
+    verify_reconstruction: bool = False  # rebuild each request from the log before sending
+    # Whole sessions older than this, or the oldest beyond the size cap, are deleted at
+    # start and every retention_interval_s; None keeps them (no default keeps them forever).
+    retention_days: float | None = Field(30, gt=0)
+    retention_max_bytes: int | None = Field(16 << 30, ge=1 << 20)
+    retention_interval_s: float = Field(3600, gt=0)
+    cached_sessions: int = Field(4096, ge=1)  # folded session states kept in memory (LRU)
+
+    def db_path(self, data_dir: Path) -> Path:
+        return self.path or data_dir / "sessions.db"
+
+
+class HttpSettings(BaseModel):
+    """Limits of the HTTP server (see gateway/http/server.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers, else 431
+    header_timeout_s: float = Field(10.0, gt=0)  # the whole head must arrive in time, else 408
+    body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next body chunk, else 408
+    keep_alive_s: float = Field(5.0, gt=0)  # idle kept-alive connections close after this
+    max_connections: int = Field(2048, ge=1)  # served at once; beyond, 503
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vcache"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="VCACHE_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    config_file: Path | None = None
+    model: str | None = None  # local path or hub id; None builds the demo model
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int | None = Field(50051, ge=0, le=65535)  # None: no gRPC server
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    remote_replicas: list[RemoteReplicaConfig] = Field(default_factory=list)
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    providers: dict[ProviderName, ProviderConfig] = Field(default_factory=dict)
+    # model alias → ordered targets: "local" (the vLLM replicas) or "provider/model"
+    aliases: dict[str, list[str]] = Field(default_factory=dict)
+    prompt_layout: Literal["canonical", "passthrough"] = "canonical"  # providers only
+    session_log: SessionLogSettings = Field(default_factory=SessionLogSettings)
+    max_request_body_bytes: int = Field(4 << 20, ge=1024)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    log_level: str = "info"
+
+    @property
+    def has_local(self) -> bool:
+        return self.engine.replicas > 0 or bool(self.remote_replicas)
+
+    @model_validator(mode="after")
+    def _some_target(self) -> Settings:
+        if not self.has_local and not self.providers:
+            raise ValueError(
+                "configure at least one replica (engine.replicas or remote_replicas) or a provider"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _targets_exist(self) -> Settings:
+        for alias, targets in self.aliases.items():
+            if not targets:
+                raise ValueError(f"alias {alias!r} needs at least one target")
+            for t in targets:
+                if t == LOCAL_TARGET and not self.has_local:
+                    raise ValueError(f"alias {alias!r}: 'local' needs a local replica")
+                provider, sep, model = t.partition("/")
+                if t != LOCAL_TARGET and (not sep or not model or provider not in self.providers):
+                    raise ValueError(
+                        f"alias {alias!r}: target {t!r} is neither 'local' nor "
+                        "'provider/model' with a configured provider"
+                    )
+        return self
+
+    @field_validator("log_level")
+    @classmethod
+    def _lower(cls, v: str) -> str:
+        return v.lower()
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in ``model``."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model or DEMO_MODEL_NAME
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlFileSource(settings_cls, init_settings))
+
+
+class _YamlFileSource(PydanticBaseSettingsSource):
+    """Reads the YAML file named by the ``config_file`` flag or ``VCACHE_CONFIG_FILE``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], init: PydanticBaseSettingsSource):
+        super().__init__(settings_cls)
+        self._init = init
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ is overridden; never used
+
+    def __call__(self) -> dict[str, Any]:
+        path: Any = None
+        if isinstance(self._init, InitSettingsSource):
+            path = self._init.init_kwargs.get("config_file")
+        path = path or os.environ.get("VCACHE_CONFIG_FILE")
+        if not path:
+            return {}
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
+        return data

@@ -1,0 +1,162 @@
+"""API errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+::
+
+    APIError
+    ├── InvalidRequest       400 invalid_request_error (names the parameter)
+    ├── AuthenticationFailed 401 authentication_error
+    ├── PermissionDenied     403 permission_error
+    ├── NotFound             404 not_found_error
+    ├── RequestTimeout       408 invalid_request_error (the request did not arrive in time)
+    ├── PayloadTooLarge      413 invalid_request_error
+    ├── RateLimited          429 rate_limit_error (Retry-After)
+    ├── BadGateway           502 upstream_error (a provider failed)
+    ├── Unavailable          503 service_unavailable (Retry-After)
+    └── GatewayTimeout       504 timeout_error (a provider did not answer in time)
+
+Engine errors are mapped here once (:func:`from_engine_error`); the HTTP
+handlers (``gateway/http/errors.py``) and later the gRPC servicer render these.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engines.errors import (
+    EngineError,
+    EngineGenerationFailed,
+    EngineInputError,
+    EngineOverloaded,
+    EngineUnavailable,
+)
+from engines.providers.errors import (
+    ProviderAuthError,
+    ProviderBadAnswer,
+    ProviderBadRequest,
+    ProviderError,
+    ProviderNotFound,
+    ProviderOverloaded,
+    ProviderRateLimited,
+    ProviderStreamCut,
+    ProviderTimeout,
+)
+
+
+class APIError(Exception):
+    status = 500
+    type = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class InvalidRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationFailed(APIError):
+    status = 401
+    type = "authentication_error"
+
+
+class PermissionDenied(APIError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "not_found_error"
+
+
+class RequestTimeout(APIError):
+    status = 408
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class RateLimited(APIError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class Unavailable(APIError):
+    status = 503
+    type = "service_unavailable"
+
+
+class BadGateway(APIError):
+    status = 502
+    type = "upstream_error"
+
+
+class GatewayTimeout(APIError):
+    status = 504
+    type = "timeout_error"
+
+
+def from_provider_error(exc: ProviderError) -> APIError:
+    """A provider's failure, as this gateway's client sees it (the key is never named)."""
+    msg, after = str(exc), exc.retry_after_s
+    if isinstance(exc, ProviderBadRequest):
+        return InvalidRequest(msg, code="upstream_invalid_request")
+    if isinstance(exc, ProviderRateLimited):
+        return RateLimited(msg, code="upstream_rate_limited", retry_after_s=after or 1)
+    if isinstance(exc, ProviderOverloaded):
+        return Unavailable(msg, code="upstream_overloaded", retry_after_s=after or 1)
+    if isinstance(exc, ProviderTimeout):
+        return GatewayTimeout(msg, code="upstream_timeout")
+    if isinstance(exc, ProviderBadAnswer):
+        return BadGateway(msg, code="upstream_bad_answer")
+    if isinstance(exc, ProviderStreamCut):
+        return BadGateway(msg, code="upstream_stream_cut")
+    if isinstance(exc, ProviderAuthError):
+        return BadGateway(msg, code="upstream_auth_failed")
+    if isinstance(exc, ProviderNotFound):
+        return BadGateway(msg, code="upstream_not_found")
+    return BadGateway(msg, code="upstream_unavailable")
+
+
+def from_engine_error(exc: EngineError) -> APIError:
+    if isinstance(exc, ProviderError):
+        return from_provider_error(exc)
+    if isinstance(exc, EngineInputError):
+        return InvalidRequest(str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, EngineOverloaded):
+        return Unavailable(str(exc), code="engine_overloaded", retry_after_s=exc.retry_after_s)
+    if isinstance(exc, EngineGenerationFailed):
+        return APIError(str(exc), code="generation_failed")
+    if isinstance(exc, EngineUnavailable):
+        return Unavailable(str(exc), code="engine_unavailable", retry_after_s=5)
+    return APIError(f"engine error: {exc}")

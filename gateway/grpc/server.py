@@ -1,0 +1,335 @@
+"""The gRPC edge: ``vcache.v1.Gateway`` over the same service core as HTTP.
+
+Requests are converted to the HTTP API's pydantic models (so validation is
+identical), handed to :class:`GatewayService` / :class:`CacheService`, and
+answered in proto.  Errors become a status with details: ``BadRequest``
+naming the field, ``ErrorInfo`` with the error code, ``RetryInfo`` when the
+client should come back.  A cancelled call or an expired deadline cancels
+the handler, which aborts its engine request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+from pydantic import BaseModel, ValidationError
+
+from gateway.core.errors import APIError
+from gateway.core.schemas import ChatCompletionRequest, CompletionRequest, Usage
+from gateway.grpc.api import gateway_pb2 as pb
+from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
+from gateway.grpc.errors import status_of
+from gateway.grpc.register import add_servicer
+from gateway.http.errors import invalid_request_from
+from gateway.local.spans import KVCacheManager
+from gateway.service.auth import KeyRing
+from gateway.service.cache import CacheRequest, CacheService
+from gateway.service.chat import GatewayService, Principal
+from gateway.service.targets import Served
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
+M = TypeVar("M", bound=BaseModel)
+
+
+def _validate(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_request_from(exc.errors()) from exc
+
+
+def _sampling(s: pb.SamplingParams) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "ignore_eos": s.ignore_eos,
+    }
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        if s.HasField(name):
+            out[name] = getattr(s, name)
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.user:
+        out["user"] = s.user
+    return out
+
+
+def _messages(ms: Any) -> list[dict[str, Any]]:
+    return [
+        {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in ms
+    ]
+
+
+def _usage(u: Usage | None, served: Served) -> pb.Usage:
+    d = served.dispatch
+    out = pb.Usage(target=served.target, replica=d.replica_id if d is not None else "")
+    if u is not None:
+        out.prompt_tokens = u.prompt_tokens
+        out.completion_tokens = u.completion_tokens
+        out.total_tokens = u.total_tokens
+        out.cached_tokens = u.prompt_tokens_details.cached_tokens
+    if d is not None and d.predicted_cached_tokens is not None:
+        out.predicted_cached_tokens = d.predicted_cached_tokens
+    return out
+
+
+class GatewayServicer(pb_grpc.GatewayServicer):
+    def __init__(
+        self,
+        service: GatewayService,
+        keyring: KeyRing,
+        kv: Callable[[], KVCacheManager | None],
+    ) -> None:
+        self._svc = service
+        self._keys = keyring
+        self._kv = kv
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: APIError) -> None:
+        await context.abort_with_status(rpc_status.to_status(status_of(exc)))
+
+    def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        auth = dict(context.invocation_metadata() or ()).get("authorization")
+        return self._keys.authenticate(auth if isinstance(auth, str) else None)
+
+    def _cache(self) -> CacheService:
+        return CacheService(self._svc, self._kv())
+
+    def _chat_request(
+        self, request: pb.ChatCompletionRequest, stream: bool
+    ) -> ChatCompletionRequest:
+        data: dict[str, Any] = {
+            "model": request.model,
+            "messages": _messages(request.messages),
+            **_sampling(request.sampling),
+            "stream": stream,
+        }
+        if stream:
+            data["stream_options"] = {"include_usage": True}
+        return _validate(ChatCompletionRequest, data)
+
+    def _cache_request(self, request: pb.CacheRequest) -> CacheRequest:
+        data: dict[str, Any] = {"model": request.model}
+        source = request.WhichOneof("source")
+        if source == "messages":
+            data["messages"] = _messages(request.messages.messages)
+        elif source == "prompt":
+            data["prompt"] = request.prompt
+        elif source == "token_ids":
+            data["token_ids"] = list(request.token_ids.ids)
+        elif source == "block_hashes":
+            data["block_hashes"] = list(request.block_hashes.hex)
+        if request.replica:
+            data["replica"] = request.replica
+        if request.tenant:
+            data["tenant"] = request.tenant
+        if request.HasField("lease_s"):
+            data["lease_s"] = request.lease_s
+        return _validate(CacheRequest, data)
+
+    # --------------------------------------------------------- completions
+
+    async def ChatCompletion(
+        self, request: pb.ChatCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ChatCompletionResponse:
+        try:
+            who = self._principal(context)
+            done = await self._svc.chat(self._chat_request(request, stream=False), who)
+        except APIError as exc:
+            await self._fail(context, exc)
+            raise AssertionError("unreachable") from exc
+        c = done.body
+        return pb.ChatCompletionResponse(
+            id=c.id,
+            model=c.model,
+            created=c.created,
+            content=c.choices[0].message.content,
+            finish_reason=c.choices[0].finish_reason,
+            usage=_usage(c.usage, done.served),
+        )
+
+    async def ChatCompletionStream(
+        self, request: pb.ChatCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ChatCompletionStreamResponse]:
+        try:
+            who = self._principal(context)
+            routed = await self._svc.chat_stream(self._chat_request(request, stream=True), who)
+            finish = "stop"
+            async for chunk in routed.body:
+                if chunk.choices:
+                    choice = chunk.choices[0]
+                    if choice.delta.content:
+                        yield pb.ChatCompletionStreamResponse(
+                            id=chunk.id, model=chunk.model, delta=choice.delta.content
+                        )
+                    if choice.finish_reason is not None:
+                        finish = choice.finish_reason
+                elif chunk.usage is not None:
+                    end = pb.StreamEnd(
+                        finish_reason=finish, usage=_usage(chunk.usage, routed.served)
+                    )
+                    yield pb.ChatCompletionStreamResponse(id=chunk.id, model=chunk.model, end=end)
+        except APIError as exc:
+            await self._fail(context, exc)
+
+    async def Completion(
+        self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CompletionResponse:
+        try:
+            who = self._principal(context)
+            data: dict[str, Any] = {"model": request.model, **_sampling(request.sampling)}
+            which = request.WhichOneof("prompt")
+            data["prompt"] = (
+                list(request.token_ids.ids) if which == "token_ids" else request.text or None
+            )
+            done = await self._svc.complete(_validate(CompletionRequest, data), who)
+        except APIError as exc:
+            await self._fail(context, exc)
+            raise AssertionError("unreachable") from exc
+        c = done.body
+        return pb.CompletionResponse(
+            id=c.id,
+            model=c.model,
+            created=c.created,
+            text=c.choices[0].text,
+            finish_reason=c.choices[0].finish_reason or "stop",
+            usage=_usage(c.usage, done.served),
+        )
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        try:
+            self._principal(context)
+        except APIError as exc:
+            await self._fail(context, exc)
+        models = self._svc.models().data
+        return pb.ListModelsResponse(
+            models=[
+                pb.Model(id=m.id, owned_by=m.owned_by, max_model_len=m.max_model_len or 0)
+                for m in models
+            ]
+        )
+
+    # --------------------------------------------------------------- cache
+
+    async def _admin_call(self, context: grpc.aio.ServicerContext, run: Any) -> Any:
+        try:
+            who = self._principal(context)
+            CacheService.require_admin(who)
+            return await run(who)
+        except APIError as exc:
+            await self._fail(context, exc)
+
+    async def Lookup(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
+        async def run(who: Principal) -> pb.LookupResponse:
+            r = await self._cache().lookup(self._cache_request(request), who)
+            return pb.LookupResponse(
+                prompt_tokens=r.prompt_tokens,
+                block_size=r.block_size,
+                replicas=[pb.ReplicaSpans(**s.model_dump()) for s in r.replicas],
+            )
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Warm(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WarmResponse:
+        async def run(who: Principal) -> pb.WarmResponse:
+            r = await self._cache().warm(self._cache_request(request), who)
+            return pb.WarmResponse(**r.model_dump())
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Pin(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PinResponse:
+        async def run(who: Principal) -> pb.PinResponse:
+            r = await self._cache().pin(self._cache_request(request), who)
+            return pb.PinResponse(
+                owner=r.owner,
+                lease_s=r.lease_s,
+                replicas=[pb.ReplicaPins(**p.model_dump()) for p in r.replicas],
+            )
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Unpin(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnpinResponse:
+        async def run(who: Principal) -> pb.UnpinResponse:
+            r = await self._cache().unpin(self._cache_request(request), who)
+            return pb.UnpinResponse(
+                replicas=[pb.ReplicaUnpins(**u.model_dump()) for u in r.replicas]
+            )
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Evict(
+        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EvictResponse:
+        async def run(who: Principal) -> pb.EvictResponse:
+            r = await self._cache().evict(self._cache_request(request), who)
+            return pb.EvictResponse(
+                replicas=[pb.ReplicaEvictions(**e.model_dump()) for e in r.replicas]
+            )
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        async def run(who: Principal) -> pb.StatsResponse:
+            out = pb.StatsResponse()
+            json_format.ParseDict(await self._cache().stats(), out.stats)
+            return out
+
+        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+
+
+class GrpcServer:
+    """A ``grpc.aio`` server in the gateway's own event loop, with health and reflection."""
+
+    def __init__(self, servicer: GatewayServicer, host: str, port: int, max_message_bytes: int):
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._server = grpc.aio.server(options=options)
+        add_servicer(servicer, self._server, SERVICE_NAME)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+
+    async def start(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.start()
+        log.info("gRPC listening on port %d", self.port)
+
+    async def _set(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    async def set_serving(self, serving: bool) -> None:
+        """SERVING while the gateway can serve its local model (or its providers)."""
+        r = health_pb2.HealthCheckResponse
+        await self._set(r.SERVING if serving else r.NOT_SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace_s)

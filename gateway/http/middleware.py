@@ -1,0 +1,122 @@
+"""Pure ASGI middleware: the request body's size and pace, and per-route request counts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from gateway.core.errors import APIError, PayloadTooLarge, RequestTimeout
+from gateway.core.metrics import Metrics
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+async def _send_error(send: Send, exc: APIError, close: bool = False) -> None:
+    """The error as a whole response; ``close``: the connection too (a body left unread)."""
+    body = json.dumps(exc.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``limit`` bytes with 413, and bodies whose next chunk takes longer
+    than ``chunk_timeout_s`` with 408, before any handler parses them.
+
+    The body is read up front (it is bounded by the limit) and replayed to the
+    app, so a chunked upload without Content-Length is limited too.
+    """
+
+    def __init__(
+        self, app: ASGIApp, limit: int, metrics: Metrics, chunk_timeout_s: float = 30.0
+    ) -> None:
+        self.app = app
+        self.limit = limit
+        self.metrics = metrics
+        self.chunk_timeout_s = chunk_timeout_s
+
+    def _too_large(self) -> PayloadTooLarge:
+        self.metrics.errors.labels(PayloadTooLarge.type).inc()
+        return PayloadTooLarge(
+            f"The request body exceeds the limit of {self.limit} bytes",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await _send_error(send, self._too_large())
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.chunk_timeout_s)
+            except TimeoutError:
+                self.metrics.errors.labels(RequestTimeout.type).inc()
+                slow = RequestTimeout(
+                    f"The request body did not arrive in time (no data for "
+                    f"{self.chunk_timeout_s:g} s)",
+                    code="request_timeout",
+                )
+                await _send_error(send, slow, close=True)
+                return
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await _send_error(send, self._too_large(), close=True)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class RequestMetricsMiddleware:
+    """Count every /v1 request by route template and final status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = 499  # no response started: the client went away first (nginx's code)
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(label, str(status)).inc()

@@ -1,0 +1,20 @@
+"""GET /v1/models"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+
+from gateway.core.schemas import ModelList
+from gateway.http.openapi import errors
+from gateway.http.routes.chat import service
+from gateway.service.auth import require_principal
+from gateway.service.chat import GatewayService
+
+router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_principal)])
+
+
+@router.get("/models", responses=errors(401, 503))
+async def list_models(svc: Annotated[GatewayService, Depends(service)]) -> ModelList:
+    return svc.models()

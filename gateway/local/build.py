@@ -1,0 +1,82 @@
+"""Build the configured local replicas: the demo model when no model is configured."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+from engines.vllm.demo_model import ensure_demo_model
+from engines.vllm.engine import VllmEngine, VllmEngineConfig
+from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
+from gateway.core.config import Settings
+from gateway.local.replicas import LocalReplica
+from manifest.index import LocationId
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model(settings: Settings) -> str:
+    """A local path or hub id; builds (once) and returns the demo model if none is set."""
+    if settings.model:
+        return settings.model
+    path = ensure_demo_model(settings.data_dir)
+    log.info("no model configured: serving the demo model (random weights) from %s", path)
+    return str(path)
+
+
+def build_replicas(settings: Settings, runtime_dir: Path) -> list[LocalReplica]:
+    """One embedded vLLM engine per local replica, each publishing KV events on its own
+    socket, then the configured remote replicas."""
+    e = settings.engine
+    if not settings.has_local:
+        return []  # a provider-only gateway
+    model = resolve_model(settings)
+    out: list[LocalReplica] = []
+    for i in range(e.replicas):
+        events = f"ipc://{runtime_dir}/replica-{i}.events" if settings.cache.kv_events else None
+        replay = f"ipc://{runtime_dir}/replica-{i}.replay" if settings.cache.kv_events else None
+        config = VllmEngineConfig(
+            model=model,
+            served_name=settings.model_name,
+            max_model_len=e.max_model_len,
+            block_size=e.block_size,
+            kv_cache_bytes=e.kv_cache_bytes,
+            gpu_memory_utilization=e.gpu_memory_utilization,
+            enforce_eager=e.enforce_eager,
+            hash_seed=e.hash_seed,
+            # The gateway admits a request first; vLLM's own queue is the backstop.
+            max_queued_requests=e.max_queued_requests + 16,
+            tensor_parallel_size=e.tensor_parallel_size,
+            dtype=e.dtype,
+            kv_events_endpoint=events,
+            kv_events_replay_endpoint=replay,
+        )
+        out.append(
+            LocalReplica(
+                LocationId(f"replica-{i}"),
+                VllmEngine(config),
+                events,
+                replay,
+                factory=functools.partial(VllmEngine, config),
+            )
+        )
+    for i, r in enumerate(settings.remote_replicas):
+        remote = RemoteVllmConfig(
+            url=r.url,
+            tokenizer=model,
+            control_secret=r.control_secret.get_secret_value(),
+            served_model_name=r.served_model_name,
+            api_key=r.api_key.get_secret_value() if r.api_key else None,
+            hash_seed=e.hash_seed,
+        )
+        out.append(
+            LocalReplica(
+                LocationId(f"remote-{i}"),
+                RemoteVllmEngine(remote),
+                r.kv_events,
+                r.kv_events_replay,
+                factory=functools.partial(RemoteVllmEngine, remote),
+            )
+        )
+    return out

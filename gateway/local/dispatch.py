@@ -1,0 +1,186 @@
+"""Route and dispatch: pick a replica (by predicted cached prefix), admit, stream, fold.
+
+One path for every request, whichever edge it came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import zlib
+from array import array
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from engines.base import EngineStats, GenerateChunk, GenerateRequest
+from engines.errors import EngineError
+from gateway.core.errors import NotFound, Unavailable, from_engine_error
+from gateway.core.metrics import Metrics
+from gateway.core.schemas import Usage
+from gateway.local.replicas import Replica, RouteOverride, Router
+from gateway.local.spans import KVCacheManager
+from manifest.hashing import BlockHash
+from manifest.index import LocationId
+
+AFFINITY_TOKENS = 256  # a new prefix family is placed by its first tokens
+
+
+def hash_tokens(tokens: Sequence[int]) -> int:
+    return zlib.crc32(array("I", tokens).tobytes())
+
+
+@dataclass
+class Totals:
+    prompt: int = 0
+    cached: int = 0
+    completion: int = 0
+    finish_reason: str = "stop"
+
+    def usage(self) -> Usage:
+        return Usage.of(self.prompt, self.completion, self.cached)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where a request goes and what the manifest predicted it will find there."""
+
+    replica: Replica = field(repr=False)
+    replica_id: str
+    predicted_cached_tokens: int | None  # None: no exact prediction for this replica
+    hashes: Sequence[BlockHash] = ()  # the prompt's full blocks (empty without a KV index)
+
+    def headers(self) -> dict[str, str]:
+        h = {"x-vcache-replica": self.replica_id}
+        if self.predicted_cached_tokens is not None:
+            h["x-vcache-predicted-cached-tokens"] = str(self.predicted_cached_tokens)
+        return h
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        router: Router,
+        kv: KVCacheManager | None,
+        metrics: Metrics,
+        max_inflight: int,
+    ) -> None:
+        self.replicas = list(replicas)
+        self.router = router
+        self.kv = kv
+        self._metrics = metrics
+        self._max_inflight = max_inflight
+        self._inflight = 0
+        self.started = False  # set once every replica is up (and probed)
+        self.failed: str | None = None  # why the replicas could not start at boot
+        self.retry_after_s: Callable[[], float] = lambda: 5.0  # the supervisor's estimate
+
+    def serving(self) -> list[Replica]:
+        """The replicas that can take a request now (a dead one is being restarted)."""
+        return [r for r in self.replicas if r.engine.ready]
+
+    def stats(self) -> EngineStats:
+        parts = [r.engine.stats() for r in self.replicas]
+        return EngineStats(
+            unfinished_requests=sum(p.unfinished_requests for p in parts),
+            core_running_requests=sum(p.core_running_requests for p in parts),
+            core_waiting_requests=sum(p.core_waiting_requests for p in parts),
+            kv_cache_usage=max((p.kv_cache_usage for p in parts), default=0.0),
+            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
+            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
+        )
+
+    def replica(self, replica_id: str) -> Replica | None:
+        return next((r for r in self.replicas if r.id == replica_id), None)
+
+    async def route(self, greq: GenerateRequest, override: RouteOverride | None) -> Dispatch:
+        predicted: dict[LocationId, int] | None = None
+        hashes: list[BlockHash] = []
+        affinity = hash_tokens(greq.prompt_token_ids[:AFFINITY_TOKENS])
+        if self.kv is not None:
+            await self.kv.sync()
+            hashes = self.kv.hashes(greq.prompt_token_ids, greq.cache_salt)
+            predicted = self.kv.predict(hashes, greq.num_prompt_tokens)
+        if override is not None and override.replica is not None:
+            forced = self.replica(override.replica)
+            if forced is None:
+                raise NotFound(
+                    f"Unknown replica '{override.replica}'",
+                    param="x-vcache-replica",
+                    code="replica_not_found",
+                )
+            replica = forced
+        else:
+            policy = override.policy if override is not None else None
+            serving = self.serving()
+            if not serving:
+                raise Unavailable(
+                    "the local engine is not running; it is being restarted",
+                    code="engine_unavailable",
+                    retry_after_s=self.retry_after_s(),
+                )
+            replica = self.router.choose(serving, predicted, policy, affinity)
+        exact = self.kv is not None and self.kv.is_exact(replica.id)
+        p = predicted.get(replica.id) if predicted is not None and exact else None
+        return Dispatch(replica, replica.id, p, hashes)
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """Admission control, first: a request refused here (503 queue_full) has cost no
+        tokenizing and left nothing in the session log.  Held until the request ends."""
+        if self._inflight >= self._max_inflight:
+            raise Unavailable(
+                "The gateway's request queue is full; retry shortly",
+                code="queue_full",
+                retry_after_s=1,
+            )
+        self._inflight += 1
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+
+    async def run(
+        self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, totals: Totals
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives."""
+        d.replica.inflight += 1
+        first = True
+        cached_known = False
+        m = self._metrics
+        try:
+            async with aclosing(d.replica.engine.generate(greq)) as stream:
+                async for chunk in stream:
+                    if first:
+                        if self.kv is not None:
+                            self.kv.answered(d.replica.id, d.hashes)
+                        m.ttft.labels(endpoint).observe(time.perf_counter() - t0)
+                        totals.prompt = chunk.num_prompt_tokens
+                        m.prompt_tokens.inc(totals.prompt)
+                        first = False
+                    if chunk.num_cached_tokens is not None and not cached_known:
+                        # embedded engines know it at the first token, remote ones at the end
+                        totals.cached = chunk.num_cached_tokens
+                        m.cached_tokens.inc(totals.cached)
+                        self._fold_prediction(d, totals.cached)
+                        cached_known = True
+                    totals.completion += len(chunk.token_ids)
+                    m.completion_tokens.inc(len(chunk.token_ids))
+                    if chunk.finish_reason is not None:
+                        totals.finish_reason = chunk.finish_reason
+                    yield chunk
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+        except (GeneratorExit, asyncio.CancelledError):
+            m.aborted.labels(endpoint).inc()  # the client went away
+            raise
+        finally:
+            d.replica.inflight -= 1
+
+    def _fold_prediction(self, d: Dispatch, actual: int) -> None:
+        if d.predicted_cached_tokens is None or self.kv is None:
+            return
+        matched = self.kv.record_outcome(d.replica.id, d.predicted_cached_tokens, actual)
+        self._metrics.predictions.labels("matched" if matched else "missed").inc()

@@ -1,0 +1,305 @@
+"""The hosted-provider path: plan the cache, render, send, fold the telemetry.
+
+For one chat call on one target (``anthropic/claude-sonnet-4-5``, ...):
+render the prompt once plainly to name its segment boundaries
+(:class:`~gateway.providers.book.PromptView`), ask the belief what is warm,
+let ``manifest.planner`` place breakpoints (explicit) or keep the prefix
+byte-stable with a ``prompt_cache_key`` (implicit), attach a Gemini
+cached-content handle once the anchor's reuse passes the break-even, send
+with retries, then settle the usage telemetry (verify, then account).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from engines.providers.anthropic import AnthropicAdapter
+from engines.providers.base import (
+    Adapter,
+    CacheDirectives,
+    ChatCall,
+    Delta,
+    ProviderUsage,
+    Rendered,
+)
+from engines.providers.client import ProviderClient
+from engines.providers.errors import ProviderNotFound
+from engines.providers.gemini import GeminiAdapter
+from engines.providers.openai import DeepSeekAdapter, OpenAIAdapter
+from engines.providers.retry import RetryPolicy
+from gateway.core.config import ProviderConfig, Settings
+from gateway.core.errors import NotFound, Unavailable
+from gateway.core.metrics import Metrics
+from gateway.providers.book import PromptView, ProviderCacheBook, Settlement
+from gateway.providers.gemini import CachedContents
+from manifest.ledger import PriceTable
+from manifest.planner import (
+    CapabilityProfile,
+    Regime,
+    TargetState,
+    WarmPrimitive,
+    anthropic_profile,
+    deepseek_profile,
+    gemini_profile,
+    openai_profile,
+    plan,
+)
+
+log = logging.getLogger(__name__)
+
+BeforeSend = Callable[[Rendered, CacheDirectives, int], Awaitable[None]]
+
+_ADAPTERS: dict[str, Callable[[], Adapter]] = {
+    "anthropic": AnthropicAdapter,
+    "openai": OpenAIAdapter,
+    "gemini": GeminiAdapter,
+    "deepseek": DeepSeekAdapter,
+}
+_PROFILES: dict[str, Callable[[str, ProviderConfig], CapabilityProfile]] = {
+    "anthropic": lambda m, c: anthropic_profile(m, c.cache_ttl_s),
+    "openai": lambda m, c: openai_profile(m),
+    "gemini": lambda m, c: gemini_profile(m),
+    "deepseek": lambda m, c: deepseek_profile(m),
+}
+
+
+def adapter_for(provider: str) -> Adapter:
+    return _ADAPTERS[provider]()
+
+
+def _by_prefix(table: dict[str, Any], model: str) -> Any:
+    keys = sorted((k for k in table if model.startswith(k)), key=len, reverse=True)
+    return table[keys[0]] if keys else None
+
+
+def target_profile(provider: str, model: str, cfg: ProviderConfig) -> CapabilityProfile:
+    """The provider's documented rules, with this deployment's overrides."""
+    profile = _PROFILES[provider](model, cfg)
+    minimum = _by_prefix(cfg.min_prefix_tokens, model)
+    if minimum is not None:
+        profile = dataclasses.replace(profile, min_prefix_tokens=int(minimum))
+    price = _by_prefix(cfg.prices, model)
+    if price is not None:
+        profile = dataclasses.replace(
+            profile, read_mult=price.read_mult, write_mult=price.write_mult
+        )
+    return profile
+
+
+@dataclass(frozen=True)
+class ProviderTarget:
+    name: str  # "provider/model"
+    provider: str
+    model: str
+    client: ProviderClient
+    profile: CapabilityProfile
+    config: ProviderConfig
+
+    @property
+    def prices(self) -> PriceTable:
+        return PriceTable(self.profile.read_mult, self.profile.write_mult)
+
+    @property
+    def ttl_s(self) -> float:
+        if self.profile.regime is Regime.EXPLICIT:
+            return float(self.config.cache_ttl_s)
+        return self.config.belief_ttl_s
+
+
+@dataclass
+class Outcome:
+    """Filled in as a call runs: what the provider reported and what was settled."""
+
+    usage: ProviderUsage | None = None
+    settlement: Settlement | None = None
+    cached_content: str | None = None
+
+
+class ProviderPath:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+        client_factory: Callable[..., ProviderClient] = ProviderClient,
+    ) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._clock = clock
+        self._factory = client_factory
+        self._clients: dict[str, ProviderClient] = {}
+        self._targets: dict[str, ProviderTarget] = {}
+        self.book = ProviderCacheBook(clock)
+        gemini = settings.providers.get("gemini")
+        ttl = gemini.cached_content_ttl_s if gemini is not None else 3600
+        self.cached_contents = CachedContents(clock, ttl)
+
+    def target(self, name: str) -> ProviderTarget:
+        """``provider/model`` for a configured provider."""
+        if name in self._targets:
+            return self._targets[name]
+        provider, _, model = name.partition("/")
+        cfg = self._settings.providers.get(provider)  # type: ignore[call-overload]
+        if cfg is None or not model:
+            raise NotFound(
+                f"The model '{name}' does not exist", param="model", code="model_not_found"
+            )
+        client = self._clients.get(provider)
+        if client is None:
+            key = cfg.resolved_key(provider)
+            if key is None:
+                raise Unavailable(
+                    f"No API key is configured for provider '{provider}'",
+                    code="provider_not_configured",
+                )
+            retry = RetryPolicy(
+                cfg.max_retries, cfg.backoff_base_s, cfg.backoff_cap_s, cfg.max_retry_after_s
+            )
+            client = self._factory(
+                _ADAPTERS[provider](), cfg.resolved_base_url(provider), key, retry, cfg.timeout_s
+            )
+            self._clients[provider] = client
+        t = ProviderTarget(name, provider, model, client, target_profile(provider, model, cfg), cfg)
+        self._targets[name] = t
+        return t
+
+    def _view(self, t: ProviderTarget, call: ChatCall, tenant: str) -> PromptView:
+        plain = t.client.adapter.render(call, CacheDirectives())
+        return PromptView.of(
+            t.name, tenant, plain.prompt, dict(plain.segment_ends), call.segment_keys()
+        )
+
+    @staticmethod
+    def _cache_key(view: PromptView) -> str | None:
+        """OpenAI's ``prompt_cache_key``: the anchor (first boundary) digest, so requests
+        sharing the anchor reach the same cache shard."""
+        return f"vcache-{view.digests[0][:24]}" if view.digests else None
+
+    async def stream(
+        self,
+        t: ProviderTarget,
+        call: ChatCall,
+        tenant: str,
+        request_id: str,
+        out: Outcome,
+        warm: bool = False,
+        before_send: BeforeSend | None = None,
+    ) -> AsyncGenerator[Delta, None]:
+        """Deltas of one call; ``out`` holds the usage and settlement once it ends.
+        ``warm``: prefill only, where the provider has a primitive for it.
+        ``before_send(rendered, directives, attempt)`` runs before each send (the log)."""
+        view = self._view(t, call, tenant)
+        believed = self.book.believed(view)
+        state = TargetState(
+            believed_warm_tokens=believed.tokens, warm_probability=believed.probability
+        )
+        p = plan(view.layout(), t.profile, state)
+        marked = tuple(view.keys[i] for i in p.breakpoints)
+        handle = None
+        if isinstance(t.client.adapter, GeminiAdapter):
+            handle = await self.cached_contents.use(t.name, t.client, t.profile, call, view)
+        directives = CacheDirectives(
+            breakpoints=marked,
+            ttl_s=t.config.cache_ttl_s,
+            cache_key=self._cache_key(view) if t.provider == "openai" else None,
+            cached_content=handle.name if handle else None,
+            warm=warm and t.profile.warm is WarmPrimitive.MAX_TOKENS_0,
+        )
+        out.cached_content = directives.cached_content
+        rendered = t.client.adapter.render(call, directives)
+        m = self._metrics
+        attempt, yielded = 0, False
+        try:
+            while True:
+                if before_send is not None:
+                    await before_send(rendered, directives, attempt)
+                try:
+                    async with aclosing(self._send(t, rendered)) as deltas:
+                        async for d in deltas:
+                            out.usage = d.usage or out.usage
+                            yielded = True
+                            yield d
+                    break
+                except ProviderNotFound:
+                    if handle is None or yielded or attempt:
+                        raise
+                # the handle expired or was deleted on the provider's side: a false warm;
+                # send the prompt inline instead
+                self.cached_contents.lost(t.name, handle)
+                self.book.count_false_warm(t.name)
+                m.provider_false_warm.labels(t.name).inc()
+                out.cached_content = None
+                directives = dataclasses.replace(directives, cached_content=None)
+                rendered = t.client.adapter.render(call, directives)
+                attempt += 1
+        except Exception:
+            m.provider_requests.labels(t.name, "error").inc()
+            raise
+        m.provider_requests.labels(t.name, "ok").inc()
+        if out.usage is None:
+            return
+        u = out.usage
+        out.settlement = s = self.book.settle(
+            request_id, view, t.profile, t.prices, believed, marked, u, t.ttl_s
+        )
+        m.provider_tokens.labels(t.name, "prompt").inc(u.prompt_tokens)
+        m.provider_tokens.labels(t.name, "cached").inc(u.cached_tokens)
+        m.provider_tokens.labels(t.name, "written").inc(u.cache_write_tokens)
+        m.provider_tokens.labels(t.name, "credited").inc(s.credited_tokens)
+        if s.false_warm:
+            m.provider_false_warm.labels(t.name).inc()
+            log.warning(
+                "%s: false warm (believed %d tokens warm, read %d; first differing byte %s)",
+                t.name,
+                s.believed_warm_tokens,
+                u.cached_tokens,
+                s.broken_at,
+            )
+
+    async def _send(self, t: ProviderTarget, r: Rendered) -> AsyncGenerator[Delta, None]:
+        if r.stream:
+            async with aclosing(t.client.stream(r)) as deltas:
+                async for d in deltas:
+                    yield d
+            return
+        answer = await t.client.complete(r)
+        if answer.text:
+            yield Delta(text=answer.text)
+        yield Delta(usage=answer.usage, finish_reason=answer.finish_reason)
+
+    async def warm(
+        self,
+        t: ProviderTarget,
+        call: ChatCall,
+        tenant: str,
+        rid: str,
+        before_send: BeforeSend | None = None,
+    ) -> Outcome:
+        """Prefill the planned breakpoints without generating (Anthropic ``max_tokens: 0``);
+        on implicit providers the first real request warms, so this sends a normal call
+        (``call`` should then ask for one token, unstreamed)."""
+        out = Outcome()
+        stream = self.stream(t, call, tenant, rid, out, warm=True, before_send=before_send)
+        async with aclosing(stream) as s:
+            async for _ in s:
+                pass
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        snap = self.book.snapshot()
+        for name, t in self._targets.items():
+            snap.setdefault(name, {})["retries"] = t.client.retries
+        if self.cached_contents.created:
+            snap["gemini_cached_contents"] = self.cached_contents.snapshot()
+        return snap
+
+    async def close(self) -> None:
+        await self.cached_contents.delete_all({t.name: t.client for t in self._targets.values()})
+        for c in self._clients.values():
+            await c.aclose()

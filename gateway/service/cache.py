@@ -1,0 +1,308 @@
+"""Cache operations over the local replicas' exact KV spans, shared by HTTP and gRPC.
+
+Spans are named by a prompt (``messages``, ``prompt`` or ``token_ids``,
+rendered and hashed exactly as a request would be) or by explicit
+``block_hashes`` (hex).  They belong to the caller's tenant unless a global
+admin names another ``tenant``: the tenant is part of every block hash.  An
+admin key's scope is its own tenant; raw block hashes, which can name any
+tenant's span, need a global admin key (``scope: global``).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway.core.config import LOCAL_TARGET
+from gateway.core.errors import (
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from gateway.core.schemas import ChatCompletionRequest, ChatMessage, RequestModel, TokenId
+from gateway.local.spans import KVCacheManager
+from gateway.service.chat import GatewayService, Principal, tenant_salt
+from manifest.hashing import BlockHash, from_hex
+from manifest.index import LocationId
+
+
+class CacheRequest(RequestModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    prompt: str | None = Field(None, min_length=1)
+    token_ids: list[TokenId] | None = Field(None, min_length=1)
+    block_hashes: list[str] | None = Field(None, min_length=1)
+    replica: str | None = None
+    tenant: str | None = None
+    lease_s: float | None = Field(None, gt=0, le=86400)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CacheRequest:
+        given = [n for n in ("messages", "prompt", "token_ids", "block_hashes") if getattr(self, n)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of messages, prompt, token_ids, block_hashes")
+        return self
+
+
+class ReplicaSpans(BaseModel):
+    replica: str
+    predicted_cached_tokens: int
+    exact: bool
+    block_hashes: list[str]
+    resident: list[bool]
+    pinned: list[bool]
+
+
+class LookupResponse(BaseModel):
+    model: str
+    prompt_tokens: int
+    block_size: int
+    replicas: list[ReplicaSpans]
+
+
+class ReplicaPins(BaseModel):
+    replica: str
+    pinned: list[str]
+    missing: list[str]
+    refused: list[str]
+
+
+class PinResponse(BaseModel):
+    owner: str
+    lease_s: float
+    replicas: list[ReplicaPins]
+
+
+class ReplicaUnpins(BaseModel):
+    replica: str
+    unpinned: list[str]
+
+
+class UnpinResponse(BaseModel):
+    replicas: list[ReplicaUnpins]
+
+
+class ReplicaEvictions(BaseModel):
+    replica: str
+    evicted: list[str]
+    busy: list[str]
+
+
+class EvictResponse(BaseModel):
+    replicas: list[ReplicaEvictions]
+
+
+class WarmResponse(BaseModel):
+    replica: str
+    cached_tokens_before: int
+    cached_tokens_after: int
+
+
+class ProviderWarmResponse(BaseModel):
+    """A provider warm: what its telemetry said (Anthropic writes with ``max_tokens: 0``;
+    implicit providers are warmed by a normal request)."""
+
+    target: str
+    prompt_tokens: int
+    cached_tokens: int
+    written_tokens: int
+
+
+def check_scope(body: CacheRequest, who: Principal) -> None:
+    """An admin acts on its own tenant's spans; only a global admin on another's."""
+    if body.tenant is not None and body.tenant != who.tenant and not who.global_admin:
+        raise PermissionDenied(
+            "Only a global admin key may name another tenant", code="global_admin_required"
+        )
+    if body.block_hashes and not who.global_admin:
+        # A raw hash can name any tenant's span: only a global admin may use them.
+        raise PermissionDenied(
+            "block_hashes need a global admin key (scope: global); name the span by "
+            "messages, prompt or token_ids instead",
+            code="global_admin_required",
+        )
+
+
+class _Spans:
+    """A cache request resolved to tokens (when given), block hashes and replicas."""
+
+    def __init__(self, body: CacheRequest, who: Principal, svc: GatewayService, kv: KVCacheManager):
+        svc.check_model(body.model)
+        self.salt = tenant_salt(body.tenant or who.tenant)
+        self.tokens: list[int] | None = None
+        if body.messages:
+            self.tokens = svc.chat_tokens(body.messages)
+        elif body.prompt:
+            self.tokens = svc.text_tokens(body.prompt)
+        elif body.token_ids:
+            self.tokens = svc.check_token_ids(list(body.token_ids), "token_ids")
+        self.hashes: list[BlockHash]
+        if self.tokens is not None:
+            self.hashes = kv.hashes(self.tokens, self.salt)
+        else:
+            try:
+                self.hashes = [from_hex(h) for h in body.block_hashes or []]
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), param="block_hashes", code="invalid_value") from exc
+        if body.replica is None:
+            self.replicas = kv.replicas
+        elif body.replica in kv.replicas:
+            self.replicas = [LocationId(body.replica)]
+        else:
+            raise NotFound(
+                f"Unknown replica '{body.replica}'", param="replica", code="replica_not_found"
+            )
+
+
+class CacheService:
+    """The admin operations; callers check that the principal is an admin."""
+
+    def __init__(self, svc: GatewayService, kv: KVCacheManager | None) -> None:
+        self._svc = svc
+        self._kv = kv
+
+    def _manager(self) -> KVCacheManager:
+        if self._kv is None:
+            raise Unavailable(
+                "Exact KV tracking is not available (engines starting, or KV events disabled)",
+                code="kv_tracking_unavailable",
+                retry_after_s=5,
+            )
+        return self._kv
+
+    def _spans(self, body: CacheRequest, who: Principal) -> tuple[KVCacheManager, _Spans]:
+        check_scope(body, who)
+        kv = self._manager()
+        return kv, _Spans(body, who, self._svc, kv)
+
+    @staticmethod
+    def require_admin(who: Principal) -> None:
+        if not who.admin:
+            raise PermissionDenied("The cache API needs an admin key", code="admin_required")
+
+    async def lookup(self, body: CacheRequest, who: Principal) -> LookupResponse:
+        kv, spans = self._spans(body, who)
+        await kv.sync(barrier=True)
+        n = len(spans.tokens) if spans.tokens is not None else len(spans.hashes) * kv.block_size + 1
+        predicted = kv.predict(spans.hashes, n)
+        matched = kv.index.match(spans.hashes)
+        return LookupResponse(
+            model=body.model,
+            prompt_tokens=len(spans.tokens) if spans.tokens is not None else 0,
+            block_size=kv.block_size,
+            replicas=[
+                ReplicaSpans(
+                    replica=r,
+                    predicted_cached_tokens=predicted[r],
+                    exact=kv.is_exact(r),
+                    block_hashes=[h.hex() for h in spans.hashes],
+                    resident=[i < matched[r] for i in range(len(spans.hashes))],
+                    pinned=[kv.index.is_pinned(r, h) for h in spans.hashes],
+                )
+                for r in spans.replicas
+            ],
+        )
+
+    async def pin(self, body: CacheRequest, who: Principal) -> PinResponse:
+        kv, spans = self._spans(body, who)
+        await kv.sync(barrier=True)
+        owner = who.key_name or who.tenant
+        results = [await kv.pin(r, spans.hashes, owner, body.lease_s) for r in spans.replicas]
+        return PinResponse(
+            owner=owner,
+            lease_s=body.lease_s or kv.default_lease_s,
+            replicas=[
+                ReplicaPins(
+                    replica=p.replica, pinned=p.pinned, missing=p.missing, refused=p.refused
+                )
+                for p in results
+            ],
+        )
+
+    async def unpin(self, body: CacheRequest, who: Principal) -> UnpinResponse:
+        kv, spans = self._spans(body, who)
+        owner = who.key_name or who.tenant
+        return UnpinResponse(
+            replicas=[
+                ReplicaUnpins(replica=r, unpinned=await kv.unpin(r, spans.hashes, owner))
+                for r in spans.replicas
+            ]
+        )
+
+    def _provider_target(self, body: CacheRequest) -> str | None:
+        """The first provider target of ``body.model`` when it names no local target."""
+        targets = self._svc.targets.resolve(body.model)
+        if LOCAL_TARGET in targets or self._svc.providers is None:
+            return None
+        return targets[0]
+
+    async def evict(self, body: CacheRequest, who: Principal) -> EvictResponse:
+        target = self._provider_target(body)
+        if target is not None:  # Gemini cached contents; other providers cannot be told
+            assert self._svc.providers is not None
+            path = self._svc.providers.path
+            t = path.target(target)
+            n = await path.cached_contents.evict(t.client, target)
+            return EvictResponse(
+                replicas=[ReplicaEvictions(replica=target, evicted=[str(n)], busy=[])]
+            )
+        kv, spans = self._spans(body, who)
+        out = []
+        for r in spans.replicas:
+            evicted, busy = await kv.evict(r, spans.hashes)
+            out.append(ReplicaEvictions(replica=r, evicted=evicted, busy=busy))
+        return EvictResponse(replicas=out)
+
+    async def warm_provider(
+        self, body: CacheRequest, who: Principal
+    ) -> ProviderWarmResponse | None:
+        target = self._provider_target(body)
+        if target is None:
+            return None
+        if not body.messages:
+            raise InvalidRequest(
+                "a provider warm needs messages", param="messages", code="invalid_value"
+            )
+        assert self._svc.providers is not None
+        req = ChatCompletionRequest(model=body.model, messages=body.messages)
+        rid = f"warm-{uuid.uuid4().hex}"
+        u = await self._svc.providers.warm(req, body.tenant or who.tenant, target, rid)
+        return ProviderWarmResponse(
+            target=target,
+            prompt_tokens=u.prompt_tokens if u else 0,
+            cached_tokens=u.cached_tokens if u else 0,
+            written_tokens=u.cache_write_tokens if u else 0,
+        )
+
+    async def warm(self, body: CacheRequest, who: Principal) -> WarmResponse:
+        kv, spans = self._spans(body, who)
+        if spans.tokens is None:
+            raise InvalidRequest(
+                "warm needs a prompt (messages, prompt or token_ids), not block hashes",
+                param="block_hashes",
+                code="invalid_value",
+            )
+        await kv.sync(barrier=True)
+        if body.replica is None:  # where the next request for this prompt would go
+            predicted = kv.predict(spans.hashes, len(spans.tokens))
+            d = self._svc.dispatcher
+            target = d.router.choose(d.replicas, predicted).id
+        else:
+            target = spans.replicas[0]
+        before, after = await kv.warm(target, spans.tokens, spans.salt)
+        return WarmResponse(replica=target, cached_tokens_before=before, cached_tokens_after=after)
+
+    async def stats(self) -> dict[str, object]:
+        """The local replicas' KV accounting and, with providers, each provider target's
+        hit rate, writes, reads, verified savings and false-warm count."""
+        providers = self._svc.providers
+        out: dict[str, object] = {}
+        if self._kv is not None or providers is None:
+            out.update(await self._manager().stats())
+        if providers is not None:
+            out["providers"] = providers.path.stats()
+        return out

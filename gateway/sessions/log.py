@@ -1,0 +1,238 @@
+"""Every request that reaches a model, in the session log (shared/seeds/000).
+
+Sessions are explicit (``x-vcache-session``, or a Responses API conversation
+through ``previous_response_id``) or implicit: a stateless chat request whose
+system prompt and messages extend an earlier request's (or its answer's)
+joins that session; one that diverges from it starts a new one.
+
+Per request: :meth:`SessionLog.open` places it, :meth:`SessionLog.dispatch`
+appends the header snapshot and new messages (when they changed) with the
+dispatch record — one transaction — and, with ``verify`` on, rebuilds the
+request from the store, independently of the live path, and refuses to send
+it when the bytes differ.  :meth:`SessionLog.respond` appends the answer and
+its usage.  The log is written from a worker thread; one lock orders the
+appends of this process, so concurrent forks of a conversation never
+interleave inside one session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gateway.core.errors import APIError, NotFound
+from gateway.sessions.reconstruct import Reconstructor, sha256
+from gateway.sessions.store import SessionStore
+from manifest.belief import first_difference
+from manifest.canonical import canonical_json
+from manifest.sessionlog import (
+    DispatchEvent,
+    Event,
+    Header,
+    HeaderEvent,
+    MessageEvent,
+    Reason,
+    ReplaceEvent,
+    ResponseEvent,
+    State,
+    TruncateEvent,
+    chain,
+    changes,
+    fold,
+    scoped_session,
+    session_name,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ReconstructionMismatch(APIError):
+    status = 500
+    type = "server_error"
+
+
+@dataclass
+class Open:
+    """One request's place in the log."""
+
+    tenant: str
+    header: Header
+    messages: tuple[MessageEvent, ...]
+    root: bytes
+    explicit: bool
+    session_id: str | None = None  # set at dispatch
+    dispatch_seq: int | None = None
+    answer_seq: int | None = None  # set when the answer is appended
+    entries: list[bytes] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)  # chain(root, entries)
+
+
+def _entries(header: Header, messages: tuple[MessageEvent, ...]) -> list[bytes]:
+    return [canonical_json(["system", s]) for s in header.system] + [
+        canonical_json(list(m.key())) for m in messages
+    ]
+
+
+class SessionLog:
+    def __init__(
+        self, store: SessionStore, rebuild: Reconstructor, verify: bool, cached: int = 4096
+    ) -> None:
+        self.store = store
+        self._rebuild = rebuild
+        self.verify = verify
+        self._lock = asyncio.Lock()
+        # Folded states of the sessions this process touched last (LRU, at most ``cached``).
+        # A session that fell out is folded again from the store when it comes back, and its
+        # next request records a ``resume`` header snapshot, as after a restart.
+        self._states: OrderedDict[str, State] = OrderedDict()
+        self._cached = cached
+        self.verified = 0
+
+    def _remember(self, sid: str, state: State) -> None:
+        self._states[sid] = state
+        self._states.move_to_end(sid)
+        while len(self._states) > self._cached:
+            self._states.popitem(last=False)
+
+    async def retain(self, max_age_s: float | None, max_bytes: int | None) -> int:
+        """Apply retention (whole sessions); forget the dropped ones.  Returns how many."""
+        async with self._lock:
+            dropped = await asyncio.to_thread(self.store.retain, max_age_s, max_bytes)
+            for sid in dropped:
+                self._states.pop(sid, None)
+        return len(dropped)
+
+    def open(
+        self,
+        tenant: str,
+        header: Header,
+        messages: tuple[MessageEvent, ...],
+        session_id: str | None = None,
+    ) -> Open:
+        root = f"{tenant}\0{header.model}".encode()
+        sid = None if session_id is None else scoped_session(tenant, session_id)
+        op = Open(tenant, header, messages, root, session_id is not None, sid)
+        op.entries = _entries(header, messages)
+        op.digests = chain(root, op.entries)
+        return op
+
+    def _state(self, sid: str) -> State:
+        state = self._states.get(sid)
+        if state is None:
+            state = fold(e for _, e in self.store.events(sid))
+            self._remember(sid, state)
+        return state
+
+    def _place(self, op: Open) -> tuple[str, list[Event]]:
+        """The session and the events that bring it to this request (under the lock)."""
+        if op.explicit and op.session_id is not None:
+            tenant = self.store.tenant(op.session_id)
+            if tenant is not None and tenant != op.tenant:  # unreachable for scoped ids
+                raise NotFound(
+                    f"Session '{session_name(op.session_id)}' not found",
+                    code="session_not_found",
+                    param="x-vcache-session",
+                )
+            sid = self.store.create(op.tenant, op.session_id)
+            return sid, self._events_for(sid, op, resume=sid not in self._states)
+        found = self.store.find_head(op.tenant, op.digests)
+        if found is not None:
+            sid = found[0]
+            resume = sid not in self._states
+            events = self._events_for(sid, op, resume)
+            if not any(isinstance(e, ReplaceEvent | TruncateEvent) for e in events):
+                return sid, events
+        # a new conversation, or a fork of one
+        sid = self.store.create(op.tenant, scoped_session(op.tenant, f"sess_{uuid.uuid4().hex}"))
+        return sid, self._events_for(sid, op, resume=False)
+
+    def _events_for(self, sid: str, op: Open, resume: bool) -> list[Event]:
+        state = self._state(sid)
+        events = changes(state, op.header, op.messages)
+        if resume and state.header is not None and state.header == op.header:
+            events.insert(0, HeaderEvent(op.header, Reason.RESUME))
+        return events
+
+    async def dispatch(
+        self,
+        op: Open,
+        request_id: str,
+        target: str,
+        render: Literal["provider", "vllm"],
+        directives: Mapping[str, Any],
+        sent: bytes,
+    ) -> None:
+        """Log the request before it is sent; with ``verify``, rebuild it from the store
+        and raise :class:`ReconstructionMismatch` when the bytes differ."""
+        digest = sha256(sent)
+        event = DispatchEvent(request_id, target, render, tuple(sorted(directives.items())), digest)
+        async with self._lock:
+            sid, events = await asyncio.to_thread(self._place, op)
+            events.append(event)
+            heads = [(op.tenant, op.digests[-1], len(op.entries))]
+            seqs = await asyncio.to_thread(
+                self.store.append, sid, events, (request_id, target, digest), heads
+            )
+            state = self._states.get(sid, State())
+            self._remember(sid, fold([_as_header(state), *state.messages, *events]))
+            op.session_id, op.dispatch_seq = sid, seqs[-1]
+        if self.verify:
+            await asyncio.to_thread(self._verify, sid, seqs[-1], event, sent)
+
+    def rebuild(self, session_id: str, dispatch_seq: int) -> tuple[DispatchEvent, bytes]:
+        """The request a dispatch event sent, rebuilt from the store alone."""
+        events = self.store.events(session_id, dispatch_seq)
+        seq, last = events[-1]
+        if seq != dispatch_seq or not isinstance(last, DispatchEvent):
+            raise ValueError(f"event {dispatch_seq} of {session_id} is not a dispatch")
+        return last, self._rebuild.rebuild(fold(e for _, e in events[:-1]), last)
+
+    def _verify(self, sid: str, seq: int, event: DispatchEvent, sent: bytes) -> None:
+        _, rebuilt = self.rebuild(sid, seq)
+        if rebuilt != sent:
+            offset = first_difference(rebuilt, sent)
+            log.error(
+                "request %s does not rebuild from the log (byte %s)", event.request_id, offset
+            )
+            raise ReconstructionMismatch(
+                f"request {event.request_id} was not sent: rebuilt from the session log it "
+                f"differs from the live request at byte {offset}",
+                code="reconstruction_mismatch",
+            )
+        self.verified += 1
+
+    async def respond(self, op: Open, request_id: str, text: str, usage: Mapping[str, Any]) -> None:
+        """Append the answer (it extends the conversation) and its telemetry.
+
+        Requests of one session may run at once (forks of a Responses conversation):
+        if others were appended since this one was dispatched, the session is first
+        brought back to this request's messages, so the answer follows its own question
+        and a fold up to ``op.answer_seq`` is exactly this conversation."""
+        sid = op.session_id
+        if sid is None:
+            return
+        answer = MessageEvent("assistant", text)
+        tail: list[Event] = [answer, ResponseEvent(request_id, tuple(sorted(usage.items())))]
+        entries = [*op.entries, canonical_json(list(answer.key()))]
+        heads = [(op.tenant, chain(op.root, entries)[-1], len(entries))]
+        async with self._lock:
+            state = await asyncio.to_thread(self._state, sid)
+            events = [*changes(state, op.header, op.messages), *tail]
+            seqs = await asyncio.to_thread(self.store.append, sid, events, None, heads)
+            op.answer_seq = seqs[-1]
+            self._remember(sid, fold([_as_header(state), *state.messages, *events]))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _as_header(state: State) -> Event:
+    """The cached state as an event prefix (a header snapshot), for incremental folds."""
+    if state.header is None:
+        return TruncateEvent(0)
+    return HeaderEvent(state.header, Reason.RESUME)
