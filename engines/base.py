@@ -66,6 +66,7 @@ class EngineCapabilities:
     hash_algo: str | None = None
     hash_seed: str | None = None
     vocab_size: int | None = None  # the model's (embedding rows); None: the tokenizer's
+    span_control: bool = False  # its core runs the vcache plugin: pin/evict/inspect by hash
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from fastapi import FastAPI
 
 from engines.base import Engine
+from engines.providers.specs import adapter_for
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
@@ -27,11 +28,15 @@ from gateway.http.middleware import BodyLimitMiddleware, RequestMetricsMiddlewar
 from gateway.http.openapi import install_openapi
 from gateway.http.routes import cache, chat, completions, health, models, responses
 from gateway.local.dispatch import Dispatcher
-from gateway.local.replicas import LocalReplica, Replica, Router
+from gateway.local.replicas import Replica
+from gateway.local.routing import Router
 from gateway.local.supervisor import Supervisor
-from gateway.providers.path import ProviderPath, adapter_for
+from gateway.providers.path import ProviderPath
 from gateway.service.auth import KeyRing
+from gateway.service.cache import CacheService
 from gateway.service.chat import GatewayService
+from gateway.service.health import Health
+from gateway.service.journal import Journal
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
@@ -74,26 +79,23 @@ async def _retain_forever(settings: Settings, session_log: SessionLog) -> None:
 
 def create_app(
     settings: Settings,
-    built: Sequence[LocalReplica | Engine],
+    built: Sequence[Replica | Engine],
     provider_clock: Callable[[], float] = time.monotonic,
 ) -> FastAPI:
     """An app over ``built`` replicas (bare engines become replicas without KV events) and,
     when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``)."""
     metrics = Metrics()
     providers = ProviderPath(settings, metrics, provider_clock) if settings.providers else None
-    local = [
-        b if isinstance(b, LocalReplica) else LocalReplica(LocationId(f"replica-{i}"), b)
+    replicas = [
+        b if isinstance(b, Replica) else Replica(LocationId(f"replica-{i}"), b)
         for i, b in enumerate(built)
     ]
-    replicas = [Replica(r.id, r.engine) for r in local]
-    router = Router(settings.cache.routing, settings.cache.load_imbalance)
+    router = Router(settings.cache.routing, settings.cache.load_imbalance, metrics.count_routing)
     dispatcher = Dispatcher(
         replicas, router, None, metrics, max_inflight=settings.engine.max_queued_requests
     )
     supervisor = Supervisor(
-        local,
         dispatcher,
-        hash_seed=settings.engine.hash_seed,
         pin_max_share=settings.cache.pin_max_share,
         default_lease_s=settings.cache.default_lease_s,
         poll_s=settings.engine.watch_interval_s,
@@ -106,7 +108,7 @@ def create_app(
         metrics.watch_engine(dispatcher.stats)
         grpc_server = None
         if settings.grpc_port is not None:
-            servicer = GatewayServicer(app.state.service, app.state.keyring, lambda: supervisor.kv)
+            servicer = GatewayServicer(app.state.service, app.state.keyring, app.state.cache)
             grpc_server = GrpcServer(
                 servicer, settings.host, settings.grpc_port, settings.max_request_body_bytes
             )
@@ -155,14 +157,18 @@ def create_app(
         dispatcher,
         model_name=settings.model_name,
         targets=Targets(
-            settings.model_name if local else None, settings.aliases, list(settings.providers)
+            settings.model_name if replicas else None, settings.aliases, list(settings.providers)
         ),
         providers=(
-            ProviderChat(providers, settings.prompt_layout, session_log) if providers else None
+            ProviderChat(providers, settings.prompt_layout, Journal(session_log))
+            if providers
+            else None
         ),
         metrics=metrics,
         log=session_log,
     )
+    app.state.cache = CacheService(app.state.service)
+    app.state.health = Health(supervisor, app.state.service)
     install_error_handlers(app, metrics)
     install_openapi(app)
     routers = (health, models, chat, completions, responses, cache)

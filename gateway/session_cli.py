@@ -6,9 +6,9 @@ import sys
 import time
 from pathlib import Path
 
+from engines.providers.specs import adapter_for
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import Settings
-from gateway.providers.path import adapter_for
 from gateway.sessions.log import SessionLog
 from gateway.sessions.reconstruct import Reconstructor, sha256
 from gateway.sessions.store import SessionStore

@@ -154,6 +154,7 @@ class VllmEngine:
             exact_prefix_cache=True,
             hash_algo=str(cache.prefix_caching_hash_algo),
             hash_seed=self._config.hash_seed,
+            span_control=True,
             vocab_size=llm.model_config.get_vocab_size(),
         )
         self._tokenizer = tokenizer

@@ -103,6 +103,7 @@ class RemoteVllmEngine:
             exact_prefix_cache=True,
             hash_algo="sha256_cbor",
             hash_seed=self._config.hash_seed,
+            span_control=True,
         )
 
     def stats(self) -> EngineStats:

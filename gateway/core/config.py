@@ -28,6 +28,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from engines.providers.specs import PROVIDERS
+
 DEMO_MODEL_NAME = "vcache-demo"
 
 
@@ -90,16 +92,6 @@ class CacheSettings(BaseModel):
     default_lease_s: float = Field(300, gt=0)
 
 
-ProviderName = Literal["anthropic", "openai", "gemini", "deepseek"]
-
-PROVIDER_DEFAULTS: dict[str, tuple[str, str]] = {  # base URL, API key variable
-    "anthropic": ("https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"),
-    "openai": ("https://api.openai.com/v1", "OPENAI_API_KEY"),
-    "gemini": ("https://generativelanguage.googleapis.com/v1beta", "GEMINI_API_KEY"),
-    "deepseek": ("https://api.deepseek.com", "DEEPSEEK_API_KEY"),
-}
-
-
 class PriceConfig(BaseModel):
     """Cache prices as multiples of the model's uncached input price."""
 
@@ -131,12 +123,12 @@ class ProviderConfig(BaseModel):
     prices: dict[str, PriceConfig] = Field(default_factory=dict)  # model prefix → prices
 
     def resolved_base_url(self, provider: str) -> str:
-        return self.base_url or PROVIDER_DEFAULTS[provider][0]
+        return self.base_url or PROVIDERS[provider].base_url
 
     def resolved_key(self, provider: str) -> str | None:
         if self.api_key is not None:
             return self.api_key.get_secret_value()
-        return os.environ.get(self.api_key_env or PROVIDER_DEFAULTS[provider][1]) or None
+        return os.environ.get(self.api_key_env or PROVIDERS[provider].key_env) or None
 
 
 LOCAL_TARGET = "local"
@@ -195,7 +187,7 @@ class Settings(BaseSettings):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     remote_replicas: list[RemoteReplicaConfig] = Field(default_factory=list)
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
-    providers: dict[ProviderName, ProviderConfig] = Field(default_factory=dict)
+    providers: dict[str, ProviderConfig] = Field(default_factory=dict)
     # model alias → ordered targets: "local" (the vLLM replicas) or "provider/model"
     aliases: dict[str, list[str]] = Field(default_factory=dict)
     prompt_layout: Literal["canonical", "passthrough"] = "canonical"  # providers only
@@ -207,6 +199,14 @@ class Settings(BaseSettings):
     @property
     def has_local(self) -> bool:
         return self.engine.replicas > 0 or bool(self.remote_replicas)
+
+    @field_validator("providers")
+    @classmethod
+    def _known_providers(cls, v: dict[str, ProviderConfig]) -> dict[str, ProviderConfig]:
+        unknown = sorted(set(v) - set(PROVIDERS))
+        if unknown:
+            raise ValueError(f"unknown provider {unknown[0]!r}; one of {', '.join(PROVIDERS)}")
+        return v
 
     @model_validator(mode="after")
     def _some_target(self) -> Settings:

@@ -21,6 +21,8 @@ handlers (``gateway/http/errors.py``) and later the gRPC servicer render these.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 from engines.errors import (
     EngineError,
@@ -160,3 +162,51 @@ def from_engine_error(exc: EngineError) -> APIError:
     if isinstance(exc, EngineUnavailable):
         return Unavailable(str(exc), code="engine_unavailable", retry_after_s=5)
     return APIError(f"engine error: {exc}")
+
+
+def _param_parts(loc: tuple[int | str, ...]) -> list[str]:
+    """The field path without "body" and pydantic's union-branch tags ("str", "list[X]")."""
+    return [
+        p
+        for p in (str(x) for x in loc if x != "body")
+        if not ("[" in p or p in ("str", "int", "float", "bool") or p.startswith("constrained-"))
+    ]
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    parts = _param_parts(loc)
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out += f"[{p}]" if p.isdigit() else f".{p}"
+    return out
+
+
+def invalid_request_from(errors: Sequence[Any]) -> InvalidRequest:
+    """The first of pydantic's errors as a 400 naming the parameter (HTTP and gRPC alike)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # A union reports one error per branch: of those on the same field, the deepest names
+    # the value that is wrong (stop[1], not stop), and a broken constraint says more than
+    # another branch's wrong type.
+    field = tuple(first.get("loc", ()))[:1]
+    same = [e for e in errors if tuple(e.get("loc", ()))[:1] == field]
+
+    def specific(e: Any) -> tuple[int, bool]:
+        depth = len(_param_parts(tuple(e.get("loc", ()))))
+        return depth, not str(e.get("type", "")).endswith("_type")
+
+    first = max(same, key=specific, default=first)
+    if first.get("type") == "json_invalid":
+        return InvalidRequest("The request body is not valid JSON", code="invalid_json")
+    loc = tuple(first.get("loc", ()))
+    ctx: Any = first.get("ctx") or {}
+    param = _param(loc) or ctx.get("param")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None and first.get("type") == "missing":
+        return InvalidRequest("The request body is missing", code="invalid_json")
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    text = f"Invalid value for '{param}': {msg}" if param else msg
+    if code == "missing_required_parameter":
+        text = f"Missing required parameter: '{param}'"
+    return InvalidRequest(text, param=param, code=code)

@@ -107,12 +107,21 @@ class Metrics:
             ["target"],
             registry=r,
         )
+        self.routing_decisions = Counter(
+            "vcache_routing_decisions",
+            "Local routing decisions, by policy and the reason for the replica it chose",
+            ["policy", "reason"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "vcache_fallbacks",
             "Requests moved to the next target of a model alias, by the target that failed",
             ["target", "reason"],
             registry=r,
         )
+
+    def count_routing(self, policy: str, reason: str) -> None:
+        self.routing_decisions.labels(policy, reason).inc()
 
     def watch_engine(self, stats: Callable[[], EngineStats]) -> None:
         self.registry.register(_EngineCollector(stats))

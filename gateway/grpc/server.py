@@ -11,7 +11,8 @@ the handler, which aborts its engine request.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import grpc
@@ -21,18 +22,16 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 from pydantic import BaseModel, ValidationError
 
-from gateway.core.errors import APIError
+from gateway.core.errors import APIError, invalid_request_from
 from gateway.core.schemas import ChatCompletionRequest, CompletionRequest, Usage
+from gateway.core.types import Principal, Served
 from gateway.grpc.api import gateway_pb2 as pb
 from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
 from gateway.grpc.errors import status_of
 from gateway.grpc.register import add_servicer
-from gateway.http.errors import invalid_request_from
-from gateway.local.spans import KVCacheManager
 from gateway.service.auth import KeyRing
 from gateway.service.cache import CacheRequest, CacheService
-from gateway.service.chat import GatewayService, Principal
-from gateway.service.targets import Served
+from gateway.service.chat import GatewayService
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +86,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self,
         service: GatewayService,
         keyring: KeyRing,
-        kv: Callable[[], KVCacheManager | None],
+        cache: CacheService,
     ) -> None:
         self._svc = service
         self._keys = keyring
-        self._kv = kv
+        self._cache_service = cache
 
     # ------------------------------------------------------------ plumbing
 
@@ -103,7 +102,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         return self._keys.authenticate(auth if isinstance(auth, str) else None)
 
     def _cache(self) -> CacheService:
-        return CacheService(self._svc, self._kv())
+        return self._cache_service
 
     def _chat_request(
         self, request: pb.ChatCompletionRequest, stream: bool
@@ -163,22 +162,21 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     ) -> AsyncIterator[pb.ChatCompletionStreamResponse]:
         try:
             who = self._principal(context)
-            routed = await self._svc.chat_stream(self._chat_request(request, stream=True), who)
-            finish = "stop"
-            async for chunk in routed.body:
-                if chunk.choices:
-                    choice = chunk.choices[0]
-                    if choice.delta.content:
+            req = self._chat_request(request, stream=True)
+            routed = await self._svc.answer(req, who)
+            a, finish = routed.body, "stop"
+            async with aclosing(a.pieces) as pieces:
+                async for p in pieces:
+                    if p.text:
                         yield pb.ChatCompletionStreamResponse(
-                            id=chunk.id, model=chunk.model, delta=choice.delta.content
+                            id=a.id, model=req.model, delta=p.text
                         )
-                    if choice.finish_reason is not None:
-                        finish = choice.finish_reason
-                elif chunk.usage is not None:
-                    end = pb.StreamEnd(
-                        finish_reason=finish, usage=_usage(chunk.usage, routed.served)
-                    )
-                    yield pb.ChatCompletionStreamResponse(id=chunk.id, model=chunk.model, end=end)
+                    finish = p.finish_reason or finish
+                    if p.usage is not None:
+                        end = pb.StreamEnd(
+                            finish_reason=finish, usage=_usage(p.usage, routed.served)
+                        )
+                        yield pb.ChatCompletionStreamResponse(id=a.id, model=req.model, end=end)
         except APIError as exc:
             await self._fail(context, exc)
 

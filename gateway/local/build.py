@@ -10,7 +10,7 @@ from engines.vllm.demo_model import ensure_demo_model
 from engines.vllm.engine import VllmEngine, VllmEngineConfig
 from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
 from gateway.core.config import Settings
-from gateway.local.replicas import LocalReplica
+from gateway.local.replicas import Replica
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
@@ -25,14 +25,14 @@ def resolve_model(settings: Settings) -> str:
     return str(path)
 
 
-def build_replicas(settings: Settings, runtime_dir: Path) -> list[LocalReplica]:
+def build_replicas(settings: Settings, runtime_dir: Path) -> list[Replica]:
     """One embedded vLLM engine per local replica, each publishing KV events on its own
     socket, then the configured remote replicas."""
     e = settings.engine
     if not settings.has_local:
         return []  # a provider-only gateway
     model = resolve_model(settings)
-    out: list[LocalReplica] = []
+    out: list[Replica] = []
     for i in range(e.replicas):
         events = f"ipc://{runtime_dir}/replica-{i}.events" if settings.cache.kv_events else None
         replay = f"ipc://{runtime_dir}/replica-{i}.replay" if settings.cache.kv_events else None
@@ -53,7 +53,7 @@ def build_replicas(settings: Settings, runtime_dir: Path) -> list[LocalReplica]:
             kv_events_replay_endpoint=replay,
         )
         out.append(
-            LocalReplica(
+            Replica(
                 LocationId(f"replica-{i}"),
                 VllmEngine(config),
                 events,
@@ -71,7 +71,7 @@ def build_replicas(settings: Settings, runtime_dir: Path) -> list[LocalReplica]:
             hash_seed=e.hash_seed,
         )
         out.append(
-            LocalReplica(
+            Replica(
                 LocationId(f"remote-{i}"),
                 RemoteVllmEngine(remote),
                 r.kv_events,

@@ -19,7 +19,9 @@ from engines.errors import EngineError
 from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import Usage
-from gateway.local.replicas import Replica, RouteOverride, Router
+from gateway.core.types import RouteOverride
+from gateway.local.replicas import Replica
+from gateway.local.routing import RouteContext, Router
 from gateway.local.spans import KVCacheManager
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
@@ -121,7 +123,7 @@ class Dispatcher:
                     code="engine_unavailable",
                     retry_after_s=self.retry_after_s(),
                 )
-            replica = self.router.choose(serving, predicted, policy, affinity)
+            replica = self.router.choose(serving, RouteContext(predicted, affinity), policy)
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p = predicted.get(replica.id) if predicted is not None and exact else None
         return Dispatch(replica, replica.id, p, hashes)

@@ -28,19 +28,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from engines.base import Engine
 from gateway.local.dispatch import Dispatcher
-from gateway.local.replicas import LocalReplica
 from gateway.local.spans import CoreControlled, KVCacheManager
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
 
 ReplicaState = Literal["starting", "ready", "dead", "restarting", "failed"]
+HASH_ALGO = "sha256_cbor"  # what manifest.hashing computes
 PROBE_TEXT = "vcache probe: the manifest must hash blocks exactly as the engine does. "
 
 
@@ -61,10 +61,8 @@ def backoff_s(failures: int, base_s: float, cap_s: float) -> float:
 class Supervisor:
     def __init__(
         self,
-        built: Sequence[LocalReplica],
         dispatcher: Dispatcher,
         *,
-        hash_seed: str,
         pin_max_share: float,
         default_lease_s: float,
         on_change: Callable[[], Awaitable[None]] | None = None,
@@ -73,15 +71,14 @@ class Supervisor:
         backoff_cap_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._built = {b.id: b for b in built}
         self._dispatcher = dispatcher
         self._replicas = {r.id: r for r in dispatcher.replicas}
-        self._kv_args = (hash_seed, pin_max_share, default_lease_s)
+        self._kv_args = (pin_max_share, default_lease_s)
         self.on_change = on_change
         self._poll_s = poll_s
         self._backoff = (backoff_base_s, backoff_cap_s)
         self._clock = clock
-        self.health: dict[LocationId, ReplicaHealth] = {b.id: ReplicaHealth() for b in built}
+        self.health: dict[LocationId, ReplicaHealth] = {r: ReplicaHealth() for r in self._replicas}
         self.kv: KVCacheManager | None = None
         self._start_s = 0.0  # the longest engine start seen: how long a restart takes
         self._watch: asyncio.Task[None] | None = None
@@ -124,7 +121,7 @@ class Supervisor:
         """Start every replica, attach KV tracking, then watch.  Never raises: a failure
         is recorded in ``boot_failure`` and the replica states."""
         try:
-            for b in self._built.values():
+            for b in self._replicas.values():
                 t0 = self._clock()
                 await b.engine.start()
                 self._start_s = max(self._start_s, self._clock() - t0)
@@ -142,24 +139,33 @@ class Supervisor:
         self._watch = asyncio.create_task(self._watch_forever(), name="replica-watch")
 
     async def _attach_kv(self) -> KVCacheManager | None:
-        tracked = [
-            b for b in self._built.values() if b.events_endpoint and hasattr(b.engine, "call_core")
-        ]
+        """Exact spans over the replicas that publish KV events, run the vcache plugin and
+        hash blocks as the manifest does (their declared capabilities say so)."""
+        tracked = []
+        for r in self._replicas.values():
+            caps = r.engine.capabilities
+            if r.events_endpoint and caps.span_control and caps.hash_algo == HASH_ALGO:
+                tracked.append(r)
+            elif r.events_endpoint:
+                log.warning("replica %s: no exact spans (hash %s, span control %s)",
+                            r.id, caps.hash_algo, caps.span_control)  # fmt: skip
         if not tracked:
             return None
-        first = tracked[0].engine
-        seed, share, lease = self._kv_args
+        first = tracked[0].engine.capabilities
+        seeds = {r.engine.capabilities.hash_seed for r in tracked}
+        if len(seeds) != 1 or first.hash_seed is None:
+            raise ValueError(f"replicas must share one declared hash seed, not {seeds}")
+        share, lease = self._kv_args
         kv = KVCacheManager(
-            block_size=first.capabilities.block_size,
-            hash_seed=seed,
+            block_size=first.block_size,
+            hash_seed=first.hash_seed,
             pin_max_share=share,
             default_lease_s=lease,
         )
-        for b in tracked:
-            assert b.events_endpoint is not None  # filtered above
-            engine: CoreControlled = b.engine  # type: ignore[assignment]
-            kv.attach(b.id, engine, b.events_endpoint, b.replay_endpoint)
-        await kv.start(self.probe_tokens(first))
+        for r in tracked:
+            assert r.events_endpoint is not None  # filtered above
+            kv.attach(r.id, cast(CoreControlled, r.engine), r.events_endpoint, r.replay_endpoint)
+        await kv.start(self.probe_tokens(tracked[0].engine))
         return kv
 
     def probe_tokens(self, engine: Engine) -> list[int]:
@@ -203,12 +209,12 @@ class Supervisor:
             self.kv.detach(rid)
         with contextlib.suppress(Exception):
             await self._replicas[rid].engine.close()
-        if self._built[rid].factory is None:
+        if self._replicas[rid].factory is None:
             h.next_attempt_at = None  # a bare engine: nothing to restart it from
         await self._changed()
 
     async def _restart(self, rid: LocationId, h: ReplicaHealth) -> None:
-        factory = self._built[rid].factory
+        factory = self._replicas[rid].factory
         assert factory is not None  # dead replicas without one have no next attempt
         h.state = "restarting"
         h.next_attempt_at = self._clock() + self._start_s  # when it should serve again
@@ -216,7 +222,8 @@ class Supervisor:
         try:
             await engine.start()
             if self.kv is not None and rid in self.kv.replicas:
-                await self.kv.reattach(rid, engine, self.probe_tokens(engine))  # type: ignore[arg-type]
+                control = cast(CoreControlled, engine)
+                await self.kv.reattach(rid, control, self.probe_tokens(engine))
         except Exception as exc:
             with contextlib.suppress(Exception):
                 await engine.close()

@@ -14,63 +14,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from engines.providers.anthropic import AnthropicAdapter
-from engines.providers.base import (
-    Adapter,
-    CacheDirectives,
-    ChatCall,
-    Delta,
-    ProviderUsage,
-    Rendered,
-)
+from engines.providers.base import CacheDirectives, ChatCall, Delta, ProviderUsage, Rendered
 from engines.providers.client import ProviderClient
-from engines.providers.errors import ProviderNotFound
-from engines.providers.gemini import GeminiAdapter
-from engines.providers.openai import DeepSeekAdapter, OpenAIAdapter
 from engines.providers.retry import RetryPolicy
+from engines.providers.specs import PROVIDERS, ProviderSpec
 from gateway.core.config import ProviderConfig, Settings
 from gateway.core.errors import NotFound, Unavailable
 from gateway.core.metrics import Metrics
-from gateway.providers.book import PromptView, ProviderCacheBook, Settlement
-from gateway.providers.gemini import CachedContents
+from gateway.providers.book import Believed, PromptView, ProviderCacheBook, Settlement
+from gateway.providers.gemini import CachedContents, Handle
 from manifest.ledger import PriceTable
-from manifest.planner import (
-    CapabilityProfile,
-    Regime,
-    TargetState,
-    WarmPrimitive,
-    anthropic_profile,
-    deepseek_profile,
-    gemini_profile,
-    openai_profile,
-    plan,
-)
+from manifest.planner import CapabilityProfile, Regime, TargetState, WarmPrimitive, plan
 
 log = logging.getLogger(__name__)
-
-BeforeSend = Callable[[Rendered, CacheDirectives, int], Awaitable[None]]
-
-_ADAPTERS: dict[str, Callable[[], Adapter]] = {
-    "anthropic": AnthropicAdapter,
-    "openai": OpenAIAdapter,
-    "gemini": GeminiAdapter,
-    "deepseek": DeepSeekAdapter,
-}
-_PROFILES: dict[str, Callable[[str, ProviderConfig], CapabilityProfile]] = {
-    "anthropic": lambda m, c: anthropic_profile(m, c.cache_ttl_s),
-    "openai": lambda m, c: openai_profile(m),
-    "gemini": lambda m, c: gemini_profile(m),
-    "deepseek": lambda m, c: deepseek_profile(m),
-}
-
-
-def adapter_for(provider: str) -> Adapter:
-    return _ADAPTERS[provider]()
 
 
 def _by_prefix(table: dict[str, Any], model: str) -> Any:
@@ -78,9 +39,9 @@ def _by_prefix(table: dict[str, Any], model: str) -> Any:
     return table[keys[0]] if keys else None
 
 
-def target_profile(provider: str, model: str, cfg: ProviderConfig) -> CapabilityProfile:
+def target_profile(spec: ProviderSpec, model: str, cfg: ProviderConfig) -> CapabilityProfile:
     """The provider's documented rules, with this deployment's overrides."""
-    profile = _PROFILES[provider](model, cfg)
+    profile = spec.profile(model, cfg.cache_ttl_s)
     minimum = _by_prefix(cfg.min_prefix_tokens, model)
     if minimum is not None:
         profile = dataclasses.replace(profile, min_prefix_tokens=int(minimum))
@@ -95,7 +56,7 @@ def target_profile(provider: str, model: str, cfg: ProviderConfig) -> Capability
 @dataclass(frozen=True)
 class ProviderTarget:
     name: str  # "provider/model"
-    provider: str
+    spec: ProviderSpec
     model: str
     client: ProviderClient
     profile: CapabilityProfile
@@ -119,6 +80,20 @@ class Outcome:
     usage: ProviderUsage | None = None
     settlement: Settlement | None = None
     cached_content: str | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A call planned and rendered for one target: what is sent (and journaled first)."""
+
+    target: ProviderTarget
+    call: ChatCall
+    view: PromptView
+    believed: Believed
+    marked: tuple[str, ...]  # the segment keys that carry a breakpoint
+    handle: Handle | None
+    directives: CacheDirectives
+    rendered: Rendered
 
 
 class ProviderPath:
@@ -145,11 +120,12 @@ class ProviderPath:
         if name in self._targets:
             return self._targets[name]
         provider, _, model = name.partition("/")
-        cfg = self._settings.providers.get(provider)  # type: ignore[call-overload]
+        cfg = self._settings.providers.get(provider)
         if cfg is None or not model:
             raise NotFound(
                 f"The model '{name}' does not exist", param="model", code="model_not_found"
             )
+        spec = PROVIDERS[provider]
         client = self._clients.get(provider)
         if client is None:
             key = cfg.resolved_key(provider)
@@ -162,10 +138,10 @@ class ProviderPath:
                 cfg.max_retries, cfg.backoff_base_s, cfg.backoff_cap_s, cfg.max_retry_after_s
             )
             client = self._factory(
-                _ADAPTERS[provider](), cfg.resolved_base_url(provider), key, retry, cfg.timeout_s
+                spec.adapter(), cfg.resolved_base_url(provider), key, retry, cfg.timeout_s
             )
             self._clients[provider] = client
-        t = ProviderTarget(name, provider, model, client, target_profile(provider, model, cfg), cfg)
+        t = ProviderTarget(name, spec, model, client, target_profile(spec, model, cfg), cfg)
         self._targets[name] = t
         return t
 
@@ -181,19 +157,11 @@ class ProviderPath:
         sharing the anchor reach the same cache shard."""
         return f"vcache-{view.digests[0][:24]}" if view.digests else None
 
-    async def stream(
-        self,
-        t: ProviderTarget,
-        call: ChatCall,
-        tenant: str,
-        request_id: str,
-        out: Outcome,
-        warm: bool = False,
-        before_send: BeforeSend | None = None,
-    ) -> AsyncGenerator[Delta, None]:
-        """Deltas of one call; ``out`` holds the usage and settlement once it ends.
-        ``warm``: prefill only, where the provider has a primitive for it.
-        ``before_send(rendered, directives, attempt)`` runs before each send (the log)."""
+    async def prepare(
+        self, t: ProviderTarget, call: ChatCall, tenant: str, warm: bool = False
+    ) -> Prepared:
+        """Plan the cache for ``call`` and render it, once, before anything is sent.
+        ``warm``: prefill only, where the provider has a primitive for it."""
         view = self._view(t, call, tenant)
         believed = self.book.believed(view)
         state = TargetState(
@@ -202,51 +170,53 @@ class ProviderPath:
         p = plan(view.layout(), t.profile, state)
         marked = tuple(view.keys[i] for i in p.breakpoints)
         handle = None
-        if isinstance(t.client.adapter, GeminiAdapter):
+        if t.spec.cached_contents:
             handle = await self.cached_contents.use(t.name, t.client, t.profile, call, view)
         directives = CacheDirectives(
             breakpoints=marked,
             ttl_s=t.config.cache_ttl_s,
-            cache_key=self._cache_key(view) if t.provider == "openai" else None,
+            cache_key=self._cache_key(view) if t.spec.cache_key else None,
             cached_content=handle.name if handle else None,
             warm=warm and t.profile.warm is WarmPrimitive.MAX_TOKENS_0,
         )
-        out.cached_content = directives.cached_content
         rendered = t.client.adapter.render(call, directives)
-        m = self._metrics
-        attempt, yielded = 0, False
-        try:
-            while True:
-                if before_send is not None:
-                    await before_send(rendered, directives, attempt)
-                try:
-                    async with aclosing(self._send(t, rendered)) as deltas:
-                        async for d in deltas:
-                            out.usage = d.usage or out.usage
-                            yielded = True
-                            yield d
-                    break
-                except ProviderNotFound:
-                    if handle is None or yielded or attempt:
-                        raise
-                # the handle expired or was deleted on the provider's side: a false warm;
-                # send the prompt inline instead
-                self.cached_contents.lost(t.name, handle)
-                self.book.count_false_warm(t.name)
-                m.provider_false_warm.labels(t.name).inc()
-                out.cached_content = None
-                directives = dataclasses.replace(directives, cached_content=None)
-                rendered = t.client.adapter.render(call, directives)
-                attempt += 1
-        except Exception:
-            m.provider_requests.labels(t.name, "error").inc()
-            raise
+        return Prepared(t, call, view, believed, marked, handle, directives, rendered)
+
+    def inline(self, p: Prepared) -> Prepared | None:
+        """After :class:`ProviderNotFound` on a request that used a cached-content handle:
+        the handle expired or was deleted on the provider's side (a false warm); the same
+        call with the prompt inline.  None when there was no handle to blame."""
+        if p.handle is None:
+            return None
+        self.cached_contents.lost(p.target.name, p.handle)
+        self.book.count_false_warm(p.target.name)
+        self._metrics.provider_false_warm.labels(p.target.name).inc()
+        directives = dataclasses.replace(p.directives, cached_content=None)
+        rendered = p.target.client.adapter.render(p.call, directives)
+        return dataclasses.replace(p, handle=None, directives=directives, rendered=rendered)
+
+    async def send(self, p: Prepared, out: Outcome) -> AsyncGenerator[Delta, None]:
+        """One attempt at the provider (its client retries transient failures); ``out``
+        holds the usage once it ends."""
+        out.cached_content = p.directives.cached_content
+        async with aclosing(self._send(p.target, p.rendered)) as deltas:
+            async for d in deltas:
+                out.usage = d.usage or out.usage
+                yield d
+
+    def failed(self, t: ProviderTarget) -> None:
+        """A call that did not complete (its error is the caller's to raise)."""
+        self._metrics.provider_requests.labels(t.name, "error").inc()
+
+    def settle(self, p: Prepared, request_id: str, out: Outcome) -> None:
+        """Verify, then account: fold the provider's usage telemetry into the belief."""
+        t, m = p.target, self._metrics
         m.provider_requests.labels(t.name, "ok").inc()
         if out.usage is None:
             return
         u = out.usage
         out.settlement = s = self.book.settle(
-            request_id, view, t.profile, t.prices, believed, marked, u, t.ttl_s
+            request_id, p.view, t.profile, t.prices, p.believed, p.marked, u, t.ttl_s
         )
         m.provider_tokens.labels(t.name, "prompt").inc(u.prompt_tokens)
         m.provider_tokens.labels(t.name, "cached").inc(u.cached_tokens)
@@ -272,24 +242,6 @@ class ProviderPath:
         if answer.text:
             yield Delta(text=answer.text)
         yield Delta(usage=answer.usage, finish_reason=answer.finish_reason)
-
-    async def warm(
-        self,
-        t: ProviderTarget,
-        call: ChatCall,
-        tenant: str,
-        rid: str,
-        before_send: BeforeSend | None = None,
-    ) -> Outcome:
-        """Prefill the planned breakpoints without generating (Anthropic ``max_tokens: 0``);
-        on implicit providers the first real request warms, so this sends a normal call
-        (``call`` should then ask for one token, unstreamed)."""
-        out = Outcome()
-        stream = self.stream(t, call, tenant, rid, out, warm=True, before_send=before_send)
-        async with aclosing(stream) as s:
-            async for _ in s:
-                pass
-        return out
 
     def stats(self) -> dict[str, Any]:
         snap = self.book.snapshot()

@@ -8,7 +8,7 @@ from fastapi import Request
 
 from gateway.core.config import ApiKeyConfig, hash_api_key
 from gateway.core.errors import AuthenticationFailed
-from gateway.service.chat import Principal
+from gateway.core.types import Principal
 
 ANONYMOUS = Principal(tenant="default", key_name="anonymous", admin=True, global_admin=True)
 

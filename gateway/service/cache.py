@@ -22,8 +22,10 @@ from gateway.core.errors import (
     Unavailable,
 )
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage, RequestModel, TokenId
+from gateway.core.types import Principal, tenant_salt
+from gateway.local.routing import RouteContext
 from gateway.local.spans import KVCacheManager
-from gateway.service.chat import GatewayService, Principal, tenant_salt
+from gateway.service.chat import GatewayService
 from manifest.hashing import BlockHash, from_hex
 from manifest.index import LocationId
 
@@ -161,9 +163,13 @@ class _Spans:
 class CacheService:
     """The admin operations; callers check that the principal is an admin."""
 
-    def __init__(self, svc: GatewayService, kv: KVCacheManager | None) -> None:
+    def __init__(self, svc: GatewayService) -> None:
         self._svc = svc
-        self._kv = kv
+
+    @property
+    def _kv(self) -> KVCacheManager | None:
+        """The local replicas' span manager, once they are up (the supervisor sets it)."""
+        return self._svc.dispatcher.kv
 
     def _manager(self) -> KVCacheManager:
         if self._kv is None:
@@ -290,7 +296,7 @@ class CacheService:
         if body.replica is None:  # where the next request for this prompt would go
             predicted = kv.predict(spans.hashes, len(spans.tokens))
             d = self._svc.dispatcher
-            target = d.router.choose(d.replicas, predicted).id
+            target = d.router.choose(d.replicas, RouteContext(predicted)).id
         else:
             target = spans.replicas[0]
         before, after = await kv.warm(target, spans.tokens, spans.salt)

@@ -28,8 +28,8 @@ from gateway.core.schemas import (
     StreamOptions,
     Usage,
 )
-from gateway.service.chat import GatewayService, Principal
-from gateway.service.targets import Served
+from gateway.core.types import Principal, Served
+from gateway.service.chat import GatewayService
 from gateway.sessions.log import SessionLog
 from gateway.sessions.store import ResponseRow
 from manifest.sessionlog import fold, session_name
@@ -211,9 +211,8 @@ class Responses:
     ) -> tuple[AsyncGenerator[bytes, None], Served]:
         """Server-sent events in the Responses API's types; started (first token) on return."""
         chat, session = await self._chat_request(req, who)
-        routed = await self._svc.chat_stream(chat, who, None, session)
-        chunks = routed.body
-        first = await anext(chunks)  # errors before the first token surface here
+        routed = await self._svc.answer(chat, who, None, session)
+        pieces = routed.body.pieces  # errors before the first token surfaced above
         rid, msg_id, created = (
             f"resp_{uuid.uuid4().hex}",
             f"msg_{uuid.uuid4().hex}",
@@ -241,21 +240,13 @@ class Responses:
             part = {"type": "output_text", "text": "", "annotations": []}
             where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
             yield ev("response.content_part.added", **where, part=part)
-
-            async def every() -> AsyncGenerator[Any, None]:
-                yield first
-                async for c in chunks:
-                    yield c
-
-            async with aclosing(chunks):
-                async for c in every():
-                    usage = c.usage or usage
-                    for choice in c.choices:
-                        if choice.delta.content:
-                            text.append(choice.delta.content)
-                            delta = choice.delta.content
-                            yield ev("response.output_text.delta", **where, delta=delta)
-                        finish = choice.finish_reason or finish
+            async with aclosing(pieces):
+                async for p in pieces:
+                    if p.text:
+                        text.append(p.text)
+                        yield ev("response.output_text.delta", **where, delta=p.text)
+                    finish = p.finish_reason or finish
+                    usage = p.usage or usage
             full = "".join(text)
             yield ev("response.output_text.done", **where, text=full)
             yield ev("response.content_part.done", **where, part={**part, "text": full})

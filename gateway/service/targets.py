@@ -12,42 +12,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import APIError, InvalidRequest, NotFound, RateLimited, Unavailable
 from gateway.core.metrics import Metrics
-from gateway.local.dispatch import Dispatch
-from manifest.sessionlog import session_name
+from gateway.core.types import Served
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass
-class Served:
-    """Where a request was served; response headers are read after the first token."""
-
-    target: str = LOCAL_TARGET
-    dispatch: Dispatch | None = None
-    lint: tuple[str, ...] = ()
-    fallback_from: tuple[str, ...] = ()
-    session: str | None = None  # the stored id of the session-log session it was appended to
-    answer_seq: int | None = None  # the sequence number of its answer in that session
-
-    def headers(self) -> dict[str, str]:
-        h = {"x-vcache-target": self.target}
-        if self.dispatch is not None:
-            h.update(self.dispatch.headers())
-        if self.lint:
-            h["x-vcache-prefix-lint"] = ", ".join(self.lint)
-        if self.session:
-            h["x-vcache-session"] = session_name(self.session)
-        if self.fallback_from:
-            h["x-vcache-fallback-from"] = ", ".join(self.fallback_from)
-        return h
 
 
 class Targets:

@@ -10,34 +10,16 @@ into a refused request.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from engines.providers.base import Adapter, CacheDirectives
 from engines.tokenizer import ChatTokenizer
-from gateway.service.provider_chat import provider_call
-from manifest.canonical import canonical_json
-from manifest.sessionlog import DispatchEvent, Header, MessageEvent, State
+from gateway.sessions.render import local_messages, provider_call, vllm_payload
+from manifest.sessionlog import DispatchEvent, State
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def local_messages(header: Header, turns: Sequence[MessageEvent]) -> list[dict[str, str]]:
-    """The chat-template input: leading system prompts, then the turns (developer → system)."""
-    out = [{"role": "system", "content": s} for s in header.system]
-    out += [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in turns
-    ]
-    return out
-
-
-def vllm_payload(token_ids: Sequence[int], cache_salt: str | None, sampling: Any) -> bytes:
-    """What the gateway hands vLLM, as bytes: token ids, cache salt, resolved sampling."""
-    return canonical_json(
-        {"prompt_token_ids": list(token_ids), "cache_salt": cache_salt, "sampling": sampling}
-    )
 
 
 class Reconstructor:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from engines.providers.specs import adapter_for
 from engines.tokenizer import ChatTokenizer
-from gateway.providers.path import adapter_for
 from gateway.sessions.log import SessionLog
 from gateway.sessions.reconstruct import Reconstructor
 from gateway.sessions.store import SessionStore

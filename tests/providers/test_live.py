@@ -15,9 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engines.fake import FakeEngine
+from engines.providers.specs import PROVIDERS
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import PROVIDER_DEFAULTS, ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
 from tests.providers.conftest import KEY, MODELS
 
 ANCHOR = "You answer questions about the vcache test manual.\n" * 150
@@ -25,7 +26,7 @@ ANCHOR = "You answer questions about the vcache test manual.\n" * 150
 
 @pytest.fixture(scope="module")
 def live_http(demo_model: Path) -> Iterator[TestClient]:
-    configured: dict[str, Any] = {p: {} for p in MODELS if os.environ.get(PROVIDER_DEFAULTS[p][1])}
+    configured: dict[str, Any] = {p: {} for p in MODELS if os.environ.get(PROVIDERS[p].key_env)}
     if not configured:
         pytest.skip("no provider API key is set")
     settings = Settings(
@@ -40,8 +41,8 @@ def live_http(demo_model: Path) -> Iterator[TestClient]:
 
 @pytest.mark.parametrize("provider", list(MODELS))
 def test_live_provider_round_trip(live_http: TestClient, provider: str) -> None:
-    if not os.environ.get(PROVIDER_DEFAULTS[provider][1]):
-        pytest.skip(f"{PROVIDER_DEFAULTS[provider][1]} is not set")
+    if not os.environ.get(PROVIDERS[provider].key_env):
+        pytest.skip(f"{PROVIDERS[provider].key_env} is not set")
     model = os.environ.get(f"VCACHE_LIVE_{provider.upper()}_MODEL", MODELS[provider])
     usages = []
     for q in ("What is this manual about?", "Answer in one word: is it a test?"):

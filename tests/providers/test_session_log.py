@@ -126,8 +126,9 @@ def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
     gw: Gw, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import gateway.service.provider_chat as pc
+    import gateway.sessions.render as render
 
-    real = pc.request_parts
+    real = render.request_parts
 
     def corrupt(req: Any) -> Any:  # what the log records differs from what the live path renders
         system, turns = real(req)
@@ -135,12 +136,8 @@ def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
 
     model = f"openai/{MODELS['openai']}"
     before = len(gw.emulator.received())
-    monkeypatch.setattr(pc, "request_parts", corrupt)
-    monkeypatch.setattr(
-        pc.ProviderChat,
-        "_prepare",
-        _prepare_with_live_turns(real),
-    )
+    monkeypatch.setattr(render, "request_parts", corrupt)
+    monkeypatch.setattr(pc.ProviderChat, "_open", _open_with_live_turns(real))
     r = gw.http.post(
         "/v1/chat/completions",
         headers={"authorization": f"Bearer {KEY}"},
@@ -153,22 +150,24 @@ def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
     assert len(gw.emulator.received()) == before  # nothing was sent
 
 
-def _prepare_with_live_turns(real: Any) -> Any:
-    """A _prepare whose live call renders the real turns while the log gets corrupted ones."""
-    import gateway.service.provider_chat as pc
+def _open_with_live_turns(real: Any) -> Any:
+    """An _open whose live call renders the real turns while the log gets corrupted ones."""
+    import gateway.sessions.render as render
     from manifest.sessionlog import Header
 
-    def _prepare(self: Any, req: Any, target: str, served: Any, tenant: str, session: Any) -> Any:
+    def _open(self: Any, req: Any, target: str, served: Any, tenant: str, session: Any) -> Any:
         self.path.target(target)
         system, turns = real(req)
-        header = Header.make(req.model, target, system, None, pc.request_config(req, self.layout))
-        call, lint_names = pc.provider_call(header, turns)
+        header = Header.make(
+            req.model, target, system, None, render.request_config(req, self.layout)
+        )
+        call, lint_names = render.provider_call(header, turns)
         served.target, served.dispatch, served.lint = target, None, tuple(lint_names)
-        _, logged = pc.request_parts(req)
-        op = self.log.open(tenant, header, logged, session)
+        _, logged = render.request_parts(req)
+        op = self.journal.open(tenant, header, logged, session)
         return call, op
 
-    return _prepare
+    return _open
 
 
 def test_cli_lists_sessions_and_replays_a_request(gw: Gw) -> None:

@@ -23,6 +23,7 @@ from engines.providers.errors import (
 from engines.providers.gemini import GeminiAdapter
 from engines.providers.openai import DeepSeekAdapter, OpenAIAdapter
 from engines.providers.retry import RetryPolicy, parse_retry_after
+from engines.providers.specs import PROVIDERS
 from engines.sse import SSEDecoder
 from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
@@ -206,7 +207,7 @@ def test_config_overrides_minimum_and_prices() -> None:
             }
         }
     )
-    prof = target_profile("openai", "gpt-5-mini", settings.providers["openai"])
+    prof = target_profile(PROVIDERS["openai"], "gpt-5-mini", settings.providers["openai"])
     assert prof.min_prefix_tokens == 2048 and prof.read_mult == 0.1
 
 

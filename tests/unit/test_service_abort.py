@@ -9,9 +9,11 @@ from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
+from gateway.core.types import Principal
 from gateway.local.dispatch import Dispatcher
-from gateway.local.replicas import Replica, Router
-from gateway.service.chat import GatewayService, Principal
+from gateway.local.replicas import Replica
+from gateway.local.routing import Router
+from gateway.service.chat import GatewayService
 from manifest.index import LocationId
 
 

@@ -15,7 +15,8 @@ from gateway.core.config import Settings
 from gateway.core.errors import Unavailable
 from gateway.core.metrics import Metrics
 from gateway.local.dispatch import Dispatcher
-from gateway.local.replicas import LocalReplica, Replica, Router
+from gateway.local.replicas import Replica
+from gateway.local.routing import Router
 from gateway.local.supervisor import Supervisor, backoff_s
 from manifest.index import LocationId
 
@@ -58,14 +59,10 @@ class Factory:
 
 def _setup(tokenizer: ChatTokenizer, n: int) -> tuple[Supervisor, Dispatcher, Factory, Clock]:
     factory, clock = Factory(tokenizer), Clock()
-    built = [LocalReplica(LocationId(f"replica-{i}"), factory(), factory=factory) for i in range(n)]
-    dispatcher = Dispatcher(
-        [Replica(b.id, b.engine) for b in built], Router(), None, Metrics(), max_inflight=8
-    )
+    built = [Replica(LocationId(f"replica-{i}"), factory(), factory=factory) for i in range(n)]
+    dispatcher = Dispatcher(built, Router(), None, Metrics(), max_inflight=8)
     sup = Supervisor(
-        built,
         dispatcher,
-        hash_seed="0",
         pin_max_share=0.5,
         default_lease_s=60,
         backoff_base_s=2.0,
@@ -161,7 +158,7 @@ def _request(tokenizer: ChatTokenizer):  # type: ignore[no-untyped-def]
 def test_http_reports_engine_dead_then_recovers(tokenizer: ChatTokenizer) -> None:
     """Over HTTP: healthz/readyz say engine_dead, chat is 503 with Retry-After, then back."""
     factory = Factory(tokenizer)
-    built = [LocalReplica(LocationId("replica-0"), factory(), factory=factory)]
+    built = [Replica(LocationId("replica-0"), factory(), factory=factory)]
     settings = Settings(
         grpc_port=None,
         engine={"watch_interval_s": 0.01, "restart_backoff_s": 3600, "restart_backoff_cap_s": 3600},

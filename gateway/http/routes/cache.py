@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
+from gateway.core.types import Principal
 from gateway.http.openapi import COMMON, errors
 from gateway.service.auth import require_principal
 from gateway.service.cache import (
@@ -18,7 +19,6 @@ from gateway.service.cache import (
     UnpinResponse,
     WarmResponse,
 )
-from gateway.service.chat import Principal
 
 router = APIRouter(prefix="/v1/cache", tags=["cache"])
 CACHE_ERRORS = errors(*COMMON, 403, 404, 502)
@@ -30,7 +30,8 @@ async def require_admin(who: Annotated[Principal, Depends(require_principal)]) -
 
 
 async def cache_service(request: Request) -> CacheService:
-    return CacheService(request.app.state.service, request.app.state.supervisor.kv)
+    cache: CacheService = request.app.state.cache
+    return cache
 
 
 Admin = Annotated[Principal, Depends(require_admin)]

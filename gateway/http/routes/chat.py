@@ -10,11 +10,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.core.errors import InvalidRequest, PermissionDenied
 from gateway.core.schemas import ChatCompletion, ChatCompletionRequest
+from gateway.core.types import Principal, RouteOverride
 from gateway.http.openapi import GENERATION, streamed
 from gateway.http.sse import open_stream
-from gateway.local.replicas import POLICIES, RouteOverride
 from gateway.service.auth import require_principal
-from gateway.service.chat import GatewayService, Principal
+from gateway.service.chat import GatewayService
 
 router = APIRouter(prefix="/v1", tags=["chat"])
 
@@ -25,7 +25,9 @@ async def service(request: Request) -> GatewayService:
 
 
 async def routing_override(
-    request: Request, who: Annotated[Principal, Depends(require_principal)]
+    request: Request,
+    who: Annotated[Principal, Depends(require_principal)],
+    svc: Annotated[GatewayService, Depends(service)],
 ) -> RouteOverride | None:
     """Admin headers for one request: ``x-vcache-routing`` forces a policy (comparisons),
     ``x-vcache-replica`` a replica (a load test's oracle placement)."""
@@ -37,13 +39,13 @@ async def routing_override(
         raise PermissionDenied(
             "x-vcache-routing and x-vcache-replica need an admin key", code="admin_required"
         )
-    if policy is not None and policy not in POLICIES:
+    if policy is not None and policy not in svc.routing_policies:
         raise InvalidRequest(
-            f"x-vcache-routing must be one of {', '.join(POLICIES)}",
+            f"x-vcache-routing must be one of {', '.join(svc.routing_policies)}",
             param="x-vcache-routing",
             code="invalid_value",
         )
-    return RouteOverride(policy=policy, replica=replica)  # type: ignore[arg-type]
+    return RouteOverride(policy=policy, replica=replica)
 
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")

@@ -8,12 +8,12 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.core.schemas import Completion, CompletionRequest
+from gateway.core.types import Principal, RouteOverride
 from gateway.http.openapi import GENERATION, streamed
 from gateway.http.routes.chat import routing_override, service
 from gateway.http.sse import open_stream
-from gateway.local.replicas import RouteOverride
 from gateway.service.auth import require_principal
-from gateway.service.chat import GatewayService, Principal
+from gateway.service.chat import GatewayService
 
 router = APIRouter(prefix="/v1", tags=["completions"])
 

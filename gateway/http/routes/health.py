@@ -12,7 +12,7 @@ replica's state and restart count.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,23 +21,9 @@ from pydantic import BaseModel
 
 from gateway.core.metrics import Metrics
 from gateway.core.version import version_info
-from gateway.local.supervisor import Supervisor
+from gateway.service.health import Health, HealthStatus
 
 router = APIRouter(tags=["health"])
-
-Status = Literal["ok", "ready", "degraded", "starting", "engine_dead", "failed"]
-
-
-class ReplicaStatus(BaseModel):
-    state: Literal["starting", "ready", "dead", "restarting", "failed"]
-    restarts: int
-    last_error: str | None = None
-
-
-class HealthStatus(BaseModel):
-    status: Status
-    error: str | None = None
-    replicas: dict[str, ReplicaStatus] = {}
 
 
 class VersionInfo(BaseModel):
@@ -46,32 +32,14 @@ class VersionInfo(BaseModel):
     python: str
 
 
-def _status(request: Request, readiness: bool) -> tuple[int, HealthStatus]:
-    state = request.app.state
-    sup: Supervisor = state.supervisor
-    replicas = {k: ReplicaStatus.model_validate(v) for k, v in sup.report().items()}
-    if sup.boot_failure is not None:
-        return 503, HealthStatus(status="failed", error=sup.boot_failure, replicas=replicas)
-    if sup.engine_dead:
-        body = HealthStatus(
-            status="engine_dead", error="every local replica is dead", replicas=replicas
-        )
-        return 503, body
-    if not readiness:
-        return 200, HealthStatus(status="ok", replicas=replicas)
-    if not state.service.ready:
-        return 503, HealthStatus(status="starting", replicas=replicas)
-    degraded = any(r.state != "ready" for r in replicas.values())
-    return 200, HealthStatus(status="degraded" if degraded else "ready", replicas=replicas)
-
-
 _HEALTH: dict[int | str, dict[str, Any]] = {503: {"model": HealthStatus}}
 
 
 @router.get("/healthz", response_model=HealthStatus, responses=_HEALTH)
 async def healthz(request: Request) -> JSONResponse:
     """Alive (loading included); 503 once the engine failed to start or every replica died."""
-    code, body = _status(request, readiness=False)
+    health: Health = request.app.state.health
+    code, body = health.status(readiness=False)
     return JSONResponse(body.model_dump(mode="json"), status_code=code)
 
 
@@ -84,7 +52,8 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/readyz", response_model=HealthStatus, responses=_HEALTH)
 async def readyz(request: Request) -> JSONResponse:
     """200 when a request can be served now; 503 while starting or with no live replica."""
-    code, body = _status(request, readiness=True)
+    health: Health = request.app.state.health
+    code, body = health.status(readiness=True)
     return JSONResponse(body.model_dump(mode="json"), status_code=code)
 
 

@@ -7,9 +7,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gateway.core.types import Principal
 from gateway.http.openapi import GENERATION, ResponseDeleted, ResponseObject, errors, streamed
 from gateway.service.auth import require_principal
-from gateway.service.chat import Principal
 from gateway.service.responses import Responses, ResponsesRequest
 
 router = APIRouter(prefix="/v1", tags=["responses"])

@@ -1,0 +1,82 @@
+"""Values every stage passes around: who calls, an admin's routing choice, where a
+request was served (read into the ``x-vcache-*`` response headers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from gateway.core.config import LOCAL_TARGET
+from manifest.sessionlog import session_name
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling.  The tenant salts the engine's prefix cache."""
+
+    tenant: str
+    key_name: str = ""
+    admin: bool = False
+    global_admin: bool = False  # may act on other tenants' spans (names them or raw hashes)
+
+
+def tenant_salt(tenant: str) -> str:
+    """vLLM's cache_salt for a tenant: tenants never share a prefix-cache span."""
+    return f"tenant:{tenant}"
+
+
+@dataclass(frozen=True)
+class RouteOverride:
+    """An admin's choice for one request: a policy, or one replica (load-test oracles)."""
+
+    policy: str | None = None
+    replica: str | None = None
+
+
+class Placement(Protocol):
+    """The local replica a request went to, and what the manifest predicted there."""
+
+    @property
+    def replica_id(self) -> str: ...
+
+    @property
+    def predicted_cached_tokens(self) -> int | None: ...
+
+    def headers(self) -> dict[str, str]: ...
+
+
+@dataclass
+class Served:
+    """Where a request was served; response headers are read after the first token."""
+
+    target: str = LOCAL_TARGET
+    dispatch: Placement | None = None
+    lint: tuple[str, ...] = ()
+    fallback_from: tuple[str, ...] = ()
+    session: str | None = None  # the stored id of the session-log session it was appended to
+    answer_seq: int | None = None  # the sequence number of its answer in that session
+
+    def headers(self) -> dict[str, str]:
+        h = {"x-vcache-target": self.target}
+        if self.dispatch is not None:
+            h.update(self.dispatch.headers())
+        if self.lint:
+            h["x-vcache-prefix-lint"] = ", ".join(self.lint)
+        if self.session:
+            h["x-vcache-session"] = session_name(self.session)
+        if self.fallback_from:
+            h["x-vcache-fallback-from"] = ", ".join(self.fallback_from)
+        return h
+
+
+@dataclass(frozen=True)
+class Routed(Generic[T]):
+    """A result and where it was served (for the x-vcache-* response headers)."""
+
+    body: T
+    served: Served
+
+    def headers(self) -> dict[str, str]:
+        return self.served.headers()

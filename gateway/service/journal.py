@@ -1,0 +1,58 @@
+"""The session log as both request paths use it (shared/seeds/000).
+
+Journal before route: a request's place in the log is opened, and what will be
+sent is recorded (and, with verification on, rebuilt from the log and
+compared) before it is routed or sent; the answer is appended when it ends.
+Without a session log every call here is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from gateway.core.schemas import Usage
+from gateway.core.types import Served
+from gateway.sessions.log import Open, SessionLog
+from gateway.sessions.render import usage_record
+from manifest.sessionlog import Header, MessageEvent
+
+
+class Journal:
+    def __init__(self, log: SessionLog | None) -> None:
+        self.log = log
+
+    def open(
+        self,
+        tenant: str,
+        header: Header,
+        turns: tuple[MessageEvent, ...],
+        session: str | None,
+    ) -> Open | None:
+        return None if self.log is None else self.log.open(tenant, header, turns, session)
+
+    async def sent(
+        self,
+        op: Open | None,
+        served: Served | None,
+        request_id: str,
+        target: str,
+        render: Literal["provider", "vllm"],
+        directives: Mapping[str, Any],
+        body: bytes,
+    ) -> None:
+        """Record (and verify) the request before it is sent."""
+        if self.log is None or op is None:
+            return
+        await self.log.dispatch(op, request_id, target, render, directives, body)
+        if served is not None:
+            served.session = op.session_id
+
+    async def answered(
+        self, op: Open | None, served: Served | None, request_id: str, text: str, usage: Usage
+    ) -> None:
+        if self.log is None or op is None:
+            return
+        await self.log.respond(op, request_id, text, usage_record(usage))
+        if served is not None:
+            served.answer_seq = op.answer_seq

@@ -1,0 +1,245 @@
+"""Requests served by the local replicas, as answer pieces.
+
+Admit first (a refused request costs nothing) → tokenize with the model's
+template → check the context → journal what vLLM will be handed (token ids,
+cache salt, sampling) → route to a replica (:mod:`gateway.local.dispatch`)
+→ stream → fold usage and journal the answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import aclosing
+
+from engines.base import Engine, GenerateRequest, SamplingOptions
+from gateway.core.config import LOCAL_TARGET
+from gateway.core.errors import InvalidRequest, Unavailable
+from gateway.core.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from gateway.core.shaping import Piece, Pieces
+from gateway.core.types import Principal, RouteOverride, Served, tenant_salt
+from gateway.local.dispatch import Dispatch, Dispatcher, Totals
+from gateway.service.journal import Journal
+from gateway.sessions.log import Open
+from gateway.sessions.render import request_config, request_parts, vllm_payload
+from manifest.sessionlog import Header
+
+
+class LocalChat:
+    def __init__(self, dispatcher: Dispatcher, journal: Journal) -> None:
+        self.dispatcher = dispatcher
+        self.journal = journal
+
+    @property
+    def engine(self) -> Engine:
+        """A serving replica's engine (the first one when none serves): all replicas serve
+        the same model and tokenizer."""
+        d = self.dispatcher
+        serving = d.serving()
+        return serving[0].engine if serving else d.replicas[0].engine
+
+    @property
+    def ready(self) -> bool:
+        """Started, and (unless provider-only) at least one local replica serving."""
+        d = self.dispatcher
+        return d.started and (not d.replicas or bool(d.serving()))
+
+    def check_ready(self) -> None:
+        d = self.dispatcher
+        if d.failed is not None:
+            raise Unavailable("the local engine failed to start", code="engine_failed")
+        if not d.started:
+            raise Unavailable(
+                "the engine is still starting", code="engine_starting", retry_after_s=5
+            )
+        if not self.ready:
+            raise Unavailable(
+                "the local engine is not running; it is being restarted",
+                code="engine_unavailable",
+                retry_after_s=d.retry_after_s(),
+            )
+
+    # ------------------------------------------------------------ tokens
+
+    def chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template."""
+        rendered = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages
+        ]
+        return self.engine.tokenizer.render_chat(rendered)
+
+    def text_tokens(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        """Client-given token ids, each inside the model's vocabulary (else a 400): the
+        larger of the tokenizer's and the model's, as vLLM's own check."""
+        engine = self.engine
+        vocab = max(engine.tokenizer.vocab_size, engine.capabilities.vocab_size or 0)
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise InvalidRequest(
+                    f"Invalid value for '{param}[{i}]': token id {t} is outside the model's "
+                    f"vocabulary (0 to {vocab - 1})",
+                    param=f"{param}[{i}]",
+                    code="invalid_value",
+                )
+        return ids
+
+    # ------------------------------------------------------------ chat
+
+    def _chat_request(
+        self, req: ChatCompletionRequest, who: Principal, rid: str
+    ) -> GenerateRequest:
+        if req.tools:
+            raise InvalidRequest(
+                "tools are not supported by the local model; use a hosted provider target",
+                param="tools",
+                code="tools_unsupported",
+            )
+        self.check_ready()
+        ids = self.chat_tokens(req.messages)
+        limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        return self._generate_request(
+            rid, ids, req, req.output_limit(), ("messages", limit_param), who
+        )
+
+    async def chat(
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        route: RouteOverride | None,
+        served: Served,
+        rid: str,
+        session: str | None = None,
+    ) -> Pieces:
+        with self.dispatcher.admit():
+            t0 = time.perf_counter()
+            greq = self._chat_request(req, who, rid)
+            op = await self._journal(req, who, greq, session, served)
+            d = await self.dispatcher.route(greq, route)
+            served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
+            async with aclosing(self._run(greq, d, "chat", t0, op, served)) as pieces:
+                async for p in pieces:
+                    yield p
+
+    async def _journal(
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        greq: GenerateRequest,
+        session: str | None,
+        served: Served,
+    ) -> Open | None:
+        """Journal what vLLM will be handed (token ids, salt, sampling), before routing."""
+        system, turns = request_parts(req)
+        header = Header.make(req.model, LOCAL_TARGET, system, None, request_config(req, None))
+        op = self.journal.open(who.tenant, header, turns, session)
+        if op is None:
+            return None
+        sampling = dataclasses.asdict(greq.sampling)
+        sent = vllm_payload(greq.prompt_token_ids, greq.cache_salt, sampling)
+        directives = {"cache_salt": greq.cache_salt, "sampling": sampling}
+        await self.journal.sent(op, served, greq.request_id, LOCAL_TARGET, "vllm", directives, sent)
+        return op
+
+    async def _run(
+        self,
+        greq: GenerateRequest,
+        d: Dispatch,
+        endpoint: str,
+        t0: float,
+        op: Open | None,
+        served: Served,
+    ) -> Pieces:
+        totals = Totals()
+        text: list[str] = []
+        async with aclosing(self.dispatcher.run(greq, d, endpoint, t0, totals)) as chunks:
+            async for c in chunks:
+                text.append(c.text)
+                yield Piece(c.text, c.finish_reason)
+        usage = totals.usage()
+        await self.journal.answered(op, served, greq.request_id, "".join(text), usage)
+        yield Piece(usage=usage)
+
+    # ------------------------------------------------------- completions
+
+    def _completion_request(
+        self, req: CompletionRequest, who: Principal, rid: str
+    ) -> GenerateRequest:
+        self.check_ready()
+        p, param = req.prompt, "prompt"
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            p, param = p[0], "prompt[0]"
+        tok = self.engine.tokenizer
+        ids = tok.encode(p) if isinstance(p, str) else self.check_token_ids(p, param)  # type: ignore[arg-type]
+        if not ids:
+            raise InvalidRequest("prompt must not be empty", param="prompt", code="invalid_value")
+        return self._generate_request(rid, ids, req, req.max_tokens, ("prompt", "max_tokens"), who)
+
+    async def completion(
+        self,
+        req: CompletionRequest,
+        who: Principal,
+        route: RouteOverride | None,
+        served: Served,
+        rid: str,
+    ) -> Pieces:
+        with self.dispatcher.admit():
+            t0 = time.perf_counter()
+            greq = self._completion_request(req, who, rid)
+            served.dispatch = d = await self.dispatcher.route(greq, route)
+            async with aclosing(self._run(greq, d, "completions", t0, None, served)) as pieces:
+                async for p in pieces:
+                    yield p
+
+    # ---------------------------------------------------------- limits
+
+    def _generate_request(
+        self,
+        rid: str,
+        ids: list[int],
+        req: SamplingFields,
+        limit: int | None,
+        params: tuple[str, str],
+        who: Principal,
+    ) -> GenerateRequest:
+        prompt_param, limit_param = params
+        max_len = self.engine.capabilities.max_model_len
+        if len(ids) >= max_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_len} tokens; "
+                f"the prompt has {len(ids)} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        room = max_len - len(ids)
+        if limit is not None and limit > room:
+            raise InvalidRequest(
+                f"max_tokens is {limit}, but the prompt has {len(ids)} tokens and the "
+                f"model's maximum context length is {max_len}: at most {room} can be generated",
+                param=limit_param,
+                code="context_length_exceeded",
+            )
+        sampling = SamplingOptions(
+            max_tokens=room if limit is None else limit,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            stop=req.stop_list(),
+            seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            ignore_eos=req.ignore_eos,
+        )
+        return GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=tuple(ids),
+            sampling=sampling,
+            cache_salt=tenant_salt(who.tenant),
+        )

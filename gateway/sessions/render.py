@@ -1,0 +1,126 @@
+"""How a request is rendered from what the session log keeps, live and when rebuilt.
+
+An OpenAI chat request splits into a header (model, target, system prompts,
+tools, call config) and turns (:func:`request_parts`, :func:`request_config`).
+:func:`provider_call` renders those into the provider-neutral call every
+provider adapter renders to bytes; :func:`local_messages` and
+:func:`vllm_payload` are the local engine's side.  The live paths and
+:mod:`gateway.sessions.reconstruct` call the same functions, so a rebuilt
+request differs from the sent one only when the log or a renderer is wrong.
+
+The prefix lint runs over the system prompt; under the ``canonical`` layout
+the lines it flags (dates, times, ids) move to a volatile part rendered after
+the stable one, so the stable part stays a cacheable anchor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engines.providers.base import CacheDirectives, ChatCall, Turn
+from gateway.core.schemas import ChatCompletionRequest, Usage
+from manifest.canonical import canonical_json, canonicalize, lint, split_volatile
+from manifest.sessionlog import Header, MessageEvent
+
+
+def request_parts(
+    req: ChatCompletionRequest,
+) -> tuple[tuple[str, ...], tuple[MessageEvent, ...]]:
+    """Leading system/developer messages (the system prompt) and the turns after them."""
+    msgs = list(req.messages)
+    lead = 0
+    while lead < len(msgs) and msgs[lead].role in ("system", "developer"):
+        lead += 1
+    system = tuple(m.text() for m in msgs[:lead])
+    turns = tuple(MessageEvent(m.role, m.text(), m.name) for m in msgs[lead:])
+    return system, turns
+
+
+def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, Any]:
+    """The call config a header snapshot keeps (what frames the request, not the turns)."""
+    return {
+        "max_tokens": req.output_limit(),
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stop": list(req.stop_list()),
+        "seed": req.seed,
+        "stream": req.stream,
+        "layout": layout,
+        "tool_choice": req.tool_choice,
+    }
+
+
+def provider_call(header: Header, turns: Sequence[MessageEvent]) -> tuple[ChatCall, list[str]]:
+    """The provider-neutral call a header and turns render to (live and when rebuilt).
+
+    The system prompts are joined; the prefix lint runs over them and, under
+    the ``canonical`` layout, the lines it flags move to a volatile part.
+    """
+    cfg = header.settings()
+    system = "\n\n".join(header.system) or None
+    findings = lint(canonicalize([], system=system)) if system else []
+    named = [f"{f.rule}@{f.segment_key}+{f.byte_offset}" for f in findings]
+    volatile = None
+    if system and findings and cfg.get("layout") == "canonical":
+        stable, volatile = split_volatile(system)
+        system = stable or None
+        volatile = volatile or None
+    call = ChatCall(
+        model=header.target.partition("/")[2],
+        turns=tuple(
+            Turn("assistant", m.content)
+            if m.role == "assistant"
+            else Turn("user", m.content if m.role == "user" else f"[{m.role}] {m.content}")
+            for m in turns
+        ),
+        system=system,
+        volatile_system=volatile,
+        tools=tuple(header.tool_list()),
+        tool_choice=cfg.get("tool_choice"),
+        max_tokens=cfg.get("max_tokens"),
+        temperature=cfg.get("temperature"),
+        top_p=cfg.get("top_p"),
+        stop=tuple(cfg.get("stop") or ()),
+        seed=cfg.get("seed"),
+        stream=bool(cfg.get("stream", False)),
+    )
+    return call, named
+
+
+def directives_of(d: CacheDirectives) -> dict[str, Any]:
+    """The cache directives a dispatch event keeps (what the request was rendered with)."""
+    return {
+        "breakpoints": list(d.breakpoints),
+        "ttl_s": d.ttl_s,
+        "cache_key": d.cache_key,
+        "cached_content": d.cached_content,
+        "warm": d.warm,
+    }
+
+
+def local_messages(header: Header, turns: Sequence[MessageEvent]) -> list[dict[str, str]]:
+    """The chat-template input: leading system prompts, then the turns (developer → system)."""
+    out = [{"role": "system", "content": s} for s in header.system]
+    out += [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in turns
+    ]
+    return out
+
+
+def vllm_payload(token_ids: Sequence[int], cache_salt: str | None, sampling: Any) -> bytes:
+    """What the gateway hands vLLM, as bytes: token ids, cache salt, resolved sampling."""
+    return canonical_json(
+        {"prompt_token_ids": list(token_ids), "cache_salt": cache_salt, "sampling": sampling}
+    )
+
+
+def usage_record(u: Usage) -> dict[str, Any]:
+    """What a response event keeps of an answer's usage."""
+    d = u.prompt_tokens_details
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "cached_tokens": d.cached_tokens,
+        "cache_write_tokens": d.cache_write_tokens or 0,
+        "completion_tokens": u.completion_tokens,
+    }
