@@ -112,8 +112,3 @@ def error_message(body: Any) -> str:
     """The message of an error body; every provider nests it as ``{"error": {"message"}}``."""
     err = body.get("error") if isinstance(body, dict) else None
     return str(err.get("message")) if isinstance(err, dict) else str(body)[:200]
-
-
-def estimate_tokens(data: bytes) -> int:
-    """A planning estimate (about 4 bytes a token); telemetry corrects it."""
-    return -(-len(data) // 4)

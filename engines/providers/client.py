@@ -57,6 +57,7 @@ class ProviderClient:
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout
         )
         self.retries = 0
+        self.waits: list[float] = []  # each backoff, in seconds (the last 64)
 
     @property
     def provider(self) -> str:
@@ -84,6 +85,7 @@ class ProviderClient:
         if delay is None:
             raise err
         self.retries += 1
+        self.waits = [*self.waits[-63:], delay]
         log.info("%s: %s; retry %d in %.2fs", self.provider, err, attempt + 1, delay)
         await self._sleep(delay)
 

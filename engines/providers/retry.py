@@ -13,8 +13,6 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
-
 
 def parse_retry_after(headers: Mapping[str, str], now: dt.datetime | None = None) -> float | None:
     ms = headers.get("retry-after-ms")

@@ -1,14 +1,10 @@
-"""Subscriber to a vLLM replica's KV events (ZMQ PUB, msgspec msgpack).
+"""Subscriber to a vLLM replica's KV events: the sockets around
+:class:`~engines.vllm.kv_stream.EventSequence` (ZMQ SUB for the stream, a DEALER
+for the publisher's replay endpoint).
 
-vLLM publishes multipart messages ``(topic, seq: 8 bytes big-endian,
-payload)``; the payload is an array-like ``EventBatch`` ``[ts, events,
-dp_rank]`` whose events are maps tagged by ``type``.  We decode by field
-name and ignore fields we do not know, so newer vLLM versions keep working.
-
-Every message's sequence number is checked.  A gap (dropped messages, a
-late join) is repaired from the publisher's replay endpoint; if the replay
-buffer no longer covers it, or the sequence restarts (engine restart), the
-owner is asked for a full resync.  A stale index is never trusted silently.
+A gap is repaired from the replay endpoint; if the replay buffer no longer
+covers it, or the sequence restarts (engine restart), the owner is asked for
+a full resync.  A stale index is never trusted silently.
 """
 
 from __future__ import annotations
@@ -16,58 +12,36 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
-import msgspec
 import zmq
 import zmq.asyncio
+
+from engines.vllm.kv_stream import (
+    FULL_RESYNC,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventSequence,
+    KVEvent,
+    SubscriberStats,
+    decode_batch,
+)
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KVEvent",
+    "KVEventSubscriber",
+    "SubscriberStats",
+    "decode_batch",
+]
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-BlockKey = bytes | int
-
-
-class BlockStored(msgspec.Struct, tag=True):
-    block_hashes: list[BlockKey]
-    parent_block_hash: BlockKey | None = None
-    token_ids: list[int] = msgspec.field(default_factory=list)
-    block_size: int = 0
-
-
-class BlockRemoved(msgspec.Struct, tag=True):
-    block_hashes: list[BlockKey]
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class EventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
-
-
-_decoder = msgspec.msgpack.Decoder(EventBatch)
-
-
-def decode_batch(payload: bytes) -> EventBatch:
-    return _decoder.decode(payload)
-
-
-@dataclass
-class SubscriberStats:
-    batches: int = 0
-    gaps: int = 0
-    replays: int = 0
-    resyncs: int = 0
-    last_seq: int | None = None
-    errors: list[str] = field(default_factory=list)
 
 
 class KVEventSubscriber:
@@ -93,12 +67,17 @@ class KVEventSubscriber:
         self._sock.subscribe(topic.encode())
         self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         self._replay_endpoint = replay_endpoint
-        self._apply = apply
         self._resync = resync
         self._replay_timeout_s = replay_timeout_s
-        self._repair_from: int | None = None
-        self._held: list[tuple[int, bytes]] = []
-        self.stats = SubscriberStats()
+        self.sequence = EventSequence(apply)
+
+    @property
+    def stats(self) -> SubscriberStats:
+        return self.sequence.stats
+
+    @property
+    def repair_pending(self) -> bool:
+        return self.sequence.repair_pending
 
     # --------------------------------------------------------------- intake
 
@@ -113,40 +92,7 @@ class KVEventSubscriber:
             n += 1
             if len(frames) != 3:
                 continue
-            self._on_message(int.from_bytes(frames[1], "big"), frames[2])
-
-    def _on_message(self, seq: int, payload: bytes) -> None:
-        if self._repair_from is not None:
-            self._held.append((seq, payload))  # applied after the repair, in order
-            return
-        last = self.stats.last_seq
-        expected = 0 if last is None else last + 1
-        if seq == expected:
-            self._accept(seq, payload)
-        elif last is not None and seq <= last:
-            log.warning("KV event sequence restarted (%d after %d): resyncing", seq, last)
-            self.stats.gaps += 1
-            self._repair_from = -1  # -1: no replay possible, full resync
-            self._held.append((seq, payload))
-        else:
-            log.warning("KV event gap: expected %d, got %d", expected, seq)
-            self.stats.gaps += 1
-            self._repair_from = expected
-            self._held.append((seq, payload))
-
-    def _accept(self, seq: int, payload: bytes) -> None:
-        try:
-            batch = decode_batch(payload)
-        except msgspec.DecodeError as exc:
-            self.stats.errors.append(f"seq {seq}: {exc}")
-            return
-        self._apply(batch)
-        self.stats.batches += 1
-        self.stats.last_seq = seq
-
-    @property
-    def repair_pending(self) -> bool:
-        return self._repair_from is not None
+            self.sequence.receive(int.from_bytes(frames[1], "big"), frames[2])
 
     # --------------------------------------------------------------- repair
 
@@ -174,30 +120,13 @@ class KVEventSubscriber:
         return got
 
     async def repair(self) -> None:
-        start = self._repair_from
+        start = self.sequence.repair_from
         if start is None:
             return
-        replayed = await self._replay(start) if start >= 0 else None
-        held, self._held = self._held, []
-        self._repair_from = None
-        if replayed is not None:
-            self.stats.replays += 1
-            merged = dict(replayed)
-            merged.update(held)
-            for seq in sorted(merged):
-                last = self.stats.last_seq
-                expected = 0 if last is None else last + 1
-                if seq < expected:
-                    continue
-                if seq > expected:
-                    break  # still a hole: fall through to a full resync
-                self._accept(seq, merged[seq])
-            else:
-                return
-        self.stats.resyncs += 1
-        await self._resync()
-        # The resync reflects the engine now; later batches still apply in order.
-        self.stats.last_seq = max((s for s, _ in held), default=self.stats.last_seq)
+        replayed = await self._replay(start) if start != FULL_RESYNC else None
+        if not self.sequence.replayed(replayed):
+            await self._resync()
+            self.sequence.resynced()
 
     # ----------------------------------------------------------------- loop
 

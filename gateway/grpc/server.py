@@ -11,7 +11,7 @@ the handler, which aborts its engine request.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 M = TypeVar("M", bound=BaseModel)
+P = TypeVar("P")
 
 
 def _validate(model: type[M], data: dict[str, Any]) -> M:
@@ -81,6 +82,24 @@ def _usage(u: Usage | None, served: Served) -> pb.Usage:
     return out
 
 
+CacheRpc = Callable[["GatewayServicer", pb.CacheRequest, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _cache_rpc(operation: str, response: Callable[[], Any]) -> CacheRpc:
+    """The servicer method of one cache operation (``CacheService.<operation>``)."""
+
+    async def rpc(
+        self: GatewayServicer, request: pb.CacheRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        op = getattr(self._cache_service, operation)
+        return await self._admin(
+            context, lambda who: op(self._cache_request(request), who), response()
+        )
+
+    rpc.__name__ = operation.capitalize()
+    return rpc
+
+
 class GatewayServicer(pb_grpc.GatewayServicer):
     def __init__(
         self,
@@ -100,9 +119,6 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
         auth = dict(context.invocation_metadata() or ()).get("authorization")
         return self._keys.authenticate(auth if isinstance(auth, str) else None)
-
-    def _cache(self) -> CacheService:
-        return self._cache_service
 
     def _chat_request(
         self, request: pb.ChatCompletionRequest, stream: bool
@@ -221,80 +237,38 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     # --------------------------------------------------------------- cache
 
-    async def _admin_call(self, context: grpc.aio.ServicerContext, run: Any) -> Any:
+    async def _admin(
+        self,
+        context: grpc.aio.ServicerContext,
+        run: Callable[[Principal], Awaitable[BaseModel | dict[str, Any]]],
+        out: P,
+    ) -> P:
+        """An admin cache call: its pydantic answer (the HTTP API's) copied into ``out``
+        by field name (fields only HTTP shows are left out)."""
         try:
             who = self._principal(context)
             CacheService.require_admin(who)
-            return await run(who)
+            result = await run(who)
         except APIError as exc:
             await self._fail(context, exc)
+            raise  # abort_with_status raised already; never reached
+        data = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
+        target = out.stats if isinstance(out, pb.StatsResponse) else out
+        json_format.ParseDict(data, target, ignore_unknown_fields=True)
+        return out
 
-    async def Lookup(
-        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LookupResponse:
-        async def run(who: Principal) -> pb.LookupResponse:
-            r = await self._cache().lookup(self._cache_request(request), who)
-            return pb.LookupResponse(
-                prompt_tokens=r.prompt_tokens,
-                block_size=r.block_size,
-                replicas=[pb.ReplicaSpans(**s.model_dump()) for s in r.replicas],
-            )
-
-        return await self._admin_call(context, run)  # type: ignore[no-any-return]
-
-    async def Warm(
-        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
-    ) -> pb.WarmResponse:
-        async def run(who: Principal) -> pb.WarmResponse:
-            r = await self._cache().warm(self._cache_request(request), who)
-            return pb.WarmResponse(**r.model_dump())
-
-        return await self._admin_call(context, run)  # type: ignore[no-any-return]
-
-    async def Pin(
-        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PinResponse:
-        async def run(who: Principal) -> pb.PinResponse:
-            r = await self._cache().pin(self._cache_request(request), who)
-            return pb.PinResponse(
-                owner=r.owner,
-                lease_s=r.lease_s,
-                replicas=[pb.ReplicaPins(**p.model_dump()) for p in r.replicas],
-            )
-
-        return await self._admin_call(context, run)  # type: ignore[no-any-return]
-
-    async def Unpin(
-        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
-    ) -> pb.UnpinResponse:
-        async def run(who: Principal) -> pb.UnpinResponse:
-            r = await self._cache().unpin(self._cache_request(request), who)
-            return pb.UnpinResponse(
-                replicas=[pb.ReplicaUnpins(**u.model_dump()) for u in r.replicas]
-            )
-
-        return await self._admin_call(context, run)  # type: ignore[no-any-return]
-
-    async def Evict(
-        self, request: pb.CacheRequest, context: grpc.aio.ServicerContext
-    ) -> pb.EvictResponse:
-        async def run(who: Principal) -> pb.EvictResponse:
-            r = await self._cache().evict(self._cache_request(request), who)
-            return pb.EvictResponse(
-                replicas=[pb.ReplicaEvictions(**e.model_dump()) for e in r.replicas]
-            )
-
-        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+    # Each cache RPC is the HTTP cache API's operation, answered in proto.
+    Lookup = _cache_rpc("lookup", pb.LookupResponse)
+    Warm = _cache_rpc("warm", pb.WarmResponse)
+    Pin = _cache_rpc("pin", pb.PinResponse)
+    Unpin = _cache_rpc("unpin", pb.UnpinResponse)
+    Evict = _cache_rpc("evict", pb.EvictResponse)
 
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
-        async def run(who: Principal) -> pb.StatsResponse:
-            out = pb.StatsResponse()
-            json_format.ParseDict(await self._cache().stats(), out.stats)
-            return out
-
-        return await self._admin_call(context, run)  # type: ignore[no-any-return]
+        cache = self._cache_service
+        return await self._admin(context, lambda who: cache.stats(), pb.StatsResponse())
 
 
 class GrpcServer:

@@ -22,7 +22,7 @@ from gateway.core.schemas import Usage
 from gateway.core.types import RouteOverride
 from gateway.local.replicas import Replica
 from gateway.local.routing import RouteContext, Router
-from gateway.local.spans import KVCacheManager
+from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
@@ -65,7 +65,7 @@ class Dispatcher:
         self,
         replicas: Sequence[Replica],
         router: Router,
-        kv: KVCacheManager | None,
+        kv: KVSpans | None,
         metrics: Metrics,
         max_inflight: int,
     ) -> None:

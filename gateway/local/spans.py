@@ -82,7 +82,7 @@ class PinResult:
     refused: list[str] = field(default_factory=list)  # over the pin budget
 
 
-class KVCacheManager:
+class KVSpans:
     def __init__(
         self,
         block_size: int,

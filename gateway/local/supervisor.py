@@ -34,7 +34,7 @@ from typing import Literal, cast
 
 from engines.base import Engine
 from gateway.local.dispatch import Dispatcher
-from gateway.local.spans import CoreControlled, KVCacheManager
+from gateway.local.spans import CoreControlled, KVSpans
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Supervisor:
         self._backoff = (backoff_base_s, backoff_cap_s)
         self._clock = clock
         self.health: dict[LocationId, ReplicaHealth] = {r: ReplicaHealth() for r in self._replicas}
-        self.kv: KVCacheManager | None = None
+        self.kv: KVSpans | None = None
         self._start_s = 0.0  # the longest engine start seen: how long a restart takes
         self._watch: asyncio.Task[None] | None = None
         dispatcher.retry_after_s = self.retry_after_s
@@ -91,10 +91,6 @@ class Supervisor:
         """Why the replicas could not start at boot (kept by the dispatcher, which refuses
         requests with it)."""
         return self._dispatcher.failed
-
-    @property
-    def any_ready(self) -> bool:
-        return any(h.state == "ready" for h in self.health.values())
 
     @property
     def engine_dead(self) -> bool:
@@ -138,7 +134,7 @@ class Supervisor:
         await self._changed()
         self._watch = asyncio.create_task(self._watch_forever(), name="replica-watch")
 
-    async def _attach_kv(self) -> KVCacheManager | None:
+    async def _attach_kv(self) -> KVSpans | None:
         """Exact spans over the replicas that publish KV events, run the vcache plugin and
         hash blocks as the manifest does (their declared capabilities say so)."""
         tracked = []
@@ -156,7 +152,7 @@ class Supervisor:
         if len(seeds) != 1 or first.hash_seed is None:
             raise ValueError(f"replicas must share one declared hash seed, not {seeds}")
         share, lease = self._kv_args
-        kv = KVCacheManager(
+        kv = KVSpans(
             block_size=first.block_size,
             hash_seed=first.hash_seed,
             pin_max_share=share,

@@ -250,9 +250,6 @@ class ProviderCacheBook:
         st.false_warm += 1
         st.last_false_warm_offset = offset
 
-    def forget(self, target: str, digest: ContentDigest) -> None:
-        self._records.pop((target, digest), None)
-
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for target, st in self.stats.items():

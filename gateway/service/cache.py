@@ -24,7 +24,7 @@ from gateway.core.errors import (
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage, RequestModel, TokenId
 from gateway.core.types import Principal, tenant_salt
 from gateway.local.routing import RouteContext
-from gateway.local.spans import KVCacheManager
+from gateway.local.spans import KVSpans
 from gateway.service.chat import GatewayService
 from manifest.hashing import BlockHash, from_hex
 from manifest.index import LocationId
@@ -132,7 +132,7 @@ def check_scope(body: CacheRequest, who: Principal) -> None:
 class _Spans:
     """A cache request resolved to tokens (when given), block hashes and replicas."""
 
-    def __init__(self, body: CacheRequest, who: Principal, svc: GatewayService, kv: KVCacheManager):
+    def __init__(self, body: CacheRequest, who: Principal, svc: GatewayService, kv: KVSpans):
         svc.check_model(body.model)
         self.salt = tenant_salt(body.tenant or who.tenant)
         self.tokens: list[int] | None = None
@@ -167,11 +167,11 @@ class CacheService:
         self._svc = svc
 
     @property
-    def _kv(self) -> KVCacheManager | None:
+    def _kv(self) -> KVSpans | None:
         """The local replicas' span manager, once they are up (the supervisor sets it)."""
         return self._svc.dispatcher.kv
 
-    def _manager(self) -> KVCacheManager:
+    def _manager(self) -> KVSpans:
         if self._kv is None:
             raise Unavailable(
                 "Exact KV tracking is not available (engines starting, or KV events disabled)",
@@ -180,7 +180,7 @@ class CacheService:
             )
         return self._kv
 
-    def _spans(self, body: CacheRequest, who: Principal) -> tuple[KVCacheManager, _Spans]:
+    def _spans(self, body: CacheRequest, who: Principal) -> tuple[KVSpans, _Spans]:
         check_scope(body, who)
         kv = self._manager()
         return kv, _Spans(body, who, self._svc, kv)

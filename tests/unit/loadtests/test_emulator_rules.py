@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
 
 from emulator.app import create_app
 from emulator.state import EmulatorState

@@ -105,7 +105,7 @@ def test_invalid_config_names_the_field(tmp_path: Path, text: str, field: str) -
 
 
 def test_example_config_is_valid() -> None:
-    example = Path(__file__).resolve().parents[2] / "deploy" / "vcache.example.yaml"
+    example = Path(__file__).resolve().parents[3] / "deploy" / "vcache.example.yaml"
     s = Settings(config_file=example)
     assert s.config_file == example
     assert s.engine.hash_seed == "0"

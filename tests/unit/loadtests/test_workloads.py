@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
 
 from report import counter_cross_check, percentile, summarize
 from workloads import (

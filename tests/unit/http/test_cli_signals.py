@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
 from procs import free_port, get_ok
 
 

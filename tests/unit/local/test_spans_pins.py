@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from gateway.local.spans import KVCacheManager
+from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash, block_hashes
 from manifest.index import LocationId
 
 R = LocationId("replica-0")
-Setup = tuple[KVCacheManager, "FakeCore", "Clock", list[BlockHash]]
+Setup = tuple[KVSpans, "FakeCore", "Clock", list[BlockHash]]
 
 
 class FakeCore:
@@ -69,7 +69,7 @@ class Clock:
 @pytest.fixture
 def make(tmp_path: Path) -> Iterator[Callable[[int], Setup]]:
     """Build a manager over a fake core; its subscriber sockets are closed afterwards."""
-    built: list[KVCacheManager] = []
+    built: list[KVSpans] = []
 
     def build(capacity: int = 10) -> Setup:
         kv, core, clock, hashes = _setup(tmp_path, capacity)
@@ -84,7 +84,7 @@ def make(tmp_path: Path) -> Iterator[Callable[[int], Setup]]:
 def _setup(tmp_path: Path, capacity: int) -> Setup:
     hashes = block_hashes(list(range(64)), 16, "0")
     clock = Clock()
-    kv = KVCacheManager(16, "0", pin_max_share=0.5, default_lease_s=60, clock=clock)
+    kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60, clock=clock)
     core = FakeCore(hashes[:3], capacity)
     kv.attach(R, core, f"ipc://{tmp_path}/none", None)
     kv.index.apply_stored(R, hashes[:3])

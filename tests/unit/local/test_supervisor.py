@@ -85,7 +85,7 @@ def test_a_dead_replica_is_unrouted_then_restarted_after_backoff(
         changes: list[bool] = []
 
         async def changed() -> None:
-            changes.append(sup.any_ready)
+            changes.append(any(h.state == "ready" for h in sup.health.values()))
 
         sup.on_change = changed
         await sup.boot()
@@ -95,7 +95,7 @@ def test_a_dead_replica_is_unrouted_then_restarted_after_backoff(
         await sup.check()
         assert sup.health[LocationId("replica-0")].state == "dead"
         assert [r.id for r in dispatcher.serving()] == ["replica-1"]
-        assert not sup.engine_dead and sup.any_ready
+        assert not sup.engine_dead and any(h.state == "ready" for h in sup.health.values())
         assert sup.retry_after_s() == 2.0  # first backoff
 
         clock.now += 1.9
@@ -180,7 +180,7 @@ def test_http_reports_engine_dead_then_recovers(tokenizer: ChatTokenizer) -> Non
         assert r.json()["error"]["code"] == "engine_unavailable"
         assert 3500 <= int(r.headers["retry-after"]) <= 3600
         sup.health[LocationId("replica-0")].next_attempt_at = 0.0  # due now
-        _wait(lambda: sup.any_ready)
+        _wait(lambda: any(h.state == "ready" for h in sup.health.values()))
         assert c.get("/healthz").status_code == 200
         assert c.get("/readyz").json()["replicas"]["replica-0"]["restarts"] == 1
         assert c.post("/v1/chat/completions", json=body).status_code == 200

@@ -173,7 +173,7 @@ while True:
 
 def test_a_writer_killed_mid_append_leaves_every_acknowledged_request(tmp_path: Path) -> None:
     db = tmp_path / "killed.db"
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[3])
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER.format(repo=repo, db=str(db))],
         stdout=subprocess.PIPE,

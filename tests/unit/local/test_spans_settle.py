@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from engines.vllm.plugin import in_order
-from gateway.local.spans import KVCacheManager
+from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash, block_hashes, event_hash
 from manifest.index import LocationId
 
@@ -65,17 +65,17 @@ class InTransitCore:
         raise AssertionError("not used")
 
 
-def _manager(tmp_path: Path) -> tuple[KVCacheManager, InTransitCore, Any, list[BlockHash]]:
+def _manager(tmp_path: Path) -> tuple[KVSpans, InTransitCore, Any, list[BlockHash]]:
     n = next(_ids)
     ev, rp = f"ipc://{tmp_path}/ev{n}", f"ipc://{tmp_path}/rp{n}"
     pub = kv_events.ZmqEventPublisher(data_parallel_rank=0, endpoint=ev, replay_endpoint=rp)
-    kv = KVCacheManager(16, "0", pin_max_share=0.5, default_lease_s=60)
+    kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)
     core = InTransitCore(pub)
     kv.attach(R, core, ev, rp)
     return kv, core, pub, block_hashes(list(range(64)), 16, "0")
 
 
-async def _connected(kv: KVCacheManager, core: InTransitCore, hashes: list[BlockHash]) -> None:
+async def _connected(kv: KVSpans, core: InTransitCore, hashes: list[BlockHash]) -> None:
     """Publish until the subscriber has joined (PUB drops messages before that)."""
     for _ in range(100):
         core.publisher.publish(_stored(hashes[:1]))
