@@ -17,6 +17,15 @@ from engines.tokenizer import ChatTokenizer
 
 
 @dataclass(frozen=True)
+class Structured:
+    """Constrain the output (vLLM structured outputs): a JSON schema (canonical JSON text),
+    or any JSON object."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     max_tokens: int
     temperature: float = 1.0
@@ -26,10 +35,15 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    n: int = 1  # parallel samples of one prompt (its KV computed once)
+    logprobs: int | None = None  # the sampled token's logprob and this many top ones
+    structured: Structured | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
+        if self.n < 1:
+            raise ValueError("n must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -45,14 +59,25 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability, and the most likely tokens at its step."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # best first
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
-    """One step of a generation stream: the *new* text and tokens only."""
+    """One step of a generation stream: the *new* text and tokens only, of one sample."""
 
     text: str
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
     num_cached_tokens: int | None  # prompt tokens served from cache; None: not reported yet
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the sample's last chunk
+    index: int = 0  # which of the ``n`` samples
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
-from engines.base import EngineCapabilities, EngineStats, GenerateChunk, GenerateRequest
+from engines.base import (
+    EngineCapabilities,
+    EngineStats,
+    GenerateChunk,
+    GenerateRequest,
+    TokenLogprob,
+)
 from engines.errors import EngineInputError, EngineOverloaded, EngineUnavailable
 from engines.tokenizer import ChatTokenizer
 
@@ -38,6 +44,7 @@ class FakeEngine:
         self._max_queued = max_queued_requests
         self._delay = step_delay_s
         self._reply_ids = tokenizer.encode(reply)
+        self._structured_ids = tokenizer.encode('{"answer": "fake"}')
         self._cached: set[tuple[str | None, tuple[int, ...]]] = set()
         self._running: set[str] = set()
         self._started = False
@@ -94,19 +101,26 @@ class FakeEngine:
         finished = False
         try:
             cached = self._cached_tokens(request)
-            ids = (self._reply_ids * (request.sampling.max_tokens // len(self._reply_ids) + 1))[
-                : request.sampling.max_tokens
-            ]
+            s = request.sampling
+            if s.structured is not None:  # one JSON object, then stop
+                ids = self._structured_ids[: s.max_tokens]
+                end = "stop" if len(ids) == len(self._structured_ids) else "length"
+            else:
+                reply = self._reply_ids
+                ids, end = (reply * (s.max_tokens // len(reply) + 1))[: s.max_tokens], "length"
             for i, tok in enumerate(ids):
                 await asyncio.sleep(self._delay)
                 last = i == len(ids) - 1
-                yield GenerateChunk(
-                    text=self._tokenizer.decode([tok]),
-                    token_ids=(tok,),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=cached,
-                    finish_reason="length" if last else None,
-                )
+                for index in range(s.n):  # the samples step together
+                    yield GenerateChunk(
+                        text=self._tokenizer.decode([tok]),
+                        token_ids=(tok,),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=cached,
+                        finish_reason=end if last else None,
+                        index=index,
+                        logprobs=self._logprobs(tok, index, s.logprobs),
+                    )
             if not ids:
                 yield GenerateChunk("", (), request.num_prompt_tokens, cached, "length")
             finished = True
@@ -114,6 +128,15 @@ class FakeEngine:
             self._running.discard(request.request_id)
             if not finished:
                 self.aborted.append(request.request_id)
+
+    def _logprobs(self, tok: int, index: int, top: int | None) -> tuple[TokenLogprob, ...]:
+        """Made-up but well-formed: the sampled token first, then ``top - 1`` others."""
+        if top is None:
+            return ()
+        text = self._tokenizer.decode([tok])
+        lp = -0.25 * (index + 1)
+        others = tuple((f"alt{k}", lp - k) for k in range(1, top))
+        return (TokenLogprob(text, lp, ((text, lp), *others)[:top]),)
 
     async def close(self) -> None:
         self._closed = True

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from engines.base import EngineCapabilities, EngineStats, GenerateChunk, GenerateRequest
+from engines.base import (
+    EngineCapabilities,
+    EngineStats,
+    GenerateChunk,
+    GenerateRequest,
+    Structured,
+    TokenLogprob,
+)
 from engines.errors import (
     EngineError,
     EngineGenerationFailed,
@@ -106,6 +113,7 @@ class VllmEngine:
             tensor_parallel_size=c.tensor_parallel_size,
             dtype=c.dtype,
             disable_log_stats=False,  # stats feed CoreStats (engine-core truth)
+            structured_outputs_config=_compact_json(),
         )
         if c.block_size is not None:
             kwargs["block_size"] = c.block_size
@@ -185,16 +193,19 @@ class VllmEngine:
         try:
             async for out in stream:
                 finished = out.finished
-                completion = out.outputs[0]
-                yield GenerateChunk(
-                    text=completion.text,
-                    token_ids=tuple(completion.token_ids),
-                    num_prompt_tokens=len(out.prompt_token_ids or ()),
-                    num_cached_tokens=out.num_cached_tokens or 0,
-                    finish_reason=_finish_reason(completion.finish_reason)
-                    if out.finished
-                    else None,
-                )
+                for completion in out.outputs:
+                    done = completion.finish_reason is not None or (
+                        out.finished and request.sampling.n == 1
+                    )
+                    yield GenerateChunk(
+                        text=completion.text,
+                        token_ids=tuple(completion.token_ids),
+                        num_prompt_tokens=len(out.prompt_token_ids or ()),
+                        num_cached_tokens=out.num_cached_tokens or 0,
+                        finish_reason=_finish_reason(completion.finish_reason) if done else None,
+                        index=completion.index,
+                        logprobs=_logprobs(completion, request.sampling.logprobs),
+                    )
         except EngineError:
             raise
         except Exception as exc:  # translated at the edge, most specific first
@@ -237,8 +248,53 @@ def _sampling_params(request: GenerateRequest) -> Any:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         ignore_eos=s.ignore_eos,
+        n=s.n,
+        logprobs=s.logprobs,
+        structured_outputs=_structured(s.structured),
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def _compact_json() -> Any:
+    """Structured outputs allow no free whitespace between JSON tokens, so a weak model
+    cannot spend its whole budget on blank lines (the JSON is as valid).  vLLM reads this
+    from the engine's config, not from each request."""
+    from vllm.config import StructuredOutputsConfig
+
+    return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
+
+
+def _structured(s: Structured | None) -> Any:
+    if s is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if s.json_schema is not None:
+        return StructuredOutputsParams(json=s.json_schema, disable_any_whitespace=True)
+    return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+
+
+LOGPROB_FLOOR = -9999.0  # what vLLM's own server sends for -inf (JSON has no infinity)
+
+
+def _logprobs(completion: Any, top: int | None) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-token {id: Logprob} maps as (token, logprob, top alternatives)."""
+    if top is None or not completion.logprobs:
+        return ()
+    out = []
+    for token_id, step in zip(completion.token_ids, completion.logprobs, strict=False):
+        chosen = step.get(token_id)
+        ranked = sorted(step.values(), key=lambda lp: lp.rank or 0)[:top]
+        out.append(
+            TokenLogprob(
+                token=(chosen.decoded_token or "") if chosen else "",
+                logprob=max(chosen.logprob, LOGPROB_FLOOR) if chosen else LOGPROB_FLOOR,
+                top=tuple(
+                    (lp.decoded_token or "", max(lp.logprob, LOGPROB_FLOOR)) for lp in ranked
+                ),
+            )
+        )
+    return tuple(out)
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -22,7 +22,13 @@ from typing import Any
 
 import httpx
 
-from engines.base import EngineCapabilities, EngineStats, GenerateChunk, GenerateRequest
+from engines.base import (
+    EngineCapabilities,
+    EngineStats,
+    GenerateChunk,
+    GenerateRequest,
+    TokenLogprob,
+)
 from engines.errors import (
     EngineError,
     EngineGenerationFailed,
@@ -141,6 +147,14 @@ class RemoteVllmEngine:
             "return_token_ids": True,
             "request_id": request.request_id,
         }
+        if s.n > 1:
+            body["n"] = s.n
+        if s.logprobs is not None:
+            body["logprobs"] = s.logprobs
+        if s.structured is not None:
+            st = s.structured
+            kind = {"json": json.loads(st.json_schema)} if st.json_schema else {"json_object": True}
+            body["structured_outputs"] = {**kind, "disable_any_whitespace": True}
         if s.stop:
             body["stop"] = list(s.stop)
         if s.seed is not None:
@@ -175,14 +189,16 @@ class RemoteVllmEngine:
                     raise _error(int(data["error"].get("code") or 500), event.data.encode())
                 usage = data.get("usage")
                 if data.get("choices"):
-                    c = data["choices"][0]
-                    yield GenerateChunk(
-                        text=c.get("text") or "",
-                        token_ids=tuple(c.get("token_ids") or ()),
-                        num_prompt_tokens=num_prompt,
-                        num_cached_tokens=None,  # reported with the final usage
-                        finish_reason=c.get("finish_reason"),
-                    )
+                    for c in data["choices"]:
+                        yield GenerateChunk(
+                            text=c.get("text") or "",
+                            token_ids=tuple(c.get("token_ids") or ()),
+                            num_prompt_tokens=num_prompt,
+                            num_cached_tokens=None,  # reported with the final usage
+                            finish_reason=c.get("finish_reason"),
+                            index=int(c.get("index") or 0),
+                            logprobs=_logprobs(c.get("logprobs")),
+                        )
                 elif usage is not None:
                     details = usage.get("prompt_tokens_details") or {}
                     yield GenerateChunk(
@@ -196,3 +212,16 @@ class RemoteVllmEngine:
         if not self._closed:
             self._closed = True
             await self._http.aclose()
+
+
+def _logprobs(lp: dict[str, Any] | None) -> tuple[TokenLogprob, ...]:
+    """A completions-API ``logprobs`` object (tokens, token_logprobs, top_logprobs)."""
+    if not lp:
+        return ()
+    tops = lp.get("top_logprobs") or []
+    out = []
+    for i, (token, logprob) in enumerate(zip(lp["tokens"], lp["token_logprobs"], strict=False)):
+        top = tops[i] if i < len(tops) and tops[i] else {}
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])
+        out.append(TokenLogprob(token, float(logprob), tuple((t, float(v)) for t, v in ranked)))
+    return tuple(out)

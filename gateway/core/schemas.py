@@ -8,17 +8,14 @@ Output models allow extra fields and are never built as raw dicts.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -26,6 +23,8 @@ from pydantic_core import PydanticCustomError
 # ---------------------------------------------------------------- requests
 
 SEED_MAX = 2**63 - 1  # seeds are 64-bit signed integers, as in OpenAI's API
+MAX_N = 128  # choices per request, as OpenAI's API
+MAX_TOP_LOGPROBS = 20  # chat; text completions allow 5
 
 
 def lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -131,20 +130,13 @@ class SamplingFields(RequestModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: StopText | list[StopText] | None = None
     seed: Annotated[int, Field(ge=-SEED_MAX - 1, le=SEED_MAX)] | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -159,11 +151,38 @@ class SamplingFields(RequestModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+class JsonSchemaSpec(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(BaseModel):
+    """``text``; ``json_object`` (any JSON object); ``json_schema`` (valid against it)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError(
+                "value_error",
+                "type json_schema needs a json_schema object",
+                {"param": "response_format.json_schema"},
+            )
+        return self
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
 
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none"] | None = None
@@ -179,19 +198,23 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"{info.field_name} is not supported by this gateway")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError(
+                "value_error",
+                "top_logprobs needs logprobs: true",
+                {"param": "top_logprobs"},
+            )
+        return self
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported")
-        return v
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives per token the client wants (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def structured(self) -> ResponseFormat | None:
+        f = self.response_format
+        return None if f is None or f.type == "text" else f
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
@@ -206,6 +229,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -233,123 +257,3 @@ class CompletionRequest(SamplingFields):
         if v:
             raise ValueError("suffix is not supported")
         return v
-
-
-# --------------------------------------------------------------- responses
-
-
-class _Out(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class PromptTokensDetails(_Out):
-    cached_tokens: int = 0
-    cache_write_tokens: int | None = None  # providers that charge for cache writes
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_writes(self, nxt: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out: dict[str, Any] = nxt(self)
-        if out.get("cache_write_tokens") is None:
-            out.pop("cache_write_tokens", None)
-        return out
-
-
-class Usage(_Out):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-    @classmethod
-    def of(cls, prompt: int, completion: int, cached: int, written: int | None = None) -> Usage:
-        """OpenAI's convention: ``prompt`` includes the ``cached`` tokens; cache writes (a
-        provider's) are reported apart in ``prompt_tokens_details.cache_write_tokens``."""
-        return cls(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(
-                cached_tokens=cached, cache_write_tokens=written
-            ),
-        )
-
-
-class AssistantMessage(_Out):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(_Out):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str
-    logprobs: None = None
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class ChatCompletion(_Out):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChunkDelta(_Out):
-    """A stream delta carries only what changed: absent fields are left out, not null."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChunkChoice(_Out):
-    index: int = 0
-    delta: ChunkDelta
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(_Out):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChoice(_Out):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class Completion(_Out):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(_Out):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "vcache"
-    max_model_len: int | None = None
-
-
-class ModelList(_Out):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

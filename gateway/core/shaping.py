@@ -1,30 +1,36 @@
 """One answer shape, shaped once per API at the edge.
 
 Every path (the local engine, a hosted provider) produces an answer as a
-stream of :class:`Piece`: text as it is generated, the finish reason on the
-piece that ends the text, and a last piece that carries only the usage.
-The functions here turn that stream into OpenAI's chat completion (whole or
-as chunks) and text completion (whole or as chunks); the gRPC edge and the
-Responses API read the same pieces.
+stream of :class:`Piece`: text as it is generated (with its token logprobs
+when asked for, and the index of its sample when ``n > 1``), the finish
+reason on the piece that ends a sample, and a last piece that carries only
+the usage.  The functions here turn that stream into OpenAI's chat
+completion (whole or as chunks) and text completion (whole or as chunks);
+the gRPC edge and the Responses API read the same pieces.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gateway.core.schemas import (
+from engines.base import TokenLogprob
+from gateway.core.outputs import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
+    TokenLogprobOut,
+    TopLogprob,
     Usage,
 )
 
@@ -34,12 +40,23 @@ Pieces = AsyncGenerator["Piece", None]
 
 @dataclass(frozen=True)
 class Piece:
-    """A piece of an answer: generated text, the finish reason once it ends, or (last)
-    the usage of the whole answer."""
+    """A piece of an answer: generated text of sample ``index``, the finish reason once
+    that sample ends, or (last) the usage of the whole answer."""
 
     text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the client asked the answer to carry."""
+
+    n: int = 1
+    logprobs: bool = False
+    include_usage: bool = False
 
 
 class _Primed(AsyncGenerator[T, None]):
@@ -75,74 +92,135 @@ async def primed(gen: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
     return _Primed(first, gen)
 
 
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", "replace"))
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprobOut(
+                token=t.token,
+                logprob=t.logprob,
+                bytes=_utf8(t.token),
+                top_logprobs=[TopLogprob(token=a, logprob=b, bytes=_utf8(a)) for a, b in t.top],
+            )
+            for t in lps
+        ]
+    )
+
+
+def completion_logprobs(lps: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """The legacy shape; ``offset``: where the first token starts in the choice's text."""
+    out = CompletionLogprobs()
+    for t in lps:
+        out.tokens.append(t.token)
+        out.token_logprobs.append(t.logprob)
+        out.top_logprobs.append(dict(t.top))
+        out.text_offset.append(offset)
+        offset += len(t.token)
+    return out
+
+
 @dataclass
-class Collected:
-    text: str
-    finish_reason: str
-    usage: Usage
+class Sample:
+    text: list[str] = field(default_factory=list)
+    finish_reason: str = "stop"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-async def collect(pieces: Pieces) -> Collected:
-    """The whole answer: its text, finish reason and usage."""
-    text: list[str] = []
-    finish, usage = "stop", Usage.of(0, 0, 0)
+async def collect(pieces: Pieces, n: int = 1) -> tuple[list[Sample], Usage]:
+    """The whole answer: each sample's text, finish reason and logprobs, and the usage."""
+    samples = [Sample() for _ in range(n)]
+    usage = Usage.of(0, 0, 0)
     async with aclosing(pieces):
         async for p in pieces:
-            text.append(p.text)
-            finish = p.finish_reason or finish
+            s = samples[p.index]
+            s.text.append(p.text)
+            s.logprobs += p.logprobs
+            s.finish_reason = p.finish_reason or s.finish_reason
             usage = p.usage or usage
-    return Collected("".join(text), finish, usage)
+    return samples, usage
 
 
-async def chat_completion(rid: str, model: str, pieces: Pieces) -> ChatCompletion:
-    a = await collect(pieces)
-    choice = ChatChoice(message=AssistantMessage(content=a.text), finish_reason=a.finish_reason)
-    return ChatCompletion(id=rid, model=model, choices=[choice], usage=a.usage)
+async def chat_completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> ChatCompletion:
+    samples, usage = await collect(pieces, shape.n)
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content="".join(s.text)),
+            finish_reason=s.finish_reason,
+            logprobs=chat_logprobs(s.logprobs) if shape.logprobs else None,
+        )
+        for i, s in enumerate(samples)
+    ]
+    return ChatCompletion(id=rid, model=model, choices=choices, usage=usage)
 
 
 async def chat_chunks(
-    rid: str, model: str, pieces: Pieces, include_usage: bool
+    rid: str, model: str, pieces: Pieces, shape: Shape
 ) -> AsyncGenerator[ChatCompletionChunk, None]:
-    """OpenAI's chat stream: the role, the text as it comes, the finish reason in a last
-    empty delta, then (``include_usage``) a chunk with only the usage."""
+    """OpenAI's chat stream: each choice's role, the text as it comes, the finish reasons
+    in last empty deltas, then (``include_usage``) a chunk with only the usage."""
     created = int(time.time())
 
-    def chunk(delta: ChunkDelta, finish: str | None = None) -> ChatCompletionChunk:
-        choice = ChunkChoice(delta=delta, finish_reason=finish)
+    def chunk(
+        index: int, delta: ChunkDelta, finish: str | None = None, lps: Any = None
+    ) -> ChatCompletionChunk:
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
         return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
 
-    finish = "stop"
+    finish: dict[int, str] = {}
     async with aclosing(pieces):  # closing the chunks closes the answer (and its request)
-        yield chunk(ChunkDelta(role="assistant", content=""))
+        for i in range(shape.n):
+            yield chunk(i, ChunkDelta(role="assistant", content=""))
         async for p in pieces:
-            if p.text:
-                yield chunk(ChunkDelta(content=p.text))
-            finish = p.finish_reason or finish
+            if p.text or (shape.logprobs and p.logprobs):
+                lps = chat_logprobs(p.logprobs) if shape.logprobs else None
+                yield chunk(p.index, ChunkDelta(content=p.text), lps=lps)
+            if p.finish_reason:
+                finish[p.index] = p.finish_reason
             if p.usage is not None:
-                yield chunk(ChunkDelta(), finish)
-                if include_usage:
+                for i in range(shape.n):
+                    yield chunk(i, ChunkDelta(), finish.get(i, "stop"))
+                if shape.include_usage:
                     yield ChatCompletionChunk(
                         id=rid, created=created, model=model, choices=[], usage=p.usage
                     )
 
 
-async def completion(rid: str, model: str, pieces: Pieces) -> Completion:
-    a = await collect(pieces)
-    choice = CompletionChoice(text=a.text, finish_reason=a.finish_reason)
-    return Completion(id=rid, model=model, choices=[choice], usage=a.usage)
+async def completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> Completion:
+    samples, usage = await collect(pieces, shape.n)
+    choices = [
+        CompletionChoice(
+            index=i,
+            text="".join(s.text),
+            finish_reason=s.finish_reason,
+            logprobs=completion_logprobs(s.logprobs, 0) if shape.logprobs else None,
+        )
+        for i, s in enumerate(samples)
+    ]
+    return Completion(id=rid, model=model, choices=choices, usage=usage)
 
 
 async def completion_chunks(
-    rid: str, model: str, pieces: Pieces, include_usage: bool
+    rid: str, model: str, pieces: Pieces, shape: Shape
 ) -> AsyncGenerator[Completion, None]:
-    """OpenAI's text-completion stream: one chunk per piece of text (the last with the
-    finish reason), then (``include_usage``) a chunk with only the usage."""
+    """OpenAI's text-completion stream: one chunk per piece of text (a sample's last with
+    its finish reason), then (``include_usage``) a chunk with only the usage."""
+    offsets = [0] * shape.n
     async with aclosing(pieces):
         async for p in pieces:
             if p.usage is None:
-                choice = CompletionChoice(text=p.text, finish_reason=p.finish_reason)
+                lps = None
+                if shape.logprobs:
+                    lps = completion_logprobs(p.logprobs, offsets[p.index])
+                offsets[p.index] += len(p.text)
+                choice = CompletionChoice(
+                    index=p.index, text=p.text, finish_reason=p.finish_reason, logprobs=lps
+                )
                 yield Completion(id=rid, model=model, choices=[choice])
-            elif include_usage:
+            elif shape.include_usage:
                 yield Completion(id=rid, model=model, choices=[], usage=p.usage)
 
 

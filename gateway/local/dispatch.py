@@ -18,7 +18,7 @@ from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.errors import EngineError
 from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
-from gateway.core.schemas import Usage
+from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
 from gateway.local.replicas import Replica
 from gateway.local.routing import RouteContext, Router

@@ -17,19 +17,23 @@ from collections.abc import AsyncGenerator
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable
 from gateway.core.metrics import Metrics
-from gateway.core.schemas import (
+from gateway.core.outputs import (
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatMessage,
     Completion,
-    CompletionRequest,
     ModelCard,
     ModelList,
+)
+from gateway.core.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
 )
 from gateway.core.shaping import (
     Answer,
     Pieces,
+    Shape,
     chat_chunks,
     chat_completion,
     completion,
@@ -44,6 +48,18 @@ from gateway.service.local import LocalChat
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets, first_ok
 from gateway.sessions.log import SessionLog
+
+
+def _include_usage(req: SamplingFields) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def chat_shape(req: ChatCompletionRequest) -> Shape:
+    return Shape(n=req.n, logprobs=bool(req.logprobs), include_usage=_include_usage(req))
+
+
+def completion_shape(req: CompletionRequest) -> Shape:
+    return Shape(n=req.n, logprobs=req.logprobs is not None, include_usage=_include_usage(req))
 
 
 class GatewayService:
@@ -90,6 +106,14 @@ class GatewayService:
         cards = [ModelCard(id=self._model, max_model_len=max_len)]
         cards += [ModelCard(id=name) for name in self._targets.names()[1:]]
         return ModelList(data=cards)
+
+    def model(self, model_id: str) -> ModelCard:
+        card = next((m for m in self.models().data if m.id == model_id), None)
+        if card is None:
+            raise NotFound(
+                f"The model '{model_id}' does not exist", param="model", code="model_not_found"
+            )
+        return card
 
     def check_model(self, model: str) -> None:
         """``model`` is the local model and it can serve now (the cache API's check)."""
@@ -157,7 +181,7 @@ class GatewayService:
 
         async def attempt(target: str) -> ChatCompletion:
             rid, pieces = self._pieces(target, req, who, route, served, session)
-            return await chat_completion(rid, req.model, pieces)
+            return await chat_completion(rid, req.model, pieces, chat_shape(req))
 
         targets = self._targets.resolve(req.model)
         return Routed(await first_ok(targets, attempt, served, self._metrics), served)
@@ -171,8 +195,7 @@ class GatewayService:
     ) -> Routed[AsyncGenerator[ChatCompletionChunk, None]]:
         routed = await self.answer(req, who, route, session)
         a = routed.body
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Routed(chat_chunks(a.id, req.model, a.pieces, include_usage), routed.served)
+        return Routed(chat_chunks(a.id, req.model, a.pieces, chat_shape(req)), routed.served)
 
     # ------------------------------------------------------- completions
 
@@ -191,7 +214,7 @@ class GatewayService:
         self._local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
         pieces = self.local.completion(req, who, route, served, rid)
-        return Routed(await completion(rid, self._model, pieces), served)
+        return Routed(await completion(rid, self._model, pieces, completion_shape(req)), served)
 
     async def complete_stream(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
@@ -200,5 +223,5 @@ class GatewayService:
         self._local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
         pieces = await primed(self.local.completion(req, who, route, served, rid))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Routed(completion_chunks(rid, self._model, pieces, include_usage), served)
+        chunks = completion_chunks(rid, self._model, pieces, completion_shape(req))
+        return Routed(chunks, served)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from gateway.core.schemas import Usage
+from gateway.core.outputs import Usage
 from gateway.core.types import Served
 from gateway.sessions.log import Open, SessionLog
 from gateway.sessions.render import usage_record

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from contextlib import aclosing
 
-from engines.base import Engine, GenerateRequest, SamplingOptions
+from engines.base import Engine, GenerateRequest, SamplingOptions, Structured
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest, Unavailable
 from gateway.core.schemas import (
@@ -27,6 +27,7 @@ from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.service.journal import Journal
 from gateway.sessions.log import Open
 from gateway.sessions.render import request_config, request_parts, vllm_payload
+from manifest.canonical import canonical_json
 from manifest.sessionlog import Header
 
 
@@ -106,9 +107,19 @@ class LocalChat:
         self.check_ready()
         ids = self.chat_tokens(req.messages)
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-        return self._generate_request(
+        fmt = req.structured()
+        structured = None
+        if fmt is not None:
+            schema = fmt.json_schema
+            text = canonical_json(schema.schema_).decode() if schema and schema.schema_ else None
+            structured = Structured(json_schema=text, json_object=text is None)
+        greq = self._generate_request(
             rid, ids, req, req.output_limit(), ("messages", limit_param), who
         )
+        s = dataclasses.replace(
+            greq.sampling, logprobs=req.top_logprobs_asked(), structured=structured
+        )
+        return dataclasses.replace(greq, sampling=s)
 
     async def chat(
         self,
@@ -162,8 +173,9 @@ class LocalChat:
         text: list[str] = []
         async with aclosing(self.dispatcher.run(greq, d, endpoint, t0, totals)) as chunks:
             async for c in chunks:
-                text.append(c.text)
-                yield Piece(c.text, c.finish_reason)
+                if c.index == 0:  # the sample the conversation goes on with
+                    text.append(c.text)
+                yield Piece(c.text, c.finish_reason, index=c.index, logprobs=c.logprobs)
         usage = totals.usage()
         await self.journal.answered(op, served, greq.request_id, "".join(text), usage)
         yield Piece(usage=usage)
@@ -181,7 +193,10 @@ class LocalChat:
         ids = tok.encode(p) if isinstance(p, str) else self.check_token_ids(p, param)  # type: ignore[arg-type]
         if not ids:
             raise InvalidRequest("prompt must not be empty", param="prompt", code="invalid_value")
-        return self._generate_request(rid, ids, req, req.max_tokens, ("prompt", "max_tokens"), who)
+        greq = self._generate_request(rid, ids, req, req.max_tokens, ("prompt", "max_tokens"), who)
+        return dataclasses.replace(
+            greq, sampling=dataclasses.replace(greq.sampling, logprobs=req.logprobs)
+        )
 
     async def completion(
         self,
@@ -236,6 +251,7 @@ class LocalChat:
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             ignore_eos=req.ignore_eos,
+            n=req.n,
         )
         return GenerateRequest(
             request_id=rid,

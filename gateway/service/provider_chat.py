@@ -16,8 +16,9 @@ from contextlib import aclosing
 from engines.errors import EngineError
 from engines.providers.base import ChatCall, Delta, ProviderUsage
 from engines.providers.errors import ProviderNotFound
-from gateway.core.errors import from_engine_error
-from gateway.core.schemas import ChatCompletionRequest, Usage
+from gateway.core.errors import InvalidRequest, from_engine_error
+from gateway.core.outputs import Usage
+from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import Piece, Pieces
 from gateway.core.types import Served
 from gateway.providers.path import Outcome, ProviderPath
@@ -31,6 +32,22 @@ def usage_of(u: ProviderUsage | None) -> Usage:
     if u is None:
         return Usage.of(0, 0, 0)
     return Usage.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cache_write_tokens)
+
+
+def _local_only_parameters(req: ChatCompletionRequest) -> None:
+    """What hosted-provider targets do not take yet (an alias falls back past them)."""
+    asked = {
+        "n": req.n > 1,
+        "logprobs": bool(req.logprobs),
+        "response_format": req.structured() is not None,
+    }
+    for param, on in asked.items():
+        if on:
+            raise InvalidRequest(
+                f"{param} is served by the local model only, not by hosted-provider targets",
+                param=param,
+                code="unsupported_on_target",
+            )
 
 
 class ProviderChat:
@@ -48,6 +65,7 @@ class ProviderChat:
         session: str | None,
     ) -> tuple[ChatCall, Open | None]:
         self.path.target(target)  # 404 / 503 before anything else
+        _local_only_parameters(req)
         system, turns = request_parts(req)
         config = request_config(req, self.layout)
         header = Header.make(req.model, target, system, req.tool_dicts(), config)

@@ -21,13 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.core.errors import NotFound, Unavailable
-from gateway.core.schemas import (
-    ChatCompletionRequest,
-    ChatMessage,
-    RequestModel,
-    StreamOptions,
-    Usage,
-)
+from gateway.core.outputs import Usage
+from gateway.core.schemas import ChatCompletionRequest, ChatMessage, RequestModel, StreamOptions
 from gateway.core.types import Principal, Served
 from gateway.service.chat import GatewayService
 from gateway.sessions.log import SessionLog

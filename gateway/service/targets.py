@@ -51,7 +51,7 @@ class Targets:
 
 def can_fall_back(exc: APIError) -> bool:
     if isinstance(exc, InvalidRequest):  # what this target cannot do, another may
-        return exc.code in ("context_length_exceeded", "tools_unsupported")
+        return exc.code in ("context_length_exceeded", "tools_unsupported", "unsupported_on_target")
     return isinstance(exc, Unavailable | RateLimited) or exc.status >= 500
 
 

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from engines.providers.base import CacheDirectives, ChatCall, Turn
-from gateway.core.schemas import ChatCompletionRequest, Usage
+from gateway.core.outputs import Usage
+from gateway.core.schemas import ChatCompletionRequest
 from manifest.canonical import canonical_json, canonicalize, lint, split_volatile
 from manifest.sessionlog import Header, MessageEvent
 

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.core.errors import InvalidRequest, PermissionDenied
-from gateway.core.schemas import ChatCompletion, ChatCompletionRequest
+from gateway.core.outputs import ChatCompletion
+from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.types import Principal, RouteOverride
 from gateway.http.openapi import GENERATION, streamed
 from gateway.http.sse import open_stream

@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.core.schemas import Completion, CompletionRequest
+from gateway.core.outputs import Completion
+from gateway.core.schemas import CompletionRequest
 from gateway.core.types import Principal, RouteOverride
 from gateway.http.openapi import GENERATION, streamed
 from gateway.http.routes.chat import routing_override, service

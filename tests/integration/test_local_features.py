@@ -1,0 +1,113 @@
+"""The local model's OpenAI features on the real vLLM CPU engine (official SDK): n,
+logprobs, structured outputs (vLLM's own machinery), one model by id; the cache
+prediction stays exact for all of them."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.integration.conftest import KEY_A, Gateway
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = "You answer in JSON about the vcache manual. " * 40  # several 128-token blocks
+
+
+def _messages(q: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+
+
+def _raw(gateway: Gateway, body: dict[str, object]) -> httpx.Response:
+    with httpx.Client(base_url=gateway.base_url, timeout=120) as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={"model": gateway.model, **body},
+            headers={"authorization": f"Bearer {KEY_A}"},
+        )
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_n_samples_share_one_prefill_and_the_prediction_holds(gateway: Gateway) -> None:
+    body = {
+        "messages": _messages("n"),
+        "max_tokens": 6,
+        "n": 3,
+        "seed": 7,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
+    _raw(gateway, body)  # warm the prefix
+    r = _raw(gateway, body)
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(c["finish_reason"] == "length" for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 3 * 6
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and int(r.headers["x-vcache-predicted-cached-tokens"]) == cached
+
+
+def test_logprobs_and_top_logprobs(gateway: Gateway) -> None:
+    c = gateway.client().chat.completions.create(
+        model=gateway.model,
+        messages=_messages("logprobs"),  # type: ignore[arg-type]
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = c.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 5
+    for t in lp.content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+    assert "".join(t.token for t in lp.content) == c.choices[0].message.content
+
+
+def test_json_schema_output_is_valid_json_for_the_schema(gateway: Gateway) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "ok": {"type": "boolean"},
+            "size": {"enum": ["small", "large"]},
+        },
+        "required": ["name", "ok", "size"],
+        "additionalProperties": False,
+    }
+    c = gateway.client().chat.completions.create(
+        model=gateway.model,
+        messages=_messages("json"),  # type: ignore[arg-type]
+        max_tokens=200,
+        temperature=0,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "thing", "schema": schema, "strict": True},
+            }
+        },
+    )
+    assert c.choices[0].finish_reason == "stop", c.choices[0].message.content
+    jsonschema.validate(json.loads(c.choices[0].message.content or ""), schema)
+
+
+def test_json_object_output_parses(gateway: Gateway) -> None:
+    c = gateway.client().chat.completions.create(
+        model=gateway.model,
+        messages=_messages("json object"),  # type: ignore[arg-type]
+        max_tokens=120,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    if c.choices[0].finish_reason == "stop":  # a random model may ramble past the limit
+        assert isinstance(json.loads(c.choices[0].message.content or ""), dict)
+    assert (c.choices[0].message.content or "").lstrip().startswith("{")
+
+
+def test_retrieve_the_model(gateway: Gateway) -> None:
+    m = gateway.client().models.retrieve(gateway.model)
+    assert m.id == gateway.model
