@@ -24,7 +24,13 @@ from gateway.core.types import Served
 from gateway.providers.path import Outcome, ProviderPath
 from gateway.service.journal import Journal
 from gateway.sessions.log import Open
-from gateway.sessions.render import directives_of, provider_call, request_config, request_parts
+from gateway.sessions.render import (
+    SystemLayouts,
+    directives_of,
+    provider_call,
+    request_config,
+    request_parts,
+)
 from manifest.sessionlog import Header
 
 
@@ -55,6 +61,7 @@ class ProviderChat:
         self.path = path
         self.layout = layout
         self.journal = journal
+        self.layouts = SystemLayouts()
 
     def _open(
         self,
@@ -69,7 +76,7 @@ class ProviderChat:
         system, turns = request_parts(req)
         config = request_config(req, self.layout)
         header = Header.make(req.model, target, system, req.tool_dicts(), config)
-        call, lint_names = provider_call(header, turns)
+        call, lint_names = provider_call(header, turns, self.layouts)
         served.target, served.dispatch, served.lint = target, None, tuple(lint_names)
         return call, self.journal.open(tenant, header, turns, session)
 

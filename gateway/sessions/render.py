@@ -15,7 +15,9 @@ the stable one, so the stable part stays a cacheable anchor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from engines.providers.base import CacheDirectives, ChatCall, Turn
@@ -52,21 +54,59 @@ def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, 
     }
 
 
-def provider_call(header: Header, turns: Sequence[MessageEvent]) -> tuple[ChatCall, list[str]]:
-    """The provider-neutral call a header and turns render to (live and when rebuilt).
+@dataclass(frozen=True)
+class SystemLayout:
+    """A system prompt as rendered: the lint's findings, the stable part, the volatile."""
 
-    The system prompts are joined; the prefix lint runs over them and, under
-    the ``canonical`` layout, the lines it flags move to a volatile part.
-    """
-    cfg = header.settings()
-    system = "\n\n".join(header.system) or None
-    findings = lint(canonicalize([], system=system)) if system else []
-    named = [f"{f.rule}@{f.segment_key}+{f.byte_offset}" for f in findings]
-    volatile = None
-    if system and findings and cfg.get("layout") == "canonical":
+    findings: tuple[str, ...]  # rule@segment+byte offset
+    stable: str | None
+    volatile: str | None
+
+
+def layout_system(system: str | None, canonical: bool) -> SystemLayout:
+    """Run the prefix lint over ``system``; under the ``canonical`` layout the lines it
+    flags (dates, times, ids) move to the volatile part."""
+    if not system:
+        return SystemLayout((), None, None)
+    findings = lint(canonicalize([], system=system))
+    named = tuple(f"{f.rule}@{f.segment_key}+{f.byte_offset}" for f in findings)
+    if findings and canonical:
         stable, volatile = split_volatile(system)
-        system = stable or None
-        volatile = volatile or None
+        return SystemLayout(named, stable or None, volatile or None)
+    return SystemLayout(named, system, None)
+
+
+class SystemLayouts:
+    """:func:`layout_system` remembered per anchor (the last ``size`` system prompts):
+    requests sharing a system prompt lint it once."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self._size = size
+        self._seen: OrderedDict[tuple[str | None, bool], SystemLayout] = OrderedDict()
+
+    def __call__(self, system: str | None, canonical: bool) -> SystemLayout:
+        key = (system, canonical)
+        hit = self._seen.get(key)
+        if hit is not None:
+            self._seen.move_to_end(key)
+            return hit
+        out = self._seen[key] = layout_system(system, canonical)
+        if len(self._seen) > self._size:
+            self._seen.popitem(last=False)
+        return out
+
+
+def provider_call(
+    header: Header,
+    turns: Sequence[MessageEvent],
+    layouts: Callable[[str | None, bool], SystemLayout] = layout_system,
+) -> tuple[ChatCall, list[str]]:
+    """The provider-neutral call a header and turns render to (live and when rebuilt);
+    the system prompts are joined and laid out by ``layouts``."""
+    cfg = header.settings()
+    joined = "\n\n".join(header.system) or None
+    laid = layouts(joined, cfg.get("layout") == "canonical")
+    system, volatile, named = laid.stable, laid.volatile, list(laid.findings)
     call = ChatCall(
         model=header.target.partition("/")[2],
         turns=tuple(
