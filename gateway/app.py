@@ -77,6 +77,24 @@ async def _retain_forever(settings: Settings, session_log: SessionLog) -> None:
         await asyncio.sleep(cfg.retention_interval_s)
 
 
+def banner(settings: Settings, service: GatewayService) -> str:
+    """What is serving where, once every replica is up (the line to look for in the log)."""
+    host = settings.host if settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    local = len(service.dispatcher.replicas)
+    lines = [
+        "vcache is ready",
+        f"  OpenAI API   http://{host}:{settings.port}/v1   (docs: /docs, health: /readyz)",
+        f"  metrics      http://{host}:{settings.port}/metrics",
+        f"  models       {', '.join(m.id for m in service.models().data)}",
+        f"  replicas     {local} local" + (", exact KV spans" if service.dispatcher.kv else ""),
+    ]
+    if settings.grpc_port is not None:
+        lines.insert(2, f"  gRPC         {host}:{settings.grpc_port}   (vcache.v1.Gateway)")
+    if settings.providers:
+        lines.append(f"  providers    {', '.join(settings.providers)}")
+    return "\n".join(lines)
+
+
 def create_app(
     settings: Settings,
     built: Sequence[Replica | Engine],
@@ -120,7 +138,13 @@ def create_app(
                 await grpc_server.set_serving(app.state.service.ready)
 
         supervisor.on_change = health_changed
-        starting = asyncio.create_task(supervisor.boot(), name="engine-start")
+
+        async def boot() -> None:
+            await supervisor.boot()
+            if app.state.service.ready:
+                log.info("%s", banner(settings, app.state.service))
+
+        starting = asyncio.create_task(boot(), name="engine-start")
         retention = None
         if session_log is not None:
             retention = asyncio.create_task(

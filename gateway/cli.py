@@ -11,7 +11,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gateway.core.config import Settings, hash_api_key
+import yaml
+from pydantic import ValidationError
+
+from gateway.core.config import Settings, explain, hash_api_key, unknown_env
 from gateway.core.version import version_info
 
 # Flags of `vcache serve` and where they land in Settings.  Absent flags are
@@ -118,6 +121,22 @@ def serve(settings: Settings) -> None:
         )
 
 
+def _settings(ns: argparse.Namespace) -> Settings:
+    """Flags over environment over the YAML file; a bad setting exits with its key named."""
+    try:
+        lines = unknown_env(os.environ)
+        if not lines:
+            return Settings(**overrides_from_flags(ns))
+    except ValidationError as exc:
+        lines = explain(exc)
+    except (OSError, yaml.YAMLError) as exc:
+        lines = [f"cannot read the config file: {exc}"]
+    print("vcache: invalid configuration", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     if ns.command == "hash-key":
@@ -131,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("_db", "_limit", "request_id", "quiet"):
             if hasattr(ns, name):
                 delattr(ns, name)
-        settings = Settings(**overrides_from_flags(ns))
+        settings = _settings(ns)
         if ns.command == "sessions":
             return session_cli.list_sessions(settings, db, limit)
         return session_cli.replay(settings, db, rid, quiet)
-    settings = Settings(**overrides_from_flags(ns))
+    settings = _settings(ns)
     if ns.command == "demo-model":
         from engines.vllm.demo_model import ensure_demo_model
 

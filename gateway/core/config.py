@@ -14,13 +14,23 @@ Nested sections merge field by field across sources.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -41,6 +51,8 @@ def hash_api_key(key: str) -> str:
 class ApiKeyConfig(BaseModel):
     """One accepted key, stored as its sha256 (``vcache hash-key KEY`` prints it)."""
 
+    model_config = ConfigDict(extra="forbid")
+
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     tenant: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     name: str = ""
@@ -49,6 +61,8 @@ class ApiKeyConfig(BaseModel):
 
 
 class EngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     replicas: int = Field(1, ge=0, le=64)  # embedded vLLM engines, one per GPU / TP group
     max_model_len: int = Field(2048, ge=16)
     block_size: int | None = Field(None, ge=1)
@@ -84,6 +98,8 @@ class RemoteReplicaConfig(BaseModel):
 
 class CacheSettings(BaseModel):
     """Exact KV spans on the local replicas (KV events, pins, routing)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     kv_events: bool = True  # subscribe to the engines' KV events; predictions need them
     routing: Literal["kv", "round_robin", "least_loaded"] = "kv"
@@ -278,3 +294,53 @@ class _YamlFileSource(PydanticBaseSettingsSource):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: top level must be a mapping")
         return data
+
+
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The settings model that holds the field at ``loc`` (None past a dict or a list)."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def explain(exc: ValidationError) -> list[str]:
+    """A configuration error as one line per problem, naming the key (a typo gets the
+    nearest valid names)."""
+    lines = []
+    for e in exc.errors():
+        loc = tuple(e.get("loc", ()))
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if e.get("type") == "extra_forbidden":
+            parent = _model_at(Settings, loc[:-1])
+            known = list(parent.model_fields) if parent is not None else []
+            near = difflib.get_close_matches(str(loc[-1]), known, n=2)
+            prefix = "".join(f"{p}." for p in loc[:-1])
+            hint = " or ".join(f"'{prefix}{n}'" for n in near)
+            lines.append(f"unknown setting '{key}'" + (f" (did you mean {hint}?)" if near else ""))
+        else:
+            msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+            lines.append(f"setting '{key}': {msg}")
+    return lines
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """``VCACHE_<SECTION>__<KEY>`` variables naming a key their section does not have (a
+    typo would otherwise be ignored silently)."""
+    out = []
+    for name in sorted(environ):
+        section, sep, rest = name.removeprefix("VCACHE_").partition("__")
+        if not name.startswith("VCACHE_") or not sep:
+            continue
+        model = _model_at(Settings, (section.lower(),))
+        if model is None:
+            continue  # a dict or list section (providers, aliases): free-form keys
+        key = rest.split("__")[0].lower()
+        if key not in model.model_fields:
+            near = difflib.get_close_matches(key, list(model.model_fields), n=1)
+            hint = f" (did you mean VCACHE_{section}__{near[0].upper()}?)" if near else ""
+            out.append(f"unknown setting {name}{hint}")
+    return out

@@ -117,11 +117,14 @@ class Supervisor:
         """Start every replica, attach KV tracking, then watch.  Never raises: a failure
         is recorded in ``boot_failure`` and the replica states."""
         try:
-            for b in self._replicas.values():
+            n = len(self._replicas)
+            for i, b in enumerate(self._replicas.values(), 1):
+                log.info("starting replica %s (%d of %d): loading the model", b.id, i, n)
                 t0 = self._clock()
                 await b.engine.start()
                 self._start_s = max(self._start_s, self._clock() - t0)
                 self.health[b.id].state = "ready"
+                log.info("replica %s ready in %.1f s", b.id, self._clock() - t0)
             self.kv = await self._attach_kv()
             self._dispatcher.kv = self.kv
             self._dispatcher.started = True

@@ -109,3 +109,48 @@ def test_example_config_is_valid() -> None:
     s = Settings(config_file=example)
     assert s.config_file == example
     assert s.engine.hash_seed == "0"
+
+
+def test_a_typo_names_the_key_and_the_nearest_valid_one(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from gateway.core.config import explain
+
+    cfg = tmp_path / "vcache.yaml"
+    cfg.write_text("engine:\n  max_modle_len: 1024\ncahce:\n  routing: kv\n")
+    with pytest.raises(ValidationError) as info:
+        Settings(config_file=cfg)
+    assert explain(info.value) == [
+        "unknown setting 'engine.max_modle_len' (did you mean 'engine.max_model_len'?)",
+        "unknown setting 'cahce' (did you mean 'cache'?)",
+    ]
+
+
+def test_an_environment_typo_is_named(tmp_path: Path) -> None:
+    from gateway.core.config import unknown_env
+
+    env = {
+        "VCACHE_ENGINE__REPLICAZ": "2",  # a typo
+        "VCACHE_ENGINE__REPLICAS": "2",  # fine
+        "VCACHE_PROVIDERS__OPENAI__API_KEY": "x",  # a free-form section
+        "VCACHE_CONTROL_SECRET": "s",  # not a setting (the engine plugin's)
+    }
+    assert unknown_env(env) == [
+        "unknown setting VCACHE_ENGINE__REPLICAZ (did you mean VCACHE_ENGINE__REPLICAS?)"
+    ]
+
+
+def test_serve_refuses_a_bad_config_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.cli import main
+
+    cfg = tmp_path / "vcache.yaml"
+    cfg.write_text("cache:\n  routnig: kv\n")
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--config", str(cfg)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        "invalid configuration" in err and "'cache.routnig' (did you mean 'cache.routing'?)" in err
+    )
