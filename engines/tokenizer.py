@@ -6,7 +6,7 @@ the engine, so the tokens that end up in the prefix cache are known exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
 
@@ -31,6 +31,11 @@ class ChatTokenizer:
         return cls(hf, name=path_or_id)
 
     @property
+    def hf(self) -> Any:
+        """The Hugging Face tokenizer underneath (for vLLM's tool-call parsers)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Token ids are ``0 <= id < vocab_size`` (added special tokens included)."""
         return len(self._tok)  # type: ignore[arg-type]
@@ -41,10 +46,16 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` through the chat template, ready for the assistant."""
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of ``messages`` (and the ``tools`` the model may call) through the chat
+        template, ready for the assistant."""
+        extra = {"tools": list(tools)} if tools else {}
         out = self._tok.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False, **extra
         )
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding on some versions
             out = out["input_ids"]

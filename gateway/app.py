@@ -190,6 +190,7 @@ def create_app(
         ),
         metrics=metrics,
         log=session_log,
+        tool_parser=settings.engine.tool_parser,
     )
     app.state.cache = CacheService(app.state.service)
     app.state.health = Health(supervisor, app.state.service)

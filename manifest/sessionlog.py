@@ -99,9 +99,15 @@ class MessageEvent:
     content: str
     name: str | None = None
     kind: Literal["message"] = "message"
+    tool_calls: str | None = None  # an assistant's tool calls, as canonical JSON
+    tool_call_id: str | None = None  # a tool result's call
 
-    def key(self) -> tuple[str, str, str | None]:
-        return (self.role, self.content, self.name)
+    def key(self) -> tuple[str | None, ...]:
+        """What identifies the message in a conversation (plain messages keep the
+        three-part key they always had, so their digests do not change)."""
+        if self.tool_calls is None and self.tool_call_id is None:
+            return (self.role, self.content, self.name)
+        return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id)
 
 
 @dataclass(frozen=True)
@@ -225,7 +231,17 @@ def _as_dict(event: Event) -> dict[str, Any]:
             "config": [list(kv) for kv in h.config],
         }
     if isinstance(event, MessageEvent):
-        return {"kind": "message", "role": event.role, "content": event.content, "name": event.name}
+        out: dict[str, Any] = {
+            "kind": "message",
+            "role": event.role,
+            "content": event.content,
+            "name": event.name,
+        }
+        if event.tool_calls is not None:
+            out["tool_calls"] = event.tool_calls
+        if event.tool_call_id is not None:
+            out["tool_call_id"] = event.tool_call_id
+        return out
     if isinstance(event, ReplaceEvent):
         m = event.message
         return {"kind": "replace", "index": event.index, "message": _as_dict(m)}
@@ -269,7 +285,13 @@ def _pairs(items: list[list[Any]]) -> tuple[tuple[str, Any], ...]:
 
 
 def _message(d: dict[str, Any]) -> MessageEvent:
-    return MessageEvent(d["role"], d["content"], d.get("name"))
+    return MessageEvent(
+        d["role"],
+        d["content"],
+        d.get("name"),
+        tool_calls=d.get("tool_calls"),
+        tool_call_id=d.get("tool_call_id"),
+    )
 
 
 def decode(data: bytes, get_blob: Callable[[str], bytes]) -> Event:

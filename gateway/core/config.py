@@ -76,6 +76,9 @@ class EngineSettings(BaseModel):
     watch_interval_s: float = Field(1.0, gt=0)  # how often replicas are checked for death
     restart_backoff_s: float = Field(1.0, ge=0)  # first restart delay of a dead replica
     restart_backoff_cap_s: float = Field(60.0, ge=0)  # doubling up to this
+    # vLLM's tool-call parser for the model's chat template (hermes, llama3_json, mistral,
+    # qwen3_coder, ...): reads tool calls out of answers to `tool_choice: auto`
+    tool_parser: str = "hermes"
 
 
 class RemoteReplicaConfig(BaseModel):

@@ -8,6 +8,7 @@ Output models allow extra fields and are never built as raw dicts.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -81,12 +82,38 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+def tool_calls_json(calls: list[dict[str, Any]]) -> str:
+    """Tool calls (``{id, type, function: {name, arguments}}``) as canonical JSON text."""
+    return json.dumps(calls, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool's result: which call it answers
+
+    def tool_calls_json(self) -> str | None:
+        """The tool calls as canonical JSON (how the session log keeps them)."""
+        if not self.tool_calls:
+            return None
+        return tool_calls_json([c.model_dump() for c in self.tool_calls])
 
     def text(self) -> str:
         if self.content is None:
@@ -119,6 +146,17 @@ class ToolSpec(BaseModel):
 
     type: Literal["function"]
     function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: call exactly this tool."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingFields(RequestModel):
@@ -185,7 +223,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
 
     tools: list[ToolSpec] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -205,6 +244,24 @@ class ChatCompletionRequest(SamplingFields):
                 "value_error",
                 "top_logprobs needs logprobs: true",
                 {"param": "top_logprobs"},
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return self
+        names = {t.function.name for t in self.tools or []}
+        if not names:
+            raise PydanticCustomError(
+                "value_error", "tool_choice needs tools", {"param": "tool_choice"}
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise PydanticCustomError(
+                "value_error",
+                "tool_choice names '{name}', which is not among the tools",
+                {"param": "tool_choice", "name": choice.function.name},
             )
         return self
 

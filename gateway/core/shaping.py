@@ -29,13 +29,28 @@ from gateway.core.outputs import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCallOut,
+    FunctionDeltaOut,
     TokenLogprobOut,
+    ToolCallDeltaOut,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
 
 T = TypeVar("T")
 Pieces = AsyncGenerator["Piece", None]
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """Part of a tool call: the first part of call ``index`` names it; ``arguments``
+    (JSON text) may come in several parts."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,7 @@ class Piece:
     usage: Usage | None = None
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,22 @@ class Sample:
     text: list[str] = field(default_factory=list)
     finish_reason: str = "stop"
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [id, name, args...]
+
+    def add_calls(self, deltas: Sequence[ToolCallDelta]) -> None:
+        for d in deltas:
+            call = self.calls.setdefault(d.index, ["", ""])
+            call[0] = d.id or call[0]
+            call[1] = d.name or call[1]
+            call.append(d.arguments)
+
+    def tool_calls(self) -> list[ToolCallOut] | None:
+        if not self.calls:
+            return None
+        return [
+            ToolCallOut(id=c[0], function=FunctionCallOut(name=c[1], arguments="".join(c[2:])))
+            for _, c in sorted(self.calls.items())
+        ]
 
 
 async def collect(pieces: Pieces, n: int = 1) -> tuple[list[Sample], Usage]:
@@ -138,6 +170,7 @@ async def collect(pieces: Pieces, n: int = 1) -> tuple[list[Sample], Usage]:
             s = samples[p.index]
             s.text.append(p.text)
             s.logprobs += p.logprobs
+            s.add_calls(p.tool_calls)
             s.finish_reason = p.finish_reason or s.finish_reason
             usage = p.usage or usage
     return samples, usage
@@ -148,7 +181,10 @@ async def chat_completion(rid: str, model: str, pieces: Pieces, shape: Shape) ->
     choices = [
         ChatChoice(
             index=i,
-            message=AssistantMessage(content="".join(s.text)),
+            message=AssistantMessage(
+                content=("".join(s.text) or None) if s.calls else "".join(s.text),
+                tool_calls=s.tool_calls(),
+            ),
             finish_reason=s.finish_reason,
             logprobs=chat_logprobs(s.logprobs) if shape.logprobs else None,
         )
@@ -178,6 +214,8 @@ async def chat_chunks(
             if p.text or (shape.logprobs and p.logprobs):
                 lps = chat_logprobs(p.logprobs) if shape.logprobs else None
                 yield chunk(p.index, ChunkDelta(content=p.text), lps=lps)
+            if p.tool_calls:
+                yield chunk(p.index, ChunkDelta(tool_calls=[_call_delta(d) for d in p.tool_calls]))
             if p.finish_reason:
                 finish[p.index] = p.finish_reason
             if p.usage is not None:
@@ -187,6 +225,16 @@ async def chat_chunks(
                     yield ChatCompletionChunk(
                         id=rid, created=created, model=model, choices=[], usage=p.usage
                     )
+
+
+def _call_delta(d: ToolCallDelta) -> ToolCallDeltaOut:
+    first = d.id is not None
+    return ToolCallDeltaOut(
+        index=d.index,
+        id=d.id,
+        type="function" if first else None,
+        function=FunctionDeltaOut(name=d.name, arguments=d.arguments),
+    )
 
 
 async def completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> Completion:

@@ -71,13 +71,14 @@ class GatewayService:
         providers: ProviderChat | None = None,
         metrics: Metrics | None = None,
         log: SessionLog | None = None,
+        tool_parser: str = "hermes",
     ) -> None:
         self._model = model_name
         self._targets = targets or Targets(model_name, {}, [])
         self.providers = providers
         self._metrics = metrics or Metrics()
         self.log = log
-        self.local = LocalChat(dispatcher, Journal(log))
+        self.local = LocalChat(dispatcher, Journal(log), tool_parser)
 
     @property
     def targets(self) -> Targets:

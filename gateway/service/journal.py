@@ -49,10 +49,17 @@ class Journal:
             served.session = op.session_id
 
     async def answered(
-        self, op: Open | None, served: Served | None, request_id: str, text: str, usage: Usage
+        self,
+        op: Open | None,
+        served: Served | None,
+        request_id: str,
+        text: str,
+        usage: Usage,
+        tool_calls: str | None = None,
     ) -> None:
+        """Append the answer: its text and (canonical JSON) the tools it called."""
         if self.log is None or op is None:
             return
-        await self.log.respond(op, request_id, text, usage_record(usage))
+        await self.log.respond(op, request_id, text, usage_record(usage), tool_calls)
         if served is not None:
             served.answer_seq = op.answer_seq

@@ -9,10 +9,14 @@ cache salt, sampling) → route to a replica (:mod:`gateway.local.dispatch`)
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from contextlib import aclosing
+from typing import Any
 
 from engines.base import Engine, GenerateRequest, SamplingOptions, Structured
+from engines.tokenizer import ChatTokenizer
+from engines.vllm.tool_calls import ToolCallParser, known_parser
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest, Unavailable
 from gateway.core.schemas import (
@@ -20,21 +24,33 @@ from gateway.core.schemas import (
     ChatMessage,
     CompletionRequest,
     SamplingFields,
+    tool_calls_json,
 )
-from gateway.core.shaping import Piece, Pieces
+from gateway.core.shaping import Piece, Pieces, Sample
 from gateway.core.types import Principal, RouteOverride, Served, tenant_salt
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.service.journal import Journal
+from gateway.service.tools import ToolPlan
 from gateway.sessions.log import Open
-from gateway.sessions.render import request_config, request_parts, vllm_payload
+from gateway.sessions.render import (
+    local_messages,
+    request_config,
+    request_parts,
+    split_messages,
+    vllm_payload,
+)
 from manifest.canonical import canonical_json
 from manifest.sessionlog import Header
 
 
 class LocalChat:
-    def __init__(self, dispatcher: Dispatcher, journal: Journal) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, journal: Journal, tool_parser: str = "hermes"
+    ) -> None:
         self.dispatcher = dispatcher
         self.journal = journal
+        self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
+        self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
 
     @property
     def engine(self) -> Engine:
@@ -67,13 +83,15 @@ class LocalChat:
 
     # ------------------------------------------------------------ tokens
 
-    def chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
-        """Token ids of ``messages`` through the model's chat template."""
-        rendered = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages
-        ]
-        return self.engine.tokenizer.render_chat(rendered)
+    def chat_tokens(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template, rendered from the
+        parts the session log keeps (so a rebuilt request renders the same)."""
+        system, turns = split_messages(messages)
+        # the tools as the log keeps them (canonical JSON), so a rebuilt prompt is the same
+        kept = json.loads(canonical_json(tools)) if tools else None
+        return self.engine.tokenizer.render_chat(local_messages(system, turns), kept)
 
     def text_tokens(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
@@ -97,18 +115,13 @@ class LocalChat:
 
     def _chat_request(
         self, req: ChatCompletionRequest, who: Principal, rid: str
-    ) -> GenerateRequest:
-        if req.tools:
-            raise InvalidRequest(
-                "tools are not supported by the local model; use a hosted provider target",
-                param="tools",
-                code="tools_unsupported",
-            )
+    ) -> tuple[GenerateRequest, ToolPlan | None]:
         self.check_ready()
-        ids = self.chat_tokens(req.messages)
+        plan = self._tool_plan(req)
+        ids = self.chat_tokens(req.messages, req.tool_dicts())
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         fmt = req.structured()
-        structured = None
+        structured = plan.structured() if plan is not None else None
         if fmt is not None:
             schema = fmt.json_schema
             text = canonical_json(schema.schema_).decode() if schema and schema.schema_ else None
@@ -119,7 +132,7 @@ class LocalChat:
         s = dataclasses.replace(
             greq.sampling, logprobs=req.top_logprobs_asked(), structured=structured
         )
-        return dataclasses.replace(greq, sampling=s)
+        return dataclasses.replace(greq, sampling=s), plan
 
     async def chat(
         self,
@@ -132,13 +145,31 @@ class LocalChat:
     ) -> Pieces:
         with self.dispatcher.admit():
             t0 = time.perf_counter()
-            greq = self._chat_request(req, who, rid)
+            greq, plan = self._chat_request(req, who, rid)
             op = await self._journal(req, who, greq, session, served)
             d = await self.dispatcher.route(greq, route)
             served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
-            async with aclosing(self._run(greq, d, "chat", t0, op, served)) as pieces:
-                async for p in pieces:
+            pieces = self._generate(greq, d, "chat", t0)
+            if plan is not None:
+                pieces = plan.stream(pieces)
+            async with aclosing(self._journaled(pieces, op, served, rid)) as out:
+                async for p in out:
                     yield p
+
+    def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
+        if not req.tools or req.tool_choice == "none":
+            return None
+        tok = self.engine.tokenizer
+        if self._parser is None or self._parser[0] is not tok:
+            if not known_parser(self.tool_parser):
+                raise Unavailable(
+                    f"tools need a tool-call parser: engine.tool_parser "
+                    f"'{self.tool_parser}' is not one of vLLM's",
+                    code="tool_parser_unknown",
+                )
+            self._parser = (tok, ToolCallParser(self.tool_parser, tok))
+        parser = self._parser[1]
+        return ToolPlan(req, parser.parse, parser.start_marker)
 
     async def _journal(
         self,
@@ -150,7 +181,8 @@ class LocalChat:
     ) -> Open | None:
         """Journal what vLLM will be handed (token ids, salt, sampling), before routing."""
         system, turns = request_parts(req)
-        header = Header.make(req.model, LOCAL_TARGET, system, None, request_config(req, None))
+        tools = req.tool_dicts() or None
+        header = Header.make(req.model, LOCAL_TARGET, system, tools, request_config(req, None))
         op = self.journal.open(who.tenant, header, turns, session)
         if op is None:
             return None
@@ -160,25 +192,30 @@ class LocalChat:
         await self.journal.sent(op, served, greq.request_id, LOCAL_TARGET, "vllm", directives, sent)
         return op
 
-    async def _run(
-        self,
-        greq: GenerateRequest,
-        d: Dispatch,
-        endpoint: str,
-        t0: float,
-        op: Open | None,
-        served: Served,
+    async def _generate(
+        self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float
     ) -> Pieces:
         totals = Totals()
-        text: list[str] = []
         async with aclosing(self.dispatcher.run(greq, d, endpoint, t0, totals)) as chunks:
             async for c in chunks:
-                if c.index == 0:  # the sample the conversation goes on with
-                    text.append(c.text)
                 yield Piece(c.text, c.finish_reason, index=c.index, logprobs=c.logprobs)
-        usage = totals.usage()
-        await self.journal.answered(op, served, greq.request_id, "".join(text), usage)
-        yield Piece(usage=usage)
+        yield Piece(usage=totals.usage())
+
+    async def _journaled(self, pieces: Pieces, op: Open | None, served: Served, rid: str) -> Pieces:
+        """The pieces, and the answer journaled before its usage goes out: the text and
+        tool calls of sample 0, the one the conversation goes on with."""
+        text: list[str] = []
+        calls = Sample()
+        async with aclosing(pieces):
+            async for p in pieces:
+                if p.usage is not None:
+                    out = calls.tool_calls()
+                    called = tool_calls_json([c.model_dump() for c in out]) if out else None
+                    await self.journal.answered(op, served, rid, "".join(text), p.usage, called)
+                elif p.index == 0:
+                    text.append(p.text)
+                    calls.add_calls(p.tool_calls)
+                yield p
 
     # ------------------------------------------------------- completions
 
@@ -210,7 +247,7 @@ class LocalChat:
             t0 = time.perf_counter()
             greq = self._completion_request(req, who, rid)
             served.dispatch = d = await self.dispatcher.route(greq, route)
-            async with aclosing(self._run(greq, d, "completions", t0, None, served)) as pieces:
+            async with aclosing(self._generate(greq, d, "completions", t0)) as pieces:
                 async for p in pieces:
                     yield p
 

@@ -46,6 +46,7 @@ def _local_only_parameters(req: ChatCompletionRequest) -> None:
         "n": req.n > 1,
         "logprobs": bool(req.logprobs),
         "response_format": req.structured() is not None,
+        "tool_choice": req.tool_choice not in (None, "auto", "none"),
     }
     for param, on in asked.items():
         if on:

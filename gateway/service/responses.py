@@ -195,7 +195,7 @@ class Responses:
         c = done.body
         rid = f"resp_{uuid.uuid4().hex}"
         body = self._body(
-            rid, req, c.choices[0].message.content, c.choices[0].finish_reason, c.usage,
+            rid, req, c.choices[0].message.content or "", c.choices[0].finish_reason, c.usage,
             "completed", int(time.time()), f"msg_{uuid.uuid4().hex}",
         )  # fmt: skip
         await self._save(done.served, body, who)

@@ -206,7 +206,14 @@ class SessionLog:
             )
         self.verified += 1
 
-    async def respond(self, op: Open, request_id: str, text: str, usage: Mapping[str, Any]) -> None:
+    async def respond(
+        self,
+        op: Open,
+        request_id: str,
+        text: str,
+        usage: Mapping[str, Any],
+        tool_calls: str | None = None,
+    ) -> None:
         """Append the answer (it extends the conversation) and its telemetry.
 
         Requests of one session may run at once (forks of a Responses conversation):
@@ -216,7 +223,7 @@ class SessionLog:
         sid = op.session_id
         if sid is None:
             return
-        answer = MessageEvent("assistant", text)
+        answer = MessageEvent("assistant", text, tool_calls=tool_calls)
         tail: list[Event] = [answer, ResponseEvent(request_id, tuple(sorted(usage.items())))]
         entries = [*op.entries, canonical_json(list(answer.key()))]
         heads = [(op.tenant, chain(op.root, entries)[-1], len(entries))]

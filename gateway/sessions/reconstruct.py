@@ -40,7 +40,8 @@ class Reconstructor:
             tok = self._tokenizer()
             if tok is None:
                 raise ValueError("no local tokenizer to rebuild a vLLM request with")
-            ids = tok.render_chat(local_messages(state.header, state.messages))
+            messages = local_messages(state.header.system, state.messages)
+            ids = tok.render_chat(messages, state.header.tool_list() or None)
             return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"))
         call, _ = provider_call(state.header, state.messages)
         directives = CacheDirectives(

@@ -15,29 +15,44 @@ the stable one, so the stable part stays a cacheable anchor.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from engines.providers.base import CacheDirectives, ChatCall, Turn
 from gateway.core.outputs import Usage
-from gateway.core.schemas import ChatCompletionRequest
+from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from manifest.canonical import canonical_json, canonicalize, lint, split_volatile
 from manifest.sessionlog import Header, MessageEvent
+
+
+def split_messages(
+    messages: Sequence[ChatMessage],
+) -> tuple[tuple[str, ...], tuple[MessageEvent, ...]]:
+    """Leading system/developer messages (the system prompt) and the turns after them
+    (tool calls and tool results kept)."""
+    msgs = list(messages)
+    lead = 0
+    while lead < len(msgs) and msgs[lead].role in ("system", "developer"):
+        lead += 1
+    system = tuple(m.text() for m in msgs[:lead])
+    turns = tuple(
+        MessageEvent(
+            m.role, m.text(), m.name, tool_calls=m.tool_calls_json(), tool_call_id=m.tool_call_id
+        )
+        for m in msgs[lead:]
+    )
+    return system, turns
 
 
 def request_parts(
     req: ChatCompletionRequest,
 ) -> tuple[tuple[str, ...], tuple[MessageEvent, ...]]:
-    """Leading system/developer messages (the system prompt) and the turns after them."""
-    msgs = list(req.messages)
-    lead = 0
-    while lead < len(msgs) and msgs[lead].role in ("system", "developer"):
-        lead += 1
-    system = tuple(m.text() for m in msgs[:lead])
-    turns = tuple(MessageEvent(m.role, m.text(), m.name) for m in msgs[lead:])
-    return system, turns
+    return split_messages(req.messages)
 
 
 def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, Any]:
@@ -50,7 +65,11 @@ def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, 
         "seed": req.seed,
         "stream": req.stream,
         "layout": layout,
-        "tool_choice": req.tool_choice,
+        "tool_choice": (
+            req.tool_choice.model_dump()
+            if isinstance(req.tool_choice, BaseModel)
+            else req.tool_choice
+        ),
     }
 
 
@@ -140,13 +159,33 @@ def directives_of(d: CacheDirectives) -> dict[str, Any]:
     }
 
 
-def local_messages(header: Header, turns: Sequence[MessageEvent]) -> list[dict[str, str]]:
-    """The chat-template input: leading system prompts, then the turns (developer → system)."""
-    out = [{"role": "system", "content": s} for s in header.system]
-    out += [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in turns
-    ]
+def local_messages(system: Sequence[str], turns: Sequence[MessageEvent]) -> list[dict[str, Any]]:
+    """The chat-template input: leading system prompts, then the turns (developer →
+    system); an assistant's tool calls with their arguments as objects, as chat templates
+    expect them."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": s} for s in system]
+    for m in turns:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+        d["content"] = m.content
+        if m.tool_calls is not None:
+            d["tool_calls"] = [_templated_call(c) for c in json.loads(m.tool_calls)]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
     return out
+
+
+def _templated_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    try:
+        args: Any = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        args = fn["arguments"]  # not JSON: handed to the template as the text it was
+    return {
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": args},
+    }
 
 
 def vllm_payload(token_ids: Sequence[int], cache_salt: str | None, sampling: Any) -> bytes:

@@ -245,12 +245,12 @@ def test_tools_added_mid_session_are_a_change_snapshot_and_rebuild(gw: Gw, provi
         assert hashlib.sha256(data).hexdigest() == row.sha256
 
 
-def test_tools_on_a_local_alias_fall_back_to_the_provider(gw: Gw) -> None:
+def test_tools_on_a_local_alias_are_served_by_the_local_model(gw: Gw) -> None:
     r = gw.http.post(
         "/v1/chat/completions",
         headers={"authorization": f"Bearer {KEY}"},
         json={"model": "smart", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
     )
     assert r.status_code == 200, r.text
-    assert r.headers["x-vcache-target"] == f"anthropic/{MODELS['anthropic']}"
-    assert r.headers["x-vcache-fallback-from"] == "local"
+    assert r.headers["x-vcache-target"] == "local"
+    assert "x-vcache-fallback-from" not in r.headers

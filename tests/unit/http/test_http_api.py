@@ -179,10 +179,14 @@ def test_models(client: TestClient) -> None:
         (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
         (chat(tools=[{"type": "function"}]), "tools[0].function", "Missing required"),
         (
-            chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-            "tools",
-            "not supported by the local model",
+            chat(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
+            ),
+            "tool_choice",
+            "names 'g', which is not among the tools",
         ),
+        (chat(tool_choice="required"), "tool_choice", "tool_choice needs tools"),
         (chat(model=""), "model", "at least 1"),
         (chat(max_tokens=10_000), "max_tokens", "maximum context length is 512"),
         (chat(max_completion_tokens=10_000), "max_completion_tokens", "maximum context length"),

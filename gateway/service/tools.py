@@ -1,0 +1,174 @@
+"""Tool calls on the local model, with vLLM's own machinery.
+
+The tools are rendered into the prompt by the model's chat template.  What the
+model answers depends on ``tool_choice``:
+
+- a named function: structured outputs constrain the answer to that
+  function's parameters schema; the answer *is* the call's arguments, streamed
+  as argument deltas;
+- ``required``: structured outputs constrain it to a JSON array of
+  ``{name, parameters}`` (vLLM's schema); read when the sample ends;
+- ``auto``: the model writes freely and vLLM's tool-call parser for its
+  template (``engine.tool_parser``, ``hermes`` by default) reads the calls out
+  of the text.  Text before the parser's start marker streams as content; from
+  the marker on it is held and read when the sample ends.
+
+A sample that called tools ends with ``finish_reason: "tool_calls"``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engines.base import Structured
+from engines.vllm.tool_calls import ParsedCalls
+from gateway.core.errors import InvalidRequest
+from gateway.core.schemas import ChatCompletionRequest, NamedToolChoice
+from gateway.core.shaping import Piece, Pieces, ToolCallDelta
+from manifest.canonical import canonical_json
+
+Mode = Literal["auto", "required", "named"]
+Parse = Callable[[str, list[dict[str, Any]]], ParsedCalls]
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool | None) -> dict[str, Any]:
+    """vLLM's schema for ``tool_choice: required``: one or more ``{name, parameters}``."""
+    one_of = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t["function"]["name"]]},
+                "parameters": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+@dataclass
+class _Sample:
+    text: list[str] = field(default_factory=list)
+    held: bool = False  # auto: the start marker was seen, the rest is a call
+    sent_name: bool = False  # named: the call's first delta went out
+
+
+class ToolPlan:
+    """How one request's tool calls are asked for and read back."""
+
+    def __init__(self, req: ChatCompletionRequest, parse: Parse, marker: str | None) -> None:
+        self.tools = req.tool_dicts()
+        self._parse = parse
+        self._marker = marker
+        choice = req.tool_choice
+        self.mode: Mode = "auto"
+        self.name: str | None = None
+        if isinstance(choice, NamedToolChoice):
+            self.mode, self.name = "named", choice.function.name
+        elif choice == "required":
+            self.mode = "required"
+        self._parallel = req.parallel_tool_calls
+        if self.mode != "auto" and req.structured() is not None:
+            raise InvalidRequest(
+                "response_format cannot be combined with a forced tool_choice",
+                param="response_format",
+                code="invalid_value",
+            )
+
+    def structured(self) -> Structured | None:
+        """The constraint a forced tool choice puts on the answer."""
+        if self.mode == "named":
+            tool = next(t for t in self.tools if t["function"]["name"] == self.name)
+            params = tool["function"].get("parameters") or {"type": "object"}
+            return Structured(json_schema=canonical_json(params).decode())
+        if self.mode == "required":
+            schema = required_schema(self.tools, self._parallel)
+            return Structured(json_schema=canonical_json(schema).decode())
+        return None
+
+    # ---------------------------------------------------------- reading
+
+    def _calls(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
+        """(content, [(name, arguments)]) of a finished sample."""
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:  # cut short by max_tokens: no complete call
+                return text, []
+            ok = isinstance(items, list) and all(
+                isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i
+                for i in items
+            )
+            if not ok:
+                return text, []
+            return None, [(i["name"], json.dumps(i["parameters"])) for i in items]
+        parsed = self._parse(text, self.tools)
+        return parsed.content, list(parsed.calls)
+
+    async def stream(self, pieces: Pieces) -> Pieces:
+        """The model's pieces with tool calls read out of their text."""
+        samples: dict[int, _Sample] = {}
+        async with aclosing(pieces):
+            async for p in pieces:
+                if p.usage is not None:
+                    yield p
+                    continue
+                s = samples.setdefault(p.index, _Sample())
+                for out in self._step(s, p):
+                    yield out
+
+    def _step(self, s: _Sample, p: Piece) -> list[Piece]:
+        if self.mode == "named":
+            first = not s.sent_name
+            s.sent_name = True
+            delta = ToolCallDelta(
+                0, call_id() if first else None, self.name if first else None, p.text
+            )
+            finish = "tool_calls" if p.finish_reason == "stop" else p.finish_reason
+            return [Piece("", finish, None, p.index, p.logprobs, (delta,))]
+        s.text.append(p.text)
+        if p.finish_reason is None:
+            if self.mode == "auto" and not s.held:
+                return self._stream_content(s, p)
+            return []
+        return self._finish(s, p)
+
+    def _stream_content(self, s: _Sample, p: Piece) -> list[Piece]:
+        """``auto``: text goes out as content until the parser's start marker shows up."""
+        text = "".join(s.text)
+        if self._marker is None or self._marker in text:
+            s.held = True  # a parser without a marker: everything is read at the end
+            return []
+        # keep back a tail that could be the start of the marker
+        keep = next(
+            (k for k in range(len(self._marker) - 1, 0, -1) if text.endswith(self._marker[:k])),
+            0,
+        )
+        out, s.text = text[: len(text) - keep], [text[len(text) - keep :]]
+        return [Piece(out, None, None, p.index, p.logprobs)] if out else []
+
+    def _finish(self, s: _Sample, p: Piece) -> list[Piece]:
+        text = "".join(s.text)
+        marker = self._marker
+        if self.mode == "auto" and not s.held and marker is not None and marker not in text:
+            return [Piece(text, p.finish_reason, None, p.index, p.logprobs)]
+        content, calls = self._calls(text)
+        if not calls:
+            return [Piece(text, p.finish_reason, None, p.index, p.logprobs)]
+        deltas = tuple(
+            ToolCallDelta(i, call_id(), name, args) for i, (name, args) in enumerate(calls)
+        )
+        return [Piece(content or "", "tool_calls", None, p.index, p.logprobs, deltas)]
