@@ -29,7 +29,7 @@ stamp_key=$( { cat pyproject.toml scripts/setup.sh scripts/gen_protos.sh protos/
   echo "build=$build"; "$PYTHON" --version; } | sha256sum | cut -c1-16)
 stamp="$VENV/.vcache-setup-$stamp_key"
 
-if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ] && [ -f gateway/grpc_api/gateway_pb2.py ]; then
+if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ] && [ -f gateway/grpc/api/gateway_pb2.py ]; then
   exit 0
 fi
 
