@@ -31,17 +31,17 @@ WEATHER: Any = {
     "function": {"name": "get_weather", "description": "Weather in a city", "parameters": PARAMS},
 }
 ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCED: Any = {  # the forced call, as both tests below ask for it
+    "messages": ASK,
+    "tools": [WEATHER],
+    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    "max_tokens": 120,
+    "temperature": 0,
+}
 
 
 def test_a_named_tool_choice_returns_a_call_valid_for_its_schema(gateway: Gateway) -> None:
-    c = gateway.client().chat.completions.create(
-        model=gateway.model,
-        messages=ASK,
-        tools=[WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=120,
-        temperature=0,
-    )
+    c = gateway.client().chat.completions.create(model=gateway.model, **FORCED)
     choice = c.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     calls: Any = choice.message.tool_calls
@@ -73,15 +73,8 @@ def test_required_tool_choice_streams_a_call(gateway: Gateway) -> None:
 
 def test_a_tool_round_trip_continues_the_session(gateway: Gateway) -> None:
     client = gateway.client(KEY_A)
-    first = client.chat.completions.with_raw_response.create(
-        model=gateway.model,
-        messages=ASK,
-        tools=[WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=120,
-        temperature=0,
-    )
-    call: Any = first.parse().choices[0].message.tool_calls[0]  # type: ignore[index]
+    first = client.chat.completions.with_raw_response.create(model=gateway.model, **FORCED)
+    call: Any = first.parse().choices[0].message.tool_calls[0]
     follow: Any = [
         *ASK,
         {
