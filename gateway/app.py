@@ -77,7 +77,7 @@ async def _retain_forever(settings: Settings, session_log: SessionLog) -> None:
         await asyncio.sleep(cfg.retention_interval_s)
 
 
-def banner(settings: Settings, service: GatewayService) -> str:
+def banner(settings: Settings, service: GatewayService, grpc_port: int | None = None) -> str:
     """What is serving where, once every replica is up (the line to look for in the log)."""
     host = settings.host if settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
     local = len(service.dispatcher.replicas)
@@ -88,8 +88,8 @@ def banner(settings: Settings, service: GatewayService) -> str:
         f"  models       {', '.join(m.id for m in service.models().data)}",
         f"  replicas     {local} local" + (", exact KV spans" if service.dispatcher.kv else ""),
     ]
-    if settings.grpc_port is not None:
-        lines.insert(2, f"  gRPC         {host}:{settings.grpc_port}   (vcache.v1.Gateway)")
+    if grpc_port is not None:
+        lines.insert(2, f"  gRPC         {host}:{grpc_port}   (vcache.v1.Gateway)")
     if settings.providers:
         lines.append(f"  providers    {', '.join(settings.providers)}")
     return "\n".join(lines)
@@ -142,7 +142,8 @@ def create_app(
         async def boot() -> None:
             await supervisor.boot()
             if app.state.service.ready:
-                log.info("%s", banner(settings, app.state.service))
+                port = grpc_server.port if grpc_server is not None else None
+                log.info("%s", banner(settings, app.state.service, port))
 
         starting = asyncio.create_task(boot(), name="engine-start")
         retention = None
