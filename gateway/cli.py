@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -15,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from gateway.core.config import Settings, explain, hash_api_key, unknown_env
+from gateway.core.logs import setup_logging
 from gateway.core.version import version_info
 
 # Flags of `vcache serve` and where they land in Settings.  Absent flags are
@@ -29,6 +29,7 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--data-dir", "data_dir", Path, "where the demo model and state live"),
     ("--max-request-body-bytes", "max_request_body_bytes", int, "request body limit"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),
+    ("--log-format", "log_format", str, "text or json (one object per line)"),
     ("--max-model-len", "engine.max_model_len", int, "context length"),
     ("--block-size", "engine.block_size", int, "KV block size in tokens"),
     ("--kv-cache-bytes", "engine.kv_cache_bytes", int, "KV cache size in bytes"),
@@ -99,10 +100,7 @@ def serve(settings: Settings) -> None:
     from gateway.http.server import guarded_protocol
     from gateway.local.build import build_replicas
 
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(settings.log_level, settings.log_format)
     # A lost terminal (SIGHUP) shuts down gracefully like SIGTERM: engines are closed.
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:
@@ -114,6 +112,7 @@ def serve(settings: Settings) -> None:
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
+            log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
             timeout_graceful_shutdown=10,
             http=guarded_protocol(h.max_header_bytes, h.header_timeout_s),
             timeout_keep_alive=int(max(1, h.keep_alive_s)),

@@ -214,6 +214,7 @@ class Settings(BaseSettings):
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     http: HttpSettings = Field(default_factory=HttpSettings)
     log_level: str = "info"
+    log_format: Literal["text", "json"] = "text"  # json: one object per line
 
     @property
     def has_local(self) -> bool:

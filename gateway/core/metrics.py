@@ -10,6 +10,8 @@ from prometheus_client.registry import Collector
 
 from engines.base import EngineStats
 
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -66,6 +68,20 @@ class Metrics:
             "Time from request arrival to the first generated token",
             ["endpoint"],
             buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.request_time = Histogram(
+            "vcache_request_duration_seconds",
+            "Time from request arrival to the response's last byte, by route",
+            ["route"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "vcache_inter_token_latency_seconds",
+            "Time between consecutive outputs of one local request, by replica",
+            ["replica"],
+            buckets=_ITL_BUCKETS,
             registry=r,
         )
         self.aborted = Counter(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -95,7 +96,8 @@ class BodyLimitMiddleware:
 
 
 class RequestMetricsMiddleware:
-    """Count every /v1 request by route template and final status."""
+    """Count every /v1 request by route template and final status, and time it (to the
+    last byte of the response: a stream's whole length)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -114,9 +116,11 @@ class RequestMetricsMiddleware:
                 status = int(message["status"])
             await send(message)
 
+        t0 = time.perf_counter()
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or "unmatched"
             self.metrics.requests.labels(label, str(status)).inc()
+            self.metrics.request_time.labels(label).observe(time.perf_counter() - t0)

@@ -152,13 +152,19 @@ class Dispatcher:
         first = True
         cached_known = False
         m = self._metrics
+        itl = m.inter_token.labels(d.replica_id)
+        last = t0
         try:
             async with aclosing(d.replica.engine.generate(greq)) as stream:
                 async for chunk in stream:
+                    now = time.perf_counter()
+                    if not first:
+                        itl.observe(now - last)
+                    last = now
                     if first:
                         if self.kv is not None:
                             self.kv.answered(d.replica.id, d.hashes)
-                        m.ttft.labels(endpoint).observe(time.perf_counter() - t0)
+                        m.ttft.labels(endpoint).observe(now - t0)
                         totals.prompt = chunk.num_prompt_tokens
                         m.prompt_tokens.inc(totals.prompt)
                         first = False

@@ -398,6 +398,9 @@ def test_metrics_count_requests_tokens_and_errors(client: TestClient) -> None:
     assert "vcache_completion_tokens_total 4.0" in text
     assert 'vcache_ttft_seconds_count{endpoint="chat"} 1.0' in text
     assert "vcache_engine_unfinished_requests 0.0" in text
+    # both requests timed; 4 tokens one step apart each make 3 inter-token gaps
+    assert 'vcache_request_duration_seconds_count{route="/v1/chat/completions"} 2.0' in text
+    assert 'vcache_inter_token_latency_seconds_count{replica="replica-0"} 3.0' in text
 
 
 def test_cache_api_validation_and_access(engine: FakeEngine) -> None:
