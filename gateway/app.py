@@ -21,6 +21,7 @@ from engines.providers.specs import adapter_for
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
+from gateway.core.tracing import Tracing
 from gateway.core.version import version_info
 from gateway.grpc.server import GatewayServicer, GrpcServer
 from gateway.http.errors import install_error_handlers
@@ -99,10 +100,12 @@ def create_app(
     settings: Settings,
     built: Sequence[Replica | Engine],
     provider_clock: Callable[[], float] = time.monotonic,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """An app over ``built`` replicas (bare engines become replicas without KV events) and,
     when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``)."""
     metrics = Metrics()
+    tracing = tracing or Tracing(settings.otlp_endpoint)
     providers = ProviderPath(settings, metrics, provider_clock) if settings.providers else None
     replicas = [
         b if isinstance(b, Replica) else Replica(LocationId(f"replica-{i}"), b)
@@ -169,6 +172,7 @@ def create_app(
                 await providers.close()
             if session_log is not None:
                 session_log.close()
+            tracing.shutdown()
 
     app = FastAPI(title="vcache", version=str(version_info()["version"]), lifespan=lifespan)
     app.state.settings = settings
@@ -192,6 +196,7 @@ def create_app(
         metrics=metrics,
         log=session_log,
         tool_parser=settings.engine.tool_parser,
+        tracing=tracing,
     )
     app.state.cache = CacheService(app.state.service)
     app.state.health = Health(supervisor, app.state.service)

@@ -30,6 +30,7 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-request-body-bytes", "max_request_body_bytes", int, "request body limit"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),
     ("--log-format", "log_format", str, "text or json (one object per line)"),
+    ("--otlp-endpoint", "otlp_endpoint", str, "OTLP/HTTP traces endpoint (off when unset)"),
     ("--max-model-len", "engine.max_model_len", int, "context length"),
     ("--block-size", "engine.block_size", int, "KV block size in tokens"),
     ("--kv-cache-bytes", "engine.kv_cache_bytes", int, "KV cache size in bytes"),

@@ -215,6 +215,7 @@ class Settings(BaseSettings):
     http: HttpSettings = Field(default_factory=HttpSettings)
     log_level: str = "info"
     log_format: Literal["text", "json"] = "text"  # json: one object per line
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces, e.g. http://collector:4318/v1/traces
 
     @property
     def has_local(self) -> bool:

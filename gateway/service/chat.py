@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable
@@ -23,6 +24,7 @@ from gateway.core.outputs import (
     Completion,
     ModelCard,
     ModelList,
+    Usage,
 )
 from gateway.core.schemas import (
     ChatCompletionRequest,
@@ -40,6 +42,7 @@ from gateway.core.shaping import (
     completion_chunks,
     primed,
 )
+from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Principal, Routed, RouteOverride, Served
 from gateway.local.dispatch import Dispatcher
 from gateway.local.routing import POLICIES
@@ -62,6 +65,30 @@ def completion_shape(req: CompletionRequest) -> Shape:
     return Shape(n=req.n, logprobs=req.logprobs is not None, include_usage=_include_usage(req))
 
 
+def _usage_attrs(u: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "cached_tokens": u.prompt_tokens_details.cached_tokens,
+        "completion_tokens": u.completion_tokens,
+    }
+
+
+async def _ended(pieces: Pieces, trace: RequestTrace, served: Served) -> Pieces:
+    """``pieces``; the request's span ends with the answer (or when the client leaves)."""
+    usage: Usage | None = None
+    error: BaseException | None = None
+    try:
+        async with aclosing(pieces):
+            async for p in pieces:
+                usage = p.usage or usage
+                yield p
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        trace.end(error, target=served.target, **(_usage_attrs(usage) if usage else {}))
+
+
 class GatewayService:
     def __init__(
         self,
@@ -72,8 +99,10 @@ class GatewayService:
         metrics: Metrics | None = None,
         log: SessionLog | None = None,
         tool_parser: str = "hermes",
+        tracing: Tracing | None = None,
     ) -> None:
         self._model = model_name
+        self.tracing = tracing or Tracing()
         self._targets = targets or Targets(model_name, {}, [])
         self.providers = providers
         self._metrics = metrics or Metrics()
@@ -143,13 +172,14 @@ class GatewayService:
         route: RouteOverride | None,
         served: Served,
         session: str | None,
+        trace: RequestTrace,
     ) -> tuple[str, Pieces]:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if target == LOCAL_TARGET:
-            return rid, self.local.chat(req, who, route, served, rid, session)
+            return rid, self.local.chat(req, who, route, served, rid, session, trace)
         if self.providers is None:
             raise Unavailable("no hosted providers are configured", code="no_providers")
-        return rid, self.providers.answer(req, who.tenant, target, served, rid, session)
+        return rid, self.providers.answer(req, who.tenant, target, served, rid, session, trace)
 
     async def answer(
         self,
@@ -162,13 +192,19 @@ class GatewayService:
         piece produced.  ``session``: an explicit session-log session (else found or
         started implicitly)."""
         served = Served()
+        trace = self.tracing.request("vcache.chat", model=req.model, stream=True)
 
         async def attempt(target: str) -> Answer:
-            rid, pieces = self._pieces(target, req, who, route, served, session)
+            rid, pieces = self._pieces(target, req, who, route, served, session, trace)
             return Answer(rid, await primed(pieces))
 
-        targets = self._targets.resolve(req.model)
-        return Routed(await first_ok(targets, attempt, served, self._metrics), served)
+        try:
+            targets = self._targets.resolve(req.model)
+            a = await first_ok(targets, attempt, served, self._metrics)
+        except BaseException as exc:
+            trace.end(exc, target=served.target)
+            raise
+        return Routed(Answer(a.id, await primed(_ended(a.pieces, trace, served))), served)
 
     async def chat(
         self,
@@ -179,13 +215,20 @@ class GatewayService:
     ) -> Routed[ChatCompletion]:
         """One whole answer; a target that fails at any point before it ends falls back."""
         served = Served()
+        trace = self.tracing.request("vcache.chat", model=req.model, stream=False)
 
         async def attempt(target: str) -> ChatCompletion:
-            rid, pieces = self._pieces(target, req, who, route, served, session)
+            rid, pieces = self._pieces(target, req, who, route, served, session, trace)
             return await chat_completion(rid, req.model, pieces, chat_shape(req))
 
-        targets = self._targets.resolve(req.model)
-        return Routed(await first_ok(targets, attempt, served, self._metrics), served)
+        try:
+            targets = self._targets.resolve(req.model)
+            body = await first_ok(targets, attempt, served, self._metrics)
+        except BaseException as exc:
+            trace.end(exc, target=served.target)
+            raise
+        trace.end(None, target=served.target, **_usage_attrs(body.usage))
+        return Routed(body, served)
 
     async def chat_stream(
         self,
@@ -214,7 +257,8 @@ class GatewayService:
     ) -> Routed[Completion]:
         self._local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
-        pieces = self.local.completion(req, who, route, served, rid)
+        trace = self.tracing.request("vcache.completion", model=req.model, stream=False)
+        pieces = _ended(self.local.completion(req, who, route, served, rid, trace), trace, served)
         return Routed(await completion(rid, self._model, pieces, completion_shape(req)), served)
 
     async def complete_stream(
@@ -223,6 +267,8 @@ class GatewayService:
         """A stream that has produced its first piece (errors before it are raised here)."""
         self._local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
-        pieces = await primed(self.local.completion(req, who, route, served, rid))
+        trace = self.tracing.request("vcache.completion", model=req.model, stream=True)
+        local = self.local.completion(req, who, route, served, rid, trace)
+        pieces = await primed(_ended(local, trace, served))
         chunks = completion_chunks(rid, self._model, pieces, completion_shape(req))
         return Routed(chunks, served)

@@ -27,6 +27,7 @@ from gateway.core.schemas import (
     tool_calls_json,
 )
 from gateway.core.shaping import Piece, Pieces, Sample
+from gateway.core.tracing import RequestTrace
 from gateway.core.types import Principal, RouteOverride, Served, tenant_salt
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.service.journal import Journal
@@ -141,15 +142,19 @@ class LocalChat:
         route: RouteOverride | None,
         served: Served,
         rid: str,
-        session: str | None = None,
+        session: str | None,
+        trace: RequestTrace,
     ) -> Pieces:
         with self.dispatcher.admit():
             t0 = time.perf_counter()
-            greq, plan = self._chat_request(req, who, rid)
-            op = await self._journal(req, who, greq, session, served)
-            d = await self.dispatcher.route(greq, route)
+            with trace.step("tokenize") as span:
+                greq, plan = self._chat_request(req, who, rid)
+                span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
+            with trace.step("journal"):
+                op = await self._journal(req, who, greq, session, served)
+            d = await self._route(greq, route, trace)
             served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
-            pieces = self._generate(greq, d, "chat", t0)
+            pieces = self._generate(greq, d, "chat", t0, trace)
             if plan is not None:
                 pieces = plan.stream(pieces)
             async with aclosing(self._journaled(pieces, op, served, rid)) as out:
@@ -192,13 +197,30 @@ class LocalChat:
         await self.journal.sent(op, served, greq.request_id, LOCAL_TARGET, "vllm", directives, sent)
         return op
 
+    async def _route(
+        self, greq: GenerateRequest, route: RouteOverride | None, trace: RequestTrace
+    ) -> Dispatch:
+        with trace.step("route") as span:
+            d = await self.dispatcher.route(greq, route)
+            span.set_attribute("vcache.replica", d.replica_id)
+            if d.predicted_cached_tokens is not None:
+                span.set_attribute("vcache.predicted_cached_tokens", d.predicted_cached_tokens)
+        return d
+
     async def _generate(
-        self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float
+        self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, trace: RequestTrace
     ) -> Pieces:
         totals = Totals()
+        trace.begin("dispatch", replica=d.replica_id)
+        first = True
         async with aclosing(self.dispatcher.run(greq, d, endpoint, t0, totals)) as chunks:
             async for c in chunks:
+                if first:  # the first token: the engine scheduled and prefilled it
+                    trace.finish("dispatch", cached_tokens=c.num_cached_tokens or 0)
+                    trace.begin("generate")
+                    first = False
                 yield Piece(c.text, c.finish_reason, index=c.index, logprobs=c.logprobs)
+        trace.finish("generate", completion_tokens=totals.completion)
         yield Piece(usage=totals.usage())
 
     async def _journaled(self, pieces: Pieces, op: Open | None, served: Served, rid: str) -> Pieces:
@@ -242,12 +264,14 @@ class LocalChat:
         route: RouteOverride | None,
         served: Served,
         rid: str,
+        trace: RequestTrace,
     ) -> Pieces:
         with self.dispatcher.admit():
             t0 = time.perf_counter()
-            greq = self._completion_request(req, who, rid)
-            served.dispatch = d = await self.dispatcher.route(greq, route)
-            async with aclosing(self._generate(greq, d, "completions", t0)) as pieces:
+            with trace.step("tokenize"):
+                greq = self._completion_request(req, who, rid)
+            served.dispatch = d = await self._route(greq, route, trace)
+            async with aclosing(self._generate(greq, d, "completions", t0, trace)) as pieces:
                 async for p in pieces:
                     yield p
 

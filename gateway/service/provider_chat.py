@@ -20,6 +20,7 @@ from gateway.core.errors import InvalidRequest, from_engine_error
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import Piece, Pieces
+from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Served
 from gateway.providers.path import Outcome, ProviderPath
 from gateway.service.journal import Journal
@@ -91,25 +92,35 @@ class ProviderChat:
         rid: str,
         out: Outcome,
         warm: bool = False,
+        trace: RequestTrace | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """The provider's deltas: planned once, journaled before each send, errors in the
         API's terms."""
         t = self.path.target(target)
+        trace = trace or Tracing().request("vcache.warm")  # warms are not traced
         try:
-            p = await self.path.prepare(t, call, tenant, warm)
+            with trace.step("plan", target=target) as span:
+                p = await self.path.prepare(t, call, tenant, warm)
+                span.set_attribute("vcache.breakpoints", len(p.marked))
             attempt, yielded = 0, False
             while True:
                 request_id = rid if attempt == 0 else f"{rid}-{attempt}"
                 body = p.rendered.body
                 directives = directives_of(p.directives)
-                await self.journal.sent(
-                    op, served, request_id, target, "provider", directives, body
-                )
+                with trace.step("journal"):
+                    await self.journal.sent(
+                        op, served, request_id, target, "provider", directives, body
+                    )
+                trace.begin("dispatch", target=target, attempt=attempt)
                 try:
                     async with aclosing(self.path.send(p, out)) as deltas:
                         async for d in deltas:
+                            if not yielded:  # the first token
+                                trace.finish("dispatch")
+                                trace.begin("generate")
                             yielded = True
                             yield d
+                    trace.finish("generate")
                     break
                 except ProviderNotFound:
                     inline = None if yielded or attempt else self.path.inline(p)
@@ -130,12 +141,14 @@ class ProviderChat:
         target: str,
         served: Served,
         rid: str,
-        session: str | None = None,
+        session: str | None,
+        trace: RequestTrace,
     ) -> Pieces:
         call, op = self._open(req, target, served, tenant, session)
         out = Outcome()
         text: list[str] = []
-        async with aclosing(self._deltas(call, op, served, tenant, target, rid, out)) as deltas:
+        deltas = self._deltas(call, op, served, tenant, target, rid, out, trace=trace)
+        async with aclosing(deltas):
             async for d in deltas:
                 text.append(d.text)
                 if d.text or d.finish_reason:

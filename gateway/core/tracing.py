@@ -1,0 +1,105 @@
+"""OpenTelemetry spans of the request path, exported over OTLP/HTTP.
+
+Off by default (no endpoint: a no-op tracer, nothing is recorded).  With
+``otlp_endpoint`` set, each request is one ``vcache.chat`` (or
+``vcache.completion``) span with a child per step: ``tokenize``, ``journal``,
+``route`` (the replica and the predicted cached tokens), ``plan`` (a
+provider's breakpoints and render), ``dispatch`` (from the send to the first
+token) and ``generate`` (to the last).  Spans are parented explicitly, not
+through the current context, so they survive the hops a streamed answer makes
+between tasks.  The provider is the app's own, never the process-global one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+
+
+class Tracing:
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        service_name: str = "vcache",
+        processor: SpanProcessor | None = None,
+    ) -> None:
+        self._provider: TracerProvider | None = None
+        if endpoint is not None or processor is not None:
+            self._provider = TracerProvider(resource=Resource({"service.name": service_name}))
+            if processor is None:
+                processor = BatchSpanProcessor(_otlp(endpoint or ""))
+            self._provider.add_span_processor(processor)
+            self._tracer: trace.Tracer = self._provider.get_tracer("vcache")
+        else:
+            self._tracer = trace.NoOpTracer()
+
+    @property
+    def enabled(self) -> bool:
+        return self._provider is not None
+
+    def request(self, name: str, **attrs: Any) -> RequestTrace:
+        return RequestTrace(self._tracer, self._tracer.start_span(name, attributes=_clean(attrs)))
+
+    def shutdown(self) -> None:
+        if self._provider is not None:
+            self._provider.shutdown()
+
+
+class RequestTrace:
+    """One request's span and its steps."""
+
+    def __init__(self, tracer: trace.Tracer, span: trace.Span) -> None:
+        self._tracer = tracer
+        self.span = span
+        self._open: dict[str, trace.Span] = {}
+
+    def _child(self, name: str, attrs: dict[str, Any]) -> trace.Span:
+        ctx = trace.set_span_in_context(self.span)
+        return self._tracer.start_span(name, context=ctx, attributes=_clean(attrs))
+
+    @contextlib.contextmanager
+    def step(self, name: str, **attrs: Any) -> Iterator[trace.Span]:
+        span = self._child(name, attrs)
+        try:
+            yield span
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR)
+            raise
+        finally:
+            span.end()
+
+    def begin(self, name: str, **attrs: Any) -> None:
+        """A step that ends later, with :meth:`finish` (``dispatch``, ``generate``)."""
+        self._open[name] = self._child(name, attrs)
+
+    def finish(self, name: str, **attrs: Any) -> None:
+        span = self._open.pop(name, None)
+        if span is not None:
+            span.set_attributes(_clean(attrs))
+            span.end()
+
+    def end(self, error: BaseException | None = None, **attrs: Any) -> None:
+        for name in list(self._open):
+            self.finish(name)
+        self.span.set_attributes(_clean(attrs))
+        if error is not None:
+            self.span.record_exception(error)
+            self.span.set_status(trace.StatusCode.ERROR)
+        self.span.end()
+
+
+def _clean(attrs: dict[str, Any]) -> dict[str, Any]:
+    return {f"vcache.{k}": v for k, v in attrs.items() if isinstance(v, str | int | float | bool)}
+
+
+def _otlp(endpoint: str) -> SpanExporter:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=endpoint)
