@@ -94,9 +94,18 @@ class RemoteReplicaConfig(BaseModel):
     url: str  # http://host:port of the API server (its control endpoint is there too)
     kv_events: str  # its KV events PUB endpoint, e.g. tcp://host:5557
     kv_events_replay: str | None = None  # its replay ROUTER endpoint, e.g. tcp://host:5558
+    # the replicas' VCACHE_CONTROL_SECRET; unset: the gateway's own VCACHE_CONTROL_SECRET
     control_secret: SecretStr
     api_key: SecretStr | None = None
     served_model_name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_from_env(cls, data: Any) -> Any:
+        secret = os.environ.get("VCACHE_CONTROL_SECRET")
+        if isinstance(data, dict) and "control_secret" not in data and secret:
+            return {**data, "control_secret": secret}
+        return data
 
 
 class CacheSettings(BaseModel):

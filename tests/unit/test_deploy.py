@@ -1,0 +1,120 @@
+"""deploy/: the Dockerfile, the compose stack (Prometheus, Grafana and its dashboard) and
+the Helm chart are checked against the code they deploy: files they mount exist, the
+settings and metrics they name are real, the probes hit real routes.  (No docker or helm
+binary here: the chart is not rendered; its values and names are checked instead.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from engines.fake import FakeEngine
+from engines.tokenizer import ChatTokenizer
+from gateway.app import create_app
+from gateway.core.config import Settings, unknown_env
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "vcache"
+
+
+def _family(metric: str) -> str:
+    """A sample's or family's name without the suffixes Prometheus adds."""
+    return re.sub(r"_(bucket|total|count|sum|created)$", "", metric)
+
+
+def _yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def exposed(demo_model: Path) -> tuple[set[str], set[str]]:
+    """(metric families on /metrics, route paths) of a gateway with providers configured."""
+    engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)))
+    settings = Settings(grpc_port=None, providers={"openai": {"api_key": "x"}})
+    app = create_app(settings, [engine])
+    with TestClient(app) as http:
+        text = http.get("/metrics").text
+    families = {_family(m) for m in re.findall(r"^# HELP (\w+)", text, re.M)}
+    routes = {getattr(r, "path", "") for r in app.routes}
+    return families, routes
+
+
+def test_the_dockerfile_runs_vcache_on_vllm_032_as_a_user_with_a_healthcheck() -> None:
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v0\.32\.\d+$", text, re.M)
+    user = re.search(r"^USER (\S+)$", text, re.M)
+    assert user and user.group(1) not in ("root", "0")
+    assert "HEALTHCHECK" in text and "/healthz" in text
+    assert 'ENTRYPOINT ["vcache", "serve"]' in text
+    for src in re.findall(r"^COPY (\S+)", text, re.M):
+        assert (ROOT / src).exists(), src
+
+
+def test_the_compose_stack_mounts_files_that_exist() -> None:
+    compose = _yaml(DEPLOY / "compose.yaml")
+    assert set(compose["services"]) == {"vcache", "prometheus", "grafana"}
+    build = compose["services"]["vcache"]["build"]
+    assert (DEPLOY / build["context"] / build["dockerfile"]).exists()
+    for svc in compose["services"].values():
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (DEPLOY / source).exists(), source
+    prom = _yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    target = prom["scrape_configs"][0]["static_configs"][0]["targets"][0]
+    assert target == "vcache:8000" and "8000:8000" in compose["services"]["vcache"]["ports"]
+    env = compose["services"]["vcache"]["environment"]
+    Settings(**{k.removeprefix("VCACHE_").lower(): v for k, v in env.items()})
+
+
+def test_the_dashboard_queries_metrics_the_gateway_exposes(
+    exposed: tuple[set[str], set[str]],
+) -> None:
+    families, _ = exposed
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "vcache.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {_family(m) for e in exprs for m in re.findall(r"\bvcache_\w+", e)}
+    assert len(dash["panels"]) >= 10
+    assert used and used <= families, used - families
+    provisioned = _yaml(DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml")
+    assert provisioned["datasources"][0]["uid"] == dash["panels"][0]["datasource"]["uid"]
+
+
+def test_the_chart_names_only_values_it_has_and_routes_that_exist(
+    exposed: tuple[set[str], set[str]],
+) -> None:
+    _, routes = exposed
+    chart = _yaml(CHART / "Chart.yaml")
+    assert chart["apiVersion"] == "v2" and chart["name"] == "vcache"
+    values = _yaml(CHART / "values.yaml")
+    templates = "".join(p.read_text() for p in sorted((CHART / "templates").iterdir()))
+    for ref in set(re.findall(r"\.Values\.([\w.]+)", templates)):
+        node: Any = values
+        for part in ref.split("."):
+            assert isinstance(node, dict) and part in node, f".Values.{ref} is not in values.yaml"
+            node = node[part]
+    for path in re.findall(r"path: (/\w+)", templates):
+        assert path in routes or path == "/health", path  # /health: vLLM's own
+    assert "/readyz" in templates and "/healthz" in templates
+
+
+def test_the_chart_configures_the_gateway_with_real_settings() -> None:
+    templates = (CHART / "templates" / "gateway.yaml").read_text()
+    names = set(re.findall(r"name: (VCACHE_\w+)", templates))
+    assert not unknown_env({n: "x" for n in names})
+    top = {n.removeprefix("VCACHE_").lower() for n in names if "__" not in n}
+    assert top - {"control_secret"} <= set(Settings.model_fields), top
+    replicas = (CHART / "templates" / "vllm-statefulset.yaml").read_text()
+    for needed in (
+        "--prefix-caching-hash-algo=sha256_cbor",
+        "VLLM_PLUGINS",
+        "enable_kv_cache_events",
+    ):
+        assert needed in replicas
