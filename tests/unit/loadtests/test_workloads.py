@@ -80,3 +80,22 @@ def test_summary_and_counters() -> None:
     before = {"vcache_prompt_tokens_total": 10.0, "vcache_cached_tokens_total": 0.0}
     after = {"vcache_prompt_tokens_total": 310.0, "vcache_cached_tokens_total": 150.0}
     assert counter_cross_check(before, after)["gateway_hit_rate"] == 0.5
+
+
+def test_the_hit_rate_curve_counts_from_the_first_request_sent() -> None:
+    from plots import hit_rate_curve, run_start
+
+    rows = [  # t: when each request completed; total_ms: how long it took
+        {"ok": "1", "t": "100.5", "total_ms": "500", "prompt_tokens": "100", "cached_tokens": "0"},
+        {
+            "ok": "1",
+            "t": "101.0",
+            "total_ms": "200",
+            "prompt_tokens": "100",
+            "cached_tokens": "100",
+        },
+        {"ok": "0", "t": "102.0", "total_ms": "50", "prompt_tokens": "", "cached_tokens": ""},
+    ]
+    assert run_start(rows) == 100.0  # the first request was sent at 100.0, not 100.5
+    xs, ys = hit_rate_curve(rows)
+    assert xs == [0.5, 1.0] and ys == [0.0, 0.5]
