@@ -139,24 +139,40 @@ def completion_logprobs(lps: Sequence[TokenLogprob], offset: int) -> CompletionL
 
 
 @dataclass
+class _Call:
+    """One tool call as its deltas arrive."""
+
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Sample:
+    """One sample of an answer, as its pieces arrive."""
+
     text: list[str] = field(default_factory=list)
     finish_reason: str = "stop"
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [id, name, args...]
+    calls: dict[int, _Call] = field(default_factory=dict)
 
-    def add_calls(self, deltas: Sequence[ToolCallDelta]) -> None:
-        for d in deltas:
-            call = self.calls.setdefault(d.index, ["", ""])
-            call[0] = d.id or call[0]
-            call[1] = d.name or call[1]
-            call.append(d.arguments)
+    def add(self, p: Piece) -> None:
+        self.text.append(p.text)
+        self.logprobs += p.logprobs
+        self.finish_reason = p.finish_reason or self.finish_reason
+        for d in p.tool_calls:
+            call = self.calls.setdefault(d.index, _Call())
+            call.id = d.id or call.id
+            call.name = d.name or call.name
+            call.arguments.append(d.arguments)
 
     def tool_calls(self) -> list[ToolCallOut] | None:
         if not self.calls:
             return None
         return [
-            ToolCallOut(id=c[0], function=FunctionCallOut(name=c[1], arguments="".join(c[2:])))
+            ToolCallOut(
+                id=c.id, function=FunctionCallOut(name=c.name, arguments="".join(c.arguments))
+            )
             for _, c in sorted(self.calls.items())
         ]
 
@@ -167,11 +183,7 @@ async def collect(pieces: Pieces, n: int = 1) -> tuple[list[Sample], Usage]:
     usage = Usage.of(0, 0, 0)
     async with aclosing(pieces):
         async for p in pieces:
-            s = samples[p.index]
-            s.text.append(p.text)
-            s.logprobs += p.logprobs
-            s.add_calls(p.tool_calls)
-            s.finish_reason = p.finish_reason or s.finish_reason
+            samples[p.index].add(p)
             usage = p.usage or usage
     return samples, usage
 

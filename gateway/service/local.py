@@ -41,7 +41,10 @@ from gateway.sessions.render import (
     vllm_payload,
 )
 from manifest.canonical import canonical_json
-from manifest.sessionlog import Header
+from manifest.sessionlog import Header, MessageEvent
+
+SystemPrompts = tuple[str, ...]
+Turns = tuple[MessageEvent, ...]
 
 
 class LocalChat:
@@ -89,7 +92,11 @@ class LocalChat:
     ) -> list[int]:
         """Token ids of ``messages`` through the model's chat template, rendered from the
         parts the session log keeps (so a rebuilt request renders the same)."""
-        system, turns = split_messages(messages)
+        return self._render(*split_messages(messages), tools)
+
+    def _render(
+        self, system: SystemPrompts, turns: Turns, tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         # the tools as the log keeps them (canonical JSON), so a rebuilt prompt is the same
         kept = json.loads(canonical_json(tools)) if tools else None
         return self.engine.tokenizer.render_chat(local_messages(system, turns), kept)
@@ -115,11 +122,16 @@ class LocalChat:
     # ------------------------------------------------------------ chat
 
     def _chat_request(
-        self, req: ChatCompletionRequest, who: Principal, rid: str
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        rid: str,
+        system: SystemPrompts,
+        turns: Turns,
     ) -> tuple[GenerateRequest, ToolPlan | None]:
         self.check_ready()
         plan = self._tool_plan(req)
-        ids = self.chat_tokens(req.messages, req.tool_dicts())
+        ids = self._render(system, turns, req.tool_dicts())
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         fmt = req.structured()
         structured = plan.structured() if plan is not None else None
@@ -128,12 +140,10 @@ class LocalChat:
             text = canonical_json(schema.schema_).decode() if schema and schema.schema_ else None
             structured = Structured(json_schema=text, json_object=text is None)
         greq = self._generate_request(
-            rid, ids, req, req.output_limit(), ("messages", limit_param), who
-        )
-        s = dataclasses.replace(
-            greq.sampling, logprobs=req.top_logprobs_asked(), structured=structured
-        )
-        return dataclasses.replace(greq, sampling=s), plan
+            rid, ids, req, req.output_limit(), ("messages", limit_param), who,
+            logprobs=req.top_logprobs_asked(), structured=structured,
+        )  # fmt: skip
+        return greq, plan
 
     async def chat(
         self,
@@ -147,11 +157,12 @@ class LocalChat:
     ) -> Pieces:
         with self.dispatcher.admit():
             t0 = time.perf_counter()
+            system, turns = request_parts(req)  # what is rendered is what is journaled
             with trace.step("tokenize") as span:
-                greq, plan = self._chat_request(req, who, rid)
+                greq, plan = self._chat_request(req, who, rid, system, turns)
                 span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
             with trace.step("journal"):
-                op = await self._journal(req, who, greq, session, served)
+                op = await self._journal(req, who, greq, session, served, system, turns)
             d = await self._route(greq, route, trace)
             served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
             pieces = self._generate(greq, d, "chat", t0, trace)
@@ -183,9 +194,10 @@ class LocalChat:
         greq: GenerateRequest,
         session: str | None,
         served: Served,
+        system: SystemPrompts,
+        turns: Turns,
     ) -> Open | None:
         """Journal what vLLM will be handed (token ids, salt, sampling), before routing."""
-        system, turns = request_parts(req)
         tools = req.tool_dicts() or None
         header = Header.make(req.model, LOCAL_TARGET, system, tools, request_config(req, None))
         op = self.journal.open(who.tenant, header, turns, session)
@@ -226,17 +238,16 @@ class LocalChat:
     async def _journaled(self, pieces: Pieces, op: Open | None, served: Served, rid: str) -> Pieces:
         """The pieces, and the answer journaled before its usage goes out: the text and
         tool calls of sample 0, the one the conversation goes on with."""
-        text: list[str] = []
-        calls = Sample()
+        answer = Sample()
         async with aclosing(pieces):
             async for p in pieces:
                 if p.usage is not None:
-                    out = calls.tool_calls()
+                    out = answer.tool_calls()
                     called = tool_calls_json([c.model_dump() for c in out]) if out else None
-                    await self.journal.answered(op, served, rid, "".join(text), p.usage, called)
+                    text = "".join(answer.text)
+                    await self.journal.answered(op, served, rid, text, p.usage, called)
                 elif p.index == 0:
-                    text.append(p.text)
-                    calls.add_calls(p.tool_calls)
+                    answer.add(p)
                 yield p
 
     # ------------------------------------------------------- completions
@@ -252,9 +263,8 @@ class LocalChat:
         ids = tok.encode(p) if isinstance(p, str) else self.check_token_ids(p, param)  # type: ignore[arg-type]
         if not ids:
             raise InvalidRequest("prompt must not be empty", param="prompt", code="invalid_value")
-        greq = self._generate_request(rid, ids, req, req.max_tokens, ("prompt", "max_tokens"), who)
-        return dataclasses.replace(
-            greq, sampling=dataclasses.replace(greq.sampling, logprobs=req.logprobs)
+        return self._generate_request(
+            rid, ids, req, req.max_tokens, ("prompt", "max_tokens"), who, logprobs=req.logprobs
         )
 
     async def completion(
@@ -285,6 +295,8 @@ class LocalChat:
         limit: int | None,
         params: tuple[str, str],
         who: Principal,
+        logprobs: int | None = None,
+        structured: Structured | None = None,
     ) -> GenerateRequest:
         prompt_param, limit_param = params
         max_len = self.engine.capabilities.max_model_len
@@ -313,6 +325,8 @@ class LocalChat:
             frequency_penalty=req.frequency_penalty,
             ignore_eos=req.ignore_eos,
             n=req.n,
+            logprobs=logprobs,
+            structured=structured,
         )
         return GenerateRequest(
             request_id=rid,
