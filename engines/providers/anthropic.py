@@ -12,6 +12,10 @@ from engines.providers.base import (
     Delta,
     ProviderUsage,
     Rendered,
+    ToolCall,
+    ToolCallPart,
+    Turn,
+    forced_tool,
 )
 from engines.providers.errors import ProviderUnavailable, from_status
 from engines.sse import ServerSentEvent
@@ -19,7 +23,12 @@ from manifest.canonical import canonical_json
 
 API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 1024  # Anthropic requires max_tokens; OpenAI callers may omit it
-_FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length"}
+_FINISH = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+}
 
 
 def _tool(t: dict[str, Any]) -> dict[str, Any]:
@@ -32,6 +41,34 @@ def _tool(t: dict[str, Any]) -> dict[str, Any]:
     if fn.get("description"):
         out["description"] = fn["description"]
     return out
+
+
+def _choice(choice: str | dict[str, Any], warm: bool) -> dict[str, Any] | None:
+    """OpenAI's ``tool_choice`` in Anthropic's shape (a warm may not force a tool)."""
+    name = forced_tool(choice)
+    if name is not None or choice == "required":
+        if warm:
+            return None
+        return {"type": "tool", "name": name} if name else {"type": "any"}
+    return {"type": str(choice)}
+
+
+def _turn_blocks(t: Turn) -> tuple[str, list[dict[str, Any]]]:
+    """A turn as (role, content blocks): a tool's result is a user ``tool_result`` block,
+    an assistant's calls are ``tool_use`` blocks after its text."""
+    if t.role == "tool":
+        result = {"type": "tool_result", "tool_use_id": t.tool_call_id or "", "content": t.content}
+        return "user", [result]
+    blocks: list[dict[str, Any]] = []
+    if t.content or not t.tool_calls:
+        blocks.append({"type": "text", "text": t.content})
+    for c in t.tool_calls:
+        blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": c.args()})
+    return t.role, blocks
+
+
+def _is_results(message: dict[str, Any]) -> bool:
+    return message["role"] == "user" and bool(message["content"][-1]["type"] == "tool_result")
 
 
 def _usage(u: dict[str, Any], output: int) -> ProviderUsage:
@@ -48,14 +85,15 @@ class AnthropicAdapter:
 
     def render(self, call: ChatCall, cache: CacheDirectives) -> Rendered:
         marker = {"type": "ephemeral", "ttl": "1h" if cache.ttl_s > 300 else "5m"}
-        blocks: list[tuple[str, str, dict[str, Any]]] = []  # (segment key, place, block)
+        # (segment key, place, blocks): the marker goes on a segment's last block
+        segments: list[tuple[str, str, list[dict[str, Any]]]] = []
         if call.system:
-            blocks.append(("system", "system", {"type": "text", "text": call.system}))
+            segments.append(("system", "system", [{"type": "text", "text": call.system}]))
         if call.volatile_system:
             text = {"type": "text", "text": call.volatile_system}
-            blocks.append(("system:volatile", "system", text))
+            segments.append(("system:volatile", "system", [text]))
         for i, t in enumerate(call.turns):
-            blocks.append((f"message:{i}", t.role, {"type": "text", "text": t.content}))
+            segments.append((f"message:{i}", *_turn_blocks(t)))
         prompt = b""
         ends: dict[str, int] = {}
         tools = [_tool(spec) for spec in call.tools]
@@ -67,14 +105,23 @@ class AnthropicAdapter:
                 tools[-1] = {**tools[-1], "cache_control": marker}
         system: list[dict[str, Any]] = []
         messages: list[dict[str, Any]] = []
-        for key, place, block in blocks:
-            prompt += canonical_json(block)
+        for key, place, blocks in segments:
+            for block in blocks:
+                prompt += canonical_json(block)
             ends[key] = len(prompt)
-            sent = {**block, "cache_control": marker} if key in cache.breakpoints else block
+            if key in cache.breakpoints:
+                blocks = [*blocks[:-1], {**blocks[-1], "cache_control": marker}]
             if place == "system":
-                system.append(sent)
+                system += blocks
+            elif (
+                place == "user"
+                and blocks[0]["type"] == "tool_result"
+                and messages
+                and (_is_results(messages[-1]))
+            ):  # parallel calls' results travel in one user message
+                messages[-1]["content"] += blocks
             else:
-                messages.append({"role": place, "content": [sent]})
+                messages.append({"role": place, "content": blocks})
         body: dict[str, Any] = {
             "model": call.model,
             "max_tokens": 0 if cache.warm else (call.max_tokens or DEFAULT_MAX_TOKENS),
@@ -82,8 +129,9 @@ class AnthropicAdapter:
         }
         if tools:
             body["tools"] = tools
-        if call.tool_choice:
-            body["tool_choice"] = {"type": call.tool_choice}
+        choice = _choice(call.tool_choice, cache.warm) if call.tool_choice else None
+        if choice is not None:
+            body["tool_choice"] = choice
         if system:
             body["system"] = system
         if call.stream and not cache.warm:
@@ -96,12 +144,16 @@ class AnthropicAdapter:
         return Rendered("/messages", canonical_json(body), prompt, ends, bool(body.get("stream")))
 
     def parse(self, body: Any) -> Answer:
-        text = "".join(
-            b.get("text", "") for b in body.get("content", []) if b.get("type") == "text"
+        content = body.get("content", [])
+        text = "".join(b.get("text", "") for b in content if b.get("type") == "text")
+        calls = tuple(
+            ToolCall(str(b["id"]), str(b["name"]), json.dumps(b.get("input") or {}))
+            for b in content
+            if b.get("type") == "tool_use"
         )
         u = body.get("usage") or {}
         usage = _usage(u, int(u.get("output_tokens") or 0))
-        return Answer(text, usage, _FINISH.get(str(body.get("stop_reason")), "stop"))
+        return Answer(text, usage, _FINISH.get(str(body.get("stop_reason")), "stop"), calls)
 
     def stream_parser(self) -> _StreamParser:
         return _StreamParser()
@@ -110,6 +162,7 @@ class AnthropicAdapter:
 class _StreamParser:
     def __init__(self) -> None:
         self._usage: dict[str, Any] = {}
+        self._calls: dict[int, int] = {}  # content block index → tool call index
 
     def feed(self, event: ServerSentEvent) -> list[Delta]:
         if not event.data:
@@ -118,8 +171,17 @@ class _StreamParser:
         kind = data.get("type")
         if kind == "message_start":
             self._usage = dict(data["message"].get("usage") or {})
-        elif kind == "content_block_delta" and data["delta"].get("type") == "text_delta":
-            return [Delta(text=data["delta"]["text"])]
+        elif kind == "content_block_start" and data["content_block"].get("type") == "tool_use":
+            block = data["content_block"]
+            call = self._calls[int(data["index"])] = len(self._calls)
+            return [Delta(tool_calls=(ToolCallPart(call, str(block["id"]), str(block["name"])),))]
+        elif kind == "content_block_delta":
+            delta = data["delta"]
+            if delta.get("type") == "text_delta":
+                return [Delta(text=delta["text"])]
+            if delta.get("type") == "input_json_delta" and delta.get("partial_json"):
+                call = self._calls[int(data["index"])]
+                return [Delta(tool_calls=(ToolCallPart(call, arguments=delta["partial_json"]),))]
         elif kind == "message_delta":
             out = int((data.get("usage") or {}).get("output_tokens") or 0)
             reason = _FINISH.get(str(data["delta"].get("stop_reason")), "stop")

@@ -12,6 +12,8 @@ byte offset where each segment ends (render records hash these).
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,9 +22,29 @@ from engines.sse import ServerSentEvent
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: ``arguments`` is the JSON text of its arguments."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def args(self) -> dict[str, Any]:
+        """The arguments as an object, for providers that take objects (text that is not
+        a JSON object is wrapped as ``{"arguments": ...}``)."""
+        try:
+            value = json.loads(self.arguments or "{}")
+        except json.JSONDecodeError:
+            value = self.arguments
+        return value if isinstance(value, dict) else {"arguments": value}
+
+
+@dataclass(frozen=True)
 class Turn:
-    role: str  # "user" | "assistant"
+    role: str  # "user" | "assistant" | "tool"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 @dataclass(frozen=True)
@@ -32,7 +54,8 @@ class ChatCall:
     system: str | None = None
     volatile_system: str | None = None
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI function tools, in order
-    tool_choice: str | None = None  # "auto" | "none"
+    # OpenAI's: "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
+    tool_choice: str | dict[str, Any] | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -82,7 +105,19 @@ class ProviderUsage:
 class Answer:
     text: str
     usage: ProviderUsage
-    finish_reason: str
+    finish_reason: str  # OpenAI's names: "stop" | "length" | "tool_calls"
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolCallPart:
+    """Part of a streamed tool call: the first part of call ``index`` carries its id and
+    name; the arguments' JSON text may come in several parts."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,6 +125,20 @@ class Delta:
     text: str = ""
     usage: ProviderUsage | None = None
     finish_reason: str | None = None
+    tool_calls: tuple[ToolCallPart, ...] = ()
+
+
+def call_id() -> str:
+    """An id for a call the provider did not name (Gemini 2.x calls carry none)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def forced_tool(choice: str | dict[str, Any] | None) -> str | None:
+    """The function a named ``tool_choice`` forces, if it names one."""
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        return str(fn["name"]) if isinstance(fn, dict) and "name" in fn else None
+    return None
 
 
 class StreamParser(Protocol):

@@ -12,6 +12,11 @@ from engines.providers.base import (
     Delta,
     ProviderUsage,
     Rendered,
+    ToolCall,
+    ToolCallPart,
+    Turn,
+    call_id,
+    forced_tool,
 )
 from engines.providers.errors import ProviderUnavailable
 from engines.sse import ServerSentEvent
@@ -43,6 +48,60 @@ def _content(role: str, text: str) -> dict[str, Any]:
     return {"role": "model" if role == "assistant" else "user", "parts": [{"text": text}]}
 
 
+def _tool_config(choice: str | dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``tool_choice`` as Gemini's function-calling mode."""
+    name = forced_tool(choice)
+    if name is not None:
+        return {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": [name]}}
+    mode = {"auto": "AUTO", "none": "NONE", "required": "ANY"}[str(choice)]
+    return {"functionCallingConfig": {"mode": mode}}
+
+
+def _response(content: str) -> dict[str, Any]:
+    """A tool's result as a ``functionResponse.response`` object."""
+    try:
+        value = json.loads(content)
+    except json.JSONDecodeError:
+        value = None
+    return value if isinstance(value, dict) else {"content": content}
+
+
+def _turn_content(t: Turn, names: dict[str, str]) -> dict[str, Any]:
+    """A turn as a content: an assistant's calls are ``functionCall`` parts after its text,
+    a tool's result a user ``functionResponse`` part naming the function it answers."""
+    if t.role == "tool":
+        name = names.get(t.tool_call_id or "", "")
+        part = {"functionResponse": {"name": name, "response": _response(t.content)}}
+        return {"role": "user", "parts": [part]}
+    if not t.tool_calls:
+        return _content(t.role, t.content)
+    parts: list[dict[str, Any]] = [{"text": t.content}] if t.content else []
+    for c in t.tool_calls:
+        names[c.id] = c.name
+        args = c.args()
+        parts.append(
+            {
+                "functionCall": {
+                    "name": c.name,
+                    "args": args if isinstance(args, dict) else {"arguments": args},
+                }
+            }
+        )
+    return {"role": "model", "parts": parts}
+
+
+def _is_responses(content: dict[str, Any]) -> bool:
+    return content["role"] == "user" and "functionResponse" in content["parts"][-1]
+
+
+def _calls(parts: list[dict[str, Any]]) -> list[ToolCall]:
+    return [
+        ToolCall(str(fc.get("id") or call_id()), str(fc["name"]), json.dumps(fc.get("args") or {}))
+        for p in parts
+        if (fc := p.get("functionCall"))
+    ]
+
+
 class GeminiAdapter:
     provider = "gemini"
 
@@ -63,8 +122,7 @@ class GeminiAdapter:
             prompt += canonical_json(body["tools"])
             ends["tools"] = len(prompt)
             if call.tool_choice:
-                mode = {"auto": "AUTO", "none": "NONE"}[call.tool_choice]
-                body["toolConfig"] = {"functionCallingConfig": {"mode": mode}}
+                body["toolConfig"] = _tool_config(call.tool_choice)
         if cache.cached_content:
             body["cachedContent"] = cache.cached_content
             if call.system:
@@ -86,10 +144,16 @@ class GeminiAdapter:
                 ends["system:volatile"] = len(prompt)
             if parts:
                 body["systemInstruction"] = {"parts": parts}
+        names: dict[str, str] = {}  # tool call id → function name
         for i, t in enumerate(call.turns):
-            contents.append(_content(t.role, t.content))
-            prompt += canonical_json(contents[-1])
+            content = _turn_content(t, names)
+            prompt += canonical_json(content)
             ends[f"message:{i}"] = len(prompt)
+            if contents and _is_responses(content) and _is_responses(contents[-1]):
+                # parallel calls' responses travel in one content
+                contents[-1] = {**contents[-1], "parts": contents[-1]["parts"] + content["parts"]}
+            else:
+                contents.append(content)
         body["contents"] = contents
         config: dict[str, Any] = {}
         for name, value in (
@@ -121,9 +185,11 @@ class GeminiAdapter:
 
     def parse(self, body: Any) -> Answer:
         cand = (body.get("candidates") or [{}])[0]
-        text = "".join(p.get("text", "") for p in (cand.get("content") or {}).get("parts", []))
-        finish = _FINISH.get(str(cand.get("finishReason")), "stop")
-        return Answer(text, _usage(body.get("usageMetadata") or {}), finish)
+        parts = (cand.get("content") or {}).get("parts", [])
+        text = "".join(p.get("text", "") for p in parts)
+        calls = tuple(_calls(parts))
+        finish = "tool_calls" if calls else _FINISH.get(str(cand.get("finishReason")), "stop")
+        return Answer(text, _usage(body.get("usageMetadata") or {}), finish, calls)
 
     def stream_parser(self) -> _StreamParser:
         return _StreamParser()
@@ -132,6 +198,7 @@ class GeminiAdapter:
 class _StreamParser:
     def __init__(self) -> None:
         self._usage: dict[str, Any] = {}
+        self._calls = 0
 
     def feed(self, event: ServerSentEvent) -> list[Delta]:
         if not event.data:
@@ -142,10 +209,17 @@ class _StreamParser:
         out: list[Delta] = []
         self._usage = data.get("usageMetadata") or self._usage
         cand = (data.get("candidates") or [{}])[0]
-        text = "".join(p.get("text", "") for p in (cand.get("content") or {}).get("parts", []))
-        if text:
-            out.append(Delta(text=text))
+        parts = (cand.get("content") or {}).get("parts", [])
+        text = "".join(p.get("text", "") for p in parts)
+        calls = tuple(
+            ToolCallPart(self._calls + i, c.id, c.name, c.arguments)
+            for i, c in enumerate(_calls(parts))
+        )
+        self._calls += len(calls)
+        if text or calls:
+            out.append(Delta(text=text, tool_calls=calls))
         if cand.get("finishReason"):
             reason = _FINISH.get(str(cand["finishReason"]), "stop")
+            reason = "tool_calls" if self._calls and reason == "stop" else reason
             out.append(Delta(usage=_usage(self._usage), finish_reason=reason))
         return out

@@ -12,10 +12,34 @@ from engines.providers.base import (
     Delta,
     ProviderUsage,
     Rendered,
+    ToolCall,
+    ToolCallPart,
+    Turn,
 )
 from engines.providers.errors import ProviderUnavailable
 from engines.sse import ServerSentEvent
 from manifest.canonical import canonical_json
+
+
+def _message(t: Turn) -> dict[str, Any]:
+    """A turn as a Chat Completions message (an assistant's calls, a tool's result)."""
+    if t.role == "tool":
+        return {"role": "tool", "tool_call_id": t.tool_call_id or "", "content": t.content}
+    if t.tool_calls:
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in t.tool_calls
+        ]
+        return {"role": "assistant", "content": t.content or None, "tool_calls": calls}
+    return {"role": t.role, "content": t.content}
+
+
+def _calls(message: dict[str, Any]) -> tuple[ToolCall, ...]:
+    return tuple(
+        ToolCall(str(c["id"]), str(fn["name"]), str(fn.get("arguments") or ""))
+        for c in message.get("tool_calls") or []
+        for fn in (c["function"],)
+    )
 
 
 class OpenAIAdapter:
@@ -32,10 +56,7 @@ class OpenAIAdapter:
             msgs.append(("system", {"role": "system", "content": call.system}))
         if call.volatile_system:
             msgs.append(("system:volatile", {"role": "system", "content": call.volatile_system}))
-        msgs += [
-            (f"message:{i}", {"role": t.role, "content": t.content})
-            for i, t in enumerate(call.turns)
-        ]
+        msgs += [(f"message:{i}", _message(t)) for i, t in enumerate(call.turns)]
         prompt = b""
         ends: dict[str, int] = {}
         if call.tools:  # first in the prefix: a tool change invalidates everything after
@@ -79,9 +100,9 @@ class OpenAIAdapter:
     def parse(self, body: Any) -> Answer:
         choice = body["choices"][0]
         text = choice["message"].get("content") or ""
-        return Answer(
-            text, self.usage(body.get("usage") or {}), choice.get("finish_reason") or "stop"
-        )
+        usage = self.usage(body.get("usage") or {})
+        reason = choice.get("finish_reason") or "stop"
+        return Answer(text, usage, reason, _calls(choice["message"]))
 
     def stream_parser(self) -> _StreamParser:
         return _StreamParser(self)
@@ -115,11 +136,18 @@ class _StreamParser:
             raise ProviderUnavailable(self._adapter.provider, f"stream error: {data['error']}")
         out: list[Delta] = []
         for choice in data.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content") or ""
-            if text:
-                out.append(Delta(text=text))
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            parts = tuple(_part(c) for c in delta.get("tool_calls") or [])
+            if text or parts:
+                out.append(Delta(text=text, tool_calls=parts))
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
         if data.get("usage"):
             out.append(Delta(usage=self._adapter.usage(data["usage"]), finish_reason=self._finish))
         return out
+
+
+def _part(c: dict[str, Any]) -> ToolCallPart:
+    fn = c.get("function") or {}
+    return ToolCallPart(int(c["index"]), c.get("id"), fn.get("name"), fn.get("arguments") or "")

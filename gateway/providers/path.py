@@ -19,7 +19,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from engines.providers.base import CacheDirectives, ChatCall, Delta, ProviderUsage, Rendered
+from engines.providers.base import (
+    CacheDirectives,
+    ChatCall,
+    Delta,
+    ProviderUsage,
+    Rendered,
+    ToolCallPart,
+)
 from engines.providers.client import ProviderClient
 from engines.providers.retry import RetryPolicy
 from engines.providers.specs import PROVIDERS, ProviderSpec
@@ -239,8 +246,11 @@ class ProviderPath:
                     yield d
             return
         answer = await t.client.complete(r)
-        if answer.text:
-            yield Delta(text=answer.text)
+        if answer.text or answer.tool_calls:
+            parts = tuple(
+                ToolCallPart(i, c.id, c.name, c.arguments) for i, c in enumerate(answer.tool_calls)
+            )
+            yield Delta(text=answer.text, tool_calls=parts)
         yield Delta(usage=answer.usage, finish_reason=answer.finish_reason)
 
     def stats(self) -> dict[str, Any]:

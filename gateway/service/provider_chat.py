@@ -18,8 +18,8 @@ from engines.providers.base import ChatCall, Delta, ProviderUsage
 from engines.providers.errors import ProviderNotFound
 from gateway.core.errors import InvalidRequest, from_engine_error
 from gateway.core.outputs import Usage
-from gateway.core.schemas import ChatCompletionRequest
-from gateway.core.shaping import Piece, Pieces
+from gateway.core.schemas import ChatCompletionRequest, tool_calls_json
+from gateway.core.shaping import Piece, Pieces, Sample, ToolCallDelta
 from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Served
 from gateway.providers.path import Outcome, ProviderPath
@@ -47,7 +47,6 @@ def _local_only_parameters(req: ChatCompletionRequest) -> None:
         "n": req.n > 1,
         "logprobs": bool(req.logprobs),
         "response_format": req.structured() is not None,
-        "tool_choice": req.tool_choice not in (None, "auto", "none"),
     }
     for param, on in asked.items():
         if on:
@@ -146,15 +145,21 @@ class ProviderChat:
     ) -> Pieces:
         call, op = self._open(req, target, served, tenant, session)
         out = Outcome()
-        text: list[str] = []
+        answer = Sample()
         deltas = self._deltas(call, op, served, tenant, target, rid, out, trace=trace)
         async with aclosing(deltas):
             async for d in deltas:
-                text.append(d.text)
-                if d.text or d.finish_reason:
-                    yield Piece(d.text, d.finish_reason)
+                if d.text or d.finish_reason or d.tool_calls:
+                    parts = tuple(
+                        ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.tool_calls
+                    )
+                    piece = Piece(d.text, d.finish_reason, tool_calls=parts)
+                    answer.add(piece)
+                    yield piece
         usage = usage_of(out.usage)
-        await self.journal.answered(op, served, rid, "".join(text), usage)
+        calls = answer.tool_calls()
+        called = tool_calls_json([c.model_dump() for c in calls]) if calls else None
+        await self.journal.answered(op, served, rid, "".join(answer.text), usage, called)
         yield Piece(usage=usage)
 
     async def warm(

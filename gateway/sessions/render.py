@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from engines.providers.base import CacheDirectives, ChatCall, Turn
+from engines.providers.base import CacheDirectives, ChatCall, ToolCall, Turn
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from manifest.canonical import canonical_json, canonicalize, lint, split_volatile
@@ -128,12 +128,7 @@ def provider_call(
     system, volatile, named = laid.stable, laid.volatile, list(laid.findings)
     call = ChatCall(
         model=header.target.partition("/")[2],
-        turns=tuple(
-            Turn("assistant", m.content)
-            if m.role == "assistant"
-            else Turn("user", m.content if m.role == "user" else f"[{m.role}] {m.content}")
-            for m in turns
-        ),
+        turns=tuple(provider_turn(m) for m in turns),
         system=system,
         volatile_system=volatile,
         tools=tuple(header.tool_list()),
@@ -146,6 +141,21 @@ def provider_call(
         stream=bool(cfg.get("stream", False)),
     )
     return call, named
+
+
+def provider_turn(m: MessageEvent) -> Turn:
+    """A logged turn as the providers' neutral turn: an assistant's tool calls and a tool's
+    result kept as such; a system or developer message after the first turn travels as a
+    user turn that says what it was."""
+    if m.role == "assistant":
+        calls = tuple(
+            ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+            for c in json.loads(m.tool_calls or "[]")
+        )
+        return Turn("assistant", m.content, calls)
+    if m.role == "tool":
+        return Turn("tool", m.content, tool_call_id=m.tool_call_id)
+    return Turn("user", m.content if m.role == "user" else f"[{m.role}] {m.content}")
 
 
 def directives_of(d: CacheDirectives) -> dict[str, Any]:

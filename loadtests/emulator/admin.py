@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
 from .common import state_of
@@ -52,6 +52,12 @@ async def flush(request: Request) -> dict[str, bool]:
 @router.get("/requests")
 async def received(request: Request) -> list[dict[str, object]]:
     return [asdict(r) for r in state_of(request).received]
+
+
+@router.get("/requests/last")
+async def last_body(request: Request) -> Response:
+    """The body of the last request received, as it arrived."""
+    return Response(state_of(request).last_body, media_type="application/json")
 
 
 @router.post("/reset")

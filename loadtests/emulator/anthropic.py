@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from .common import (
     state_of,
 )
 from .state import PrefixStore, compact, tokens
+from .tools import Function, ToolUse, tool_use
 
 router = APIRouter()
 
@@ -198,6 +200,41 @@ def _validate(body: Any) -> dict[str, Any]:
     return body
 
 
+def _tool_uses(body: dict[str, Any], raw: bytes) -> list[ToolUse]:
+    functions = [
+        Function(str(t["name"]), t.get("input_schema") or {})
+        for t in body.get("tools") or []
+        if "name" in t and t.get("type") in (None, "custom")
+    ]
+    tc = body.get("tool_choice") or {"type": "auto"}
+    choice = str(tc["name"]) if tc.get("type") == "tool" else str(tc.get("type", "auto"))
+    last = body["messages"][-1]
+    content = last.get("content")
+    answered = (
+        last.get("role") == "user"
+        and isinstance(content, list)
+        and any(b.get("type") == "tool_result" for b in content)
+    )
+    parallel = not tc.get("disable_parallel_tool_use")
+    return tool_use(functions, choice, answered, raw, parallel)
+
+
+def _check_results(messages: list[dict[str, Any]]) -> None:
+    """Anthropic's check: each ``tool_result`` answers a ``tool_use`` of the message before."""
+    uses: set[str] = set()
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        blocks = content if isinstance(content, list) else []
+        for b in blocks:
+            if b.get("type") == "tool_result" and str(b.get("tool_use_id")) not in uses:
+                raise BadRequest(
+                    f"messages.{i}.content: unexpected `tool_use_id` found in `tool_result` "
+                    f"blocks: {b.get('tool_use_id')}. Each `tool_result` block must have a "
+                    "corresponding `tool_use` block in the previous message."
+                )
+        uses = {str(b.get("id")) for b in blocks if b.get("type") == "tool_use"}
+
+
 @router.post("/v1/messages", response_model=None)
 async def messages(request: Request) -> Response:
     state = state_of(request)
@@ -212,12 +249,26 @@ async def messages(request: Request) -> Response:
         return early
     try:
         body = _validate(body)
+        _check_results(body["messages"])
         usage = apply_cache(state.store("anthropic").shard(b""), body["model"], blocks_of(body))
     except (BadRequest, KeyError, TypeError, AttributeError) as exc:
         return JSONResponse(error(400, str(exc) or "invalid request"), 400)
     n = min(body["max_tokens"], DEFAULT_OUTPUT_TOKENS)
-    words = reply_words(raw, n)
+    uses = _tool_uses(body, raw) if n else []
+    words = [] if uses else reply_words(raw, n)
     stop = "max_tokens" if n == body["max_tokens"] else "end_turn"
+    calls = [
+        {
+            "type": "tool_use",
+            "id": f"toolu_{uuid.uuid4().hex[:24]}",
+            "name": u.name,
+            "input": u.args,
+        }
+        for u in uses
+    ]
+    if calls:
+        stop = "tool_use"
+    output = len(words) + sum(tokens(compact(u.args)) for u in uses)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if not stream:
         return JSONResponse(
@@ -226,10 +277,10 @@ async def messages(request: Request) -> Response:
                 "type": "message",
                 "role": "assistant",
                 "model": body["model"],
-                "content": [{"type": "text", "text": "".join(words)}] if words else [],
+                "content": ([{"type": "text", "text": "".join(words)}] if words else []) + calls,
                 "stop_reason": stop,
                 "stop_sequence": None,
-                "usage": {**usage.fields(), "output_tokens": len(words)},
+                "usage": {**usage.fields(), "output_tokens": output},
             }
         )
 
@@ -245,26 +296,53 @@ async def messages(request: Request) -> Response:
             "usage": {**usage.fields(), "output_tokens": 1},
         }
         yield sse({"type": "message_start", "message": start}, "message_start")
-        block = {"type": "text", "text": ""}
-        yield sse(
-            {"type": "content_block_start", "index": 0, "content_block": block},
-            "content_block_start",
-        )
         yield sse({"type": "ping"}, "ping")
-        for w in words:
-            delta = {"type": "text_delta", "text": w}
-            yield sse(
-                {"type": "content_block_delta", "index": 0, "delta": delta}, "content_block_delta"
-            )
-        yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+        index = 0
+        if words or not calls:
+            for e in _text_block(index, words):
+                yield e
+            index += 1
+        for call in calls:
+            for e in _tool_block(index, call):
+                yield e
+            index += 1
         yield sse(
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop, "stop_sequence": None},
-                "usage": {"output_tokens": len(words)},
+                "usage": {"output_tokens": output},
             },
             "message_delta",
         )
         yield sse({"type": "message_stop"}, "message_stop")
 
     return event_stream(cut_after(events(), cut))
+
+
+def _block(index: int, start: dict[str, Any], deltas: list[dict[str, Any]]) -> list[bytes]:
+    """One content block's events: start, deltas, stop."""
+    out = [
+        sse(
+            {"type": "content_block_start", "index": index, "content_block": start},
+            "content_block_start",
+        )
+    ]
+    out += [
+        sse({"type": "content_block_delta", "index": index, "delta": d}, "content_block_delta")
+        for d in deltas
+    ]
+    out.append(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
+    return out
+
+
+def _text_block(index: int, words: list[str]) -> list[bytes]:
+    deltas = [{"type": "text_delta", "text": w} for w in words]
+    return _block(index, {"type": "text", "text": ""}, deltas)
+
+
+def _tool_block(index: int, call: dict[str, Any]) -> list[bytes]:
+    """A ``tool_use`` block: its input streamed as JSON text in two parts."""
+    text = json.dumps(call["input"])
+    half = len(text) // 2
+    deltas = [{"type": "input_json_delta", "partial_json": p} for p in (text[:half], text[half:])]
+    return _block(index, {**call, "input": {}}, deltas)

@@ -39,6 +39,7 @@ from .state import (
     prefix_keys,
     tokens,
 )
+from .tools import Function, ToolUse, tool_use
 
 router = APIRouter()
 
@@ -71,6 +72,36 @@ def items_of(body: dict[str, Any]) -> list[bytes]:
         out.append(b"system:" + compact(body["systemInstruction"]))
     out += [b"content:" + compact(c) for c in body.get("contents") or []]
     return [i + b"\n" for i in out]
+
+
+def _tool_uses(body: dict[str, Any], raw: bytes) -> list[ToolUse]:
+    functions = [
+        Function(str(d["name"]), d.get("parameters") or {})
+        for t in body.get("tools") or []
+        for d in t.get("functionDeclarations") or []
+    ]
+    cfg = (body.get("toolConfig") or {}).get("functionCallingConfig") or {}
+    mode = str(cfg.get("mode", "AUTO")).lower()
+    allowed = cfg.get("allowedFunctionNames") or []
+    choice = str(allowed[0]) if mode == "any" and len(allowed) == 1 else mode
+    parts = body["contents"][-1].get("parts") or []
+    answered = any("functionResponse" in p for p in parts)
+    return tool_use(functions, choice, answered, raw, parallel=True)
+
+
+def _unmatched(contents: list[dict[str, Any]]) -> str | None:
+    """Gemini's check: a turn of function responses answers every call of the turn before."""
+    calls = 0
+    for c in contents:
+        parts = c.get("parts") or []
+        responses = sum("functionResponse" in p for p in parts)
+        if responses and responses != calls:
+            return (
+                "Please ensure that the number of function response parts is equal to the "
+                "number of function call parts of the function call turn."
+            )
+        calls = sum("functionCall" in p for p in parts)
+    return None
 
 
 @dataclass
@@ -185,6 +216,9 @@ async def generate(model_action: str, request: Request) -> Response:
         return early
     if not isinstance(body, dict) or not body.get("contents"):
         return JSONResponse(error(400, "contents: required"), 400)
+    bad = _unmatched(body["contents"])
+    if bad is not None:
+        return JSONResponse(error(400, bad), 400)
     cached = 0
     prefix = b""
     if body.get("cachedContent"):
@@ -215,8 +249,11 @@ async def generate(model_action: str, request: Request) -> Response:
         implicit_write(shard, keys, IMPLICIT_TTL_S)
     limit = (body.get("generationConfig") or {}).get("maxOutputTokens")
     n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
-    words = reply_words(raw, n)
-    finish = "MAX_TOKENS" if limit is not None and n == int(limit) else "STOP"
+    uses = _tool_uses(body, raw)
+    words = [] if uses else reply_words(raw, n)
+    finish = "MAX_TOKENS" if limit is not None and n == int(limit) and not uses else "STOP"
+    calls = [{"functionCall": {"name": u.name, "args": u.args}} for u in uses]
+    called = sum(tokens(compact(u.args)) for u in uses)
 
     def usage(out: int) -> dict[str, Any]:
         u = {"promptTokenCount": total, "candidatesTokenCount": out, "totalTokenCount": total + out}
@@ -224,16 +261,22 @@ async def generate(model_action: str, request: Request) -> Response:
             u["cachedContentTokenCount"] = cached
         return u
 
-    def answer(text: str, out: int, reason: str | None) -> dict[str, Any]:
-        cand: dict[str, Any] = {"content": {"role": "model", "parts": [{"text": text}]}, "index": 0}
+    def answer(
+        text: str, out: int, reason: str | None, tools: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        parts = tools if tools else [{"text": text}]
+        cand: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
         if reason:
             cand["finishReason"] = reason
         return {"candidates": [cand], "usageMetadata": usage(out), "modelVersion": model}
 
     if not stream:
-        return JSONResponse(answer("".join(words), len(words), finish))
+        return JSONResponse(answer("".join(words), len(words) + called, finish, calls))
 
     async def events() -> AsyncIterator[bytes]:
+        if calls:  # a function call comes whole, in one chunk
+            yield b"data: " + compact(answer("", called, finish, calls)) + b"\r\n\r\n"
+            return
         for i, w in enumerate(words):
             last = i == len(words) - 1
             data = compact(answer(w, i + 1, finish if last else None))

@@ -16,6 +16,7 @@ A request's cache entries are written once its response begins.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,6 +45,7 @@ from .state import (
     prefix_keys,
     tokens,
 )
+from .tools import Function, ToolUse, tool_use
 
 router = APIRouter()
 
@@ -114,6 +116,36 @@ def _usage(rules: Rules, c: Cached, completion: int) -> dict[str, Any]:
     return u
 
 
+def _tool_uses(body: dict[str, Any], raw: bytes) -> list[ToolUse]:
+    functions = [
+        Function(str(t["function"]["name"]), t["function"].get("parameters") or {})
+        for t in body.get("tools") or []
+        if t.get("type") == "function"
+    ]
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        choice = str(choice["function"]["name"])
+    elif choice == "required":
+        choice = "any"
+    answered = body["messages"][-1].get("role") == "tool"
+    parallel = body.get("parallel_tool_calls", True) is not False
+    return tool_use(functions, choice, answered, raw, parallel)
+
+
+def _unanswerable(messages: list[dict[str, Any]]) -> str | None:
+    """OpenAI's check: a tool message answers a call of the assistant message before it."""
+    calls: set[str] = set()
+    for m in messages:
+        if m.get("role") == "assistant":
+            calls = {str(c.get("id")) for c in m.get("tool_calls") or []}
+        elif m.get("role") == "tool" and str(m.get("tool_call_id")) not in calls:
+            return (
+                "Invalid parameter: messages with role 'tool' must be a response to a "
+                "preceeding message with 'tool_calls'."
+            )
+    return None
+
+
 async def _chat(request: Request, rules: Rules) -> Response:
     state = state_of(request)
     raw, body = await parse_json(request, rules.provider)
@@ -129,14 +161,34 @@ async def _chat(request: Request, rules: Rules) -> Response:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         return JSONResponse(error(400, "messages: must be a non-empty array"), 400)
+    bad = _unanswerable(msgs)
+    if bad is not None:
+        return JSONResponse(error(400, bad), 400)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
     key = str(body.get("prompt_cache_key") or "")
     c = _cache(state, rules, body["model"], chat_stream_bytes(body), key, _ttl(rules, body))
-    words = reply_words(raw, n)
+    uses = _tool_uses(body, raw)
+    words = [] if uses else reply_words(raw, n)
     finish = "length" if limit is not None and n == int(limit) else "stop"
+    calls: list[dict[str, Any]] = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": u.name, "arguments": json.dumps(u.args)},
+        }
+        for u in uses
+    ]
+    if calls:
+        finish = "tool_calls"
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    usage = _usage(rules, c, len(words))
+    out_tokens = len(words) + sum(tokens(compact(u.args)) for u in uses)
+    usage = _usage(rules, c, out_tokens)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(words) or None}
+    if calls:
+        message["tool_calls"] = calls
+    else:
+        message["content"] = "".join(words)
     if not stream:
         return JSONResponse(
             {
@@ -147,7 +199,7 @@ async def _chat(request: Request, rules: Rules) -> Response:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": "".join(words)},
+                        "message": message,
                         "finish_reason": finish,
                     }
                 ],
@@ -168,9 +220,16 @@ async def _chat(request: Request, rules: Rules) -> Response:
         )
 
     async def events() -> AsyncIterator[bytes]:
-        yield chunk({"role": "assistant", "content": ""})
+        yield chunk({"role": "assistant", "content": None if calls else ""})
         for w in words:
             yield chunk({"content": w})
+        for i, call in enumerate(calls):  # the name first, the arguments in two parts
+            fn = call["function"]
+            head = {**call, "index": i, "function": {"name": fn["name"], "arguments": ""}}
+            yield chunk({"tool_calls": [head]})
+            half = len(fn["arguments"]) // 2
+            for part in (fn["arguments"][:half], fn["arguments"][half:]):
+                yield chunk({"tool_calls": [{"index": i, "function": {"arguments": part}}]})
         yield chunk({}, finish)
         if include_usage:
             yield sse(

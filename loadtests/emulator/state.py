@@ -158,6 +158,7 @@ class EmulatorState:
     api_key: str | None = None  # None: any non-empty key is accepted
     faults: list[Fault] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
+    last_body: bytes = b""  # the last request's body, whole (for tests to read)
     stores: dict[str, ShardedStore] = field(default_factory=dict)
     gemini_cached: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -182,4 +183,5 @@ class EmulatorState:
         return None
 
     def log(self, provider: str, path: str, body: bytes) -> None:
+        self.last_body = body
         self.received.append(Received(provider, path, hashlib.sha256(body).hexdigest(), len(body)))

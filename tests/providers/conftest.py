@@ -58,6 +58,10 @@ class Emulator:
     def received(self) -> list[dict[str, Any]]:
         return list(httpx.get(f"{self.url}/admin/requests", timeout=10).json())
 
+    def last_body(self) -> Any:
+        """The last request the emulator received, decoded."""
+        return httpx.get(f"{self.url}/admin/requests/last", timeout=10).json()
+
     def base_url(self, provider: str) -> str:
         return {
             "anthropic": f"{self.url}/v1",

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from loadtests.emulator.tools import Function, tool_use
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
 
 from emulator.app import create_app
@@ -165,3 +167,18 @@ def test_auth_and_request_log(emu: TestClient) -> None:
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     log = emu.get("/admin/requests").json()
     assert log[-1]["path"] == "/v1/messages" and len(log[-1]["sha256"]) == 64
+
+
+def test_emulated_tool_use_rule() -> None:
+    fns = [
+        Function("a", {"properties": {"s": {"type": "string"}, "k": {"enum": ["x", "y"]}}}),
+        Function("b", {"properties": {"n": {"type": "integer"}}}),
+    ]
+    assert tool_use(fns, "none", False, b"r") == []
+    assert tool_use(fns, "auto", True, b"r") == []  # the last turn answered a call: text
+    assert [u.name for u in tool_use(fns, "auto", False, b"r")] == ["a"]
+    assert [u.name for u in tool_use(fns, "any", True, b"r", parallel=True)] == ["a", "b"]
+    assert [u.name for u in tool_use(fns, "b", True, b"r", parallel=True)] == ["b"]
+    args = tool_use(fns, "auto", False, b"r")[0].args
+    assert isinstance(args["s"], str) and args["s"] and args["k"] == "y"
+    assert tool_use(fns, "auto", False, b"r") == tool_use(fns, "auto", False, b"r")
