@@ -78,6 +78,7 @@ class GenerateChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the sample's last chunk
     index: int = 0  # which of the ``n`` samples
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
+    queue_time_s: float | None = None  # first chunk: queued → scheduled in the engine core
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,12 @@ def create_app(
     ]
     router = Router(settings.cache.routing, settings.cache.load_imbalance, metrics.count_routing)
     dispatcher = Dispatcher(
-        replicas, router, None, metrics, max_inflight=settings.engine.max_queued_requests
+        replicas,
+        router,
+        None,
+        metrics,
+        max_inflight=settings.engine.max_queued_requests,
+        model=settings.model_name,
     )
     supervisor = Supervisor(
         dispatcher,
@@ -126,7 +131,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics.watch_engine(dispatcher.stats)
+        metrics.watch_engines(dispatcher.replica_stats)
         grpc_server = None
         if settings.grpc_port is not None:
             servicer = GatewayServicer(app.state.service, app.state.keyring, app.state.cache)
@@ -189,7 +194,7 @@ def create_app(
             settings.model_name if replicas else None, settings.aliases, list(settings.providers)
         ),
         providers=(
-            ProviderChat(providers, settings.prompt_layout, Journal(session_log))
+            ProviderChat(providers, settings.prompt_layout, Journal(session_log), metrics)
             if providers
             else None
         ),

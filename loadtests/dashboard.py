@@ -48,10 +48,12 @@ def _labels(key: str) -> dict[str, str]:
 
 
 def _sum(s: Sample, name: str, **match: str) -> float:
+    if not match and name in s:  # unlabelled, or the total ``parse_metrics`` adds
+        return s[name]
     total = 0.0
     for key, value in s.items():
-        base = key.split("{", 1)[0]
-        if base == name and all(_labels(key).get(k) == v for k, v in match.items()):
+        base, labelled, _ = key.partition("{")
+        if base == name and labelled and all(_labels(key).get(k) == v for k, v in match.items()):
             total += value
     return total
 
@@ -59,7 +61,8 @@ def _sum(s: Sample, name: str, **match: str) -> float:
 def _by(s: Sample, name: str, label: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in s.items():
-        if key.split("{", 1)[0] == name:
+        base, labelled, _ = key.partition("{")
+        if base == name and labelled:
             group = _labels(key).get(label, "")
             out[group] = out.get(group, 0.0) + value
     return out
@@ -124,7 +127,11 @@ PANELS: list[Panel] = [
     ("Engine queue", lambda p, c, dt: {
         "waiting": _sum(c, "vcache_engine_core_waiting_requests"),
         "running": _sum(c, "vcache_engine_core_running_requests")}),
-    ("KV cache usage", lambda p, c, dt: {"usage": _sum(c, "vcache_engine_kv_cache_usage")}),
+    ("KV cache usage by replica", lambda p, c, dt: _by(
+        c, "vcache_engine_kv_cache_usage_ratio", "replica")),
+    ("Engine queue time (s)", lambda p, c, dt: {
+        "p50": _quantile(p, c, "vcache_queue_time_seconds", 0.5),
+        "p90": _quantile(p, c, "vcache_queue_time_seconds", 0.9)}),
     ("Requests/s by status", lambda p, c, dt: _rates_by(
         "vcache_requests_total", "status")(p, c, dt)),
     ("Routing decisions/s by reason", lambda p, c, dt: _rates_by(

@@ -51,11 +51,20 @@ def summarize(rows: Iterable[Mapping[str, str]], duration_s: float) -> dict[str,
 
 
 def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as ``{sample: value}``, each sample keyed as exposed
+    (``name{labels}``); a labelled metric also gets its total over every label set
+    under its bare name (``vcache_prompt_tokens_total``: all replicas)."""
     out: dict[str, float] = {}
+    totals: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
+            if "{" in name:
+                base = name.split("{", 1)[0]
+                totals[base] = totals.get(base, 0.0) + float(value)
+    for base, total in totals.items():
+        out.setdefault(base, total)
     return out
 
 

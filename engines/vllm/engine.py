@@ -190,9 +190,12 @@ class VllmEngine:
         params = _sampling_params(request)
         stream = llm.generate(prompt, params, request_id=request.request_id)
         finished = False
+        first = True
         try:
             async for out in stream:
                 finished = out.finished
+                queue_time = _queue_time(out) if first else None  # on the first chunk only
+                first = False
                 for completion in out.outputs:
                     done = completion.finish_reason is not None or (
                         out.finished and request.sampling.n == 1
@@ -205,7 +208,9 @@ class VllmEngine:
                         finish_reason=_finish_reason(completion.finish_reason) if done else None,
                         index=completion.index,
                         logprobs=_logprobs(completion, request.sampling.logprobs),
+                        queue_time_s=queue_time,
                     )
+                    queue_time = None
         except EngineError:
             raise
         except Exception as exc:  # translated at the edge, most specific first
@@ -295,6 +300,14 @@ def _logprobs(completion: Any, top: int | None) -> tuple[TokenLogprob, ...]:
             )
         )
     return tuple(out)
+
+
+def _queue_time(out: Any) -> float | None:
+    """Queued → scheduled in the engine core (vLLM's request stats, engine-core clock)."""
+    stats = getattr(out, "metrics", None)
+    queued = getattr(stats, "queued_ts", 0.0)
+    scheduled = getattr(stats, "scheduled_ts", 0.0)
+    return max(0.0, scheduled - queued) if queued and scheduled else None
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,43 +16,35 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's stats at scrape time."""
+    """Reads each replica's engine stats at scrape time (label ``replica``)."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    _GAUGES = (
+        ("unfinished_requests", "Requests the gateway's engine client still holds"),
+        ("core_running_requests", "Running requests, as the engine core last reported"),
+        ("core_waiting_requests", "Waiting requests, as the engine core last reported"),
+        ("kv_cache_usage", "Share of KV cache blocks in use (0..1)"),
+    )
+    _COUNTERS = (
+        ("prefix_cache_queries", "Prompt tokens the engine looked up in its prefix cache"),
+        ("prefix_cache_hits", "Prompt tokens the engine found in its prefix cache"),
+    )
+
+    def __init__(self, stats: Callable[[], Mapping[str, EngineStats]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        gauges = (
-            (
-                "unfinished_requests",
-                "Requests the gateway's engine client still holds",
-                s.unfinished_requests,
-            ),
-            (
-                "core_running_requests",
-                "Running requests, as the engine core last reported",
-                s.core_running_requests,
-            ),
-            (
-                "core_waiting_requests",
-                "Waiting requests, as the engine core last reported",
-                s.core_waiting_requests,
-            ),
-            ("kv_cache_usage", "Share of KV cache blocks in use (0..1)", s.kv_cache_usage),
-        )
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(f"vcache_engine_{name}", doc, value=float(value))
-        yield CounterMetricFamily(
-            "vcache_engine_prefix_cache_queries",
-            "Prompt tokens the engine looked up in its prefix cache",
-            value=float(s.prefix_cache_queries),
-        )
-        yield CounterMetricFamily(
-            "vcache_engine_prefix_cache_hits",
-            "Prompt tokens the engine found in its prefix cache",
-            value=float(s.prefix_cache_hits),
-        )
+        per_replica = self._stats()
+        for field, doc in self._GAUGES:
+            unit = "_ratio" if field == "kv_cache_usage" else ""
+            g = GaugeMetricFamily(f"vcache_engine_{field}{unit}", doc, labels=["replica"])
+            for replica, s in per_replica.items():
+                g.add_metric([replica], float(getattr(s, field)))
+            yield g
+        for field, doc in self._COUNTERS:
+            c = CounterMetricFamily(f"vcache_engine_{field}", doc, labels=["replica"])
+            for replica, s in per_replica.items():
+                c.add_metric([replica], float(getattr(s, field)))
+            yield c
 
 
 class Metrics:
@@ -66,7 +58,7 @@ class Metrics:
         self.ttft = Histogram(
             "vcache_ttft_seconds",
             "Time from request arrival to the first generated token",
-            ["endpoint"],
+            ["endpoint", "model", "target", "replica"],
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
@@ -79,9 +71,16 @@ class Metrics:
         )
         self.inter_token = Histogram(
             "vcache_inter_token_latency_seconds",
-            "Time between consecutive outputs of one local request, by replica",
-            ["replica"],
+            "Time between consecutive outputs of one request",
+            ["model", "target", "replica"],
             buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "vcache_queue_time_seconds",
+            "Time a local request waited in the engine's queue before it was scheduled",
+            ["model", "replica"],
+            buckets=_TTFT_BUCKETS,
             registry=r,
         )
         self.aborted = Counter(
@@ -97,14 +96,23 @@ class Metrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "vcache_prompt_tokens", "Prompt tokens sent to engines", registry=r
+            "vcache_prompt_tokens",
+            "Prompt tokens sent to local engines",
+            ["model", "replica"],
+            registry=r,
         )
         self.cached_tokens = Counter(
             "vcache_cached_tokens",
-            "Prompt tokens served from the engine's prefix cache",
+            "Prompt tokens served from a local engine's prefix cache",
+            ["model", "replica"],
             registry=r,
         )
-        self.completion_tokens = Counter("vcache_completion_tokens", "Tokens generated", registry=r)
+        self.completion_tokens = Counter(
+            "vcache_completion_tokens",
+            "Tokens generated by local engines",
+            ["model", "replica"],
+            registry=r,
+        )
         self.provider_requests = Counter(
             "vcache_provider_requests",
             "Calls to hosted providers",
@@ -139,7 +147,7 @@ class Metrics:
     def count_routing(self, policy: str, reason: str) -> None:
         self.routing_decisions.labels(policy, reason).inc()
 
-    def watch_engine(self, stats: Callable[[], EngineStats]) -> None:
+    def watch_engines(self, stats: Callable[[], Mapping[str, EngineStats]]) -> None:
         self.registry.register(_EngineCollector(stats))
 
     def render(self) -> bytes:

@@ -68,12 +68,14 @@ class Dispatcher:
         kv: KVSpans | None,
         metrics: Metrics,
         max_inflight: int,
+        model: str = "local",
     ) -> None:
         self.replicas = list(replicas)
         self.router = router
         self.kv = kv
         self._metrics = metrics
         self._max_inflight = max_inflight
+        self.model = model  # the served name: the ``model`` label of the local metrics
         self._inflight = 0
         self.started = False  # set once every replica is up (and probed)
         self.failed: str | None = None  # why the replicas could not start at boot
@@ -93,6 +95,9 @@ class Dispatcher:
             prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
         )
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        return {r.id: r.engine.stats() for r in self.replicas}
 
     def replica(self, replica_id: str) -> Replica | None:
         return next((r for r in self.replicas if r.id == replica_id), None)
@@ -152,7 +157,9 @@ class Dispatcher:
         first = True
         cached_known = False
         m = self._metrics
-        itl = m.inter_token.labels(d.replica_id)
+        itl = m.inter_token.labels(self.model, "local", d.replica_id)
+        prompt_tokens = m.prompt_tokens.labels(self.model, d.replica_id)
+        completion_tokens = m.completion_tokens.labels(self.model, d.replica_id)
         last = t0
         try:
             async with aclosing(d.replica.engine.generate(greq)) as stream:
@@ -162,20 +169,18 @@ class Dispatcher:
                         itl.observe(now - last)
                     last = now
                     if first:
-                        if self.kv is not None:
-                            self.kv.answered(d.replica.id, d.hashes)
-                        m.ttft.labels(endpoint).observe(now - t0)
+                        self._first_output(d, chunk, endpoint, now - t0)
                         totals.prompt = chunk.num_prompt_tokens
-                        m.prompt_tokens.inc(totals.prompt)
+                        prompt_tokens.inc(totals.prompt)
                         first = False
                     if chunk.num_cached_tokens is not None and not cached_known:
                         # embedded engines know it at the first token, remote ones at the end
                         totals.cached = chunk.num_cached_tokens
-                        m.cached_tokens.inc(totals.cached)
+                        m.cached_tokens.labels(self.model, d.replica_id).inc(totals.cached)
                         self._fold_prediction(d, totals.cached)
                         cached_known = True
                     totals.completion += len(chunk.token_ids)
-                    m.completion_tokens.inc(len(chunk.token_ids))
+                    completion_tokens.inc(len(chunk.token_ids))
                     if chunk.finish_reason is not None:
                         totals.finish_reason = chunk.finish_reason
                     yield chunk
@@ -186,6 +191,17 @@ class Dispatcher:
             raise
         finally:
             d.replica.inflight -= 1
+
+    def _first_output(
+        self, d: Dispatch, chunk: GenerateChunk, endpoint: str, ttft_s: float
+    ) -> None:
+        """The engine prefilled the prompt: its blocks are stored (see ``KVSpans.answered``)."""
+        if self.kv is not None:
+            self.kv.answered(d.replica.id, d.hashes)
+        m = self._metrics
+        m.ttft.labels(endpoint, self.model, "local", d.replica_id).observe(ttft_s)
+        if chunk.queue_time_s is not None:
+            m.queue_time.labels(self.model, d.replica_id).observe(chunk.queue_time_s)
 
     def _fold_prediction(self, d: Dispatch, actual: int) -> None:
         if d.predicted_cached_tokens is None or self.kv is None:

@@ -10,6 +10,7 @@ telemetry is settled into the belief when the answer ends.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -17,6 +18,7 @@ from engines.errors import EngineError
 from engines.providers.base import ChatCall, Delta, ProviderUsage
 from engines.providers.errors import ProviderNotFound
 from gateway.core.errors import InvalidRequest, from_engine_error
+from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest, tool_calls_json
 from gateway.core.shaping import Piece, Pieces, Sample, ToolCallDelta
@@ -57,9 +59,28 @@ def _local_only_parameters(req: ChatCompletionRequest) -> None:
             )
 
 
+class _Timing:
+    """TTFT and inter-token latency of one provider answer (labels: model, target)."""
+
+    def __init__(self, metrics: Metrics, model: str, target: str, t0: float) -> None:
+        self._ttft = metrics.ttft.labels("chat", model, target, "")
+        self._itl = metrics.inter_token.labels(model, target, "")
+        self._last: float | None = None
+        self._t0 = t0
+
+    def output(self) -> None:
+        now = time.perf_counter()
+        if self._last is None:
+            self._ttft.observe(now - self._t0)
+        else:
+            self._itl.observe(now - self._last)
+        self._last = now
+
+
 class ProviderChat:
-    def __init__(self, path: ProviderPath, layout: str, journal: Journal) -> None:
+    def __init__(self, path: ProviderPath, layout: str, journal: Journal, metrics: Metrics) -> None:
         self.path = path
+        self.metrics = metrics
         self.layout = layout
         self.journal = journal
         self.layouts = SystemLayouts()
@@ -143,12 +164,16 @@ class ProviderChat:
         session: str | None,
         trace: RequestTrace,
     ) -> Pieces:
+        t0 = time.perf_counter()
         call, op = self._open(req, target, served, tenant, session)
         out = Outcome()
         answer = Sample()
+        timing = _Timing(self.metrics, call.model, target, t0)
         deltas = self._deltas(call, op, served, tenant, target, rid, out, trace=trace)
         async with aclosing(deltas):
             async for d in deltas:
+                if d.text or d.tool_calls:
+                    timing.output()
                 if d.text or d.finish_reason or d.tool_calls:
                     parts = tuple(
                         ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.tool_calls

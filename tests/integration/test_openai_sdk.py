@@ -144,12 +144,22 @@ def test_metrics_fold_tokens(gateway: Gateway) -> None:
     after = gateway.metrics()
     assert r.usage is not None
     assert (
-        after["vcache_prompt_tokens_total"] - before["vcache_prompt_tokens_total"]
+        after["vcache_prompt_tokens_total"] - before.get("vcache_prompt_tokens_total", 0)
         == r.usage.prompt_tokens
     )
-    assert after["vcache_completion_tokens_total"] - before["vcache_completion_tokens_total"] == 3
+    assert (
+        after["vcache_completion_tokens_total"] - before.get("vcache_completion_tokens_total", 0)
+        == 3
+    )
     key = 'vcache_requests_total{route="/v1/chat/completions",status="200"}'
     assert after[key] - before.get(key, 0) == 1
+    # the engine core's own queue time (queued → scheduled), once per request, per replica
+    queued = [k for k in after if k.startswith("vcache_queue_time_seconds_count{")]
+    assert queued and all('replica="' in k and f'model="{gateway.model}"' in k for k in queued)
+    counts = sum(after[k] - before.get(k, 0) for k in queued)
+    assert counts == 1
+    waited = sum(after[k] for k in after if k.startswith("vcache_queue_time_seconds_sum{"))
+    assert 0 <= waited < 60
 
 
 # ------------------------------------------------------------------ errors
@@ -297,9 +307,11 @@ def test_disconnect_mid_stream_aborts_engine_request(gateway: Gateway) -> None:
     after = gateway.metrics()
     aborted = 'vcache_requests_aborted_total{endpoint="chat"}'
     assert after[aborted] - before.get(aborted, 0) == 1
-    generated = after["vcache_completion_tokens_total"] - before["vcache_completion_tokens_total"]
+    generated = after["vcache_completion_tokens_total"] - before.get(
+        "vcache_completion_tokens_total", 0
+    )
     assert 0 < generated < 1900  # stopped early, not run to max_tokens
-    assert after["vcache_engine_kv_cache_usage"] == 0  # the engine core holds no blocks for it
+    assert after["vcache_engine_kv_cache_usage_ratio"] == 0  # the core holds no blocks for it
 
 
 def test_full_queue_is_503_with_retry_after(gateway: Gateway) -> None:

@@ -158,3 +158,17 @@ def test_tool_choice_none_answers_in_text(gw: Gw, provider: str) -> None:
     )
     assert out["choices"][0]["message"]["content"]
     assert "tool_calls" not in out["choices"][0]["message"]
+
+
+def test_provider_answers_are_timed_by_model_and_target(gw: Gw) -> None:
+    stream = gw.client().chat.completions.create(
+        model=f"anthropic/{MODELS['anthropic']}",
+        messages=[{"role": "user", "content": "hello"}],
+        stream=True,
+        max_tokens=6,
+    )
+    assert sum(1 for c in stream for ch in c.choices if ch.delta.content) == 6
+    text = gw.http.get("/metrics").text
+    labels = f'model="{MODELS["anthropic"]}",replica="",target="anthropic/{MODELS["anthropic"]}"'
+    assert f'vcache_ttft_seconds_count{{endpoint="chat",{labels}}} 1.0' in text
+    assert f"vcache_inter_token_latency_seconds_count{{{labels}}} 5.0" in text  # 6 words, 5 gaps

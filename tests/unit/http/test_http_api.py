@@ -395,12 +395,16 @@ def test_metrics_count_requests_tokens_and_errors(client: TestClient) -> None:
     assert 'vcache_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert 'vcache_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
     assert 'vcache_errors_total{type="not_found_error"} 1.0' in text
-    assert "vcache_completion_tokens_total 4.0" in text
-    assert 'vcache_ttft_seconds_count{endpoint="chat"} 1.0' in text
-    assert "vcache_engine_unfinished_requests 0.0" in text
+    local = 'model="vcache-demo",replica="replica-0"'
+    assert f"vcache_completion_tokens_total{{{local}}} 4.0" in text
+    ttft = 'endpoint="chat",model="vcache-demo",replica="replica-0",target="local"'
+    assert f"vcache_ttft_seconds_count{{{ttft}}} 1.0" in text
+    assert 'vcache_engine_unfinished_requests{replica="replica-0"} 0.0' in text
+    assert 'vcache_engine_kv_cache_usage_ratio{replica="replica-0"}' in text
     # both requests timed; 4 tokens one step apart each make 3 inter-token gaps
     assert 'vcache_request_duration_seconds_count{route="/v1/chat/completions"} 2.0' in text
-    assert 'vcache_inter_token_latency_seconds_count{replica="replica-0"} 3.0' in text
+    itl = 'model="vcache-demo",replica="replica-0",target="local"'
+    assert f"vcache_inter_token_latency_seconds_count{{{itl}}} 3.0" in text
 
 
 def test_cache_api_validation_and_access(engine: FakeEngine) -> None:

@@ -9,12 +9,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from loadtests.emulator.tools import Function, tool_use
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
 
 from emulator.app import create_app
 from emulator.state import EmulatorState
+from emulator.tools import Function, tool_use
 
 A = {"x-api-key": "k", "anthropic-version": "2023-06-01"}
 B = {"authorization": "Bearer k"}
