@@ -164,6 +164,7 @@ def run_one(
     summary = summarize(rows, elapsed)
     ttft_hits_vs_misses(rows, wdir.name, wdir / "ttft_hits_vs_misses.png")
     hit_rate_over_time(rows, wdir.name, wdir / "hit_rate_over_time.png")
+    summary["workload"] = name
     summary["sessions"] = len(workload.sessions)
     summary["run_id"] = run_id
     summary["elapsed_s"] = round(elapsed, 2)
@@ -172,12 +173,14 @@ def run_one(
     return summary
 
 
-def table(results: dict[str, dict[str, object]]) -> str:
+def table(results: dict[str, dict[str, object]], title: str, row: str = "workload") -> str:
+    """One result per row, under a title that says what was run; ``row`` names the first
+    column (a workload, or the arm of a comparison), and every row names its workload."""
     head = (
-        f"{'workload':<26}{'req':>5}{'err':>5}{'hit':>8}"
+        f"{row:<22}{'workload':<16}{'proto':<6}{'req':>5}{'err':>5}{'hit':>8}"
         f"{'ttft p50':>10}{'p90':>9}{'p99':>9}{'req/s':>8}"
     )
-    lines = [head]
+    lines = [title, head]
     for name, s in results.items():
         ttft = s["ttft_ms"]
         assert isinstance(ttft, dict)
@@ -186,7 +189,8 @@ def table(results: dict[str, dict[str, object]]) -> str:
             return "-" if v is None else f"{float(v):.0f}"  # type: ignore[arg-type]
 
         lines.append(
-            f"{name:<26}{s['requests']:>5}{s['errors']:>5}{float(s['hit_rate']):>8.3f}"  # type: ignore[arg-type]
+            f"{name:<22}{s.get('workload', name)!s:<16}{s.get('protocol', 'http')!s:<6}"
+            f"{s['requests']:>5}{s['errors']:>5}{float(s['hit_rate']):>8.3f}"  # type: ignore[arg-type]
             f"{ms(ttft['p50']):>10}{ms(ttft['p90']):>9}{ms(ttft['p99']):>9}"
             f"{float(s['requests_per_s']):>8.2f}"  # type: ignore[arg-type]
         )
@@ -334,19 +338,22 @@ def main(argv: list[str] | None = None) -> int:
         comparison = compare_routing(args.host, args.out, args) if args.compare_routing else None
     layout = compare_layout(args.out, args) if args.compare_layout else None
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
-    print(table(results))
+    tables = [table(results, f"workloads on {args.host} ({args.users} users)")]
     if comparison is not None:
         (args.out / "routing.json").write_text(json.dumps(comparison, indent=2))
         arms = comparison["arms"]
         assert isinstance(arms, dict)
-        print(f"\nrouting comparison, shared_prefix on {comparison['replicas']} replicas")
-        print(table(arms))
+        title = f"routing comparison: shared_prefix on {comparison['replicas']} replicas, per arm"
+        tables.append(table(arms, title, row="arm"))
     if layout is not None:
         (args.out / "layout.json").write_text(json.dumps(layout, indent=2))
         arms = layout["arms"]
         assert isinstance(arms, dict)
-        print("\nprovider path through the emulator: prompt_layout canonical vs passthrough")
-        print(table(arms))
+        title = "provider path through the emulator: prompt_layout canonical vs passthrough"
+        tables.append(table(arms, title, row="provider-layout"))
+    print("\n\n".join(tables))
+    (args.out / "tables.txt").write_text("\n\n".join(tables) + "\n")
+    if layout is not None:
         for model, r in layout["ratios"].items():  # type: ignore[attr-defined]
             ratio = r["hit_rate_ratio"]
             print(
