@@ -172,10 +172,13 @@ def draw(times: list[float], panels: dict[str, Series], title: str, out: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 3, figsize=(18, 11), constrained_layout=True)
+    rows = -(-len(panels) // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(18, 3.7 * rows), constrained_layout=True)
     fig.suptitle(title, fontsize=14)
     busy = [t for t, r in zip(times, _traffic(panels), strict=True) if r > 0]
     right = (max(busy) + 10) if busy else (times[-1] if times else 1)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
     for ax, (name, lines) in zip(axes.flat, panels.items(), strict=False):
         for label, ys in sorted(lines.items()):
             # markers: an interval with traffic between idle ones is one point, not a line

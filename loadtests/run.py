@@ -177,7 +177,7 @@ def table(results: dict[str, dict[str, object]], title: str, row: str = "workloa
     """One result per row, under a title that says what was run; ``row`` names the first
     column (a workload, or the arm of a comparison), and every row names its workload."""
     head = (
-        f"{row:<22}{'workload':<16}{'proto':<6}{'req':>5}{'err':>5}{'hit':>8}"
+        f"{row:<22}{'workload':<18}{'proto':<6}{'req':>5}{'err':>5}{'hit':>8}"
         f"{'ttft p50':>10}{'p90':>9}{'p99':>9}{'req/s':>8}"
     )
     lines = [title, head]
@@ -189,7 +189,7 @@ def table(results: dict[str, dict[str, object]], title: str, row: str = "workloa
             return "-" if v is None else f"{float(v):.0f}"  # type: ignore[arg-type]
 
         lines.append(
-            f"{name:<22}{s.get('workload', name)!s:<16}{s.get('protocol', 'http')!s:<6}"
+            f"{name:<22}{s.get('workload', name)!s:<18}{s.get('protocol', 'http')!s:<6}"
             f"{s['requests']:>5}{s['errors']:>5}{float(s['hit_rate']):>8.3f}"  # type: ignore[arg-type]
             f"{ms(ttft['p50']):>10}{ms(ttft['p90']):>9}{ms(ttft['p99']):>9}"
             f"{float(s['requests_per_s']):>8.2f}"  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from engines.base import EngineStats
 
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_QUEUE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -80,7 +81,7 @@ class Metrics:
             "vcache_queue_time_seconds",
             "Time a local request waited in the engine's queue before it was scheduled",
             ["model", "replica"],
-            buckets=_TTFT_BUCKETS,
+            buckets=_QUEUE_BUCKETS,
             registry=r,
         )
         self.aborted = Counter(

@@ -7,7 +7,7 @@ import argparse
 import uvicorn
 
 from .app import create_app
-from .state import EmulatorState
+from .state import Clock, EmulatorState
 
 
 def main() -> None:
@@ -17,8 +17,17 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=4, help="cache shards per provider")
     p.add_argument("--capacity", type=int, default=4096, help="prefix entries per shard (LRU)")
     p.add_argument("--api-key", default=None, help="accept only this key (default: any)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="the emulator's clock runs this many times faster than real time (TTLs, "
+        "rate-limit windows): a load test plays hours in minutes",
+    )
     a = p.parse_args()
-    state = EmulatorState(shards=a.shards, capacity=a.capacity, api_key=a.api_key)
+    state = EmulatorState(
+        clock=Clock(a.time_scale), shards=a.shards, capacity=a.capacity, api_key=a.api_key
+    )
     uvicorn.run(create_app(state), host=a.host, port=a.port, log_level="warning")
 
 

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
 from .common import state_of
+from .limits import RateLimit, RuleOverride
 from .state import Fault
 
 router = APIRouter(prefix="/admin")
@@ -25,6 +26,23 @@ class FaultSpec(BaseModel):
     after_events: int = Field(2, ge=0)
 
 
+Provider = Literal["anthropic", "openai", "gemini", "deepseek"]
+
+
+class RulesSpec(BaseModel):
+    provider: Provider
+    min_prefix: int | None = Field(None, ge=1)
+    ttl_s: float | None = Field(None, gt=0)
+    ttl_long_s: float | None = Field(None, gt=0)
+    granularity: int | None = Field(None, ge=1)
+
+
+class LimitSpec(BaseModel):
+    provider: Provider
+    rpm: int = Field(ge=1)
+    tpm: int = Field(ge=1)
+
+
 class Advance(BaseModel):
     seconds: float = Field(ge=0)
 
@@ -34,6 +52,27 @@ async def add_fault(spec: FaultSpec, request: Request) -> dict[str, int]:
     state = state_of(request)
     state.faults.append(Fault(**spec.model_dump()))
     return {"queued": len(state.faults)}
+
+
+@router.post("/rules")
+async def set_rules(spec: RulesSpec, request: Request) -> dict[str, object]:
+    """Cache rules that differ from the documented ones (clients are not told)."""
+    rule = RuleOverride(spec.min_prefix, spec.ttl_s, spec.ttl_long_s, spec.granularity)
+    state_of(request).rules[spec.provider] = rule
+    return {"provider": spec.provider, **asdict(rule)}
+
+
+@router.post("/limits")
+async def set_limits(spec: LimitSpec, request: Request) -> dict[str, object]:
+    """Requests and input tokens per minute of emulator time (429 beyond)."""
+    state_of(request).limits[spec.provider] = RateLimit(spec.rpm, spec.tpm)
+    return spec.model_dump()
+
+
+@router.get("/billing")
+async def billing(request: Request) -> dict[str, object]:
+    """Tokens by price class, requests and 429s, per provider, since the last reset."""
+    return {p: b.view() for p, b in state_of(request).bills.items()}
 
 
 @router.post("/clock/advance")
@@ -66,4 +105,7 @@ async def reset(request: Request) -> dict[str, bool]:
     state.flush()
     state.faults.clear()
     state.received.clear()
+    state.rules.clear()
+    state.limits.clear()
+    state.bills.clear()
     return {"reset": True}

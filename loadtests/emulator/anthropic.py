@@ -35,10 +35,12 @@ from .common import (
     event_stream,
     fault_response,
     parse_json,
+    rate_limited,
     reply_words,
     sse,
     state_of,
 )
+from .limits import RuleOverride
 from .state import PrefixStore, compact, tokens
 from .tools import Function, ToolUse, tool_use
 
@@ -141,8 +143,15 @@ class CacheUsage:
         }
 
 
-def apply_cache(store: PrefixStore, model: str, blocks: list[Block]) -> CacheUsage:
+def apply_cache(
+    store: PrefixStore,
+    model: str,
+    blocks: list[Block],
+    rules: RuleOverride | None = None,
+) -> CacheUsage:
     """Read, then write, the breakpoints of one request; returns its usage split."""
+    rules = rules or RuleOverride()
+    ttls = {"5m": rules.ttl_s or TTLS["5m"], "1h": rules.ttl_long_s or TTLS["1h"]}
     bps = [i for i, b in enumerate(blocks) if b.ttl is not None]
     if len(bps) > MAX_BREAKPOINTS:
         raise BadRequest(
@@ -160,7 +169,7 @@ def apply_cache(store: PrefixStore, model: str, blocks: list[Block]) -> CacheUsa
         keys.append(h.copy().digest())
         total += tokens(b.data + b"\n")
         cum.append(total)
-    minimum = min_prefix(model)
+    minimum = rules.min_prefix or min_prefix(model)
     read = 0
     for bp in bps:
         for j in range(bp, max(-1, bp - LOOKBACK_BLOCKS), -1):
@@ -176,7 +185,7 @@ def apply_cache(store: PrefixStore, model: str, blocks: list[Block]) -> CacheUsa
         if cum[bp] > covered:
             writes[ttl] += cum[bp] - covered
             covered = cum[bp]
-        store.write(keys[bp], cum[bp], TTLS[ttl])
+        store.write(keys[bp], cum[bp], ttls[ttl])
     return CacheUsage(total - covered, read, writes["5m"], writes["1h"])
 
 
@@ -250,7 +259,14 @@ async def messages(request: Request) -> Response:
     try:
         body = _validate(body)
         _check_results(body["messages"])
-        usage = apply_cache(state.store("anthropic").shard(b""), body["model"], blocks_of(body))
+        blocks = blocks_of(body)
+        limited = rate_limited(
+            state, "anthropic", sum(tokens(b.data + b"\n") for b in blocks), error
+        )
+        if limited is not None:
+            return limited
+        store = state.store("anthropic").shard(b"")
+        usage = apply_cache(store, body["model"], blocks, state.rule("anthropic"))
     except (BadRequest, KeyError, TypeError, AttributeError) as exc:
         return JSONResponse(error(400, str(exc) or "invalid request"), 400)
     n = min(body["max_tokens"], DEFAULT_OUTPUT_TOKENS)
@@ -269,6 +285,10 @@ async def messages(request: Request) -> Response:
     if calls:
         stop = "tool_use"
     output = len(words) + sum(tokens(compact(u.args)) for u in uses)
+    state.bill("anthropic").add(
+        usage.input_tokens, usage.read, usage.write_5m, usage.write_1h, output
+    )
+    headers = state.limit_headers("anthropic")
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if not stream:
         return JSONResponse(
@@ -281,7 +301,8 @@ async def messages(request: Request) -> Response:
                 "stop_reason": stop,
                 "stop_sequence": None,
                 "usage": {**usage.fields(), "output_tokens": output},
-            }
+            },
+            headers=headers,
         )
 
     async def events() -> AsyncIterator[bytes]:
@@ -316,7 +337,7 @@ async def messages(request: Request) -> Response:
         )
         yield sse({"type": "message_stop"}, "message_stop")
 
-    return event_stream(cut_after(events(), cut))
+    return event_stream(cut_after(events(), cut), headers)
 
 
 def _block(index: int, start: dict[str, Any], deltas: list[dict[str, Any]]) -> list[bytes]:

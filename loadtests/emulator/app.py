@@ -6,7 +6,9 @@
   ``:streamGenerateContent?alt=sse``, ``/v1beta/cachedContents`` (``x-goog-api-key``)
 - DeepSeek: ``POST /deepseek/chat/completions`` (base URL ``…/deepseek``)
 - admin: ``/admin/faults``, ``/admin/clock/advance``, ``/admin/flush``,
-  ``/admin/requests`` (sha256 of every body received), ``/admin/reset``
+  ``/admin/requests`` (sha256 of every body received), ``/admin/reset``,
+  ``/admin/rules`` (cache rules clients are not told), ``/admin/limits``
+  (RPM/TPM), ``/admin/billing`` (tokens by price class, 429s)
 """
 
 from __future__ import annotations

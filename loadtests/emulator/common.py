@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -50,6 +51,17 @@ async def parse_json(request: Request, provider: str) -> tuple[bytes, Any]:
         return body, json.loads(body)
     except json.JSONDecodeError:
         return body, None
+
+
+def rate_limited(
+    state: EmulatorState, provider: str, n_tokens: int, error: ErrorBody
+) -> Response | None:
+    """A 429 in the provider's format when the request is over its rate limit."""
+    wait = state.admit(provider, n_tokens)
+    if wait is None:
+        return None
+    headers = {"retry-after": str(max(1, math.ceil(wait))), **state.limit_headers(provider)}
+    return JSONResponse(error(429, "rate limit exceeded"), 429, headers=headers)
 
 
 def check_key(state: EmulatorState, key: str | None) -> bool:
@@ -114,5 +126,7 @@ async def cut_after(events: AsyncIterator[bytes], fault: Fault | None) -> AsyncI
         sent += 1
 
 
-def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream")
+def event_stream(
+    events: AsyncIterator[bytes], headers: dict[str, str] | None = None
+) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)

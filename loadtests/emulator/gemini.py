@@ -28,6 +28,7 @@ from .common import (
     event_stream,
     fault_response,
     parse_json,
+    rate_limited,
     reply_words,
     state_of,
 )
@@ -237,16 +238,21 @@ async def generate(model_action: str, request: Request) -> Response:
     items = items_of(body)
     stream_bytes = prefix + b"".join(items)
     total = tokens(stream_bytes)
+    limited = rate_limited(state, "gemini", total, error)
+    if limited is not None:
+        return limited
+    rules = state.rule("gemini")
+    minimum = rules.min_prefix or min_prefix(model)
     if not cached:
         cuts, pos = [], 0
         for i in items:
             pos += len(i)
-            if tokens(stream_bytes[:pos]) >= min_prefix(model):
+            if tokens(stream_bytes[:pos]) >= minimum:
                 cuts.append(tokens(stream_bytes[:pos]))
         keys = prefix_keys(model.encode() + b"\0", stream_bytes, cuts)
         shard = state.store("gemini").shard(b"")
         cached = implicit_lookup(shard, keys)
-        implicit_write(shard, keys, IMPLICIT_TTL_S)
+        implicit_write(shard, keys, rules.ttl_s or IMPLICIT_TTL_S)
     limit = (body.get("generationConfig") or {}).get("maxOutputTokens")
     n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
     uses = _tool_uses(body, raw)
@@ -254,6 +260,7 @@ async def generate(model_action: str, request: Request) -> Response:
     finish = "MAX_TOKENS" if limit is not None and n == int(limit) and not uses else "STOP"
     calls = [{"functionCall": {"name": u.name, "args": u.args}} for u in uses]
     called = sum(tokens(compact(u.args)) for u in uses)
+    state.bill("gemini").add(total - cached, cached, 0, 0, len(words) + called)
 
     def usage(out: int) -> dict[str, Any]:
         u = {"promptTokenCount": total, "candidatesTokenCount": out, "totalTokenCount": total + out}

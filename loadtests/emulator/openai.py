@@ -33,6 +33,7 @@ from .common import (
     event_stream,
     fault_response,
     parse_json,
+    rate_limited,
     reply_words,
     sse,
     state_of,
@@ -65,6 +66,7 @@ class Rules:
     step: int
     sharded: bool
     ttl_s: float
+    ttl_long_s: float = 86400.0  # OpenAI's prompt_cache_retention: 24h
 
 
 OPENAI = Rules("openai", 1024, 128, True, 300.0)
@@ -76,6 +78,19 @@ ROUTE_TOKENS = 256
 class Cached:
     prompt: int
     cached: int
+
+
+def effective(state: EmulatorState, rules: Rules) -> Rules:
+    """The documented rules with what the operator set (and did not tell clients)."""
+    o = state.rule(rules.provider)
+    return Rules(
+        rules.provider,
+        o.min_prefix or rules.minimum,
+        o.granularity or rules.step,
+        rules.sharded,
+        o.ttl_s or rules.ttl_s,
+        o.ttl_long_s or rules.ttl_long_s,
+    )
 
 
 def _cache(
@@ -98,7 +113,7 @@ def chat_stream_bytes(body: dict[str, Any]) -> bytes:
 
 
 def _ttl(rules: Rules, body: dict[str, Any]) -> float:
-    return 86400.0 if body.get("prompt_cache_retention") == "24h" else rules.ttl_s
+    return rules.ttl_long_s if body.get("prompt_cache_retention") == "24h" else rules.ttl_s
 
 
 def _usage(rules: Rules, c: Cached, completion: int) -> dict[str, Any]:
@@ -107,7 +122,7 @@ def _usage(rules: Rules, c: Cached, completion: int) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": c.prompt + completion,
     }
-    if rules is DEEPSEEK:
+    if rules.provider == "deepseek":
         u["prompt_cache_hit_tokens"] = c.cached
         u["prompt_cache_miss_tokens"] = c.prompt - c.cached
     else:
@@ -146,8 +161,9 @@ def _unanswerable(messages: list[dict[str, Any]]) -> str | None:
     return None
 
 
-async def _chat(request: Request, rules: Rules) -> Response:
+async def _chat(request: Request, documented: Rules) -> Response:
     state = state_of(request)
+    rules = effective(state, documented)
     raw, body = await parse_json(request, rules.provider)
     auth = request.headers.get("authorization", "")
     if not auth.startswith("Bearer ") or not check_key(state, auth[7:]):
@@ -167,7 +183,11 @@ async def _chat(request: Request, rules: Rules) -> Response:
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
     key = str(body.get("prompt_cache_key") or "")
-    c = _cache(state, rules, body["model"], chat_stream_bytes(body), key, _ttl(rules, body))
+    prompt = chat_stream_bytes(body)
+    limited = rate_limited(state, rules.provider, tokens(prompt), error)
+    if limited is not None:
+        return limited
+    c = _cache(state, rules, body["model"], prompt, key, _ttl(rules, body))
     uses = _tool_uses(body, raw)
     words = [] if uses else reply_words(raw, n)
     finish = "length" if limit is not None and n == int(limit) else "stop"
@@ -184,6 +204,8 @@ async def _chat(request: Request, rules: Rules) -> Response:
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     out_tokens = len(words) + sum(tokens(compact(u.args)) for u in uses)
     usage = _usage(rules, c, out_tokens)
+    state.bill(rules.provider).add(c.prompt - c.cached, c.cached, 0, 0, out_tokens)
+    headers = state.limit_headers(rules.provider)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(words) or None}
     if calls:
         message["tool_calls"] = calls
@@ -204,7 +226,8 @@ async def _chat(request: Request, rules: Rules) -> Response:
                     }
                 ],
                 "usage": usage,
-            }
+            },
+            headers=headers,
         )
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
@@ -244,7 +267,7 @@ async def _chat(request: Request, rules: Rules) -> Response:
             )
         yield b"data: [DONE]\n\n"
 
-    return event_stream(cut_after(events(), cut))
+    return event_stream(cut_after(events(), cut), headers)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -285,7 +308,13 @@ async def responses(request: Request) -> Response:
     limit = body.get("max_output_tokens")
     n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
     key = str(body.get("prompt_cache_key") or "")
-    c = _cache(state, OPENAI, body["model"], responses_stream_bytes(body), key, _ttl(OPENAI, body))
+    rules = effective(state, OPENAI)
+    prompt = responses_stream_bytes(body)
+    limited = rate_limited(state, "openai", tokens(prompt), error)
+    if limited is not None:
+        return limited
+    c = _cache(state, rules, body["model"], prompt, key, _ttl(rules, body))
+    state.bill("openai").add(c.prompt - c.cached, c.cached, 0, 0, n)
     text = "".join(reply_words(raw, n))
     rid = f"resp_{uuid.uuid4().hex[:24]}"
     done = {

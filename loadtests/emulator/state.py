@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .limits import Bill, RateLimit, RuleOverride, limit_headers
+
 BYTES_PER_TOKEN = 4
 
 
@@ -31,13 +33,16 @@ def compact(value: Any) -> bytes:
 
 
 class Clock:
-    """Monotonic time plus an offset the admin API can advance (TTL tests)."""
+    """Monotonic time, running ``scale`` times faster than real time (a load test can
+    play hours of TTLs in minutes), plus an offset the admin API can advance."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+        self._start = time.monotonic()
         self._offset = 0.0
 
     def now(self) -> float:
-        return time.monotonic() + self._offset
+        return self._start + (time.monotonic() - self._start) * self.scale + self._offset
 
     def advance(self, seconds: float) -> None:
         self._offset += seconds
@@ -162,6 +167,30 @@ class EmulatorState:
     stores: dict[str, ShardedStore] = field(default_factory=dict)
     gemini_cached: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    rules: dict[str, RuleOverride] = field(default_factory=dict)
+    limits: dict[str, RateLimit] = field(default_factory=dict)
+    bills: dict[str, Bill] = field(default_factory=dict)
+
+    def rule(self, provider: str) -> RuleOverride:
+        return self.rules.get(provider) or RuleOverride()
+
+    def bill(self, provider: str) -> Bill:
+        return self.bills.setdefault(provider, Bill())
+
+    def admit(self, provider: str, tokens: int) -> float | None:
+        """Count the request against the provider's rate limit: None when admitted,
+        else the real seconds until it would fit (a 429, counted on the bill)."""
+        limit = self.limits.get(provider)
+        if limit is None:
+            return None
+        wait = limit.admit(self.clock.now(), tokens)
+        if wait is None:
+            return None
+        self.bill(provider).rejected_429 += 1
+        return wait / self.clock.scale
+
+    def limit_headers(self, provider: str) -> dict[str, str]:
+        return limit_headers(provider, self.limits.get(provider), self.clock.now())
 
     def store(self, provider: str) -> ShardedStore:
         if provider not in self.stores:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
 
 from emulator.app import create_app
-from emulator.state import EmulatorState
+from emulator.state import Clock, EmulatorState
 from emulator.tools import Function, tool_use
 
 A = {"x-api-key": "k", "anthropic-version": "2023-06-01"}
@@ -181,3 +182,48 @@ def test_emulated_tool_use_rule() -> None:
     args = tool_use(fns, "auto", False, b"r")[0].args
     assert isinstance(args["s"], str) and args["s"] and args["k"] == "y"
     assert tool_use(fns, "auto", False, b"r") == tool_use(fns, "auto", False, b"r")
+
+
+def test_rules_the_operator_sets_replace_the_documented_ones(emu: TestClient) -> None:
+    emu.post("/admin/rules", json={"provider": "anthropic", "min_prefix": 2000, "ttl_s": 420})
+    sys_ = [{"type": "text", "text": LONG, "cache_control": cc()}]  # ~1500 tokens
+    assert msgs(emu, sys_).json()["usage"]["cache_creation_input_tokens"] == 0
+    longer = [{"type": "text", "text": LONG * 2, "cache_control": cc()}]
+    assert msgs(emu, longer).json()["usage"]["cache_creation_input_tokens"] > 2000
+    emu.post("/admin/clock/advance", json={"seconds": 400})
+    assert msgs(emu, longer).json()["usage"]["cache_read_input_tokens"] > 0  # 5m became 7m
+    emu.post("/admin/clock/advance", json={"seconds": 421})
+    assert msgs(emu, longer).json()["usage"]["cache_read_input_tokens"] == 0
+
+
+def test_rate_limits_send_headers_refuse_with_429_and_bill_what_was_served(
+    emu: TestClient,
+) -> None:
+    emu.post("/admin/limits", json={"provider": "anthropic", "rpm": 2, "tpm": 100_000})
+    sys_ = [{"type": "text", "text": LONG, "cache_control": cc()}]
+    first = msgs(emu, sys_)
+    assert first.headers["anthropic-ratelimit-requests-remaining"] == "1"
+    assert int(first.headers["anthropic-ratelimit-input-tokens-remaining"]) < 100_000
+    assert msgs(emu, sys_).status_code == 200
+    third = msgs(emu, sys_)
+    assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
+    assert int(third.headers["retry-after"]) >= 1
+    bill = emu.get("/admin/billing").json()["anthropic"]
+    assert bill["requests"] == 2 and bill["rejected_429"] == 1
+    assert bill["write"] == first.json()["usage"]["cache_creation_input_tokens"]
+    assert bill["read"] == bill["write"]  # the second read what the first wrote
+    emu.post("/admin/clock/advance", json={"seconds": 61})  # the window slides on
+    assert msgs(emu, sys_).status_code == 200
+    r = emu.post(
+        "/v1/chat/completions",
+        headers=B,
+        json={"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert "x-ratelimit-remaining-requests" not in r.headers  # no limit set for openai
+
+
+def test_a_scaled_clock_runs_faster_than_real_time() -> None:
+    clock = Clock(scale=100.0)
+    t0 = clock.now()
+    time.sleep(0.05)
+    assert 4.0 < clock.now() - t0 < 50.0
