@@ -1,4 +1,5 @@
-"""``vcache`` command line: ``serve``, ``hash-key``, ``demo-model``, ``sessions``, ``replay``."""
+"""``vcache`` command line: ``serve``, ``hash-key``, ``demo-model``, ``sessions``, ``replay``,
+``calibrate``, ``plan``."""
 
 from __future__ import annotations
 
@@ -77,6 +78,18 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--model", dest="model", type=str, default=argparse.SUPPRESS)
         cmd.add_argument("--db", dest="_db", type=Path, default=None, help="the log's file")
     ss.add_argument("--limit", dest="_limit", type=int, default=50)
+    cal = sub.add_parser(
+        "calibrate", help="probe a provider target and fit its cache rules from its telemetry"
+    )
+    cal.add_argument("target", help="provider/model, e.g. anthropic/claude-sonnet-4-5")
+    cal.add_argument("--config", dest="config_file", type=Path, default=argparse.SUPPRESS)
+    cal.add_argument("--data-dir", dest="data_dir", type=Path, default=argparse.SUPPRESS)
+    cal.add_argument(
+        "--emulator-clock",
+        dest="_emulator",
+        default=None,
+        help="the emulator's URL: advance its clock instead of waiting out each TTL",
+    )
     return p
 
 
@@ -154,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "sessions":
             return session_cli.list_sessions(settings, db, limit)
         return session_cli.replay(settings, db, rid, quiet)
+    if ns.command == "calibrate":
+        from gateway.providers import calibrate
+
+        target, emulator = ns.target, ns._emulator
+        del ns.target, ns._emulator
+        return calibrate.main(_settings(ns), target, emulator)
     settings = _settings(ns)
     if ns.command == "demo-model":
         from engines.vllm.demo_model import ensure_demo_model

@@ -64,7 +64,9 @@ class Verdict:
     arrivals_per_ttl: float  # λT under the chosen TTL
 
 
-def rule(arrivals_per_ttl: float, write_mult: float, latency_value: float, shadow: float) -> Decision:
+def rule(
+    arrivals_per_ttl: float, write_mult: float, latency_value: float, shadow: float
+) -> Decision:
     """The note's rule for one TTL option (evict is decided by the caller's horizon)."""
     if arrivals_per_ttl >= 1:
         return Decision.RIDE

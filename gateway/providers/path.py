@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engines.providers.base import (
@@ -35,6 +36,8 @@ from gateway.core.errors import NotFound, Unavailable
 from gateway.core.metrics import Metrics
 from gateway.providers.book import Believed, PromptView, ProviderCacheBook, Settlement
 from gateway.providers.gemini import CachedContents, Handle
+from manifest.calibration import CalibratedProfile
+from manifest.calibration import apply as apply_calibration
 from manifest.ledger import PriceTable
 from manifest.planner import CapabilityProfile, Regime, TargetState, WarmPrimitive, plan
 
@@ -60,6 +63,11 @@ def target_profile(spec: ProviderSpec, model: str, cfg: ProviderConfig) -> Capab
     return profile
 
 
+def calibration_path(data_dir: Path, target: str) -> Path:
+    """Where a target's fitted cache rules live (``vcache calibrate`` writes them)."""
+    return data_dir / "calibration" / (target.replace("/", "__") + ".json")
+
+
 @dataclass(frozen=True)
 class ProviderTarget:
     name: str  # "provider/model"
@@ -68,6 +76,7 @@ class ProviderTarget:
     client: ProviderClient
     profile: CapabilityProfile
     config: ProviderConfig
+    calibrated: CalibratedProfile | None = None  # fitted by `vcache calibrate`
 
     @property
     def prices(self) -> PriceTable:
@@ -75,6 +84,12 @@ class ProviderTarget:
 
     @property
     def ttl_s(self) -> float:
+        """How long a written prefix lives: the fitted TTL of the configured tier once
+        calibrated, else the documented one (explicit) or the configured belief."""
+        long_tier = self.config.cache_ttl_s > 300
+        cal = self.calibrated
+        if cal is not None:
+            return cal.ttl_long_s if long_tier and cal.ttl_long_s else cal.ttl_s
         if self.profile.regime is Regime.EXPLICIT:
             return float(self.config.cache_ttl_s)
         return self.config.belief_ttl_s
@@ -148,9 +163,25 @@ class ProviderPath:
                 spec.adapter(), cfg.resolved_base_url(provider), key, retry, cfg.timeout_s
             )
             self._clients[provider] = client
-        t = ProviderTarget(name, spec, model, client, target_profile(spec, model, cfg), cfg)
+        profile = target_profile(spec, model, cfg)
+        cal = self._calibration(name)
+        if cal is not None:
+            profile = apply_calibration(profile, cal)
+        t = ProviderTarget(name, spec, model, client, profile, cfg, cal)
         self._targets[name] = t
         return t
+
+    def _calibration(self, name: str) -> CalibratedProfile | None:
+        path = calibration_path(self._settings.data_dir, name)
+        if not path.exists():
+            return None
+        try:
+            cal = CalibratedProfile.from_json(path.read_text())
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("%s: ignoring the calibration at %s (%s)", name, path, exc)
+            return None
+        log.info("%s: using the calibrated cache rules from %s", name, path)
+        return cal
 
     def _view(self, t: ProviderTarget, call: ChatCall, tenant: str) -> PromptView:
         plain = t.client.adapter.render(call, CacheDirectives())
