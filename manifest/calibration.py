@@ -49,20 +49,22 @@ class Search:
 
     def next(self) -> float | None:
         """The next value to probe, or None when the search is over."""
-        if self.ok is None:
-            nxt = self.start if self.fail is None else self.fail * self.factor
+        if self.ok is None:  # grow until a probe succeeds
             if self.fail is not None and self.fail >= self.cap:
                 return None
+            nxt = self.start if self.fail is None else self.fail * self.factor
             return self._round(min(nxt, self.cap))
-        low = self.fail if self.fail is not None else 0.0
-        if self.integer and self.ok - low <= 1:
+        if self.fail is None:  # every probe succeeded: shrink until one fails
+            if self.ok <= (1 if self.integer else self.start * 1e-6):
+                return None
+            nxt = self._round(self.ok / self.factor)
+            return None if nxt >= self.ok else nxt
+        if self.integer and self.ok - self.fail <= 1:
             return None
-        if not self.integer and low > 0 and (self.ok - low) / low <= self.precision:
+        if not self.integer and (self.ok - self.fail) / self.fail <= self.precision:
             return None
-        if not self.integer and low == 0 and self.ok <= self.start * self.precision:
-            return None
-        mid = self._round((low + self.ok) / 2)
-        return None if mid in (low, self.ok) else mid
+        mid = self._round((self.fail + self.ok) / 2)
+        return None if mid in (self.fail, self.ok) else mid
 
     def record(self, value: float, succeeded: bool) -> None:
         if succeeded:

@@ -119,21 +119,22 @@ def decide(
 
 @dataclass
 class ArrivalRate:
-    """Arrivals of one anchor over a sliding horizon: ``λ`` = arrivals / observed span.
-
-    The span is the time since the first arrival kept, never less than ``floor_s``
-    (one arrival is not an infinite rate).  Times are the caller's clock.
-    """
+    """Arrivals of one anchor over a sliding horizon: ``λ`` = arrivals in the horizon /
+    the time observed (the horizon, or less since the first arrival ever, never less than
+    ``floor_s``: one arrival is not an infinite rate).  Times are the caller's clock."""
 
     horizon_s: float
     floor_s: float
     times: list[float]
+    first_seen: float | None = None
 
     @classmethod
     def empty(cls, horizon_s: float, floor_s: float) -> ArrivalRate:
         return cls(horizon_s, floor_s, [])
 
     def add(self, now: float) -> None:
+        if self.first_seen is None:
+            self.first_seen = now
         self.times.append(now)
         self._trim(now)
 
@@ -147,9 +148,9 @@ class ArrivalRate:
 
     def rate(self, now: float) -> float:
         self._trim(now)
-        if not self.times:
+        if not self.times or self.first_seen is None:
             return 0.0
-        span = max(now - self.times[0], self.floor_s)
+        span = max(min(self.horizon_s, now - self.first_seen), self.floor_s)
         return len(self.times) / span
 
     def idle(self, now: float) -> float:

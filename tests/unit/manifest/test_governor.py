@@ -1,0 +1,81 @@
+"""The governor's rule and its choice between TTL tiers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from manifest.governor import (
+    ArrivalRate,
+    Decision,
+    Economics,
+    TtlOption,
+    cost_rate,
+    decide,
+    rule,
+)
+
+ANTHROPIC = Economics(read_mult=0.1, options=(TtlOption(300, 1.25), TtlOption(3600, 2.0)))
+FIVE_MIN = Economics(read_mult=0.1, options=(TtlOption(300, 1.25),))
+
+
+def test_the_rule_of_the_design_note() -> None:
+    assert rule(1.0, 1.25, 1.0, 0.0) is Decision.RIDE
+    threshold = math.log((1.25 + 0.0 + 1.0) / 1.0)  # ~0.81
+    assert rule(threshold + 0.01, 1.25, 1.0, 0.0) is Decision.HEARTBEAT
+    assert rule(threshold - 0.01, 1.25, 1.0, 0.0) is Decision.LAZY
+    # a rate-limit shadow price raises the bar; no latency value: never pin
+    assert rule(threshold + 0.01, 1.25, 1.0, 0.5) is Decision.LAZY
+    assert rule(0.99, 1.25, 0.0, 0.0) is Decision.LAZY
+
+
+def test_decisions_follow_the_arrival_rate() -> None:
+    assert decide(1 / 60, FIVE_MIN).decision is Decision.RIDE  # λT = 5
+    assert decide(0.9 / 300, FIVE_MIN).decision is Decision.HEARTBEAT
+    assert decide(0.1 / 300, FIVE_MIN).decision is Decision.LAZY
+    assert decide(0.0, FIVE_MIN).decision is Decision.EVICT
+    assert decide(1 / 60, FIVE_MIN, idle_s=7200, horizon_s=3600).decision is Decision.EVICT
+
+
+def test_the_one_hour_tier_wins_for_sparse_traffic_that_it_keeps_warm() -> None:
+    # one request every 20 minutes: 5m misses every time, 1h rides
+    v = decide(1 / 1200, ANTHROPIC)
+    assert v.ttl_s == 3600 and v.decision is Decision.RIDE
+    # one request every 5 hours, no latency value: the 1h write premium is not repaid
+    plain = Economics(read_mult=0.1, options=ANTHROPIC.options, latency_value=0.0)
+    v = decide(1 / 18_000, plain)
+    assert v.ttl_s == 300 and v.decision is Decision.LAZY
+
+
+def test_cost_rates_price_misses_reads_and_heartbeats() -> None:
+    five = TtlOption(300, 1.25)
+    rate = 1 / 600
+    miss = math.exp(-rate * 300)
+    lazy = cost_rate(Decision.LAZY, rate, five, FIVE_MIN, 0.0)
+    assert lazy == pytest.approx(rate * (miss * 2.25 + (1 - miss) * 0.1))
+    beat = cost_rate(Decision.HEARTBEAT, rate, five, FIVE_MIN, 0.2)
+    assert beat == pytest.approx(rate * 0.1 + 0.3 / 300)
+    free = Economics(read_mult=0.5, options=(five,), writes_billed=False)
+    assert cost_rate(Decision.LAZY, rate, five, free, 0.0) == pytest.approx(
+        rate * (miss * 2.0 + (1 - miss) * 0.5)
+    )
+
+
+def test_economics_are_checked() -> None:
+    with pytest.raises(ValueError):
+        Economics(read_mult=0.1, options=())
+    with pytest.raises(ValueError):
+        Economics(read_mult=1.5, options=(TtlOption(300, 1.25),))
+
+
+def test_the_arrival_rate_is_counted_over_its_horizon() -> None:
+    a = ArrivalRate.empty(horizon_s=600, floor_s=60)
+    assert a.rate(0.0) == 0.0 and a.idle(0.0) == math.inf
+    a.add(0.0)
+    assert a.rate(0.0) == pytest.approx(1 / 60)  # one arrival is not an infinite rate
+    for t in (100.0, 200.0, 300.0):
+        a.add(t)
+    assert a.rate(300.0) == pytest.approx(4 / 300) and a.idle(400.0) == 100.0
+    assert a.rate(850.0) == pytest.approx(1 / 600)  # the first three fell out
+    assert a.rate(2000.0) == 0.0
