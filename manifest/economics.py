@@ -80,3 +80,36 @@ def pin_pays(
     if latency_value <= 0:
         return False  # on pure cache dollars lazy rebuild weakly dominates
     return arrivals_per_ttl > math.log((write_mult + shadow_price + latency_value) / latency_value)
+
+
+def zipf_fit(counts: list[int]) -> float | None:
+    """The Zipf exponent ``s`` of anchor popularity, by maximum likelihood.
+
+    ``counts``: requests per anchor (any order).  The ranks are the order by count;
+    the root of d/ds log L = -Σ c_r ln r + N · Σ_i i^-s ln i / H(V, s) is found by
+    bisection on [0, 8].  None with fewer than two anchors or one request.
+    """
+    ranked = sorted((c for c in counts if c > 0), reverse=True)
+    v, n = len(ranked), sum(ranked)
+    if v < 2 or n < 2:
+        return None
+    observed = math.fsum(c * math.log(r) for r, c in enumerate(ranked, start=1)) / n
+
+    def expected(s: float) -> float:  # E[ln rank] under Zipf(s) over v ranks
+        weights = [i**-s for i in range(1, v + 1)]
+        return math.fsum(w * math.log(i) for i, w in enumerate(weights, start=1)) / math.fsum(
+            weights
+        )
+
+    lo, hi = 0.0, 8.0
+    if expected(lo) <= observed + 1e-12:
+        return 0.0  # flatter than uniform: no skew to exploit
+    if expected(hi) >= observed:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected(mid) > observed:  # E[ln r] falls as s grows
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

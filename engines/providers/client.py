@@ -28,6 +28,7 @@ from engines.providers.errors import (
     ProviderUnavailable,
     from_status,
 )
+from engines.providers.ratelimits import RateLimits, parse_ratelimits
 from engines.providers.retry import RetryPolicy, parse_retry_after
 from engines.sse import SSEDecoder
 
@@ -58,6 +59,13 @@ class ProviderClient:
         )
         self.retries = 0
         self.waits: list[float] = []  # each backoff, in seconds (the last 64)
+        self.limits: RateLimits | None = None  # the headroom the last response reported
+        self.rate_limited = 0  # 429s received (retried or not)
+
+    def _saw(self, resp: httpx.Response) -> None:
+        self.limits = parse_ratelimits(resp.headers) or self.limits
+        if resp.status_code == 429:
+            self.rate_limited += 1
 
     @property
     def provider(self) -> str:
@@ -95,6 +103,7 @@ class ProviderClient:
         while True:
             try:
                 resp = await self._http.post(r.path, content=r.body)
+                self._saw(resp)
                 if resp.status_code < 400:
                     return resp.json()
                 err = self._error(resp)
@@ -132,6 +141,7 @@ class ProviderClient:
             started = finished = False
             try:
                 async with self._http.stream("POST", r.path, content=r.body) as resp:
+                    self._saw(resp)
                     if resp.status_code >= 400:
                         await resp.aread()
                         err = self._error(resp)

@@ -120,6 +120,30 @@ class CacheSettings(BaseModel):
     default_lease_s: float = Field(300, gt=0)
 
 
+class ControlSettings(BaseModel):
+    """The control loop over hosted-provider anchors (design note §5.4, §5.5; M3, M5).
+
+    ``mode``: ``off`` (warms only when asked through the cache API), ``govern`` (per
+    anchor: ride, heartbeat, lazy or evict, the TTL tier that costs less, warms inside
+    the rate-limit headroom, send-one-then-fan), ``heartbeat_all`` (every anchor kept
+    warm with heartbeats, no budget: the baseline a load test compares against)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["off", "govern", "heartbeat_all"] = "off"
+    tick_s: float = Field(5.0, gt=0)  # real seconds between decisions
+    horizon_s: float = Field(3600.0, gt=0)  # arrivals older than this are forgotten
+    latency_value: float = Field(1.0, ge=0)  # L: a warm first token, per anchor token
+    heartbeat_at: float = Field(0.8, gt=0, lt=1)  # share of the TTL before a heartbeat
+    reserve: float = Field(0.25, ge=0, lt=1)  # headroom share kept for real traffic
+    max_warms_per_tick: int = Field(8, ge=0)
+    fan_wait_s: float = Field(10.0, ge=0)  # send-one-then-fan: longest hold of a sibling
+    max_anchors: int = Field(4096, ge=1)
+    # The provider clock runs this many times faster than real time: only for load
+    # tests against an emulator started with the same --time-scale.
+    clock_scale: float = Field(1.0, gt=0)
+
+
 class PriceConfig(BaseModel):
     """Cache prices as multiples of the model's uncached input price."""
 
@@ -213,6 +237,7 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default_factory=_default_data_dir)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
+    control: ControlSettings = Field(default_factory=ControlSettings)
     remote_replicas: list[RemoteReplicaConfig] = Field(default_factory=list)
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     providers: dict[str, ProviderConfig] = Field(default_factory=dict)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
+from manifest.economics import zipf_fit
 from manifest.governor import (
     ArrivalRate,
     Decision,
@@ -79,3 +81,15 @@ def test_the_arrival_rate_is_counted_over_its_horizon() -> None:
     assert a.rate(300.0) == pytest.approx(4 / 300) and a.idle(400.0) == 100.0
     assert a.rate(850.0) == pytest.approx(1 / 600)  # the first three fell out
     assert a.rate(2000.0) == 0.0
+
+
+def test_the_zipf_exponent_is_recovered_from_popularity_counts() -> None:
+    for s in (0.8, 1.2, 1.8):
+        weights = [i**-s for i in range(1, 201)]
+        rng = random.Random(3)
+        draws = rng.choices(range(200), weights=weights, k=20_000)
+        counts = [draws.count(i) for i in range(200)]
+        fitted = zipf_fit(counts)
+        assert fitted is not None and abs(fitted - s) < 0.1, (s, fitted)
+    assert zipf_fit([5]) is None and zipf_fit([]) is None
+    assert zipf_fit([3, 3, 3, 3]) == 0.0  # no skew
