@@ -32,6 +32,7 @@ from gateway.local.dispatch import Dispatcher
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.supervisor import Supervisor
+from gateway.providers.control import Control
 from gateway.providers.path import ProviderPath
 from gateway.service.auth import KeyRing
 from gateway.service.cache import CacheService
@@ -96,6 +97,11 @@ def banner(settings: Settings, service: GatewayService, grpc_port: int | None = 
     return "\n".join(lines)
 
 
+def _scaled(clock: Callable[[], float], scale: float) -> Callable[[], float]:
+    start = clock()
+    return lambda: start + (clock() - start) * scale
+
+
 def create_app(
     settings: Settings,
     built: Sequence[Replica | Engine],
@@ -106,7 +112,12 @@ def create_app(
     when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``)."""
     metrics = Metrics()
     tracing = tracing or Tracing(settings.otlp_endpoint)
+    if settings.control.clock_scale != 1.0:  # a load test against a time-scaled emulator
+        provider_clock = _scaled(provider_clock, settings.control.clock_scale)
     providers = ProviderPath(settings, metrics, provider_clock) if settings.providers else None
+    control = Control(settings.control, provider_clock)
+    if providers is not None:
+        providers.control = control
     replicas = [
         b if isinstance(b, Replica) else Replica(LocationId(f"replica-{i}"), b)
         for i, b in enumerate(built)
@@ -154,6 +165,9 @@ def create_app(
                 log.info("%s", banner(settings, app.state.service, port))
 
         starting = asyncio.create_task(boot(), name="engine-start")
+        steering = None
+        if providers is not None and control.enabled:
+            steering = asyncio.create_task(control.run(), name="provider-control")
         retention = None
         if session_log is not None:
             retention = asyncio.create_task(
@@ -162,10 +176,11 @@ def create_app(
         try:
             yield
         finally:
-            if retention is not None:
-                retention.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await retention
+            for task in (retention, steering):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if grpc_server is not None:
                 await grpc_server.stop(grace_s=5)
             if not starting.done():
@@ -185,19 +200,22 @@ def create_app(
     app.state.supervisor = supervisor
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.providers = providers
+    app.state.control = control
     session_log = _session_log(settings, replicas)
     app.state.session_log = session_log
+    provider_chat = None
+    if providers is not None:
+        provider_chat = ProviderChat(
+            providers, settings.prompt_layout, Journal(session_log), metrics
+        )
+        control.warm = provider_chat.warm
     app.state.service = GatewayService(
         dispatcher,
         model_name=settings.model_name,
         targets=Targets(
             settings.model_name if replicas else None, settings.aliases, list(settings.providers)
         ),
-        providers=(
-            ProviderChat(providers, settings.prompt_layout, Journal(session_log), metrics)
-            if providers
-            else None
-        ),
+        providers=provider_chat,
         metrics=metrics,
         log=session_log,
         tool_parser=settings.engine.tool_parser,

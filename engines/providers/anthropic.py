@@ -85,6 +85,7 @@ class AnthropicAdapter:
 
     def render(self, call: ChatCall, cache: CacheDirectives) -> Rendered:
         marker = {"type": "ephemeral", "ttl": "1h" if cache.ttl_s > 300 else "5m"}
+        long_marker = {"type": "ephemeral", "ttl": "1h"}  # long-tier breakpoints come first
         # (segment key, place, blocks): the marker goes on a segment's last block
         segments: list[tuple[str, str, list[dict[str, Any]]]] = []
         if call.system:
@@ -102,7 +103,8 @@ class AnthropicAdapter:
         if tools:
             ends["tools"] = len(prompt)
             if "tools" in cache.breakpoints:  # the marker goes on the last tool
-                tools[-1] = {**tools[-1], "cache_control": marker}
+                mark = long_marker if "tools" in cache.long_ttl else marker
+                tools[-1] = {**tools[-1], "cache_control": mark}
         system: list[dict[str, Any]] = []
         messages: list[dict[str, Any]] = []
         for key, place, blocks in segments:
@@ -110,7 +112,8 @@ class AnthropicAdapter:
                 prompt += canonical_json(block)
             ends[key] = len(prompt)
             if key in cache.breakpoints:
-                blocks = [*blocks[:-1], {**blocks[-1], "cache_control": marker}]
+                mark = long_marker if key in cache.long_ttl else marker
+                blocks = [*blocks[:-1], {**blocks[-1], "cache_control": mark}]
             if place == "system":
                 system += blocks
             elif (

@@ -77,6 +77,7 @@ class ChatCall:
 class CacheDirectives:
     breakpoints: tuple[str, ...] = ()  # segment keys that end in a cache marker
     ttl_s: int = 300
+    long_ttl: tuple[str, ...] = ()  # breakpoints that take the long tier (Anthropic 1h)
     cache_key: str | None = None
     cached_content: str | None = None  # Gemini: covers the system segment
     warm: bool = False  # prefill only (Anthropic max_tokens: 0)

@@ -74,6 +74,10 @@ class PromptView:
             tuple(Boundary(k, _kind(k), t) for k, t in zip(self.keys, self.tokens, strict=True))
         )
 
+    def anchor(self) -> int:
+        """The index of the anchor: the last boundary of the stable head (-1: none)."""
+        return self.layout().stable_end()
+
     def marker(self, i: int) -> MarkerAt:
         return MarkerAt(self.keys[i], self.ends[i], self.tokens[i])
 
@@ -146,8 +150,11 @@ class ProviderCacheBook:
         marked: tuple[str, ...],
         usage: ProviderUsage,
         ttl_s: float,
+        long_keys: tuple[str, ...] = (),
+        long_ttl_s: float = 0.0,
     ) -> Settlement:
-        """Fold one answer's telemetry: belief, ledger, records, stats."""
+        """Fold one answer's telemetry: belief, ledger, records, stats.  Breakpoints in
+        ``long_keys`` were written at the long tier and live ``long_ttl_s``."""
         now = self._clock()
         target = view.target
         scale = usage.prompt_tokens / view.total_tokens if view.total_tokens else 1.0
@@ -190,7 +197,8 @@ class ProviderCacheBook:
             usage.cache_write_tokens,
             Verified(kept, verified.dropped),
         )
-        self._remember(request_id, view, profile, marked, usage, scale, ttl_s, now)
+        ttls = {k: long_ttl_s for k in long_keys}
+        self._remember(request_id, view, profile, marked, usage, scale, ttl_s, ttls, now)
         self._settled += 1
         if self._settled % 256 == 0:
             self._collect(now)
@@ -207,6 +215,7 @@ class ProviderCacheBook:
         usage: ProviderUsage,
         scale: float,
         ttl_s: float,
+        ttls: dict[str, float],
         now: float,
     ) -> None:
         """What this answer left warm: explicit breakpoints that were written or read; for
@@ -233,8 +242,9 @@ class ProviderCacheBook:
         shared = memoryview(view.prompt)  # every boundary's bytes are a view of one buffer
         for i in warm:
             d = view.digests[i]
+            ttl = ttls.get(view.keys[i], ttl_s)
             self.belief.record_warm(
-                view.target, d, view.tokens[i], shared[: view.ends[i]], now, ttl_s, exact
+                view.target, d, view.tokens[i], shared[: view.ends[i]], now, ttl, exact
             )
             self._records[(view.target, d)] = record
         for key in self.belief.take_evicted():  # the belief keeps at most max_entries

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.providers.base import (
     CacheDirectives,
@@ -34,12 +34,16 @@ from engines.providers.specs import PROVIDERS, ProviderSpec
 from gateway.core.config import ProviderConfig, Settings
 from gateway.core.errors import NotFound, Unavailable
 from gateway.core.metrics import Metrics
+from gateway.core.schemas import ChatCompletionRequest
 from gateway.providers.book import Believed, PromptView, ProviderCacheBook, Settlement
 from gateway.providers.gemini import CachedContents, Handle
 from manifest.calibration import CalibratedProfile
 from manifest.calibration import apply as apply_calibration
 from manifest.ledger import PriceTable
 from manifest.planner import CapabilityProfile, Regime, TargetState, WarmPrimitive, plan
+
+if TYPE_CHECKING:  # the control loop imports this module
+    from gateway.providers.control import Control, Fan
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,15 @@ class ProviderTarget:
         return PriceTable(self.profile.read_mult, self.profile.write_mult)
 
     @property
+    def long_ttl_s(self) -> float:
+        """The long tier's TTL (Anthropic 1h), fitted once calibrated."""
+        cal = self.calibrated
+        if cal is not None and cal.ttl_long_s:
+            return cal.ttl_long_s
+        opts = self.profile.ttl_options_s
+        return float(opts[1]) if len(opts) >= 2 else self.ttl_s
+
+    @property
     def ttl_s(self) -> float:
         """How long a written prefix lives: the fitted TTL of the configured tier once
         calibrated, else the documented one (explicit) or the configured belief."""
@@ -116,6 +129,12 @@ class Prepared:
     handle: Handle | None
     directives: CacheDirectives
     rendered: Rendered
+    fan: Fan | None = None  # the first of a cold anchor's siblings releases the rest
+
+    def release(self) -> None:
+        """Let the anchor's held siblings go (the provider has written it)."""
+        if self.fan is not None:
+            self.fan.release()
 
 
 class ProviderPath:
@@ -133,6 +152,7 @@ class ProviderPath:
         self._clients: dict[str, ProviderClient] = {}
         self._targets: dict[str, ProviderTarget] = {}
         self.book = ProviderCacheBook(clock)
+        self.control: Control | None = None  # the control loop, when one runs
         gemini = settings.providers.get("gemini")
         ttl = gemini.cached_content_ttl_s if gemini is not None else 3600
         self.cached_contents = CachedContents(clock, ttl)
@@ -196,17 +216,32 @@ class ProviderPath:
         return f"vcache-{view.digests[0][:24]}" if view.digests else None
 
     async def prepare(
-        self, t: ProviderTarget, call: ChatCall, tenant: str, warm: bool = False
+        self,
+        t: ProviderTarget,
+        call: ChatCall,
+        tenant: str,
+        warm: bool = False,
+        req: ChatCompletionRequest | None = None,
     ) -> Prepared:
         """Plan the cache for ``call`` and render it, once, before anything is sent.
-        ``warm``: prefill only, where the provider has a primitive for it."""
+        ``warm``: prefill only, where the provider has a primitive for it.  With the
+        control loop on, the request counts as an arrival on its anchor (``req`` is what
+        a heartbeat of a new anchor will send) and may wait for a sibling to write it."""
         view = self._view(t, call, tenant)
+        c, anchor, fan = self.control, None, None
+        if c is not None and c.enabled:
+            anchor = c.observe(t, tenant, view, req, arrival=not warm)
+            if not warm:
+                fan = await c.fan_in(anchor, self.book.believed(view).index, view.anchor())
         believed = self.book.believed(view)
         state = TargetState(
             believed_warm_tokens=believed.tokens, warm_probability=believed.probability
         )
         p = plan(view.layout(), t.profile, state)
         marked = tuple(view.keys[i] for i in p.breakpoints)
+        long_ttl: tuple[str, ...] = ()
+        if c is not None and c.long_ttl(anchor):  # the anchor, and marks before it: 1h first
+            long_ttl = tuple(view.keys[i] for i in p.breakpoints if i <= view.anchor())
         handle = None
         if t.spec.cached_contents:
             handle = await self.cached_contents.use(t.name, t.client, t.profile, call, view)
@@ -216,9 +251,10 @@ class ProviderPath:
             cache_key=self._cache_key(view) if t.spec.cache_key else None,
             cached_content=handle.name if handle else None,
             warm=warm and t.profile.warm is WarmPrimitive.MAX_TOKENS_0,
+            long_ttl=long_ttl,
         )
         rendered = t.client.adapter.render(call, directives)
-        return Prepared(t, call, view, believed, marked, handle, directives, rendered)
+        return Prepared(t, call, view, believed, marked, handle, directives, rendered, fan)
 
     def inline(self, p: Prepared) -> Prepared | None:
         """After :class:`ProviderNotFound` on a request that used a cached-content handle:
@@ -239,6 +275,7 @@ class ProviderPath:
         out.cached_content = p.directives.cached_content
         async with aclosing(self._send(p.target, p.rendered)) as deltas:
             async for d in deltas:
+                p.release()  # the answer began: the provider has written the prefix
                 out.usage = d.usage or out.usage
                 yield d
 
@@ -254,7 +291,16 @@ class ProviderPath:
             return
         u = out.usage
         out.settlement = s = self.book.settle(
-            request_id, p.view, t.profile, t.prices, p.believed, p.marked, u, t.ttl_s
+            request_id,
+            p.view,
+            t.profile,
+            t.prices,
+            p.believed,
+            p.marked,
+            u,
+            t.ttl_s,
+            p.directives.long_ttl,
+            t.long_ttl_s,
         )
         m.provider_tokens.labels(t.name, "prompt").inc(u.prompt_tokens)
         m.provider_tokens.labels(t.name, "cached").inc(u.cached_tokens)

@@ -312,3 +312,11 @@ class CacheService:
         if providers is not None:
             out["providers"] = providers.path.stats()
         return out
+
+    def plan(self) -> dict[str, object]:
+        """The control loop's view of the observed provider traffic (``/v1/cache/plan``)."""
+        providers = self._svc.providers
+        control = providers.path.control if providers is not None else None
+        if control is None:
+            return {"mode": "off", "targets": {}, "note": "no hosted provider is configured"}
+        return control.plan()

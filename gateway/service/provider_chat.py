@@ -24,7 +24,7 @@ from gateway.core.schemas import ChatCompletionRequest, tool_calls_json
 from gateway.core.shaping import Piece, Pieces, Sample, ToolCallDelta
 from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Served
-from gateway.providers.path import Outcome, ProviderPath
+from gateway.providers.path import Outcome, Prepared, ProviderPath
 from gateway.service.journal import Journal
 from gateway.sessions.log import Open
 from gateway.sessions.render import (
@@ -113,14 +113,16 @@ class ProviderChat:
         out: Outcome,
         warm: bool = False,
         trace: RequestTrace | None = None,
+        req: ChatCompletionRequest | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """The provider's deltas: planned once, journaled before each send, errors in the
         API's terms."""
         t = self.path.target(target)
         trace = trace or Tracing().request("vcache.warm")  # warms are not traced
+        p: Prepared | None = None
         try:
             with trace.step("plan", target=target) as span:
-                p = await self.path.prepare(t, call, tenant, warm)
+                p = await self.path.prepare(t, call, tenant, warm, req)
                 span.set_attribute("vcache.breakpoints", len(p.marked))
             attempt, yielded = 0, False
             while True:
@@ -152,6 +154,9 @@ class ProviderChat:
             if isinstance(exc, EngineError):
                 raise from_engine_error(exc) from exc
             raise
+        finally:
+            if p is not None:
+                p.release()  # siblings held for this one go, whatever happened to it
         self.path.settle(p, rid, out)
 
     async def answer(
@@ -169,7 +174,7 @@ class ProviderChat:
         out = Outcome()
         answer = Sample()
         timing = _Timing(self.metrics, call.model, target, t0)
-        deltas = self._deltas(call, op, served, tenant, target, rid, out, trace=trace)
+        deltas = self._deltas(call, op, served, tenant, target, rid, out, trace=trace, req=req)
         async with aclosing(deltas):
             async for d in deltas:
                 if d.text or d.tool_calls:
@@ -196,7 +201,8 @@ class ProviderChat:
         req = req.model_copy(update={"max_tokens": 1, "stream": False})
         call, op = self._open(req, target, Served(), tenant, None)
         out = Outcome()
-        async with aclosing(self._deltas(call, op, None, tenant, target, rid, out, True)) as ds:
+        warming = self._deltas(call, op, None, tenant, target, rid, out, True, req=req)
+        async with aclosing(warming) as ds:
             async for _ in ds:
                 pass
         await self.journal.answered(op, None, rid, "", usage_of(out.usage))

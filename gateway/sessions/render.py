@@ -160,13 +160,16 @@ def provider_turn(m: MessageEvent) -> Turn:
 
 def directives_of(d: CacheDirectives) -> dict[str, Any]:
     """The cache directives a dispatch event keeps (what the request was rendered with)."""
-    return {
+    out: dict[str, Any] = {
         "breakpoints": list(d.breakpoints),
         "ttl_s": d.ttl_s,
         "cache_key": d.cache_key,
         "cached_content": d.cached_content,
         "warm": d.warm,
     }
+    if d.long_ttl:  # logs written before the governor chose tiers have no such key
+        out["long_ttl"] = list(d.long_ttl)
+    return out
 
 
 def local_messages(system: Sequence[str], turns: Sequence[MessageEvent]) -> list[dict[str, Any]]:

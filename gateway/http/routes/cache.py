@@ -70,3 +70,11 @@ async def warm(body: CacheRequest, who: Admin, cache: Cache) -> WarmResponse | P
 @router.get("/stats", responses=errors(401, 403, 503))
 async def stats(who: Admin, cache: Cache) -> dict[str, object]:
     return await cache.stats()
+
+
+@router.get("/plan", responses=errors(401, 403))
+async def plan(who: Admin, cache: Cache) -> dict[str, object]:
+    """The observed provider traffic's economics: per target the Zipf skew of anchor
+    popularity, top-N coverage, the warm set the rate-limit headroom sustains, the
+    break-even reuse of a dedicated warm per TTL tier, and each anchor's decision."""
+    return cache.plan()

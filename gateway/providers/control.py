@@ -1,0 +1,332 @@
+"""The control loop over hosted-provider anchors: govern, schedule, warm (M3, M5).
+
+An *anchor* is the stable head of a prompt (tools and system prompt) on one
+target for one tenant: the unit the provider caches and siblings share.
+Every real request records an arrival on its anchor (:meth:`Control.observe`);
+every ``tick_s`` the loop asks ``manifest.governor`` what each anchor should
+be (ride, heartbeat, lazy, evict; 5-minute or 1-hour tier) and sends the
+heartbeats that are due, inside the provider's rate-limit headroom (read from
+its headers), ranked by reuse; with too little headroom it warms fewer
+anchors, never past the reserve.  Heartbeats only refresh an anchor that is
+still warm: a cold anchor is warmed by its next real request (on implicit
+providers that one is free), never by a dedicated call.
+
+Send-one-then-fan (:meth:`Control.fan_in`): when siblings of a cold anchor
+arrive together, the first goes and the rest wait (at most ``fan_wait_s``)
+until its answer begins, by which time the provider has written the anchor.
+
+``heartbeat_all`` is the baseline a load test compares against: every anchor
+heartbeated before its TTL, no governor, no budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.core.config import ControlSettings
+from gateway.core.schemas import ChatCompletionRequest, ChatMessage
+from gateway.providers.book import PromptView
+from gateway.providers.path import ProviderTarget
+from manifest.economics import dedicated_warm_break_even, warm_set_size, zipf_coverage, zipf_fit
+from manifest.governor import ArrivalRate, Decision, Economics, TtlOption, Verdict, decide
+from manifest.planner import Regime
+
+log = logging.getLogger(__name__)
+
+WarmFn = Callable[[ChatCompletionRequest, str, str, str], Awaitable[object]]
+Key = tuple[str, str, str]  # (target, tenant, anchor digest)
+
+
+def warm_template(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """What a heartbeat sends: the request's leading system prompts (and its tools) with
+    a one-character user turn."""
+    lead = []
+    for m in req.messages:
+        if m.role not in ("system", "developer"):
+            break
+        lead.append(m)
+    return req.model_copy(
+        update={
+            "messages": [*lead, ChatMessage(role="user", content=".")],
+            "stream": False,
+            "max_tokens": 1,
+            "n": 1,
+        }
+    )
+
+
+@dataclass
+class Anchor:
+    target: str
+    tenant: str
+    digest: str
+    segment: str  # the segment key the anchor ends at
+    tokens: int
+    template: ChatCompletionRequest
+    arrivals: ArrivalRate
+    touched: float  # the last read of it (a real request or a heartbeat) refreshes the TTL
+    verdict: Verdict | None = None
+    heartbeats: int = 0
+    writer: asyncio.Event | None = None  # send-one-then-fan: set once the first has begun
+    writer_since: float = 0.0
+
+
+@dataclass
+class Fan:
+    """The first of a cold anchor's siblings: ``release`` when its answer begins."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def release(self) -> None:
+        self.event.set()
+
+
+def economics(t: ProviderTarget, latency_value: float) -> Economics:
+    """The governor's view of a target: TTL tiers with their write prices."""
+    p = t.profile
+    if p.regime is Regime.EXPLICIT and len(p.ttl_options_s) >= 2:
+        k = p.write_mult / (2.0 if t.config.cache_ttl_s > 300 else 1.25)  # configured prices
+        options = (TtlOption(p.ttl_options_s[0], 1.25 * k), TtlOption(p.ttl_options_s[1], 2.0 * k))
+        return Economics(p.read_mult, options, latency_value)
+    billed = p.regime is Regime.EXPLICIT
+    return Economics(p.read_mult, (TtlOption(t.ttl_s, p.write_mult),), latency_value, billed)
+
+
+def shadow_price(share_left: float) -> float:
+    """μ: nothing while half the headroom is left, rising to 2 as it runs out."""
+    return max(0.0, 0.5 - share_left) * 4.0
+
+
+class Control:
+    def __init__(self, cfg: ControlSettings, clock: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.anchors: dict[Key, Anchor] = {}
+        self.targets: dict[str, ProviderTarget] = {}
+        self.warm: WarmFn | None = None
+        self.counts = {"heartbeats": 0, "held": 0, "deferred": 0, "evicted": 0, "failed": 0}
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.mode != "off"
+
+    # ------------------------------------------------------------- request path
+
+    def observe(
+        self,
+        t: ProviderTarget,
+        tenant: str,
+        view: PromptView,
+        req: ChatCompletionRequest | None,
+        arrival: bool = True,
+    ) -> Anchor | None:
+        """The request's anchor (created on first sight), with one arrival counted."""
+        i = view.anchor()
+        if not self.enabled or i < 0:
+            return None
+        key = (t.name, tenant, view.digests[i])
+        now = self.clock()
+        a = self.anchors.get(key)
+        if a is None:
+            if req is None or len(self.anchors) >= self.cfg.max_anchors:
+                return None
+            rate = ArrivalRate.empty(self.cfg.horizon_s, self.cfg.tick_s)
+            a = Anchor(
+                t.name, tenant, key[2], view.keys[i], view.tokens[i], warm_template(req), rate, now
+            )
+            self.anchors[key] = a
+            self.targets[t.name] = t
+        if arrival:
+            a.arrivals.add(now)
+            a.touched = now
+        return a
+
+    def long_ttl(self, a: Anchor | None) -> bool:
+        """Whether the anchor's breakpoint takes the long tier (the governor chose it)."""
+        if a is None or self.cfg.mode != "govern" or a.verdict is None:
+            return False
+        t = self.targets.get(a.target)
+        return (
+            t is not None
+            and len(t.profile.ttl_options_s) >= 2
+            and (a.verdict.ttl_s >= t.profile.ttl_options_s[1])
+        )
+
+    async def fan_in(self, a: Anchor | None, warm_through: int | None, index: int) -> Fan | None:
+        """Hold a sibling of a cold anchor until the first one's answer begins (bounded);
+        the first gets the :class:`Fan` to release."""
+        if (
+            a is None
+            or self.cfg.fan_wait_s <= 0
+            or (warm_through is not None and warm_through >= index)
+        ):
+            return None
+        now = self.clock()
+        w = a.writer
+        stale = now - a.writer_since > self.cfg.fan_wait_s * self._scale
+        if w is not None and not w.is_set() and not stale:
+            self.counts["held"] += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(w.wait(), self.cfg.fan_wait_s)
+            return None
+        fan = Fan()
+        a.writer, a.writer_since = fan.event, now
+        return fan
+
+    @property
+    def _scale(self) -> float:
+        return self.cfg.clock_scale
+
+    # ------------------------------------------------------------------- loop
+
+    def _verdict(self, a: Anchor, now: float) -> Verdict:
+        t = self.targets[a.target]
+        limits = t.client.limits
+        mu = shadow_price(limits.share_left()) if limits is not None else 0.0
+        econ = economics(t, self.cfg.latency_value)
+        rate = a.arrivals.rate(now)
+        return decide(rate, econ, mu, a.arrivals.idle(now), self.cfg.horizon_s)
+
+    def _due(self, a: Anchor, now: float) -> bool:
+        """A heartbeat is due before the TTL runs out, never after (then it is cold)."""
+        if a.verdict is None:
+            return False
+        age = now - a.touched
+        return self.cfg.heartbeat_at * a.verdict.ttl_s <= age < a.verdict.ttl_s
+
+    def _budget(self, t: ProviderTarget, sent: int, tokens: int, cost: int) -> bool:
+        """Room for one more warm of ``cost`` tokens after ``sent`` this tick, keeping
+        ``reserve`` of the limits for real traffic."""
+        if sent >= self.cfg.max_warms_per_tick:
+            return False
+        lim = t.client.limits
+        if lim is None:
+            return True
+        r = self.cfg.reserve
+        short_of_requests = (
+            lim.requests_remaining is not None
+            and bool(lim.requests_limit)
+            and lim.requests_remaining - sent - 1 < r * (lim.requests_limit or 0)
+        )
+        short_of_tokens = (
+            lim.tokens_remaining is not None
+            and bool(lim.tokens_limit)
+            and lim.tokens_remaining - tokens - cost < r * (lim.tokens_limit or 0)
+        )
+        return not (short_of_requests or short_of_tokens)
+
+    async def tick(self) -> list[Anchor]:
+        """Decide every anchor, then send the heartbeats that are due (by rank, in budget);
+        returns the anchors heartbeated."""
+        now = self.clock()
+        due: list[Anchor] = []
+        for key, a in list(self.anchors.items()):
+            a.verdict = self._verdict(a, now)
+            if self.cfg.mode == "heartbeat_all":
+                ttl = self.targets[a.target].ttl_s
+                a.verdict = Verdict(Decision.HEARTBEAT, ttl, 0.0, a.verdict.arrivals_per_ttl)
+            elif a.verdict.decision is Decision.EVICT:
+                del self.anchors[key]
+                self.counts["evicted"] += 1
+                continue
+            if a.verdict.decision is Decision.HEARTBEAT and self._due(a, now):
+                due.append(a)
+        due.sort(key=lambda a: a.arrivals.rate(now) * a.tokens, reverse=True)
+        sent: dict[str, tuple[int, int]] = {}
+        done: list[Anchor] = []
+        for a in due:
+            t = self.targets[a.target]
+            n, tokens = sent.get(a.target, (0, 0))
+            if self.cfg.mode == "govern" and not self._budget(t, n, tokens, a.tokens):
+                self.counts["deferred"] += 1
+                continue
+            sent[a.target] = (n + 1, tokens + a.tokens)
+            if await self._heartbeat(a):
+                done.append(a)
+        return done
+
+    async def _heartbeat(self, a: Anchor) -> bool:
+        if self.warm is None:
+            return False
+        try:
+            await self.warm(a.template, a.tenant, a.target, f"heartbeat-{uuid.uuid4().hex[:16]}")
+        except Exception as exc:  # a failed heartbeat is a miss later, never an error now
+            self.counts["failed"] += 1
+            log.warning("%s: heartbeat failed (%s)", a.target, exc)
+            return False
+        a.touched = self.clock()
+        a.heartbeats += 1
+        self.counts["heartbeats"] += 1
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.tick_s)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("control tick failed; next tick goes on")
+
+    # ------------------------------------------------------------------- plan
+
+    def plan(self) -> dict[str, Any]:
+        """The observed traffic's economics (design note §5): skew, coverage, warm-set size
+        inside the rate-limit headroom, break-evens, and each anchor's decision."""
+        now = self.clock()
+        out: dict[str, Any] = {"mode": self.cfg.mode, "counts": dict(self.counts), "targets": {}}
+        for name, t in self.targets.items():
+            mine = [a for a in self.anchors.values() if a.target == name]
+            counts = [len(a.arrivals.times) for a in mine]
+            s = zipf_fit(counts)
+            econ = economics(t, self.cfg.latency_value)
+            tokens = sorted(a.tokens for a in mine)
+            median = tokens[len(tokens) // 2] if tokens else 0
+            lim = t.client.limits
+            warm_set = None
+            if lim is not None and lim.requests_remaining is not None and median:
+                tpm = lim.tokens_remaining if lim.tokens_remaining is not None else 10**12
+                warm_set = warm_set_size(
+                    lim.requests_remaining, tpm, median, econ.options[0].ttl_s / 60
+                )
+            v = len(mine)
+            coverage = {
+                str(n): round(zipf_coverage(n, v, s), 3)
+                for n in (1, 5, 10, 50)
+                if s is not None and n <= v
+            }
+            out["targets"][name] = {
+                "anchors": v,
+                "zipf_s": None if s is None else round(s, 3),
+                "coverage_top_n": coverage,
+                "median_anchor_tokens": median,
+                "warm_set_size": None if warm_set is None else round(warm_set, 1),
+                "break_even_reuse": {
+                    f"{o.ttl_s:g}s": dedicated_warm_break_even(o.write_mult, econ.read_mult)
+                    for o in econ.options
+                },
+                "decisions": self._decisions(mine, now),
+            }
+        return out
+
+    def _decisions(self, anchors: list[Anchor], now: float) -> list[dict[str, Any]]:
+        rows = []
+        for a in sorted(anchors, key=lambda a: -a.arrivals.rate(now))[:50]:
+            v = a.verdict or self._verdict(a, now)
+            rows.append(
+                {
+                    "anchor": a.digest[:16],
+                    "tenant": a.tenant,
+                    "tokens": a.tokens,
+                    "arrivals_per_hour": round(a.arrivals.rate(now) * 3600, 2),
+                    "decision": v.decision.value,
+                    "ttl_s": v.ttl_s,
+                    "heartbeats": a.heartbeats,
+                }
+            )
+        return rows
