@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 WarmFn = Callable[[ChatCompletionRequest, str, str, str], Awaitable[object]]
 Key = tuple[str, str, str]  # (target, tenant, anchor digest)
+RATE_FLOOR_S = 60.0  # an anchor seen once has a rate of at most one per minute
 
 
 def warm_template(req: ChatCompletionRequest) -> ChatCompletionRequest:
@@ -136,7 +137,7 @@ class Control:
         if a is None:
             if req is None or len(self.anchors) >= self.cfg.max_anchors:
                 return None
-            rate = ArrivalRate.empty(self.cfg.horizon_s, self.cfg.tick_s)
+            rate = ArrivalRate.empty(self.cfg.horizon_s, RATE_FLOOR_S)
             a = Anchor(
                 t.name, tenant, key[2], view.keys[i], view.tokens[i], warm_template(req), rate, now
             )

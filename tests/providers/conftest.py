@@ -55,6 +55,11 @@ class Emulator:
         r.raise_for_status()
         return r.json()
 
+    def admin_get(self, path: str) -> Any:
+        r = httpx.get(f"{self.url}/admin/{path}", timeout=10)
+        r.raise_for_status()
+        return r.json()
+
     def received(self) -> list[dict[str, Any]]:
         return list(httpx.get(f"{self.url}/admin/requests", timeout=10).json())
 
