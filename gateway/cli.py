@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the emulator's URL: advance its clock instead of waiting out each TTL",
     )
+    pl = sub.add_parser("plan", help="the observed provider traffic's economics (a gateway's plan)")
+    pl.add_argument("--url", dest="_url", default="http://127.0.0.1:8000")
+    pl.add_argument("--api-key", dest="_key", default=os.environ.get("VCACHE_API_KEY"))
     return p
 
 
@@ -167,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "sessions":
             return session_cli.list_sessions(settings, db, limit)
         return session_cli.replay(settings, db, rid, quiet)
+    if ns.command == "plan":
+        from gateway import plan_cli
+
+        return plan_cli.main(ns._url, ns._key)
     if ns.command == "calibrate":
         from gateway.providers import calibrate
 

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from engines.tokenizer import ChatTokenizer
+from gateway.plan_cli import main as plan_main
+from gateway.plan_cli import render
 from gateway.providers.control import Control
 from manifest.governor import Decision
 from tests.providers.conftest import KEY, MODELS, Emulator, Gw, make_gateway
@@ -164,3 +166,10 @@ def test_the_plan_reports_skew_coverage_and_decisions(governed: Gw) -> None:
     assert plan["break_even_reuse"] == {"300s": 2, "3600s": 3}
     assert plan["decisions"][0]["decision"] == "ride"
     assert sum(d["heartbeats"] for d in plan["decisions"]) == 0
+    text = render(r.json())  # what `vcache plan` prints
+    assert ANTHROPIC in text and "zipf exponent s" in text and "break-even reuse" in text
+    assert len([line for line in text.splitlines() if " ride " in line or " lazy " in line]) == 3
+
+
+def test_vcache_plan_says_when_the_gateway_cannot_be_reached() -> None:
+    assert plan_main("http://127.0.0.1:9", None) == 2
