@@ -61,6 +61,7 @@ class Plan:
     def __init__(self, workload: Workload, raw_path: Path) -> None:
         self.workload = workload
         self._next = 0
+        self.t0 = time.monotonic()  # sessions with a start_s wait for it from here
         new = not raw_path.exists()
         self._file = raw_path.open("a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=RAW_FIELDS)
@@ -92,6 +93,7 @@ def _init(environment: Any, **_: Any) -> None:
 @events.test_start.add_listener  # type: ignore[untyped-decorator]
 def _stop_when_done(environment: Any, **_: Any) -> None:
     """End the run once every session was sent and every user has finished."""
+    environment.vcache_plan.t0 = time.monotonic()
 
     def watch() -> None:
         while True:
@@ -133,6 +135,9 @@ def _session(user: Any, chat: Any) -> None:
     session = plan.take()
     if session is None:
         raise StopUser()
+    wait = plan.t0 + session.start_s - time.monotonic()
+    if wait > 0:  # a scheduled session (bursty workloads): not before its time
+        gevent.sleep(wait)
     history: list[dict[str, str]] = []
     if session.system:
         history.append({"role": "system", "content": _system(session.system)})

@@ -39,6 +39,7 @@ class Session:
     system: str | None
     turns: list[Turn]
     think_time_s: float = 0.0
+    start_s: float = 0.0  # not before this many seconds into the run (bursty schedules)
 
 
 @dataclass
@@ -54,7 +55,9 @@ class Workload:
     def load(path: Path) -> Workload:
         raw = json.loads(path.read_text())
         sessions = [
-            Session(s["system"], [Turn(**t) for t in s["turns"]], s["think_time_s"])
+            Session(
+                s["system"], [Turn(**t) for t in s["turns"]], s["think_time_s"], s.get("start_s", 0)
+            )
             for s in raw["sessions"]
         ]
         return Workload(raw["name"], raw["seed"], sessions)
@@ -181,3 +184,35 @@ def zero_reuse(
         for i in range(requests)
     ]
     return Workload("zero_reuse", seed, sessions)
+
+
+def bursty(
+    anchors: int,
+    anchor_tokens: int,
+    skew: float,
+    bursts: int,
+    per_burst: int,
+    gap_s: float,
+    burst_s: float,
+    seed: int,
+    run_id: str,
+) -> Workload:
+    """Bursts of single-turn requests separated by idle gaps: burst ``b`` starts at
+    ``b * gap_s`` seconds and spreads ``per_burst`` requests over ``burst_s``; each picks
+    one of ``anchors`` system prompts (``anchor_tokens`` long) by Zipf(``skew``).  With
+    gaps longer than a provider's TTL, every burst starts cold unless something keeps
+    the anchors warm (the control-loop comparison)."""
+    rng = random.Random(seed)
+    systems = [
+        f"{_opening(run_id)}anchor {a}\n" + _text(rng, anchor_tokens, None) for a in range(anchors)
+    ]
+    weights = zipf_weights(anchors, skew)
+    sessions = []
+    for b in range(bursts):
+        for _ in range(per_burst):
+            a = rng.choices(range(anchors), weights=weights)[0]
+            start = b * gap_s + rng.uniform(0, burst_s)
+            question = _text(rng, 12, None)
+            sessions.append(Session(systems[a], [Turn(question, 4, f"anchor-{a}")], 0.0, start))
+    sessions.sort(key=lambda s: s.start_s)
+    return Workload("bursty", seed, sessions)

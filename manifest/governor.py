@@ -14,6 +14,14 @@ The rule, per TTL option:
 - otherwise rebuild it on the next arrival (**lazy**);
 - no arrival within the horizon: forget it (**evict**).
 
+That rule is the closed form for Poisson arrivals, where an arrival finds the
+anchor expired (a gap longer than ``T``) with probability ``e^{-λT}``; it
+decides when nothing else is known.  Real traffic is bursty or periodic, so
+when the caller has measured the anchor's gaps (``miss(T)``: the share of
+arrivals that found it expired) the decision is the cheaper of doing nothing
+(ride when ``miss(T) ≤ 1/e``, the Poisson-equivalent of ``λT ≥ 1``, else
+lazy) and heartbeating, by the cost rates below.
+
 Among the TTL options (Anthropic's 5 minutes and 1 hour) the one with the lower
 expected cost rate is taken.  Costs are in token-equivalents per second per
 anchor token: a write costs ``W``, a read ``r``, a heartbeat a read (a read
@@ -23,6 +31,7 @@ refreshes the TTL), and each miss the latency value ``L`` on top.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -78,21 +87,25 @@ def rule(
 
 
 def cost_rate(
-    decision: Decision, rate: float, option: TtlOption, econ: Economics, shadow: float
+    decision: Decision,
+    rate: float,
+    option: TtlOption,
+    econ: Economics,
+    shadow: float,
+    miss: float | None = None,
 ) -> float:
     """Expected cost per second per anchor token of ``decision`` under ``option``.
 
-    Lazy (and ride): an arrival after a gap longer than ``T`` (probability
-    ``e^{-λT}`` for Poisson arrivals) misses and writes, the rest read.
-    Heartbeat: every arrival reads; a heartbeat (a read, plus the shadow price of
-    the request) is sent once per ``T``; the anchor is written once per horizon.
+    Lazy (and ride): an arrival after a gap longer than ``T`` (``miss``; Poisson:
+    ``e^{-λT}``) misses and writes, the rest read.  Heartbeat: every arrival reads;
+    a heartbeat (a read, plus the shadow price of the request) goes once per ``T``.
     """
     write = option.write_mult if econ.writes_billed else 1.0
     r, ttl = econ.read_mult, option.ttl_s
     if decision is Decision.HEARTBEAT:
         return rate * r + (r + shadow) / ttl
-    miss = math.exp(-rate * ttl)
-    return rate * (miss * (write + econ.latency_value) + (1 - miss) * r)
+    p = math.exp(-rate * ttl) if miss is None else miss
+    return rate * (p * (write + econ.latency_value) + (1 - p) * r)
 
 
 def decide(
@@ -101,16 +114,34 @@ def decide(
     shadow: float = 0.0,
     idle_s: float = 0.0,
     horizon_s: float = 3600.0,
+    miss: Callable[[float], float] | None = None,
+    reused: bool = True,
 ) -> Verdict:
-    """The decision for one anchor seen ``rate`` times per second, idle for ``idle_s``."""
+    """The decision for one anchor seen ``rate`` times per second, idle for ``idle_s``;
+    ``miss(T)``: the measured share of arrivals that find it expired (None: Poisson).
+    An anchor not ``reused`` yet (seen once) is left lazy on the cheapest tier: nothing
+    is spent on it before it shows reuse."""
     if rate <= 0 or idle_s > horizon_s:
         longest = max(econ.options, key=lambda o: o.ttl_s)
         return Verdict(Decision.EVICT, longest.ttl_s, 0.0, 0.0)
+    if not reused:
+        cheapest = min(econ.options, key=lambda o: o.write_mult)
+        cost = cost_rate(Decision.LAZY, rate, cheapest, econ, shadow, 1.0)
+        return Verdict(Decision.LAZY, cheapest.ttl_s, cost, rate * cheapest.ttl_s)
     best: Verdict | None = None
     for option in econ.options:
         lt = rate * option.ttl_s
-        decision = rule(lt, option.write_mult, econ.latency_value, shadow)
-        cost = cost_rate(decision, rate, option, econ, shadow)
+        if miss is None:
+            decision = rule(lt, option.write_mult, econ.latency_value, shadow)
+            cost = cost_rate(decision, rate, option, econ, shadow)
+        else:
+            p = miss(option.ttl_s)
+            idle = cost_rate(Decision.LAZY, rate, option, econ, shadow, p)
+            beat = cost_rate(Decision.HEARTBEAT, rate, option, econ, shadow)
+            decision = Decision.RIDE if p <= math.exp(-1) else Decision.LAZY
+            if beat < idle:
+                decision = Decision.HEARTBEAT
+            cost = min(idle, beat)
         if best is None or cost < best.cost_rate - 1e-15:
             best = Verdict(decision, option.ttl_s, cost, lt)
     assert best is not None
@@ -155,3 +186,12 @@ class ArrivalRate:
 
     def idle(self, now: float) -> float:
         return now - self.times[-1] if self.times else math.inf
+
+    def miss(self, ttl_s: float, now: float) -> float:
+        """The share of arrivals that found the anchor expired under a TTL of ``ttl_s``:
+        gaps longer than it, the open gap once it is longer; 1 before any gap was seen
+        (an anchor seen once is not assumed to come back within any TTL)."""
+        gaps = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+        if self.times and now - self.times[-1] > ttl_s:
+            gaps.append(now - self.times[-1])
+        return sum(g > ttl_s for g in gaps) / len(gaps) if gaps else 1.0

@@ -192,7 +192,16 @@ class Control:
         mu = shadow_price(limits.share_left()) if limits is not None else 0.0
         econ = economics(t, self.cfg.latency_value)
         rate = a.arrivals.rate(now)
-        return decide(rate, econ, mu, a.arrivals.idle(now), self.cfg.horizon_s)
+        idle = a.arrivals.idle(now)
+        return decide(
+            rate,
+            econ,
+            mu,
+            idle,
+            self.cfg.horizon_s,
+            lambda ttl: a.arrivals.miss(ttl, now),
+            reused=len(a.arrivals.times) >= 2,
+        )
 
     def _due(self, a: Anchor, now: float) -> bool:
         """A heartbeat is due before the TTL runs out, never after (then it is cold)."""

@@ -93,3 +93,26 @@ def test_the_zipf_exponent_is_recovered_from_popularity_counts() -> None:
         assert fitted is not None and abs(fitted - s) < 0.1, (s, fitted)
     assert zipf_fit([5]) is None and zipf_fit([]) is None
     assert zipf_fit([3, 3, 3, 3]) == 0.0  # no skew
+
+
+def test_measured_gaps_decide_bursty_and_periodic_traffic() -> None:
+    # bursts every 15 minutes, three requests each: the hour tier rides through the gaps
+    a = ArrivalRate.empty(horizon_s=3600, floor_s=60)
+    for burst in range(4):
+        for k in range(3):
+            a.add(burst * 900.0 + k * 10)
+    now = 2800.0
+    assert a.miss(300, now) == pytest.approx(3 / 11) and a.miss(3600, now) == 0.0
+    v = decide(a.rate(now), ANTHROPIC, 0.0, a.idle(now), 3600, lambda t: a.miss(t, now))
+    assert (v.decision, v.ttl_s) == (Decision.RIDE, 3600)
+    # every gap just past a 5-minute implicit cache: heartbeats cost less than misses
+    implicit = Economics(0.5, (TtlOption(300, 1.0),), writes_billed=False)
+    b = ArrivalRate.empty(horizon_s=3600, floor_s=60)
+    for t in (0.0, 330.0, 660.0, 990.0):
+        b.add(t)
+    v = decide(b.rate(1240), implicit, 0.0, b.idle(1240), 3600, lambda t: b.miss(t, 1240))
+    assert v.decision is Decision.HEARTBEAT
+    # seen once: no reuse shown, nothing spent, the cheaper write
+    once = decide(1 / 60, ANTHROPIC, miss=lambda t: 1.0, reused=False)
+    assert (once.decision, once.ttl_s) == (Decision.LAZY, 300)
+    assert ArrivalRate.empty(60, 60).miss(300, 0.0) == 1.0

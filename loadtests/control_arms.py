@@ -1,0 +1,183 @@
+"""The control loop against its alternatives: governor on vs off vs always-heartbeat.
+
+    .venv/bin/python loadtests/control_arms.py [--bursts 10] [--time-scale 60]
+
+Starts the provider emulator with a clock ``--time-scale`` times faster than
+real time and a rate limit on Anthropic, then per arm a provider-only gateway
+(``control.mode`` off, govern, heartbeat_all; the same clock scale) and runs
+locust with the ``bursty`` workload: bursts of requests on Zipf-popular
+anchors separated by idle gaps longer than the 5-minute TTL.  Per arm, from
+the emulator's bill (requests, warms and 429s included): hit rate (cached /
+prompt tokens of the real requests, from locust's rows), token-equivalent
+cost (uncached + 0.1 x reads + 1.25 x 5m writes + 2 x 1h writes: Anthropic's
+prices), the heartbeats sent and the 429s.  Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE)]
+
+from procs import free_port, get_ok, serving  # noqa: E402
+from report import read_raw, summarize  # noqa: E402
+from workloads import bursty  # noqa: E402
+
+ARMS = ("off", "govern", "heartbeat_all")
+MODEL = "anthropic/claude-sonnet-4-5"
+KEY = "sk-control-arms"
+PRICES = {"uncached": 1.0, "read": 0.1, "write": 1.25, "write_long": 2.0}
+
+
+def cost(bill: dict[str, int]) -> float:
+    return sum(bill.get(k, 0) * m for k, m in PRICES.items())
+
+
+def run_arm(arm: str, emu: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    httpx.post(f"{emu}/admin/reset", timeout=10).raise_for_status()
+    limit = {"provider": "anthropic", "rpm": args.rpm, "tpm": args.tpm}
+    httpx.post(f"{emu}/admin/limits", json=limit, timeout=10).raise_for_status()
+    port = free_port()
+    host = f"http://127.0.0.1:{port}"
+    data = Path(tempfile.mkdtemp(prefix=f"vcache-{arm}-"))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(HERE.parent),
+        "VCACHE_DATA_DIR": str(data),
+        "VCACHE_ENGINE__REPLICAS": "0",
+        "VCACHE_PROVIDERS": json.dumps(
+            {"anthropic": {"base_url": f"{emu}/v1", "api_key": "emulator", "max_retries": 2}}
+        ),
+        "VCACHE_CONTROL__MODE": arm,
+        "VCACHE_CONTROL__CLOCK_SCALE": str(args.time_scale),
+        "VCACHE_CONTROL__TICK_S": "0.25",
+        "VCACHE_CONTROL__FAN_WAIT_S": "2",
+    }
+    scale = args.time_scale
+    workload = bursty(
+        args.anchors, args.anchor_tokens, args.zipf, args.bursts, args.per_burst,
+        args.gap_s / scale, args.burst_s / scale, args.seed, f"{arm}-{time.time_ns():x}",
+    )  # fmt: skip
+    wdir = out / arm
+    wdir.mkdir(parents=True, exist_ok=True)
+    workload.dump(wdir / "workload.json")
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    cmd += ["--grpc-port", str(free_port())]
+    with serving(cmd, lambda: get_ok(f"{host}/readyz"), wdir / "gateway.log", env):
+        locust_env = {
+            **env,
+            "VCACHE_WORKLOAD": str(wdir / "workload.json"),
+            "VCACHE_RAW_CSV": str(wdir / "raw.csv"),
+            "VCACHE_MODEL": MODEL,
+        }
+        span = max(s.start_s for s in workload.sessions) + 30
+        t0 = time.monotonic()
+        subprocess.run(
+            [
+                sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "ChatUser",
+                "--headless", "-u", str(args.users), "-r", str(args.users),
+                "-t", f"{int(span)}s", "--host", host, "--only-summary", "--loglevel", "WARNING",
+            ],
+            env=locust_env, check=False, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        elapsed = time.monotonic() - t0
+        time.sleep(args.tail_s)  # heartbeats go on after the last burst: count them too
+        plan = httpx.get(f"{host}/v1/cache/plan", timeout=10).json()
+    bill = httpx.get(f"{emu}/admin/billing", timeout=10).json().get("anthropic", {})
+    summary = summarize(read_raw(wdir / "raw.csv"), elapsed)
+    return {
+        "arm": arm,
+        "requests": summary["requests"],
+        "errors": summary["errors"],
+        "hit_rate": round(summary["hit_rate"], 4),
+        "cost_token_equivalents": round(cost(bill), 1),
+        "bill": bill,
+        "heartbeats": plan.get("counts", {}).get("heartbeats", 0),
+        "held_siblings": plan.get("counts", {}).get("held", 0),
+        "deferred_heartbeats": plan.get("counts", {}).get("deferred", 0),
+        "rejected_429": bill.get("rejected_429", 0),
+        "ttft_ms": summary["ttft_ms"],
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'arm':<15}{'req':>5}{'err':>5}{'hit':>8}{'cost (tok-eq)':>15}{'vs off':>8}"
+        f"{'beats':>7}{'held':>6}{'429s':>6}{'5m writes':>11}{'1h writes':>11}{'reads':>10}"
+    )
+    base = next((r["cost_token_equivalents"] for r in rows if r["arm"] == "off"), None)
+    lines = [head]
+    for r in rows:
+        b = r["bill"]
+        rel = f"{r['cost_token_equivalents'] / base:.2f}" if base else "-"
+        lines.append(
+            f"{r['arm']:<15}{r['requests']:>5}{r['errors']:>5}{r['hit_rate']:>8.3f}"
+            f"{r['cost_token_equivalents']:>15,.0f}{rel:>8}{r['heartbeats']:>7}"
+            f"{r['held_siblings']:>6}{r['rejected_429']:>6}{b.get('write', 0):>11,}"
+            f"{b.get('write_long', 0):>11,}{b.get('read', 0):>10,}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--time-scale", type=float, default=60.0)
+    ap.add_argument("--bursts", type=int, default=10)
+    ap.add_argument("--per-burst", type=int, default=12)
+    ap.add_argument("--gap-s", type=float, default=900.0, help="between bursts (emulated s)")
+    ap.add_argument("--burst-s", type=float, default=60.0, help="a burst's spread (emulated s)")
+    ap.add_argument("--anchors", type=int, default=24)
+    ap.add_argument("--anchor-tokens", type=int, default=2500)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--rpm", type=int, default=60, help="emulated requests per minute")
+    ap.add_argument("--tpm", type=int, default=120_000, help="emulated input tokens per minute")
+    ap.add_argument("--tail-s", type=float, default=5.0, help="real seconds after the last burst")
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument(
+        "--out", type=Path, default=Path("reports") / time.strftime("control-%Y%m%d-%H%M%S")
+    )
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    emu = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "loadtests.emulator", "--port", str(port)]
+    cmd += ["--time-scale", str(args.time_scale)]
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    rows = []
+    with serving(cmd, lambda: get_ok(f"{emu}/admin/requests"), args.out / "emulator.log", env):
+        for arm in args.arms.split(","):
+            rows.append(run_arm(arm, emu, args.out, args))
+            print(f"{arm}: done", flush=True)
+    text = table(rows)
+    print(text)
+    (args.out / "control.json").write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "arms": rows}, indent=2)
+    )
+    (args.out / "control.txt").write_text(text + "\n")
+    gov = next((r for r in rows if r["arm"] == "govern"), None)
+    others = [r for r in rows if r["arm"] != "govern"]
+    if gov is not None and others:
+        cheapest = all(gov["cost_token_equivalents"] < r["cost_token_equivalents"] for r in others)
+        print(
+            f"governor cheaper than every other arm: {cheapest}; governor 429s: "
+            f"{gov['rejected_429']}"
+        )
+        return 0 if cheapest and gov["rejected_429"] == 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
