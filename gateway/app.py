@@ -29,6 +29,7 @@ from gateway.http.middleware import BodyLimitMiddleware, RequestMetricsMiddlewar
 from gateway.http.openapi import install_openapi
 from gateway.http.routes import cache, chat, completions, health, models, responses
 from gateway.local.dispatch import Dispatcher
+from gateway.local.governor import LocalGovernor
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.supervisor import Supervisor
@@ -165,9 +166,11 @@ def create_app(
                 log.info("%s", banner(settings, app.state.service, port))
 
         starting = asyncio.create_task(boot(), name="engine-start")
-        steering = None
+        steering = []
         if providers is not None and control.enabled:
-            steering = asyncio.create_task(control.run(), name="provider-control")
+            steering.append(asyncio.create_task(control.run(), name="provider-control"))
+        if local_governor is not None:
+            steering.append(asyncio.create_task(local_governor.run(), name="local-governor"))
         retention = None
         if session_log is not None:
             retention = asyncio.create_task(
@@ -176,7 +179,7 @@ def create_app(
         try:
             yield
         finally:
-            for task in (retention, steering):
+            for task in (retention, *steering):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -221,6 +224,13 @@ def create_app(
         tool_parser=settings.engine.tool_parser,
         tracing=tracing,
     )
+    local_governor = None
+    if settings.control.mode == "govern" and replicas:
+        local_governor = LocalGovernor(
+            settings.control, lambda: dispatcher.kv, settings.cache.pin_max_share
+        )
+        app.state.service.local.governor = local_governor
+    app.state.local_governor = local_governor
     app.state.cache = CacheService(app.state.service)
     app.state.health = Health(supervisor, app.state.service)
     install_error_handlers(app, metrics)

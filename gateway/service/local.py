@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -30,6 +32,7 @@ from gateway.core.shaping import Piece, Pieces, Sample
 from gateway.core.tracing import RequestTrace
 from gateway.core.types import Principal, RouteOverride, Served, tenant_salt
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
+from gateway.local.governor import LocalGovernor
 from gateway.service.journal import Journal
 from gateway.service.tools import ToolPlan
 from gateway.sessions.log import Open
@@ -55,6 +58,8 @@ class LocalChat:
         self.journal = journal
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
+        self.governor: LocalGovernor | None = None  # pins anchors worth holding
+        self._anchor_len: OrderedDict[tuple[SystemPrompts, bytes], int] = OrderedDict()
 
     @property
     def engine(self) -> Engine:
@@ -165,12 +170,36 @@ class LocalChat:
                 op = await self._journal(req, who, greq, session, served, system, turns)
             d = await self._route(greq, route, trace)
             served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
+            kv = self.dispatcher.kv
+            if self.governor is not None and kv is not None and d.hashes and system:
+                n = self._anchor_tokens(system, req, greq.prompt_token_ids)
+                self.governor.observe(d.replica_id, d.hashes, n // kv.block_size)
             pieces = self._generate(greq, d, "chat", t0, trace)
             if plan is not None:
                 pieces = plan.stream(pieces)
             async with aclosing(self._journaled(pieces, op, served, rid)) as out:
                 async for p in out:
                     yield p
+
+    def _anchor_tokens(
+        self, system: SystemPrompts, req: ChatCompletionRequest, ids: Sequence[int]
+    ) -> int:
+        """How many leading tokens the system prompts (and tools) render to, as a prefix
+        of the whole prompt: remembered per (system, tools), the last 1024."""
+        tools = req.tool_dicts()
+        key = (system, canonical_json(tools) if tools else b"")
+        n = self._anchor_len.get(key)
+        if n is None:
+            head = self._render(system, (), tools)
+            n = 0
+            while n < min(len(head), len(ids)) and head[n] == ids[n]:
+                n += 1
+            self._anchor_len[key] = n
+            if len(self._anchor_len) > 1024:
+                self._anchor_len.popitem(last=False)
+        else:
+            self._anchor_len.move_to_end(key)
+        return n
 
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         if not req.tools or req.tool_choice == "none":
