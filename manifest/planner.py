@@ -70,7 +70,7 @@ ANTHROPIC_MIN_PREFIX = {
     "claude-3-haiku": 2048,
     "default": 1024,
 }
-GEMINI_MIN_PREFIX = {"gemini-2.5-pro": 4096, "gemini-3-pro": 4096, "default": 2048}
+GEMINI_MIN_PREFIX = {"gemini-2.5-pro": 4096, "gemini-3": 4096, "default": 2048}  # 3.x: all 4096
 
 
 def _min_prefix(table: dict[str, int], model: str) -> int:

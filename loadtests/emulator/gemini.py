@@ -44,7 +44,7 @@ from .tools import Function, ToolUse, tool_use
 
 router = APIRouter()
 
-MIN_PREFIX = {"gemini-2.5-pro": 4096, "gemini-3-pro": 4096}
+MIN_PREFIX = {"gemini-2.5-pro": 4096, "gemini-3": 4096}  # every Gemini 3.x model
 DEFAULT_MIN_PREFIX = 2048
 IMPLICIT_TTL_S = 300.0
 DEFAULT_EXPLICIT_TTL_S = 3600.0
