@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration bench bench-memory fuzz loadtest clean
+.PHONY: setup serve test lint typecheck unit integration bench bench-memory fuzz loadtest loadtest-control clean
 
 setup:
 	@bash scripts/setup.sh
@@ -42,6 +42,9 @@ fuzz: setup
 
 loadtest: setup
 	$(BIN)/python loadtests/run.py $(LOADTEST_ARGS)
+
+loadtest-control: setup
+	$(BIN)/python loadtests/control_arms.py $(CONTROL_ARGS)
 
 clean:
 	rm -rf $(VENV) .vcache-test-data .mypy_cache .ruff_cache .pytest_cache

@@ -16,35 +16,39 @@ Contract:
 - :meth:`check_integrity` proves ``pinned + evictable == resident`` per
   location and that the shared table and per-location counts agree.
 
-Memory: one dict entry per distinct block; its value is a bitmask of the
-locations holding it, so a block resident on several replicas costs one entry.
+Memory: one slot per distinct block in a packed table (:mod:`manifest.packed`:
+a 64-bit key and a 64-bit mask of the locations holding it, 16 bytes a slot),
+so a block resident on several replicas costs one entry; at most 64 locations.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, repeat
-from operator import and_
 from typing import Literal, NamedTuple, NewType
 
+import numpy as np
+
 from manifest.hashing import BlockHash, EventHash, event_hash
+from manifest.packed import U64, PackedTable, norm
 
 LocationId = NewType("LocationId", str)
 
 AnyHash = BlockHash | EventHash | bytes | int
 
 
+MAX_LOCATIONS = 64
+_SENTINEL = 0xFFFF_FFFF_FFFF_FFFF  # how the table stores a key of 0
+
+
 def _key(h: AnyHash) -> int:
-    return event_hash(h) if isinstance(h, bytes) else int(h)
+    k = event_hash(h) if isinstance(h, bytes) else int(h)
+    return k or _SENTINEL
 
 
-def _lacks(bit: int) -> Callable[[int], bool]:
-    def lacks(mask: int) -> bool:
-        return not mask & bit
-
-    return lacks
+def _keys(hashes: Iterable[AnyHash]) -> U64:
+    """Distinct table keys of ``hashes``."""
+    return np.unique(norm(_key(h) for h in hashes))
 
 
 class IndexEvent(NamedTuple):
@@ -65,10 +69,14 @@ class _Location:
     resident: int = 0
     pins: dict[int, int] = field(default_factory=dict)
 
+    @property
+    def mask(self) -> np.uint64:
+        return np.uint64(1 << self.bit)
+
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._table: dict[int, int] = {}  # block key -> bitmask of locations
+        self._table = PackedTable()  # block key -> bitmask of locations
         self._locations: dict[LocationId, _Location] = {}
         self._events: list[IndexEvent] = []
 
@@ -78,6 +86,8 @@ class PrefixIndex:
         if location not in self._locations:
             used = {loc.bit for loc in self._locations.values()}
             bit = next(i for i in range(len(used) + 1) if i not in used)
+            if bit >= MAX_LOCATIONS:
+                raise ValueError(f"the prefix index holds at most {MAX_LOCATIONS} locations")
             self._locations[location] = _Location(bit=bit)
 
     def remove_location(self, location: LocationId) -> None:
@@ -98,14 +108,7 @@ class PrefixIndex:
     def apply_stored(self, location: LocationId, hashes: Iterable[AnyHash]) -> int:
         """Blocks now resident at ``location``; returns how many were new there."""
         loc = self._loc(location)
-        mask = 1 << loc.bit
-        added = 0
-        for h in hashes:
-            k = _key(h)
-            cur = self._table.get(k, 0)
-            if not cur & mask:
-                self._table[k] = cur | mask
-                added += 1
+        added = len(self._table.add(_keys(hashes), loc.mask))
         loc.resident += added
         self._events.append(IndexEvent("stored", location, added))
         return added
@@ -113,59 +116,39 @@ class PrefixIndex:
     def apply_removed(self, location: LocationId, hashes: Iterable[AnyHash]) -> int:
         """Blocks evicted at ``location``; returns how many were resident there."""
         loc = self._loc(location)
-        mask = 1 << loc.bit
-        removed = lost = 0
-        for h in hashes:
-            k = _key(h)
-            cur = self._table.get(k, 0)
-            if cur & mask:
-                rest = cur & ~mask
-                if rest:
-                    self._table[k] = rest
-                else:
-                    del self._table[k]
-                removed += 1
-                if loc.pins.pop(k, 0):
-                    lost += 1
-        loc.resident -= removed
-        self._events.append(IndexEvent("removed", location, removed))
+        removed = self._table.remove(_keys(hashes), loc.mask)
+        lost = sum(1 for k in removed.tolist() if loc.pins.pop(k, 0))
+        loc.resident -= len(removed)
+        self._events.append(IndexEvent("removed", location, len(removed)))
         if lost:
             self._events.append(IndexEvent("pin_lost", location, lost))
-        return removed
+        return len(removed)
 
     def apply_cleared(self, location: LocationId) -> int:
         """The location dropped its whole cache (reset or restart)."""
         loc = self._locations.get(location)
         if loc is None:
             return 0
-        mask = 1 << loc.bit
-        dropped = [k for k, m in self._table.items() if m & mask]
-        for k in dropped:
-            rest = self._table[k] & ~mask
-            if rest:
-                self._table[k] = rest
-            else:
-                del self._table[k]
+        dropped = len(self._table.clear_bit(loc.mask))
         lost = len(loc.pins)
         loc.pins.clear()
         loc.resident = 0
-        self._events.append(IndexEvent("cleared", location, len(dropped)))
+        self._events.append(IndexEvent("cleared", location, dropped))
         if lost:
             self._events.append(IndexEvent("pin_lost", location, lost))
-        return len(dropped)
+        return dropped
 
     # ----------------------------------------------------------------- pins
 
     def pin(self, location: LocationId, hashes: Iterable[AnyHash]) -> int:
         """Take one pin on each resident block; returns how many were pinned."""
         loc = self._loc(location)
-        mask = 1 << loc.bit
+        keys = norm(_key(h) for h in hashes)
+        resident = (self._table.masks(keys) & loc.mask) != 0
         n = 0
-        for h in hashes:
-            k = _key(h)
-            if self._table.get(k, 0) & mask:
-                loc.pins[k] = loc.pins.get(k, 0) + 1
-                n += 1
+        for k in keys[resident].tolist():
+            loc.pins[k] = loc.pins.get(k, 0) + 1
+            n += 1
         self._events.append(IndexEvent("pinned", location, n))
         return n
 
@@ -195,15 +178,18 @@ class PrefixIndex:
         return self.match_keys([h if isinstance(h, int) else event_hash(h) for h in hashes])
 
     def match_keys(self, keys: Sequence[int]) -> dict[LocationId, int]:
-        """:meth:`match` for 64-bit event hashes (the hot path: no conversion).
+        """:meth:`match` for 64-bit event hashes (the hot path: one vectorized lookup).
 
-        The running AND of the locations' masks only ever loses bits, so each
-        location's prefix length is a binary search over it.
+        The running AND of the locations' masks only ever loses bits; each
+        location's prefix ends where its bit is first gone.
         """
-        running = list(accumulate(map(self._table.get, keys, repeat(0)), and_))
+        if not len(keys):
+            return dict.fromkeys(self._locations, 0)
+        running = np.bitwise_and.accumulate(self._table.masks(norm(keys)))
         out: dict[LocationId, int] = {}
         for name, loc in self._locations.items():
-            out[name] = bisect_left(running, True, key=_lacks(1 << loc.bit))
+            lacks = (running & loc.mask) == 0
+            out[name] = int(lacks.argmax()) if lacks[-1] else len(keys)
         return out
 
     def counts(self, location: LocationId) -> LocationCounts:
@@ -224,7 +210,8 @@ class PrefixIndex:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every conservation law holds."""
         per_bit = {loc.bit: 0 for loc in self._locations.values()}
-        for k, m in self._table.items():
+        table = dict(self._table.items())
+        for k, m in table.items():
             if m == 0:
                 raise AssertionError(f"empty mask kept for block {k:#x}")
             for b in per_bit:
@@ -235,7 +222,7 @@ class PrefixIndex:
             if per_bit[loc.bit] != loc.resident:
                 raise AssertionError(f"{name}: resident {loc.resident} != {per_bit[loc.bit]}")
             for k, c in loc.pins.items():
-                if c <= 0 or not self._table.get(k, 0) >> loc.bit & 1:
+                if c <= 0 or not table.get(k, 0) >> loc.bit & 1:
                     raise AssertionError(f"{name}: pin on non-resident block {k:#x}")
             pinned, evictable = len(loc.pins), loc.resident - len(loc.pins)
             if pinned + evictable != loc.resident or evictable < 0:

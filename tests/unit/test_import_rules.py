@@ -24,7 +24,7 @@ GATEWAY = ROOT / "gateway"
 ALLOWED = {
     "__future__", "bisect", "collections", "contextlib", "dataclasses", "enum", "hashlib",
     "itertools", "json", "math", "operator", "re", "typing", "cbor2", "msgspec", "pydantic",
-    "manifest",
+    "numpy", "manifest",
 }  # fmt: skip
 STAGES: dict[str, set[str]] = {
     "core": set(),
