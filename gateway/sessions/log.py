@@ -10,9 +10,11 @@ appends the header snapshot and new messages (when they changed) with the
 dispatch record — one transaction — and, with ``verify`` on, rebuilds the
 request from the store, independently of the live path, and refuses to send
 it when the bytes differ.  :meth:`SessionLog.respond` appends the answer and
-its usage.  The log is written from a worker thread; one lock orders the
-appends of this process, so concurrent forks of a conversation never
-interleave inside one session.
+its usage.  One writer thread (:mod:`gateway.sessions.writer`) does all of
+it, in arrival order, committing the appends of the requests waiting at once
+in one transaction; a request goes on only after the commit that holds its
+events.  Being the only writer, it also keeps concurrent forks of a
+conversation from interleaving inside one session.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, Literal
 from gateway.core.errors import APIError, NotFound
 from gateway.sessions.reconstruct import Reconstructor, sha256
 from gateway.sessions.store import SessionStore
+from gateway.sessions.writer import Writer
 from manifest.belief import first_difference
 from manifest.canonical import canonical_json
 from manifest.sessionlog import (
@@ -85,13 +88,13 @@ class SessionLog:
         self.store = store
         self._rebuild = rebuild
         self.verify = verify
-        self._lock = asyncio.Lock()
         # Folded states of the sessions this process touched last (LRU, at most ``cached``).
         # A session that fell out is folded again from the store when it comes back, and its
         # next request records a ``resume`` header snapshot, as after a restart.
         self._states: OrderedDict[str, State] = OrderedDict()
         self._cached = cached
         self.verified = 0
+        self.writer = Writer(store, on_abort=self._states.clear)
 
     def _remember(self, sid: str, state: State) -> None:
         self._states[sid] = state
@@ -101,10 +104,14 @@ class SessionLog:
 
     async def retain(self, max_age_s: float | None, max_bytes: int | None) -> int:
         """Apply retention (whole sessions); forget the dropped ones.  Returns how many."""
-        async with self._lock:
-            dropped = await asyncio.to_thread(self.store.retain, max_age_s, max_bytes)
+
+        def retain() -> list[str]:
+            dropped = self.store.retain(max_age_s, max_bytes)
             for sid in dropped:
                 self._states.pop(sid, None)
+            return dropped
+
+        dropped = await self.writer.run(retain, alone=True)
         return len(dropped)
 
     def open(
@@ -171,16 +178,18 @@ class SessionLog:
         and raise :class:`ReconstructionMismatch` when the bytes differ."""
         digest = sha256(sent)
         event = DispatchEvent(request_id, target, render, tuple(sorted(directives.items())), digest)
-        async with self._lock:
-            sid, events = await asyncio.to_thread(self._place, op)
+        heads = [(op.tenant, op.digests[-1], len(op.entries))]
+
+        def append() -> tuple[str, list[int]]:  # on the writer thread
+            sid, events = self._place(op)
             events.append(event)
-            heads = [(op.tenant, op.digests[-1], len(op.entries))]
-            seqs = await asyncio.to_thread(
-                self.store.append, sid, events, (request_id, target, digest), heads
-            )
+            seqs = self.store.append(sid, events, (request_id, target, digest), heads)
             state = self._states.get(sid, State())
             self._remember(sid, fold([_as_header(state), *state.messages, *events]))
-            op.session_id, op.dispatch_seq = sid, seqs[-1]
+            return sid, seqs
+
+        sid, seqs = await self.writer.run(append)
+        op.session_id, op.dispatch_seq = sid, seqs[-1]
         if self.verify:
             await asyncio.to_thread(self._verify, sid, seqs[-1], event, sent)
 
@@ -227,14 +236,19 @@ class SessionLog:
         tail: list[Event] = [answer, ResponseEvent(request_id, tuple(sorted(usage.items())))]
         entries = [*op.entries, canonical_json(list(answer.key()))]
         heads = [(op.tenant, chain(op.root, entries)[-1], len(entries))]
-        async with self._lock:
-            state = await asyncio.to_thread(self._state, sid)
+
+        def append() -> list[int]:  # on the writer thread
+            state = self._state(sid)
             events = [*changes(state, op.header, op.messages), *tail]
-            seqs = await asyncio.to_thread(self.store.append, sid, events, None, heads)
-            op.answer_seq = seqs[-1]
+            seqs = self.store.append(sid, events, None, heads)
             self._remember(sid, fold([_as_header(state), *state.messages, *events]))
+            return seqs
+
+        seqs = await self.writer.run(append)
+        op.answer_seq = seqs[-1]
 
     def close(self) -> None:
+        self.writer.close()
         self.store.close()
 
 

@@ -13,12 +13,13 @@ every blob no remaining session references.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -90,7 +91,8 @@ class SessionStore:
         os.chmod(path, 0o600)
         self.path = path
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._batch = False  # inside a group commit (:meth:`batch`): appends join it
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={fsync.upper()}")
         self._db.executescript(_SCHEMA)
@@ -98,6 +100,35 @@ class SessionStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
+        """One transaction for several writers' appends (a group commit): yields ``item``,
+        a savepoint per writer (its failure rolls back its writes only).  Readers wait
+        until the commit; a failed commit rolls everything back and raises."""
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            self._batch = True
+            try:
+                yield self._savepoint
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            finally:
+                self._batch = False
+
+    @contextlib.contextmanager
+    def _savepoint(self) -> Iterator[None]:
+        self._db.execute("SAVEPOINT item")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK TO item")
+            raise
+        finally:
+            self._db.execute("RELEASE item")
 
     # ----------------------------------------------------------------- writes
 
@@ -125,7 +156,9 @@ class SessionStore:
         now = time.time()
         with self._lock:
             db = self._db
-            db.execute("BEGIN IMMEDIATE")
+            own = not self._batch  # alone: a transaction of its own
+            if own:
+                db.execute("BEGIN IMMEDIATE")
             try:
                 row = db.execute(
                     "SELECT COALESCE(MAX(seq), -1) FROM events WHERE session_id = ?", (session_id,)
@@ -157,9 +190,11 @@ class SessionStore:
                         (tenant, digest, session_id, length),
                     )
                 db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (now, session_id))
-                db.execute("COMMIT")
+                if own:
+                    db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                if own:
+                    db.execute("ROLLBACK")
                 raise
         return seqs
 

@@ -1,0 +1,116 @@
+"""One thread writes the session log, committing several requests' appends at once.
+
+Each request hands the writer a job (place the request in its session, append
+its events, update the folded state) and awaits it.  The writer runs jobs in
+arrival order; the jobs waiting when it picks one up run in the same
+transaction, each inside a savepoint, and the transaction commits once for all
+of them (a group commit).  A job's caller resumes only after that commit: an
+acknowledged request is in the log, as durable as the ``fsync`` setting makes
+a commit.  Jobs that need a transaction of their own (retention) run alone.
+Being the only writer, the thread also orders the appends of one session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from gateway.sessions.store import SessionStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class _Job:
+    fn: Callable[[], Any]
+    alone: bool
+    done: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+
+
+class Writer:
+    def __init__(
+        self,
+        store: SessionStore,
+        on_abort: Callable[[], None] = lambda: None,
+        max_batch: int = 64,
+    ) -> None:
+        self._store = store
+        self._on_abort = on_abort  # a failed commit: forget what the jobs cached in memory
+        self._max_batch = max_batch
+        self._q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="session-log", daemon=True)
+        self._thread.start()
+        self.commits = 0
+        self.jobs = 0
+
+    async def run(self, fn: Callable[[], T], alone: bool = False) -> T:
+        """Run ``fn`` on the writer thread; return once its writes are committed."""
+        job = _Job(fn, alone)
+        self._q.put(job)
+        result: T = await asyncio.wrap_future(job.done)
+        return result
+
+    def close(self) -> None:
+        """Finish the jobs already handed over, then stop."""
+        self._q.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        pending: deque[_Job | None] = deque()
+        while True:
+            job = pending.popleft() if pending else self._q.get()
+            if job is None:
+                return
+            if job.alone:
+                self._settle([job], self._alone(job))
+                continue
+            batch = [job]
+            while len(batch) < self._max_batch:
+                try:
+                    nxt = pending.popleft() if pending else self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None or nxt.alone:
+                    pending.appendleft(nxt)
+                    break
+                batch.append(nxt)
+            self._settle(batch, self._together(batch))
+
+    def _alone(self, job: _Job) -> list[tuple[Any, BaseException | None]]:
+        try:
+            return [(job.fn(), None)]
+        except Exception as exc:
+            return [(None, exc)]
+
+    def _together(self, batch: list[_Job]) -> list[tuple[Any, BaseException | None]]:
+        out: list[tuple[Any, BaseException | None]] = []
+        try:
+            with self._store.batch() as item:
+                for job in batch:
+                    try:
+                        with item():
+                            out.append((job.fn(), None))
+                    except Exception as exc:
+                        out.append((None, exc))
+        except Exception as exc:  # the commit failed: nothing of the batch is in the log
+            log.exception("session log: a group commit of %d requests failed", len(batch))
+            self._on_abort()
+            return [(None, exc) for _ in batch]
+        self.commits += 1
+        return out
+
+    def _settle(self, batch: list[_Job], results: list[tuple[Any, BaseException | None]]) -> None:
+        self.jobs += len(batch)
+        for job, (value, exc) in zip(batch, results, strict=True):
+            if exc is not None:
+                job.done.set_exception(exc)
+            else:
+                job.done.set_result(value)

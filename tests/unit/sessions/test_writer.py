@@ -1,0 +1,82 @@
+"""The session log's writer: group commits, isolation of a failing job, durability."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from gateway.sessions.store import SessionStore
+from gateway.sessions.writer import Writer
+from manifest.sessionlog import MessageEvent
+
+
+def test_concurrent_appends_share_commits_and_are_on_disk_when_acknowledged(
+    tmp_path: Path,
+) -> None:
+    store = SessionStore(tmp_path / "log.db", "full")
+    writer = Writer(store)
+    gate = threading.Event()
+
+    def slow() -> int:  # holds the writer so the others queue up behind it
+        gate.wait(5)
+        return 0
+
+    async def main() -> list[list[int]]:
+        first = asyncio.ensure_future(writer.run(slow))
+        await asyncio.sleep(0.05)
+
+        def job(i: int) -> list[int]:
+            sid = store.create("t", f"s{i}")
+            return store.append(sid, [MessageEvent("user", f"m{i}")])
+
+        rest = [asyncio.ensure_future(writer.run(functools.partial(job, i))) for i in range(20)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await first
+        out = await asyncio.gather(*rest)
+        # acknowledged: another connection sees every row already
+        other = sqlite3.connect(tmp_path / "log.db")
+        assert other.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 20
+        other.close()
+        return out
+
+    assert asyncio.run(main()) == [[0]] * 20
+    assert writer.jobs == 21 and writer.commits <= 3  # 20 appends, one or two commits
+    writer.close()
+    store.close()
+
+
+def test_a_failing_job_rolls_back_only_its_own_writes(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "log.db")
+    writer = Writer(store)
+    gate = threading.Event()
+
+    def bad() -> None:
+        sid = store.create("t", "bad")
+        store.append(sid, [MessageEvent("user", "half")])
+        raise RuntimeError("boom")
+
+    async def main() -> None:
+        hold = asyncio.ensure_future(writer.run(lambda: gate.wait(5)))
+        await asyncio.sleep(0.05)
+        ok = asyncio.ensure_future(
+            writer.run(lambda: store.append(store.create("t", "ok"), [MessageEvent("user", "x")]))
+        )
+        failing = asyncio.ensure_future(writer.run(bad))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await hold
+        assert await ok == [0]
+        with pytest.raises(RuntimeError, match="boom"):
+            await failing
+
+    asyncio.run(main())
+    assert [s.id for s in store.sessions()] == ["ok"]
+    assert store.events("ok")[0][1] == MessageEvent("user", "x")
+    writer.close()
+    store.close()
