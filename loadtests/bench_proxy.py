@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     emu_port, vc_port, ll_port = free_port(), free_port(), free_port()
     emu = f"http://127.0.0.1:{emu_port}"
     work = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     vc_env = {
         **env,
         "VCACHE_DATA_DIR": str(work / "vcache"),
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "  - model_name: gpt-5\n"
         "    litellm_params:\n"
         f"      model: openai/gpt-5\n      api_base: {emu}/v1\n      api_key: k\n"
+        "general_settings:\n  master_key: sk-bench\n"
     )
     emulator = [sys.executable, "-m", "loadtests.emulator", "--port", str(emu_port)]
     vcache = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(vc_port)]
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 port, model = proxies[name]
                 url, b = f"http://127.0.0.1:{port}/v1/chat/completions", {**body(i), "model": model}
-                headers = {"authorization": "Bearer sk-anything"}
+                headers = {"authorization": "Bearer sk-bench"}
             t0 = time.perf_counter()
             r = client.post(url, json=b, headers=headers)
             took = time.perf_counter() - t0

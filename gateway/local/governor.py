@@ -17,7 +17,6 @@ order of reuse.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -25,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.core.config import ControlSettings
+from gateway.core.loops import every
 from gateway.local.spans import KVSpans
 from manifest.governor import ArrivalRate, Decision, Economics, TtlOption, Verdict, decide
 from manifest.hashing import BlockHash
@@ -144,9 +144,4 @@ class LocalGovernor:
         return pinned
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.tick_s)
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("local governor tick failed; next tick goes on")
+        await every(self.cfg.tick_s, self.tick, "local governor tick")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.core.config import ControlSettings
+from gateway.core.loops import every
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.providers.book import PromptView
 from gateway.providers.path import ProviderTarget
@@ -276,12 +277,7 @@ class Control:
         return True
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.tick_s)
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("control tick failed; next tick goes on")
+        await every(self.cfg.tick_s, self.tick, "control tick")
 
     # ------------------------------------------------------------------- plan
 
