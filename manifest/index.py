@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple, NewType
 import numpy as np
 
 from manifest.hashing import BlockHash, EventHash, event_hash
-from manifest.packed import U64, PackedTable, norm
+from manifest.packed import U64, PackedTable, from_digests, norm
 
 LocationId = NewType("LocationId", str)
 
@@ -177,7 +177,11 @@ class PrefixIndex:
         """Each location's longest consecutive resident prefix, in blocks."""
         return self.match_keys([h if isinstance(h, int) else event_hash(h) for h in hashes])
 
-    def match_keys(self, keys: Sequence[int]) -> dict[LocationId, int]:
+    def match_digests(self, hashes: Sequence[bytes]) -> dict[LocationId, int]:
+        """:meth:`match` for full block hashes (bytes): their keys read in one pass."""
+        return self.match_keys(from_digests(hashes))
+
+    def match_keys(self, keys: Sequence[int] | U64) -> dict[LocationId, int]:
         """:meth:`match` for 64-bit event hashes (the hot path: one vectorized lookup).
 
         The running AND of the locations' masks only ever loses bits; each

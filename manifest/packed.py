@@ -31,12 +31,29 @@ _MAX_KICKS = 64
 _MAX_LOAD = 0.9
 
 
+def _position(hits: npt.NDArray[np.uint32]) -> npt.NDArray[np.intp]:
+    """The byte (0-3) set in each little-endian word of four 0/1 bytes."""
+    return (hits > 0xFF).astype(np.intp) + (hits > 0xFFFF).astype(np.intp) + (hits > 0xFFFFFF)
+
+
 def norm(keys: Iterable[int] | U64) -> U64:
     """Keys as a ``uint64`` array, 0 mapped to the sentinel (0 marks an empty slot)."""
-    arr = np.fromiter(keys, dtype=np.uint64) if not isinstance(keys, np.ndarray) else keys
-    arr = arr.astype(np.uint64, copy=True)
-    arr[arr == 0] = _SENTINEL
+    if isinstance(keys, np.ndarray):
+        arr = keys.astype(np.uint64, copy=True)
+    else:
+        arr = np.fromiter(keys, dtype=np.uint64)
+    if not arr.all():
+        arr[arr == 0] = _SENTINEL
     return arr
+
+
+def from_digests(digests: Sequence[bytes]) -> U64:
+    """The keys of block hashes: their low 64 bits, big-endian (``event_hash``), read
+    straight from the bytes."""
+    if not digests:
+        return np.zeros(0, dtype=np.uint64)
+    rows = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), -1)
+    return norm(np.ascontiguousarray(rows[:, -8:]).view(">u8").ravel())
 
 
 class PackedTable:
@@ -64,23 +81,25 @@ class PackedTable:
         return b1.astype(np.intp), b2.astype(np.intp)
 
     def slots(self, keys: U64) -> npt.NDArray[np.intp]:
-        """Each key's slot, -1 where it is absent (two gathers of four slots)."""
+        """Each key's slot, -1 where it is absent (two gathers of four slots).
+
+        A bucket holds a key at most once, so its four compare results, read as one
+        little-endian ``uint32``, are 0 or one set byte whose position is the slot."""
         b1, b2 = self._buckets(keys)
         table = self._keys.reshape(-1, SLOTS)
         col = keys[:, None]
-        in1 = table[b1] == col
-        in2 = table[b2] == col
-        found1, found2 = in1.any(axis=1), in2.any(axis=1)
-        out = np.full(len(keys), -1, dtype=np.intp)
-        out[found1] = b1[found1] * SLOTS + in1[found1].argmax(axis=1)
-        only2 = found2 & ~found1
-        out[only2] = b2[only2] * SLOTS + in2[only2].argmax(axis=1)
-        return out
+        hit1 = (np.take(table, b1, axis=0) == col).view("<u4").ravel()
+        hit2 = (np.take(table, b2, axis=0) == col).view("<u4").ravel()
+        first = hit1 != 0
+        bucket = np.where(first, b1, b2)
+        hit = np.where(first, hit1, hit2)
+        return np.where(hit != 0, bucket * SLOTS + _position(hit), -1)
 
     def masks(self, keys: U64) -> U64:
         """Each key's mask, 0 where it is absent."""
         s = self.slots(keys)
-        return np.where(s >= 0, self._masks[s], np.uint64(0))
+        found: U64 = np.take(self._masks, s)  # -1 reads the last slot: masked below
+        return np.where(s >= 0, found, np.uint64(0))
 
     def get(self, key: int) -> int:
         return int(self.masks(norm([key]))[0])

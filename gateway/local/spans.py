@@ -34,7 +34,7 @@ from engines.vllm.kv_events import (
     EventBatch,
     KVEventSubscriber,
 )
-from manifest.hashing import BlockHash, HashKeys, block_hashes, event_hash
+from manifest.hashing import BlockHash, HashKeys, block_hashes
 from manifest.index import LocationId, PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -262,8 +262,8 @@ class KVSpans:
     def predict(self, hashes: Sequence[BlockHash], prompt_len: int) -> dict[LocationId, int]:
         """Tokens each replica will serve from cache: whole blocks, never the last token."""
         cap = max(prompt_len - 1, 0) // self.block_size
-        keys = [event_hash(h) for h in hashes[:cap]]
-        return {r: n * self.block_size for r, n in self.index.match_keys(keys).items()}
+        matched = self.index.match_digests(hashes[:cap])
+        return {r: n * self.block_size for r, n in matched.items()}
 
     def record_outcome(self, replica: LocationId, predicted: int, actual: int) -> bool:
         st = self._replicas.get(replica)

@@ -6,7 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from manifest.packed import PackedTable, norm
+from manifest.hashing import block_hashes, event_hash
+from manifest.packed import PackedTable, from_digests, norm
 
 KEYS = st.integers(min_value=0, max_value=2**64 - 1)
 OPS = st.lists(
@@ -76,3 +77,9 @@ def test_a_million_keys_fit_in_under_36_bytes_each() -> None:
     assert 16 * t.capacity / len(t) < 36
     assert t.count_bit(np.uint64(1)) == len(keys)
     assert np.all(t.masks(keys[:5000]) == 1)
+
+
+def test_keys_read_from_digests_are_the_event_hashes() -> None:
+    hashes = block_hashes(list(range(64)), 16, "0")
+    assert from_digests(hashes).tolist() == [event_hash(h) or 2**64 - 1 for h in hashes]
+    assert from_digests([]).tolist() == []
