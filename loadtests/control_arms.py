@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
-from procs import free_port, get_ok, serving  # noqa: E402
+from procs import free_port, get_ok, run_locust, serving  # noqa: E402
 from report import read_raw, summarize  # noqa: E402
 from workloads import bursty  # noqa: E402
 
@@ -75,23 +74,9 @@ def run_arm(arm: str, emu: str, out: Path, args: argparse.Namespace) -> dict[str
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
     cmd += ["--grpc-port", str(free_port())]
     with serving(cmd, lambda: get_ok(f"{host}/readyz"), wdir / "gateway.log", env):
-        locust_env = {
-            **env,
-            "VCACHE_WORKLOAD": str(wdir / "workload.json"),
-            "VCACHE_RAW_CSV": str(wdir / "raw.csv"),
-            "VCACHE_MODEL": MODEL,
-        }
         span = max(s.start_s for s in workload.sessions) + 30
-        t0 = time.monotonic()
-        subprocess.run(
-            [
-                sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "ChatUser",
-                "--headless", "-u", str(args.users), "-r", str(args.users),
-                "-t", f"{int(span)}s", "--host", host, "--only-summary", "--loglevel", "WARNING",
-            ],
-            env=locust_env, check=False, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        elapsed = time.monotonic() - t0
+        locust_env = {**env, "VCACHE_MODEL": MODEL}
+        elapsed = run_locust(wdir / "workload.json", host, wdir, locust_env, args.users, int(span))
         time.sleep(args.tail_s)  # heartbeats go on after the last burst: count them too
         plan = httpx.get(f"{host}/v1/cache/plan", timeout=10).json()
     bill = httpx.get(f"{emu}/admin/billing", timeout=10).json().get("anthropic", {})

@@ -54,3 +54,35 @@ def serving(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def run_locust(
+    workload_json: Path,
+    host: str,
+    wdir: Path,
+    env: dict[str, str],
+    users: int,
+    limit_s: int,
+    user_class: str = "ChatUser",
+) -> float:
+    """Run loadtests/locustfile.py headless on a dumped workload (raw rows to
+    ``wdir/raw.csv``); returns the seconds it ran."""
+    import os
+    import sys
+
+    here = Path(__file__).resolve().parent
+    (wdir / "raw.csv").unlink(missing_ok=True)
+    run_env = {
+        **os.environ,
+        **env,
+        "VCACHE_WORKLOAD": str(workload_json),
+        "VCACHE_RAW_CSV": str(wdir / "raw.csv"),
+    }
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(here / "locustfile.py"), user_class,
+        "--headless", "-u", str(users), "-r", str(users), "-t", f"{limit_s}s",
+        "--host", host, "--only-summary", "--loglevel", "WARNING",
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    subprocess.run(cmd, env=run_env, check=False, stdout=subprocess.DEVNULL)
+    return time.monotonic() - t0

@@ -1,0 +1,189 @@
+"""KV routing under cache pressure: vcache's policies, an oracle, and vllm-router.
+
+    .venv/bin/python loadtests/routing_pressure.py --vllm-router /path/to/vllm-router
+
+The workload's shared prefixes exceed one replica's KV cache but fit in the
+two together: ``--groups`` system prompts of ``--system-tokens`` each,
+uniform popularity by default (what a cache that holds part of it serves
+worst).  Arms, each from a cold prefix set (a new run id):
+
+- ``vcache serve --replicas 2 --kv-cache-bytes K`` under ``kv``,
+  ``round_robin`` and ``least_loaded`` routing (the admin header
+  ``x-vcache-routing``) and an oracle that pins group g to replica g mod 2;
+- vllm-router's ``cache_aware`` policy in front of two plain vLLM OpenAI
+  servers with the same model and the same KV size (``--vllm-router``; the
+  router installs from PyPI into a venv of its own).
+
+Per arm: token-weighted hit rate (the engines' ``cached_tokens``), TTFT
+p50/p90, and for vcache the prediction error (the ``predicted`` header
+against what the engine reported).  Prints a table, writes JSON, exits 1 on a
+missed target (kv at least 1.8x round_robin, at least 95 % of the oracle,
+ahead of vllm-router).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE)]
+
+from procs import free_port, get_ok, run_locust, serving  # noqa: E402
+from report import read_raw, summarize  # noqa: E402
+from run import token_counter  # noqa: E402
+from workloads import shared_prefix  # noqa: E402
+
+VCACHE_ARMS = ("kv", "round_robin", "least_loaded", "oracle")
+
+
+def prediction(rows: list[dict[str, str]]) -> dict[str, Any]:
+    pairs = [
+        (int(r["predicted_cached_tokens"]), int(r["cached_tokens"] or 0))
+        for r in rows
+        if r.get("ok") == "1" and r.get("predicted_cached_tokens") not in (None, "", "None")
+    ]
+    if not pairs:
+        return {"predicted": 0, "exact_share": None, "mean_abs_error_tokens": None}
+    exact = sum(p == a for p, a in pairs)
+    return {
+        "predicted": len(pairs),
+        "exact_share": exact / len(pairs),
+        "mean_abs_error_tokens": sum(abs(p - a) for p, a in pairs) / len(pairs),
+    }
+
+
+def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str, str]) -> Any:
+    run_id = f"{name}-{time.time_ns():x}"
+    w = shared_prefix(
+        args.groups, args.system_tokens, 40, 8, args.requests, args.skew, args.seed, run_id,
+        args.count,
+    )  # fmt: skip
+    wdir = out / name
+    wdir.mkdir(parents=True, exist_ok=True)
+    w.dump(wdir / "workload.json")
+    elapsed = run_locust(wdir / "workload.json", host, wdir, env, args.users, args.limit_s)
+    rows = read_raw(wdir / "raw.csv")
+    s = summarize(rows, elapsed)
+    return {
+        "arm": name,
+        "requests": s["requests"],
+        "errors": s["errors"],
+        "hit_rate": round(s["hit_rate"], 4),
+        "ttft_ms": s["ttft_ms"],
+        "prediction": prediction(rows),
+    }
+
+
+def vcache_arms(out: Path, args: argparse.Namespace) -> list[Any]:
+    port = free_port()
+    host = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    cmd += ["--grpc-port", str(free_port()), "--replicas", "2"]
+    cmd += ["--kv-cache-bytes", str(args.kv_bytes), "--max-model-len", "4096"]
+    env = {**os.environ, "VCACHE_DATA_DIR": str(out / "vcache-data")}
+    rows = []
+    with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / "vcache.log", env):
+        for name in VCACHE_ARMS:
+            extra = {"VCACHE_MODEL": "vcache-demo"}
+            if name == "oracle":
+                extra["VCACHE_ORACLE_REPLICAS"] = "2"
+            else:
+                extra["VCACHE_ROUTING"] = name
+            rows.append(arm(name, host, out, args, extra))
+            print(f"{name}: hit {rows[-1]['hit_rate']}", flush=True)
+    return rows
+
+
+def router_arm(out: Path, args: argparse.Namespace, model: str) -> Any:
+    ports = [free_port(), free_port()]
+    router_port = free_port()
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    servers = [
+        [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", "vcache-demo", "--port", str(p), "--max-model-len", "4096",
+            "--kv-cache-memory-bytes", str(args.kv_bytes), "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+        ]
+        for p in ports
+    ]  # fmt: skip
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    router = [args.vllm_router, "--port", str(router_port), "--policy", "cache_aware"]
+    router += ["--worker-urls", *urls]
+    host = f"http://127.0.0.1:{router_port}"
+    with (
+        serving(servers[0], lambda: get_ok(f"{urls[0]}/v1/models"), out / "vllm-0.log", env),
+        serving(servers[1], lambda: get_ok(f"{urls[1]}/v1/models"), out / "vllm-1.log", env),
+        serving(router, lambda: get_ok(f"{host}/v1/models"), out / "router.log", env),
+    ):
+        row = arm("vllm_router", host, out, args, {"VCACHE_MODEL": "vcache-demo"})
+    print(f"vllm_router: hit {row['hit_rate']}", flush=True)
+    return row
+
+
+def table(rows: list[Any]) -> str:
+    lines = [
+        f"{'arm':<14}{'req':>5}{'err':>5}{'hit':>8}{'ttft p50':>10}{'p90':>8}"
+        f"{'predicted exact':>17}{'mean |err| tok':>16}"
+    ]
+    for r in rows:
+        t, p = r["ttft_ms"], r["prediction"]
+        exact = "-" if p["exact_share"] is None else f"{p['exact_share']:.3f}"
+        err = "-" if p["mean_abs_error_tokens"] is None else f"{p['mean_abs_error_tokens']:.1f}"
+        lines.append(
+            f"{r['arm']:<14}{r['requests']:>5}{r['errors']:>5}{r['hit_rate']:>8.3f}"
+            f"{t['p50'] or 0:>10.0f}{t['p90'] or 0:>8.0f}{exact:>17}{err:>16}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--vllm-router", default=None, help="the vllm-router executable")
+    ap.add_argument("--groups", type=int, default=30)
+    ap.add_argument("--system-tokens", type=int, default=1536)
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--skew", type=float, default=0.0)
+    ap.add_argument("--kv-bytes", type=int, default=48 << 20, help="per replica")
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--limit-s", type=int, default=900)
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument(
+        "--out", type=Path, default=Path("reports") / time.strftime("routing-%Y%m%d-%H%M%S")
+    )
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.count = token_counter(None)
+    from gateway.core.config import Settings
+    from gateway.local.build import resolve_model
+
+    model = resolve_model(Settings())
+    rows = vcache_arms(args.out, args)
+    if args.vllm_router:
+        rows.append(router_arm(args.out, args, model))
+    text = table(rows)
+    print(text)
+    hit = {r["arm"]: r["hit_rate"] for r in rows}
+    checks = {
+        "kv >= 1.8x round_robin": hit["kv"] >= 1.8 * hit["round_robin"],
+        "kv >= 95% of oracle": hit["kv"] >= 0.95 * hit["oracle"],
+    }
+    if "vllm_router" in hit:
+        checks["kv ahead of vllm-router"] = hit["kv"] > hit["vllm_router"]
+    for name, ok in checks.items():
+        print(f"{name}: {'ok' if ok else 'MISSED'}")
+    (args.out / "routing.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "arms": rows}, indent=2)
+    )
+    (args.out / "routing.txt").write_text(text + "\n")
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
