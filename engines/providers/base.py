@@ -81,6 +81,7 @@ class CacheDirectives:
     cache_key: str | None = None
     cached_content: str | None = None  # Gemini: covers the system segment
     warm: bool = False  # prefill only (Anthropic max_tokens: 0)
+    retention: str | None = None  # OpenAI prompt_cache_retention ("24h": extended caching)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class OpenAIAdapter:
             body[self.limit_field] = call.max_tokens
         if cache.cache_key and self.supports_cache_key:
             body["prompt_cache_key"] = cache.cache_key
+        if cache.retention and self.supports_cache_key:
+            body["prompt_cache_retention"] = cache.retention
         if call.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}

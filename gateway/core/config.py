@@ -169,6 +169,9 @@ class ProviderConfig(BaseModel):
     backoff_cap_s: float = Field(8, ge=0)
     max_retry_after_s: float = Field(30, ge=0)
     cache_ttl_s: Literal[300, 3600] = 300  # Anthropic breakpoints: 5m or 1h
+    # OpenAI: "24h" asks for extended prompt caching (prefixes kept up to a day); set
+    # belief_ttl_s to match what the models in use honor (calibrate to find it)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     belief_ttl_s: float = Field(300, gt=0)  # implicit caches: mean survival of a prefix
     cached_content_ttl_s: int = Field(3600, ge=60)  # Gemini explicit caches
     min_prefix_tokens: dict[str, int] = Field(default_factory=dict)  # model prefix → tokens

@@ -252,6 +252,7 @@ class ProviderPath:
             cached_content=handle.name if handle else None,
             warm=warm and t.profile.warm is WarmPrimitive.MAX_TOKENS_0,
             long_ttl=long_ttl,
+            retention=t.config.prompt_cache_retention if t.spec.cache_key else None,
         )
         rendered = t.client.adapter.render(call, directives)
         return Prepared(t, call, view, believed, marked, handle, directives, rendered, fan)

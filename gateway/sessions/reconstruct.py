@@ -48,6 +48,7 @@ class Reconstructor:
             breakpoints=tuple(d.get("breakpoints") or ()),
             ttl_s=int(d.get("ttl_s", 300)),
             long_ttl=tuple(d.get("long_ttl") or ()),
+            retention=d.get("retention"),
             cache_key=d.get("cache_key"),
             cached_content=d.get("cached_content"),
             warm=bool(d.get("warm", False)),

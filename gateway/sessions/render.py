@@ -169,6 +169,8 @@ def directives_of(d: CacheDirectives) -> dict[str, Any]:
     }
     if d.long_ttl:  # logs written before the governor chose tiers have no such key
         out["long_ttl"] = list(d.long_ttl)
+    if d.retention:
+        out["retention"] = d.retention
     return out
 
 
