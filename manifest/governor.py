@@ -148,6 +148,9 @@ def decide(
     return best
 
 
+RATE_FLOOR_S = 60.0  # an anchor seen once has a rate of at most one per minute
+
+
 @dataclass
 class ArrivalRate:
     """Arrivals of one anchor over a sliding horizon: ``λ`` = arrivals in the horizon /
@@ -160,7 +163,7 @@ class ArrivalRate:
     first_seen: float | None = None
 
     @classmethod
-    def empty(cls, horizon_s: float, floor_s: float) -> ArrivalRate:
+    def empty(cls, horizon_s: float, floor_s: float = RATE_FLOOR_S) -> ArrivalRate:
         return cls(horizon_s, floor_s, [])
 
     def add(self, now: float) -> None:
@@ -195,3 +198,16 @@ class ArrivalRate:
         if self.times and now - self.times[-1] > ttl_s:
             gaps.append(now - self.times[-1])
         return sum(g > ttl_s for g in gaps) / len(gaps) if gaps else 1.0
+
+    def verdict(self, econ: Economics, shadow: float, now: float) -> Verdict:
+        """:func:`decide` on what these arrivals measured: their rate, idle time and gaps;
+        reuse shown once a second arrival is in the horizon."""
+        return decide(
+            self.rate(now),
+            econ,
+            shadow,
+            self.idle(now),
+            self.horizon_s,
+            lambda ttl: self.miss(ttl, now),
+            reused=len(self.times) >= 2,
+        )

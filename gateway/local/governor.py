@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from gateway.core.config import ControlSettings
 from gateway.core.loops import every
 from gateway.local.spans import KVSpans
-from manifest.governor import ArrivalRate, Decision, Economics, TtlOption, Verdict, decide
+from manifest.governor import ArrivalRate, Decision, Economics, TtlOption, Verdict
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
 
 OWNER = "vcache-governor"
-RATE_FLOOR_S = 60.0
+MIN_LEASE_S = 60.0  # a governor pin outlives a few missed ticks
 
 
 @dataclass
@@ -68,15 +68,13 @@ class LocalGovernor:
         """A request whose first ``blocks`` full blocks are its anchor was served there."""
         if blocks <= 0 or len(hashes) < blocks:
             return
-        key = (
-            LocationId(replica),
-            hashes[blocks - 1],
-        )  # the chain's last hash names the whole prefix
+        # the chain's last hash names the whole prefix
+        key = (LocationId(replica), hashes[blocks - 1])
         a = self.anchors.get(key)
         if a is None:
             if len(self.anchors) >= self.cfg.max_anchors:
                 return
-            rate = ArrivalRate.empty(self.cfg.horizon_s, RATE_FLOOR_S)
+            rate = ArrivalRate.empty(self.cfg.horizon_s)
             a = self.anchors[key] = LocalAnchor(key[0], tuple(hashes[:blocks]), rate)
         a.arrivals.add(self.clock())
 
@@ -102,14 +100,7 @@ class LocalGovernor:
     def _decide(self, a: LocalAnchor, ttl: float, shadow: float, now: float) -> Verdict:
         """A hit costs nothing, a miss a prefill (and the latency value), a pin ``shadow``."""
         econ = Economics(0.0, (TtlOption(ttl, 1.0),), self.cfg.latency_value)
-        arrivals = a.arrivals
-
-        def miss(t: float) -> float:
-            return arrivals.miss(t, now)
-
-        rate, idle = arrivals.rate(now), arrivals.idle(now)
-        reused = len(arrivals.times) >= 2
-        return decide(rate, econ, shadow, idle, self.cfg.horizon_s, miss, reused)
+        return a.arrivals.verdict(econ, shadow, now)
 
     async def tick(self) -> list[LocalAnchor]:
         """Decide every anchor; pin (or renew) the ones worth holding, release the rest.
@@ -119,7 +110,7 @@ class LocalGovernor:
             return []
         now = self.clock()
         residency = {r: self.residency_s(kv, r, now) for r in kv.replicas}
-        lease = max(3 * self.cfg.tick_s, RATE_FLOOR_S)
+        lease = max(3 * self.cfg.tick_s, MIN_LEASE_S)
         pinned: list[LocalAnchor] = []
         ranked = sorted(self.anchors.items(), key=lambda kv_: -kv_[1].arrivals.rate(now))
         for key, a in ranked:

@@ -35,14 +35,13 @@ from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.providers.book import PromptView
 from gateway.providers.path import ProviderTarget
 from manifest.economics import dedicated_warm_break_even, warm_set_size, zipf_coverage, zipf_fit
-from manifest.governor import ArrivalRate, Decision, Economics, TtlOption, Verdict, decide
+from manifest.governor import ArrivalRate, Decision, Economics, TtlOption, Verdict
 from manifest.planner import Regime
 
 log = logging.getLogger(__name__)
 
 WarmFn = Callable[[ChatCompletionRequest, str, str, str], Awaitable[object]]
 Key = tuple[str, str, str]  # (target, tenant, anchor digest)
-RATE_FLOOR_S = 60.0  # an anchor seen once has a rate of at most one per minute
 
 
 def warm_template(req: ChatCompletionRequest) -> ChatCompletionRequest:
@@ -68,7 +67,6 @@ class Anchor:
     target: str
     tenant: str
     digest: str
-    segment: str  # the segment key the anchor ends at
     tokens: int
     template: ChatCompletionRequest
     arrivals: ArrivalRate
@@ -138,10 +136,8 @@ class Control:
         if a is None:
             if req is None or len(self.anchors) >= self.cfg.max_anchors:
                 return None
-            rate = ArrivalRate.empty(self.cfg.horizon_s, RATE_FLOOR_S)
-            a = Anchor(
-                t.name, tenant, key[2], view.keys[i], view.tokens[i], warm_template(req), rate, now
-            )
+            rate = ArrivalRate.empty(self.cfg.horizon_s)
+            a = Anchor(t.name, tenant, key[2], view.tokens[i], warm_template(req), rate, now)
             self.anchors[key] = a
             self.targets[t.name] = t
         if arrival:
@@ -171,7 +167,7 @@ class Control:
             return None
         now = self.clock()
         w = a.writer
-        stale = now - a.writer_since > self.cfg.fan_wait_s * self._scale
+        stale = now - a.writer_since > self.cfg.fan_wait_s * self.cfg.clock_scale
         if w is not None and not w.is_set() and not stale:
             self.counts["held"] += 1
             with contextlib.suppress(TimeoutError):
@@ -181,28 +177,13 @@ class Control:
         a.writer, a.writer_since = fan.event, now
         return fan
 
-    @property
-    def _scale(self) -> float:
-        return self.cfg.clock_scale
-
     # ------------------------------------------------------------------- loop
 
     def _verdict(self, a: Anchor, now: float) -> Verdict:
         t = self.targets[a.target]
         limits = t.client.limits
         mu = shadow_price(limits.share_left()) if limits is not None else 0.0
-        econ = economics(t, self.cfg.latency_value)
-        rate = a.arrivals.rate(now)
-        idle = a.arrivals.idle(now)
-        return decide(
-            rate,
-            econ,
-            mu,
-            idle,
-            self.cfg.horizon_s,
-            lambda ttl: a.arrivals.miss(ttl, now),
-            reused=len(a.arrivals.times) >= 2,
-        )
+        return a.arrivals.verdict(economics(t, self.cfg.latency_value), mu, now)
 
     def _due(self, a: Anchor, now: float) -> bool:
         """A heartbeat is due before the TTL runs out, never after (then it is cold)."""
