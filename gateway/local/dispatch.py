@@ -85,18 +85,8 @@ class Dispatcher:
         """The replicas that can take a request now (a dead one is being restarted)."""
         return [r for r in self.replicas if r.engine.ready]
 
-    def stats(self) -> EngineStats:
-        parts = [r.engine.stats() for r in self.replicas]
-        return EngineStats(
-            unfinished_requests=sum(p.unfinished_requests for p in parts),
-            core_running_requests=sum(p.core_running_requests for p in parts),
-            core_waiting_requests=sum(p.core_waiting_requests for p in parts),
-            kv_cache_usage=max((p.kv_cache_usage for p in parts), default=0.0),
-            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
-            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
-        )
-
     def replica_stats(self) -> dict[str, EngineStats]:
+        """What each replica's engine holds now (the metrics read it at scrape time)."""
         return {r.id: r.engine.stats() for r in self.replicas}
 
     def replica(self, replica_id: str) -> Replica | None:
