@@ -101,9 +101,6 @@ class PackedTable:
         found: U64 = np.take(self._masks, s)  # -1 reads the last slot: masked below
         return np.where(s >= 0, found, np.uint64(0))
 
-    def get(self, key: int) -> int:
-        return int(self.masks(norm([key]))[0])
-
     # -------------------------------------------------------------- writes
 
     def add(self, keys: U64, bit: np.uint64) -> U64:
@@ -214,8 +211,3 @@ class PackedTable:
         self._n = 0
         if len(keys):
             self._place(keys, masks)
-
-
-def as_keys(values: Sequence[int]) -> U64:
-    """Block keys (64-bit event hashes) as the table takes them."""
-    return norm(values)
