@@ -9,6 +9,7 @@ after ``close`` raises :class:`~engines.errors.EngineUnavailable`.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -130,3 +131,8 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Abort what is running and release the engine.  Idempotent."""
+
+
+def call_id() -> str:
+    """An id for a tool call the model made without one (OpenAI's ``call_`` form)."""
+    return f"call_{uuid.uuid4().hex[:24]}"

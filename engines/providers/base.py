@@ -13,7 +13,6 @@ byte offset where each segment ends (render records hash these).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -128,11 +127,6 @@ class Delta:
     usage: ProviderUsage | None = None
     finish_reason: str | None = None
     tool_calls: tuple[ToolCallPart, ...] = ()
-
-
-def call_id() -> str:
-    """An id for a call the provider did not name (Gemini 2.x calls carry none)."""
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def forced_tool(choice: str | dict[str, Any] | None) -> str | None:

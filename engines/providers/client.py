@@ -66,7 +66,6 @@ class ProviderClient:
         self.retries = 0
         self.waits: list[float] = []  # each backoff, in seconds (the last 64)
         self.limits: RateLimits | None = None  # the headroom the last response reported
-        self.rate_limited = 0  # 429s received (retried or not)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -82,8 +81,6 @@ class ProviderClient:
 
     def _saw(self, resp: aiohttp.ClientResponse) -> None:
         self.limits = parse_ratelimits(resp.headers) or self.limits
-        if resp.status == 429:
-            self.rate_limited += 1
 
     @property
     def provider(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engines.base import call_id
 from engines.providers.base import (
     Answer,
     CacheDirectives,
@@ -15,7 +16,6 @@ from engines.providers.base import (
     ToolCall,
     ToolCallPart,
     Turn,
-    call_id,
     forced_tool,
 )
 from engines.providers.errors import ProviderUnavailable

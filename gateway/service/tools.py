@@ -19,13 +19,12 @@ A sample that called tools ends with ``finish_reason: "tool_calls"``.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engines.base import Structured
+from engines.base import Structured, call_id
 from engines.vllm.tool_calls import ParsedCalls
 from gateway.core.errors import InvalidRequest
 from gateway.core.schemas import ChatCompletionRequest, NamedToolChoice
@@ -34,10 +33,6 @@ from manifest.canonical import canonical_json
 
 Mode = Literal["auto", "required", "named"]
 Parse = Callable[[str, list[dict[str, Any]]], ParsedCalls]
-
-
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool | None) -> dict[str, Any]:
