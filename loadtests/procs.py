@@ -64,9 +64,11 @@ def run_locust(
     users: int,
     limit_s: int,
     user_class: str = "ChatUser",
+    reports: bool = False,
 ) -> float:
     """Run loadtests/locustfile.py headless on a dumped workload (raw rows to
-    ``wdir/raw.csv``); returns the seconds it ran."""
+    ``wdir/raw.csv``; with ``reports``, locust's own CSV and HTML there too); returns the
+    seconds it ran."""
     import os
     import sys
 
@@ -83,6 +85,8 @@ def run_locust(
         "--headless", "-u", str(users), "-r", str(users), "-t", f"{limit_s}s",
         "--host", host, "--only-summary", "--loglevel", "WARNING",
     ]  # fmt: skip
+    if reports:
+        cmd += ["--csv", str(wdir / "locust"), "--html", str(wdir / "locust.html")]
     t0 = time.monotonic()
     subprocess.run(cmd, env=run_env, check=False, stdout=subprocess.DEVNULL)
     return time.monotonic() - t0

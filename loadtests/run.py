@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from plots import hit_rate_over_time, ttft_hits_vs_misses  # noqa: E402
-from procs import free_port, get_ok, serving  # noqa: E402
+from procs import free_port, get_ok, run_locust, serving  # noqa: E402
 from report import counter_cross_check, parse_metrics, read_raw, summarize  # noqa: E402
 from workloads import (  # noqa: E402
     CountTokens,
@@ -136,28 +136,15 @@ def run_one(
         name, args.small, args.seed, run_id, volatile, None if volatile else args.count
     )
     workload.dump(wdir / "workload.json")
-    (wdir / "raw.csv").unlink(missing_ok=True)  # rows of this run only
-    env = {
-        **os.environ,
-        "VCACHE_WORKLOAD": str(wdir / "workload.json"),
-        "VCACHE_RAW_CSV": str(wdir / "raw.csv"),
-        "VCACHE_MODEL": model or args.model,
-        "VCACHE_GRPC_TARGET": args.grpc_target,
-    }
+    env = {"VCACHE_MODEL": model or args.model, "VCACHE_GRPC_TARGET": args.grpc_target}
     if args.api_key:
         env["VCACHE_API_KEY"] = args.api_key
     env.update(extra_env or {})
-    cmd = [
-        sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"),
-        "GrpcChatUser" if protocol == "grpc" else "ChatUser", "--headless",
-        "-u", str(args.users), "-r", str(args.users), "-t", f"{args.duration}s",
-        "--host", host, "--csv", str(wdir / "locust"), "--html", str(wdir / "locust.html"),
-        "--only-summary", "--loglevel", "WARNING",
-    ]  # fmt: skip
+    user = "GrpcChatUser" if protocol == "grpc" else "ChatUser"
     before = metrics(host)
-    t0 = time.monotonic()
-    subprocess.run(cmd, env=env, check=False, stdout=subprocess.DEVNULL)
-    elapsed = time.monotonic() - t0
+    elapsed = run_locust(
+        wdir / "workload.json", host, wdir, env, args.users, args.duration, user, reports=True
+    )
     after = metrics(host)
     raw = wdir / "raw.csv"
     rows = read_raw(raw) if raw.exists() else []
