@@ -22,6 +22,7 @@ documented constants.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -31,7 +32,12 @@ import httpx
 from engines.providers.base import CacheDirectives, ChatCall, ProviderUsage, Turn
 from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
-from gateway.providers.path import ProviderPath, ProviderTarget, calibration_path
+from gateway.providers.path import (
+    ProviderPath,
+    ProviderTarget,
+    calibration_path,
+    target_profile,
+)
 from manifest.calibration import CalibratedProfile, Search, fit_granularity
 from manifest.planner import Regime
 
@@ -137,7 +143,10 @@ class Calibrator:
 def main(settings: Settings, target: str, emulator: str | None) -> int:
     """``vcache calibrate TARGET``: fit, print, store under the data dir."""
     path = ProviderPath(settings, Metrics())
-    t = path.target(target)
+    known = path.target(target)
+    # probe and report against the documented rules, not an earlier fit
+    documented = target_profile(known.spec, known.model, known.config)
+    t = dataclasses.replace(known, profile=documented, calibrated=None)
     wait = emulator_clock(emulator) if emulator else asyncio.sleep
     if emulator is None:
         print(f"{target}: probing; TTL probes wait out each TTL (hours for a 1h tier)")
@@ -149,7 +158,6 @@ def main(settings: Settings, target: str, emulator: str | None) -> int:
             await path.close()
 
     cal = asyncio.run(run())
-    documented = t.profile
     rows = [
         ("minimum prefix (tokens)", documented.min_prefix_tokens, cal.min_prefix_tokens),
         ("granularity (tokens)", documented.granularity, cal.granularity),
