@@ -19,11 +19,23 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 class _EngineCollector(Collector):
     """Reads each replica's engine stats at scrape time (label ``replica``)."""
 
-    _GAUGES = (
-        ("unfinished_requests", "Requests the gateway's engine client still holds"),
-        ("core_running_requests", "Running requests, as the engine core last reported"),
-        ("core_waiting_requests", "Waiting requests, as the engine core last reported"),
-        ("kv_cache_usage", "Share of KV cache blocks in use (0..1)"),
+    _GAUGES = (  # (EngineStats field, metric name after vcache_engine_, help)
+        (
+            "unfinished_requests",
+            "unfinished_requests",
+            "Requests the gateway's engine client still holds",
+        ),
+        (
+            "core_running_requests",
+            "core_running_requests",
+            "Running requests, as the engine core last reported",
+        ),
+        (
+            "core_waiting_requests",
+            "core_waiting_requests",
+            "Waiting requests, as the engine core last reported",
+        ),
+        ("kv_cache_usage", "kv_cache_usage_ratio", "Share of KV cache blocks in use (0..1)"),
     )
     _COUNTERS = (
         ("prefix_cache_queries", "Prompt tokens the engine looked up in its prefix cache"),
@@ -35,9 +47,8 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         per_replica = self._stats()
-        for field, doc in self._GAUGES:
-            unit = "_ratio" if field == "kv_cache_usage" else ""
-            g = GaugeMetricFamily(f"vcache_engine_{field}{unit}", doc, labels=["replica"])
+        for field, name, doc in self._GAUGES:
+            g = GaugeMetricFamily(f"vcache_engine_{name}", doc, labels=["replica"])
             for replica, s in per_replica.items():
                 g.add_metric([replica], float(getattr(s, field)))
             yield g
