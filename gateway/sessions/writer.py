@@ -8,18 +8,22 @@ of them (a group commit).  A job's caller resumes only after that commit: an
 acknowledged request is in the log, as durable as the ``fsync`` setting makes
 a commit.  Jobs that need a transaction of their own (retention) run alone.
 Being the only writer, the thread also orders the appends of one session.
+
+Results go back to each caller's own event loop, one ``call_soon_threadsafe``
+per loop per batch.  A caller that stopped waiting (its request was cancelled:
+the client went away) is simply not answered; its job still runs, in order,
+so the log holds whatever was handed over.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.sessions.store import SessionStore
@@ -32,7 +36,22 @@ T = TypeVar("T")
 class _Job:
     fn: Callable[[], Any]
     alone: bool
-    done: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future[Any]
+
+
+Outcome = tuple[Any, BaseException | None]
+
+
+def _deliver(results: list[tuple[asyncio.Future[Any], Outcome]]) -> None:
+    """On the callers' loop: answer every caller still waiting."""
+    for fut, (value, exc) in results:
+        if fut.done():  # cancelled: nobody waits for it any more
+            continue
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
 
 
 class Writer:
@@ -53,9 +72,10 @@ class Writer:
 
     async def run(self, fn: Callable[[], T], alone: bool = False) -> T:
         """Run ``fn`` on the writer thread; return once its writes are committed."""
-        job = _Job(fn, alone)
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, alone, loop, loop.create_future())
         self._q.put(job)
-        result: T = await asyncio.wrap_future(job.done)
+        result: T = await job.done
         return result
 
     def close(self) -> None:
@@ -84,14 +104,14 @@ class Writer:
                 batch.append(nxt)
             self._settle(batch, self._together(batch))
 
-    def _alone(self, job: _Job) -> list[tuple[Any, BaseException | None]]:
+    def _alone(self, job: _Job) -> list[Outcome]:
         try:
             return [(job.fn(), None)]
         except Exception as exc:
             return [(None, exc)]
 
-    def _together(self, batch: list[_Job]) -> list[tuple[Any, BaseException | None]]:
-        out: list[tuple[Any, BaseException | None]] = []
+    def _together(self, batch: list[_Job]) -> list[Outcome]:
+        out: list[Outcome] = []
         try:
             with self._store.batch() as item:
                 for job in batch:
@@ -107,10 +127,13 @@ class Writer:
         self.commits += 1
         return out
 
-    def _settle(self, batch: list[_Job], results: list[tuple[Any, BaseException | None]]) -> None:
+    def _settle(self, batch: list[_Job], results: list[Outcome]) -> None:
         self.jobs += len(batch)
-        for job, (value, exc) in zip(batch, results, strict=True):
-            if exc is not None:
-                job.done.set_exception(exc)
-            else:
-                job.done.set_result(value)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Outcome]]] = {}
+        for job, outcome in zip(batch, results, strict=True):
+            by_loop.setdefault(job.loop, []).append((job.done, outcome))
+        for loop, answers in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, answers)
+            except RuntimeError:  # that loop is closed: its callers are gone
+                log.debug("session log: %d results for a closed event loop", len(answers))

@@ -80,3 +80,33 @@ def test_a_failing_job_rolls_back_only_its_own_writes(tmp_path: Path) -> None:
     assert store.events("ok")[0][1] == MessageEvent("user", "x")
     writer.close()
     store.close()
+
+
+def test_a_caller_that_stops_waiting_does_not_stop_the_writer(tmp_path: Path) -> None:
+    """A request cancelled while its append is queued (the client went away): the append
+    still lands, in order, and the writer goes on serving everyone else."""
+    store = SessionStore(tmp_path / "log.db")
+    writer = Writer(store)
+    gate = threading.Event()
+
+    def append(name: str) -> list[int]:
+        return store.append(store.create("t", name), [MessageEvent("user", name)])
+
+    async def main() -> list[int]:
+        hold = asyncio.ensure_future(writer.run(lambda: gate.wait(5)))
+        await asyncio.sleep(0.05)
+        gone = asyncio.ensure_future(writer.run(functools.partial(append, "gone")))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        await asyncio.sleep(0.05)  # the cancellation reaches the job before it runs
+        gate.set()
+        await hold
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return await asyncio.wait_for(writer.run(functools.partial(append, "next")), 5)
+
+    assert asyncio.run(main()) == [0]
+    assert sorted(s.id for s in store.sessions()) == ["gone", "next"]
+    assert writer.jobs == 3
+    writer.close()
+    store.close()
