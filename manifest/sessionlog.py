@@ -326,8 +326,13 @@ def chain(root: bytes, entries: Sequence[bytes]) -> list[str]:
     found again (implicit sessions)."""
     out = [hashlib.sha256(root).hexdigest()]
     for e in entries:
-        out.append(hashlib.sha256(out[-1].encode() + b"\0" + e).hexdigest())
+        out.append(link(out[-1], e))
     return out
+
+
+def link(digest: str, entry: bytes) -> str:
+    """The rolling digest one entry after ``digest`` (one step of :func:`chain`)."""
+    return hashlib.sha256(digest.encode() + b"\0" + entry).hexdigest()
 
 
 def scoped_session(tenant: str, name: str) -> str:

@@ -47,6 +47,7 @@ from manifest.sessionlog import (
     chain,
     changes,
     fold,
+    link,
     scoped_session,
     session_name,
 )
@@ -135,8 +136,9 @@ class SessionLog:
             self._remember(sid, state)
         return state
 
-    def _place(self, op: Open) -> tuple[str, list[Event]]:
-        """The session and the events that bring it to this request (under the lock)."""
+    def _place(self, op: Open) -> tuple[str, list[Event], bool]:
+        """The session, the events that bring it to this request, and whether the session
+        is a new one still to be created (under the lock)."""
         if op.explicit and op.session_id is not None:
             tenant = self.store.tenant(op.session_id)
             if tenant is not None and tenant != op.tenant:  # unreachable for scoped ids
@@ -146,17 +148,17 @@ class SessionLog:
                     param="x-vcache-session",
                 )
             sid = self.store.create(op.tenant, op.session_id)
-            return sid, self._events_for(sid, op, resume=sid not in self._states)
+            return sid, self._events_for(sid, op, resume=sid not in self._states), False
         found = self.store.find_head(op.tenant, op.digests)
         if found is not None:
             sid = found[0]
             resume = sid not in self._states
             events = self._events_for(sid, op, resume)
             if not any(isinstance(e, ReplaceEvent | TruncateEvent) for e in events):
-                return sid, events
-        # a new conversation, or a fork of one
-        sid = self.store.create(op.tenant, scoped_session(op.tenant, f"sess_{uuid.uuid4().hex}"))
-        return sid, self._events_for(sid, op, resume=False)
+                return sid, events, False
+        # a new conversation, or a fork of one: a session of its own, created by the append
+        sid = scoped_session(op.tenant, f"sess_{uuid.uuid4().hex}")
+        return sid, changes(State(), op.header, op.messages), True
 
     def _events_for(self, sid: str, op: Open, resume: bool) -> list[Event]:
         state = self._state(sid)
@@ -181,9 +183,10 @@ class SessionLog:
         heads = [(op.tenant, op.digests[-1], len(op.entries))]
 
         def append() -> tuple[str, list[int]]:  # on the writer thread
-            sid, events = self._place(op)
+            sid, events, new = self._place(op)
             events.append(event)
-            seqs = self.store.append(sid, events, (request_id, target, digest), heads)
+            request = (request_id, target, digest)
+            seqs = self.store.append(sid, events, request, heads, op.tenant if new else None)
             state = self._states.get(sid, State())
             self._remember(sid, fold([_as_header(state), *state.messages, *events]))
             return sid, seqs
@@ -234,8 +237,8 @@ class SessionLog:
             return
         answer = MessageEvent("assistant", text, tool_calls=tool_calls)
         tail: list[Event] = [answer, ResponseEvent(request_id, tuple(sorted(usage.items())))]
-        entries = [*op.entries, canonical_json(list(answer.key()))]
-        heads = [(op.tenant, chain(op.root, entries)[-1], len(entries))]
+        head = link(op.digests[-1], canonical_json(list(answer.key())))
+        heads = [(op.tenant, head, len(op.entries) + 1)]
 
         def append() -> list[int]:  # on the writer thread
             state = self._state(sid)

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from manifest.sessionlog import Event, decode, encode
 
 FsyncPolicy = Literal["full", "normal", "off"]
+_LOOKUP_CHUNK = 500  # digests per IN (...) query, well under SQLite's variable limit
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions(
@@ -147,11 +148,14 @@ class SessionStore:
         events: Sequence[Event],
         request: tuple[str, str, str] | None = None,
         heads: Sequence[tuple[str, str, int]] = (),
+        new_for: str | None = None,
     ) -> list[int]:
         """Append in one transaction; returns the events' sequence numbers.
 
         ``request``: (request id, target, sha256) of the last event (a dispatch).
         ``heads``: (tenant, digest, length) conversation heads of this session.
+        ``new_for``: the session does not exist yet; it is created for this tenant in
+        the same transaction, its events numbered from 0.
         """
         now = time.time()
         with self._lock:
@@ -160,36 +164,44 @@ class SessionStore:
             if own:
                 db.execute("BEGIN IMMEDIATE")
             try:
-                row = db.execute(
-                    "SELECT COALESCE(MAX(seq), -1) FROM events WHERE session_id = ?", (session_id,)
-                ).fetchone()
-                seq = int(row[0]) + 1
-                seqs: list[int] = []
-                for e in events:
-                    enc = encode(e)
-                    for digest, data in enc.blobs.items():
-                        db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (digest, data))
-                        db.execute(
-                            "INSERT OR IGNORE INTO blob_refs VALUES (?, ?)", (digest, session_id)
-                        )
+                if new_for is not None:
                     db.execute(
-                        "INSERT INTO events VALUES (?, ?, ?, ?)", (session_id, seq, enc.data, now)
+                        "INSERT INTO sessions VALUES (?, ?, ?, ?)", (session_id, new_for, now, now)
                     )
-                    seqs.append(seq)
-                    seq += 1
-                last = seqs[-1] if seqs else seq - 1
+                    first = 0
+                else:
+                    row = db.execute(
+                        "SELECT COALESCE(MAX(seq), -1) FROM events WHERE session_id = ?",
+                        (session_id,),
+                    ).fetchone()
+                    first = int(row[0]) + 1
+                seqs = list(range(first, first + len(events)))
+                rows, blobs = [], {}
+                for seq, e in zip(seqs, events, strict=True):
+                    enc = encode(e)
+                    blobs.update(enc.blobs)
+                    rows.append((session_id, seq, enc.data, now))
+                if blobs:
+                    db.executemany("INSERT OR IGNORE INTO blobs VALUES (?, ?)", blobs.items())
+                    db.executemany(
+                        "INSERT OR IGNORE INTO blob_refs VALUES (?, ?)",
+                        [(digest, session_id) for digest in blobs],
+                    )
+                db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)", rows)
+                last = seqs[-1] if seqs else first - 1
                 if request is not None:
                     rid, target, sha = request
                     db.execute(
                         "INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?)",
                         (rid, session_id, last, target, sha, now),
                     )
-                for tenant, digest, length in heads:
-                    db.execute(
+                if heads:
+                    db.executemany(
                         "INSERT OR REPLACE INTO heads VALUES (?, ?, ?, ?)",
-                        (tenant, digest, session_id, length),
+                        [(tenant, digest, session_id, length) for tenant, digest, length in heads],
                     )
-                db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (now, session_id))
+                if new_for is None:
+                    db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (now, session_id))
                 if own:
                     db.execute("COMMIT")
             except BaseException:
@@ -259,16 +271,20 @@ class SessionStore:
             return [RequestRow(*r) for r in self._db.execute(q + " ORDER BY created", args)]
 
     def find_head(self, tenant: str, digests: Sequence[str]) -> tuple[str, int] | None:
-        """The session whose conversation head is the longest of ``digests`` (by length)."""
+        """The conversation head among ``digests`` that comes last in the list (the
+        longest prefix of a conversation): (session, length)."""
+        found: dict[str, tuple[str, int]] = {}
         with self._lock:
-            for digest in reversed(digests):
-                row = self._db.execute(
-                    "SELECT session_id, length FROM heads WHERE tenant = ? AND digest = ?",
-                    (tenant, digest),
-                ).fetchone()
-                if row is not None:
-                    return str(row[0]), int(row[1])
-        return None
+            for at in range(0, len(digests), _LOOKUP_CHUNK):
+                chunk = digests[at : at + _LOOKUP_CHUNK]
+                marks = ", ".join("?" * len(chunk))
+                for digest, sid, length in self._db.execute(
+                    "SELECT digest, session_id, length FROM heads "
+                    f"WHERE tenant = ? AND digest IN ({marks})",
+                    (tenant, *chunk),
+                ):
+                    found[digest] = (str(sid), int(length))
+        return next((found[d] for d in reversed(digests) if d in found), None)
 
     def response(self, response_id: str) -> ResponseRow | None:
         with self._lock:

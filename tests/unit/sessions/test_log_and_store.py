@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from manifest.sessionlog import (
     decode,
     encode,
     fold,
+    link,
 )
 
 LONG = "a system prompt long enough to be stored as a blob, shared by sessions. " * 5
@@ -105,6 +107,33 @@ def test_chain_digests_extend() -> None:
     a = chain(b"root", [b"x", b"y"])
     b = chain(b"root", [b"x", b"y", b"z"])
     assert len(a) == 3 and b[:3] == a and chain(b"other", [b"x"])[1] != a[1]
+    assert link(a[-1], b"z") == b[-1]  # one step on from a known digest
+
+
+def test_find_head_is_the_latest_digest_listed_past_one_query(tmp_path: Path) -> None:
+    """Heads found in one query per 500 digests; the one listed last wins, whatever its
+    stored length, in whichever chunk it falls."""
+    store = SessionStore(tmp_path / "s.db")
+    digests = [f"d{i}" for i in range(1200)]
+    early = store.append("t/early", [MessageEvent("user", "a")], None, [("t", "d3", 9)], "t")
+    assert early == [0]
+    store.append("t/late", [MessageEvent("user", "b")], None, [("t", "d700", 2)], "t")
+    store.append("t/other", [MessageEvent("user", "c")], None, [("u", "d1100", 5)], "u")
+    assert store.find_head("t", digests) == ("t/late", 2)
+    assert store.find_head("t", digests[:600]) == ("t/early", 9)
+    assert store.find_head("u", digests) == ("t/other", 5)
+    assert store.find_head("t", ["nope"]) is None
+
+
+def test_a_new_session_is_created_by_its_first_append(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "s.db")
+    assert store.append("t/new", [MessageEvent("user", "a"), _dispatch(0)], None, (), "t") == [0, 1]
+    assert store.tenant("t/new") == "t"
+    assert store.append("t/new", [MessageEvent("assistant", "b")]) == [2]
+    assert [e for _, e in store.events("t/new")][2] == MessageEvent("assistant", "b")
+    with pytest.raises(sqlite3.IntegrityError):  # never two sessions under one id
+        store.append("t/new", [MessageEvent("user", "c")], None, (), "t")
+    assert [seq for seq, _ in store.events("t/new")] == [0, 1, 2]  # the failed one left none
 
 
 def _dispatch(i: int) -> DispatchEvent:
