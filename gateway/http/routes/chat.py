@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel
 
 from gateway.core.errors import InvalidRequest, PermissionDenied
 from gateway.core.outputs import ChatCompletion
@@ -25,11 +26,7 @@ async def service(request: Request) -> GatewayService:
     return svc
 
 
-async def routing_override(
-    request: Request,
-    who: Annotated[Principal, Depends(require_principal)],
-    svc: Annotated[GatewayService, Depends(service)],
-) -> RouteOverride | None:
+def routing_override(request: Request, who: Principal, svc: GatewayService) -> RouteOverride | None:
     """Admin headers for one request: ``x-vcache-routing`` forces a policy (comparisons),
     ``x-vcache-replica`` a replica (a load test's oracle placement)."""
     policy = request.headers.get("x-vcache-routing")
@@ -47,6 +44,27 @@ async def routing_override(
             code="invalid_value",
         )
     return RouteOverride(policy=policy, replica=replica)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who calls, the service, and their routing override, as one dependency of the
+    generation routes (FastAPI solves each dependency, and each of its own, per request)."""
+
+    who: Principal
+    svc: GatewayService
+    route: RouteOverride | None
+
+
+async def caller(request: Request) -> Caller:
+    who = await require_principal(request)
+    svc = await service(request)
+    return Caller(who, svc, routing_override(request, who, svc))
+
+
+def whole(body: BaseModel, headers: dict[str, str]) -> Response:
+    """A whole (non-streamed) answer, serialized by pydantic in one pass."""
+    return Response(body.model_dump_json(), media_type="application/json", headers=headers)
 
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
@@ -71,13 +89,11 @@ async def session_header(request: Request) -> str | None:
 )
 async def create_chat_completion(
     body: ChatCompletionRequest,
-    who: Annotated[Principal, Depends(require_principal)],
-    svc: Annotated[GatewayService, Depends(service)],
-    route: Annotated[RouteOverride | None, Depends(routing_override)],
+    call: Annotated[Caller, Depends(caller)],
     session: Annotated[str | None, Depends(session_header)],
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     if body.stream:
-        routed = await svc.chat_stream(body, who, route, session)
+        routed = await call.svc.chat_stream(body, call.who, call.route, session)
         return await open_stream(routed.body, routed.headers())
-    done = await svc.chat(body, who, route, session)
-    return JSONResponse(done.body.model_dump(mode="json"), headers=done.headers())
+    done = await call.svc.chat(body, call.who, call.route, session)
+    return whole(done.body, done.headers())
