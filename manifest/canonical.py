@@ -32,9 +32,14 @@ class SegmentKind(StrEnum):
     MESSAGE = "message"
 
 
+# json.dumps builds an encoder per call when given options; this one is built once (it
+# holds no state between calls).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_json(value: Any) -> bytes:
     """Sorted keys, no whitespace, UTF-8: one logical value, one byte string."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _CANONICAL.encode(value).encode()
 
 
 @dataclass(frozen=True)

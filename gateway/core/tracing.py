@@ -57,9 +57,13 @@ class RequestTrace:
     def __init__(self, tracer: trace.Tracer, span: trace.Span) -> None:
         self._tracer = tracer
         self.span = span
+        # Tracing off (or this request not sampled): its steps would record nothing either.
+        self._recording = span.is_recording()
         self._open: dict[str, trace.Span] = {}
 
     def _child(self, name: str, attrs: dict[str, Any]) -> trace.Span:
+        if not self._recording:
+            return trace.INVALID_SPAN
         ctx = trace.set_span_in_context(self.span)
         return self._tracer.start_span(name, context=ctx, attributes=_clean(attrs))
 
@@ -88,7 +92,8 @@ class RequestTrace:
     def end(self, error: BaseException | None = None, **attrs: Any) -> None:
         for name in list(self._open):
             self.finish(name)
-        self.span.set_attributes(_clean(attrs))
+        if self._recording:
+            self.span.set_attributes(_clean(attrs))
         if error is not None:
             self.span.record_exception(error)
             self.span.set_status(trace.StatusCode.ERROR)
