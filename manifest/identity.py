@@ -10,6 +10,7 @@ same bytes under different models never alias.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NewType
 
@@ -27,6 +28,23 @@ CANONICAL_SERIALIZER = SerializerId("vcache-canonical-json/1")
 
 def content_digest(data: bytes) -> ContentDigest:
     return ContentDigest(hashlib.sha256(data).hexdigest())
+
+
+def prefix_digests(data: bytes, ends: Iterable[int], head: bytes = b"") -> dict[int, ContentDigest]:
+    """``content_digest(head + data[:e])`` for every ``e`` in ``ends``, in one pass over
+    ``data`` (the hash state is copied at each end), so a prompt's boundaries cost its
+    length once, not once per boundary."""
+    h = hashlib.sha256(head)
+    view = memoryview(data)
+    out: dict[int, ContentDigest] = {}
+    at = 0
+    for e in sorted(set(ends)):
+        if not 0 <= e <= len(view):
+            raise ValueError(f"end {e} lies outside {len(view)} bytes")
+        h.update(view[at:e])
+        at = e
+        out[e] = ContentDigest(h.copy().hexdigest())
+    return out
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ the markers whose prefix still renders the same.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from manifest.identity import prefix_digests
 
 
 @dataclass(frozen=True)
@@ -40,23 +41,17 @@ class MarkerAt:
     tokens: int
 
 
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def make_record(
     request_id: str, target: str, rendered: bytes, markers: Sequence[MarkerAt]
 ) -> RenderRecord:
     for m in markers:
         if not 0 <= m.end_byte <= len(rendered):
             raise ValueError(f"marker {m.identity!r} lies outside the rendering")
+    sha = prefix_digests(rendered, (m.end_byte for m in markers))
     return RenderRecord(
         request_id,
         target,
-        tuple(
-            MarkerRecord(m.identity, m.end_byte, m.tokens, _sha(rendered[: m.end_byte]))
-            for m in markers
-        ),
+        tuple(MarkerRecord(m.identity, m.end_byte, m.tokens, sha[m.end_byte]) for m in markers),
     )
 
 
@@ -76,13 +71,18 @@ class Verified:
 
 def verify(record: RenderRecord, rendered: bytes, markers: Mapping[str, MarkerAt]) -> Verified:
     """Keep each recorded marker whose prefix renders byte-identically now."""
+
+    def same_place(m: MarkerRecord) -> bool:
+        now = markers.get(m.identity)
+        return now is not None and now.end_byte == m.prefix_bytes <= len(rendered)
+
+    sha = prefix_digests(rendered, (m.prefix_bytes for m in record.markers if same_place(m)))
     kept: list[MarkerRecord] = []
     dropped: list[tuple[MarkerRecord, DropReason]] = []
     for m in record.markers:
-        now = markers.get(m.identity)
-        if now is None:
+        if m.identity not in markers:
             dropped.append((m, "missing"))
-        elif now.end_byte != m.prefix_bytes or _sha(rendered[: now.end_byte]) != m.prefix_sha256:
+        elif not same_place(m) or sha[m.prefix_bytes] != m.prefix_sha256:
             dropped.append((m, "changed"))
         else:
             kept.append(m)

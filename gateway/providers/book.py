@@ -27,7 +27,7 @@ from typing import Any
 from engines.providers.base import ProviderUsage
 from manifest.belief import Telemetry, WarmthBelief
 from manifest.canonical import SegmentKind
-from manifest.identity import ContentDigest, content_digest
+from manifest.identity import ContentDigest, prefix_digests
 from manifest.ledger import PriceTable, SavingsLedger
 from manifest.planner import Boundary, CapabilityProfile, PromptLayout, Regime
 from manifest.records import MarkerAt, RenderRecord, Verified, make_record, verify
@@ -56,13 +56,14 @@ class PromptView:
     ) -> PromptView:
         head = f"{salt}\0{target}\0".encode()
         byte_ends = tuple(ends[k] for k in keys)
+        digests = prefix_digests(prompt, byte_ends, head)
         return cls(
             target,
             prompt,
             tuple(keys),
             byte_ends,
             tuple(-(-e // 4) for e in byte_ends),
-            tuple(content_digest(head + prompt[:e]) for e in byte_ends),
+            tuple(digests[e] for e in byte_ends),
         )
 
     @property

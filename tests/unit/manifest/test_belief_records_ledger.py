@@ -9,9 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from manifest.belief import FoldResult, Telemetry, WarmthBelief, first_difference
-from manifest.identity import content_digest
+from manifest.identity import content_digest, prefix_digests
 from manifest.ledger import PriceTable, SavingsLedger
-from manifest.records import MarkerAt, make_record, verify
+from manifest.records import (
+    DropReason,
+    MarkerAt,
+    MarkerRecord,
+    RenderRecord,
+    Verified,
+    make_record,
+    verify,
+)
 
 ANCHOR = b'{"system":"You are a careful assistant."}\n'
 DIGEST = content_digest(ANCHOR)
@@ -154,3 +162,49 @@ def test_the_belief_keeps_at_most_max_entries_least_recently_warmed_out() -> Non
     assert len(belief) == 3 and belief.get("t", d[1]) is None and belief.get("t", d[0])
     belief.fold(Telemetry("t", d[4], 10, 10, b"x", 5.0))  # a confirmed read adds one too
     assert belief.take_evicted() == [("t", d[2])]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.lists(st.integers(0, 300)), st.binary(max_size=8))
+def test_prefix_digests_equal_a_hash_per_prefix(data: bytes, ends: list[int], head: bytes) -> None:
+    inside = [e for e in ends if e <= len(data)]
+    got = prefix_digests(data, inside, head)
+    assert got == {e: content_digest(head + data[:e]) for e in inside}
+    if len(inside) < len(ends):
+        with pytest.raises(ValueError, match="outside"):
+            prefix_digests(data, ends, head)
+
+
+def _verify_one_by_one(record: RenderRecord, rendered: bytes, at: dict[str, MarkerAt]) -> Verified:
+    """Seed 002's definition, a hash per marker: the oracle for :func:`verify`."""
+    kept: list[MarkerRecord] = []
+    dropped: list[tuple[MarkerRecord, DropReason]] = []
+    for m in record.markers:
+        now = at.get(m.identity)
+        if now is None:
+            dropped.append((m, "missing"))
+        elif now.end_byte != m.prefix_bytes or content_digest(rendered[: now.end_byte]) != (
+            m.prefix_sha256
+        ):
+            dropped.append((m, "changed"))
+        else:
+            kept.append(m)
+    return Verified(tuple(kept), tuple(dropped))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.binary(min_size=1, max_size=120),
+    st.binary(max_size=120),
+    st.lists(st.tuples(st.sampled_from("abcde"), st.integers(0, 130)), max_size=6),
+)
+def test_verify_matches_hashing_each_marker(
+    sent: bytes, now: bytes, moves: list[tuple[str, int]]
+) -> None:
+    """Markers recorded on one rendering, checked against another: moved, missing, past
+    the end, sharing an end byte."""
+    at_sent = {k: MarkerAt(k, i * len(sent) // 5, i) for i, k in enumerate("abcde")}
+    record = make_record("r", "t", sent, list(at_sent.values()))
+    at_now = {k: MarkerAt(k, end, 0) for k, end in moves}
+    assert verify(record, now, at_now) == _verify_one_by_one(record, now, at_now)
+    assert verify(record, sent, at_sent).kept == record.markers
