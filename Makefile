@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration bench bench-memory fuzz loadtest loadtest-control clean
+.PHONY: setup serve test lint typecheck unit integration bench bench-memory bench-proxy fuzz loadtest loadtest-control clean
 
 setup:
 	@bash scripts/setup.sh
@@ -37,6 +37,10 @@ bench: setup
 bench-memory: setup
 	$(BIN)/python loadtests/bench_memory.py
 
+bench-proxy: setup
+	@bash scripts/litellm_venv.sh
+	$(BIN)/python loadtests/bench_proxy.py --litellm .bench/litellm/bin/litellm $(PROXY_ARGS)
+
 fuzz: setup
 	$(BIN)/python scripts/fuzz_api.py
 
@@ -47,4 +51,4 @@ loadtest-control: setup
 	$(BIN)/python loadtests/control_arms.py $(CONTROL_ARGS)
 
 clean:
-	rm -rf $(VENV) .vcache-test-data .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .bench .vcache-test-data .mypy_cache .ruff_cache .pytest_cache
