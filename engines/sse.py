@@ -16,6 +16,19 @@ class ServerSentEvent:
     id: str | None = None
 
 
+def _line_end(buf: bytes, start: int) -> tuple[int, int] | None:
+    """The first line end at or after ``start``: (offset, width) of ``\n``, ``\r\n`` or
+    ``\r``; None when none is complete yet.  Found with ``bytes.find`` (a C scan); a
+    UTF-8 character never contains either byte, so lines split safely before decoding."""
+    lf = buf.find(b"\n", start)
+    cr = buf.find(b"\r", start, lf if lf >= 0 else len(buf))
+    if cr < 0:
+        return None if lf < 0 else (lf, 1)
+    if cr + 1 < len(buf):
+        return cr, 2 if buf[cr + 1] == 0x0A else 1
+    return None  # a lone \r at the end may be half of \r\n
+
+
 class SSEDecoder:
     def __init__(self) -> None:
         self._buffer = b""
@@ -24,28 +37,17 @@ class SSEDecoder:
         self._id: str | None = None
 
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
-        self._buffer += chunk
+        buf = self._buffer + chunk if self._buffer else chunk
         out: list[ServerSentEvent] = []
-        while True:
-            cut = self._next_line_end()
-            if cut is None:
-                return out
+        start = 0
+        while (cut := _line_end(buf, start)) is not None:
             end, width = cut
-            line = self._buffer[:end].decode("utf-8")
-            self._buffer = self._buffer[end + width :]
-            event = self._line(line)
+            event = self._line(buf[start:end].decode("utf-8"))
+            start = end + width
             if event is not None:
                 out.append(event)
-
-    def _next_line_end(self) -> tuple[int, int] | None:
-        for i, b in enumerate(self._buffer):
-            if b == 0x0A:  # \n
-                return i, 1
-            if b == 0x0D:  # \r or \r\n
-                if i + 1 < len(self._buffer):
-                    return i, 2 if self._buffer[i + 1] == 0x0A else 1
-                return None  # a lone \r at the end may be half of \r\n
-        return None
+        self._buffer = buf[start:]  # the partial line, kept for the next chunk
+        return out
 
     def _line(self, line: str) -> ServerSentEvent | None:
         if line == "":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engines.sse import ServerSentEvent, SSEDecoder
 
@@ -41,3 +43,57 @@ def test_utf8_split_across_chunks() -> None:
     split = raw.index("é".encode()) + 1
     assert dec.feed(raw[:split]) == []
     assert dec.feed(raw[split:]) == [ServerSentEvent("caché")]
+
+
+class _ByteLoopDecoder(SSEDecoder):
+    """The decoder as first written, a Python loop per byte: the oracle for line ends."""
+
+    def feed(self, chunk: bytes) -> list[ServerSentEvent]:
+        self._buffer += chunk
+        out: list[ServerSentEvent] = []
+        while True:
+            cut = self._next_line_end()
+            if cut is None:
+                return out
+            end, width = cut
+            line = self._buffer[:end].decode("utf-8")
+            self._buffer = self._buffer[end + width :]
+            event = self._line(line)
+            if event is not None:
+                out.append(event)
+
+    def _next_line_end(self) -> tuple[int, int] | None:
+        for i, b in enumerate(self._buffer):
+            if b == 0x0A:
+                return i, 1
+            if b == 0x0D:
+                if i + 1 < len(self._buffer):
+                    return i, 2 if self._buffer[i + 1] == 0x0A else 1
+                return None
+        return None
+
+
+_FIELDS = st.sampled_from(["data: ", "data:", "event: ", "id: ", ": ", ""])
+_TEXT = st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=["Cs"]))
+_ENDS = st.sampled_from(["\n", "\r", "\r\n"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(_FIELDS, _TEXT, _ENDS), max_size=12),
+    st.lists(st.integers(1, 9), min_size=1, max_size=8),
+)
+def test_line_ends_match_the_byte_loop(lines: list[tuple[str, str, str]], sizes: list[int]) -> None:
+    """Any mix of \\n, \\r and \\r\\n (a \\r\\n split across two chunks too), in any
+    chunking: the same events as the byte-by-byte decoder, in the same order."""
+    raw = "".join(f + t + e for f, t, e in lines).encode() + b"\n\n"
+    fast, slow = SSEDecoder(), _ByteLoopDecoder()
+    got: list[ServerSentEvent] = []
+    want: list[ServerSentEvent] = []
+    at, i = 0, 0
+    while at < len(raw):
+        piece = raw[at : at + sizes[i % len(sizes)]]
+        got += fast.feed(piece)
+        want += slow.feed(piece)
+        at, i = at + len(piece), i + 1
+    assert got == want
