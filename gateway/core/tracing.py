@@ -86,7 +86,8 @@ class RequestTrace:
     def finish(self, name: str, **attrs: Any) -> None:
         span = self._open.pop(name, None)
         if span is not None:
-            span.set_attributes(_clean(attrs))
+            if self._recording:
+                span.set_attributes(_clean(attrs))
             span.end()
 
     def end(self, error: BaseException | None = None, **attrs: Any) -> None:

@@ -47,6 +47,8 @@ def _deliver(results: list[tuple[asyncio.Future[Any], Outcome]]) -> None:
     """On the callers' loop: answer every caller still waiting."""
     for fut, (value, exc) in results:
         if fut.done():  # cancelled: nobody waits for it any more
+            if exc is not None:
+                log.warning("session log: an append failed after its caller left: %r", exc)
             continue
         if exc is not None:
             fut.set_exception(exc)

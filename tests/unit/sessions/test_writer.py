@@ -110,3 +110,33 @@ def test_a_caller_that_stops_waiting_does_not_stop_the_writer(tmp_path: Path) ->
     assert writer.jobs == 3
     writer.close()
     store.close()
+
+
+def test_a_failure_nobody_waits_for_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = SessionStore(tmp_path / "log.db")
+    writer = Writer(store)
+    gate = threading.Event()
+
+    def boom() -> None:
+        raise RuntimeError("disk full")
+
+    async def main() -> None:
+        hold = asyncio.ensure_future(writer.run(lambda: gate.wait(5)))
+        await asyncio.sleep(0.05)
+        gone = asyncio.ensure_future(writer.run(boom))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        await asyncio.sleep(0.05)
+        gate.set()
+        await hold
+        assert await asyncio.wait_for(writer.run(lambda: 7), 5) == 7
+
+    with caplog.at_level("WARNING", logger="gateway.sessions.writer"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records] == [
+        "session log: an append failed after its caller left: RuntimeError('disk full')"
+    ]
+    writer.close()
+    store.close()
