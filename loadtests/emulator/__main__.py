@@ -24,9 +24,20 @@ def main() -> None:
         help="the emulator's clock runs this many times faster than real time (TTLs, "
         "rate-limit windows): a load test plays hours in minutes",
     )
+    p.add_argument(
+        "--answer-words",
+        type=int,
+        default=12,
+        help="words in an answer when the request's output limit allows (a long streamed "
+        "answer: many events)",
+    )
     a = p.parse_args()
     state = EmulatorState(
-        clock=Clock(a.time_scale), shards=a.shards, capacity=a.capacity, api_key=a.api_key
+        clock=Clock(a.time_scale),
+        shards=a.shards,
+        capacity=a.capacity,
+        api_key=a.api_key,
+        answer_words=a.answer_words,
     )
     uvicorn.run(create_app(state), host=a.host, port=a.port, log_level="warning")
 

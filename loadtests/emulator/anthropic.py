@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .common import (
-    DEFAULT_OUTPUT_TOKENS,
+    answer_length,
     check_key,
     cut_after,
     event_stream,
@@ -269,7 +269,7 @@ async def messages(request: Request) -> Response:
         usage = apply_cache(store, body["model"], blocks, state.rule("anthropic"))
     except (BadRequest, KeyError, TypeError, AttributeError) as exc:
         return JSONResponse(error(400, str(exc) or "invalid request"), 400)
-    n = min(body["max_tokens"], DEFAULT_OUTPUT_TOKENS)
+    n = answer_length(state, body["max_tokens"])
     uses = _tool_uses(body, raw) if n else []
     words = [] if uses else reply_words(raw, n)
     stop = "max_tokens" if n == body["max_tokens"] else "end_turn"

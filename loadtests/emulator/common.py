@@ -21,12 +21,16 @@ _WORDS = (
     "hit miss write read ledger belief plan route shard layout"
 ).split()
 
-DEFAULT_OUTPUT_TOKENS = 12
-
 
 def state_of(request: Request) -> EmulatorState:
     s: EmulatorState = request.app.state.emulator
     return s
+
+
+def answer_length(state: EmulatorState, limit: Any) -> int:
+    """Words in an answer: the emulator's answer length, cut to the request's output
+    limit (``None``: no limit asked)."""
+    return state.answer_words if limit is None else min(int(limit), state.answer_words)
 
 
 def reply_words(body: bytes, n: int) -> list[str]:

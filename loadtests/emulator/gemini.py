@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .common import (
-    DEFAULT_OUTPUT_TOKENS,
+    answer_length,
     check_key,
     cut_after,
     event_stream,
@@ -254,7 +254,7 @@ async def generate(model_action: str, request: Request) -> Response:
         cached = implicit_lookup(shard, keys)
         implicit_write(shard, keys, rules.ttl_s or IMPLICIT_TTL_S)
     limit = (body.get("generationConfig") or {}).get("maxOutputTokens")
-    n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
+    n = answer_length(state, limit)
     uses = _tool_uses(body, raw)
     words = [] if uses else reply_words(raw, n)
     finish = "MAX_TOKENS" if limit is not None and n == int(limit) and not uses else "STOP"

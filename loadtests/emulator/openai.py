@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .common import (
-    DEFAULT_OUTPUT_TOKENS,
+    answer_length,
     check_key,
     cut_after,
     event_stream,
@@ -181,7 +181,7 @@ async def _chat(request: Request, documented: Rules) -> Response:
     if bad is not None:
         return JSONResponse(error(400, bad), 400)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
+    n = answer_length(state, limit)
     key = str(body.get("prompt_cache_key") or "")
     prompt = chat_stream_bytes(body)
     limited = rate_limited(state, rules.provider, tokens(prompt), error)
@@ -306,7 +306,7 @@ async def responses(request: Request) -> Response:
     if not body.get("input"):
         return JSONResponse(error(400, "input: required"), 400)
     limit = body.get("max_output_tokens")
-    n = DEFAULT_OUTPUT_TOKENS if limit is None else min(int(limit), DEFAULT_OUTPUT_TOKENS)
+    n = answer_length(state, limit)
     key = str(body.get("prompt_cache_key") or "")
     rules = effective(state, OPENAI)
     prompt = responses_stream_bytes(body)

@@ -161,6 +161,7 @@ class EmulatorState:
     shards: int = 4
     capacity: int = 4096
     api_key: str | None = None  # None: any non-empty key is accepted
+    answer_words: int = 12  # an answer's length when the request's limit allows it
     faults: list[Fault] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
     last_body: bytes = b""  # the last request's body, whole (for tests to read)

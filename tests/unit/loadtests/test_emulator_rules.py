@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -227,3 +228,41 @@ def test_a_scaled_clock_runs_faster_than_real_time() -> None:
     t0 = clock.now()
     time.sleep(0.05)
     assert 4.0 < clock.now() - t0 < 50.0
+
+
+def _streamed(sse: str) -> tuple[list[str], str | None]:
+    """The content deltas of an OpenAI stream, and its finish reason."""
+    words, finish = [], None
+    for line in sse.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                if choice["delta"].get("content"):
+                    words.append(choice["delta"]["content"])
+                finish = choice.get("finish_reason") or finish
+    return words, finish
+
+
+def test_the_answer_length_is_the_emulators_cut_to_the_request_limit() -> None:
+    """``--answer-words``: long streamed answers (many events) for benchmarks; a request's
+    own limit still cuts them, reported as such by every provider."""
+    emu = TestClient(create_app(EmulatorState(answer_words=200)))
+    ask = {"model": "gpt-5", "messages": [{"role": "user", "content": "q"}], "stream": True}
+    sse = emu.post("/v1/chat/completions", headers=B, json={**ask, "max_tokens": 500}).text
+    words, finish = _streamed(sse)
+    assert len(words) == 200 and finish == "stop"
+    cut = emu.post("/v1/chat/completions", headers=B, json={**ask, "max_tokens": 50}).text
+    words, finish = _streamed(cut)
+    assert len(words) == 50 and finish == "length"
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 300}
+    body["messages"] = [{"role": "user", "content": "q"}]
+    text = emu.post("/v1/messages", headers=A, json=body).json()
+    assert len(text["content"][0]["text"].split()) == 200 and text["stop_reason"] == "end_turn"
+    gem = emu.post(
+        "/v1beta/models/gemini-2.5-flash:generateContent",
+        headers=G,
+        json={"contents": [{"role": "user", "parts": [{"text": "q"}]}]},
+    ).json()
+    assert len(gem["candidates"][0]["content"]["parts"][0]["text"].split()) == 200
+    default = TestClient(create_app(EmulatorState()))
+    short = default.post("/v1/chat/completions", headers=B, json={**ask, "stream": False})
+    assert len(short.json()["choices"][0]["message"]["content"].split()) == 12
