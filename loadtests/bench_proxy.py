@@ -20,6 +20,9 @@ each interleaved between the proxies so that both meet the same machine:
   ``--rounds`` rounds: what a request costs a gateway that is serving.
 - ``under load, streamed``: the same with ``stream: true`` (every SSE event
   read to the end).
+- ``streamed, N words``: the same streamed, with answers of ``--long-words``
+  words (one event each; the emulator's ``--answer-words``), in slices of
+  ``--long-slice``: what each streamed token costs, printed per event too.
 
 ``--baseline PATH`` adds a third proxy, ``vcache@base``: ``vcache serve``
 from another checkout (its gRPC stubs generated), the same settings, taking
@@ -56,6 +59,7 @@ from procs import free_port, get_ok, serving  # noqa: E402
 
 SYSTEM = "You answer questions about the vcache manual, one section at a time.\n" * 60
 PHASES = ("one at a time", "under load", "under load, streamed")
+SHORT_WORDS = 8  # max_tokens of every phase but the long one
 
 
 def cpu_s(pid: int) -> float:
@@ -69,10 +73,12 @@ def cpu_s(pid: int) -> float:
     return total
 
 
-def body(i: int, model: str = "gpt-5", stream: bool = False) -> dict[str, Any]:
+def body(
+    i: int, model: str = "gpt-5", stream: bool = False, words: int = SHORT_WORDS
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": model,
-        "max_tokens": 8,
+        "max_tokens": words,
         "messages": [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"question {i}: what does section {i % 50} say?"},
@@ -158,8 +164,12 @@ async def under_load(
     pids: dict[str, int],
     args: argparse.Namespace,
     stream: bool,
+    words: int = SHORT_WORDS,
+    size: int | None = None,
 ) -> dict[str, Tally]:
-    """Slices of ``args.slice`` requests at ``args.concurrency``, the proxies in turn."""
+    """Slices of ``size`` (``args.slice``) requests at ``args.concurrency``, the proxies in
+    turn; answers of ``words`` words."""
+    size = size or args.slice
     tallies = {name: Tally() for name in pids}
     headers = {"authorization": "Bearer sk-bench"}
     limit = aiohttp.TCPConnector(limit=args.concurrency)
@@ -167,12 +177,12 @@ async def under_load(
         n = 0
         for name in pids:  # warm-up
             url, model = targets[name]
-            await _slice(session, url, [body(i, model, stream) for i in range(50)], 4)
+            await _slice(session, url, [body(i, model, stream, words) for i in range(50)], 4)
         for _ in range(args.rounds):
             for name, pid in pids.items():
                 url, model = targets[name]
-                bodies = [body(n + i, model, stream) for i in range(args.slice)]
-                n += args.slice
+                bodies = [body(n + i, model, stream, words) for i in range(size)]
+                n += size
                 cpu0, t0 = cpu_s(pid), time.perf_counter()
                 tallies[name].latencies += await _slice(session, url, bodies, args.concurrency)
                 tallies[name].wall += time.perf_counter() - t0
@@ -200,6 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "general_settings:\n  master_key: sk-bench\n"
     )
     emulator = [sys.executable, "-m", "loadtests.emulator", "--port", str(emu_port)]
+    emulator += ["--answer-words", str(max(args.long_words, SHORT_WORDS))]
     litellm = [args.litellm, "--config", str(cfg), "--port", str(ll_port), "--num_workers", "1"]
     ll_ready = f"http://127.0.0.1:{ll_port}/health/liveliness"
     builds = {"vcache": HERE.parent}
@@ -231,15 +242,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             PHASES[1]: asyncio.run(under_load(targets, pids, args, stream=False)),
             PHASES[2]: asyncio.run(under_load(targets, pids, args, stream=True)),
         }
+        if args.long_words:
+            long = under_load(targets, pids, args, True, args.long_words, args.long_slice)
+            phases[f"streamed, {args.long_words} words"] = asyncio.run(long)
     out: dict[str, Any] = {
         "requests_one_at_a_time": args.requests,
         "concurrency": args.concurrency,
         "rounds": args.rounds,
         "slice": args.slice,
+        "long_words": args.long_words,
+        "long_slice": args.long_slice,
         "phases": {},
     }
     for phase, tallies in phases.items():
         rows = {name: t.row(name in pids) for name, t in tallies.items()}
+        if phase.endswith(" words"):
+            for r in rows.values():
+                r["cpu_us_per_event"] = r["cpu_ms_per_request"] / args.long_words * 1e3
         vc_cpu = rows["vcache"]["cpu_ms_per_request"]
         ratio = rows["litellm"]["cpu_ms_per_request"] / max(vc_cpu, 1e-9)
         out["phases"][phase] = {"proxies": rows, "cpu_ratio_litellm_over_vcache": ratio}
@@ -261,6 +280,13 @@ def table(out: dict[str, Any]) -> str:
                 f"{'-' if rps is None else f'{rps:.0f}':>8}"
             )
         ratios = f"LiteLLM / vcache CPU: {p['cpu_ratio_litellm_over_vcache']:.2f}x"
+        if "cpu_us_per_event" in p["proxies"]["vcache"]:
+            per = ", ".join(
+                f"{n} {r['cpu_us_per_event']:.0f}"
+                for n, r in p["proxies"].items()
+                if "cpu_us_per_event" in r
+            )
+            ratios += f"; CPU us per event: {per}"
         if "cpu_ratio_base_over_vcache" in p:
             ratios += f"; vcache@base / vcache: {p['cpu_ratio_base_over_vcache']:.2f}x"
         lines.append(f"{'':<24}{ratios}")
@@ -275,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="clients under load")
     ap.add_argument("--slice", type=int, default=400, help="requests per proxy per turn")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--long-words", type=int, default=200, help="a long answer (0: skip)")
+    ap.add_argument("--long-slice", type=int, default=50, help="long requests per turn")
     ap.add_argument("--target-ms", type=float, default=1.5)
     ap.add_argument("--baseline", type=Path, help="another vcache checkout, run beside")
     ap.add_argument("--out", type=Path, default=Path("reports/bench_proxy.json"))
