@@ -6,7 +6,7 @@ One fixed upstream (the emulator's OpenAI route), two proxies in front of it:
 ``vcache serve`` (provider-only, the session log on, as deployed) and
 LiteLLM's proxy (installed in a venv of its own; see the README for the
 packages).  Each proxy's CPU time (user + system, its process and children,
-from ``/proc`` through psutil) is read around what it serves.  Three phases,
+from ``/proc`` through psutil) is read around what it serves.  Four phases,
 each interleaved between the proxies so that both meet the same machine:
 
 - ``one at a time``: one client sends the same non-streamed chat request (a
