@@ -8,7 +8,6 @@ Output models allow extra fields and are never built as raw dicts.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,6 +19,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from manifest.canonical import canonical_json
 
 # ---------------------------------------------------------------- requests
 
@@ -97,7 +98,7 @@ class ToolCallIn(BaseModel):
 
 def tool_calls_json(calls: list[dict[str, Any]]) -> str:
     """Tool calls (``{id, type, function: {name, arguments}}``) as canonical JSON text."""
-    return json.dumps(calls, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return canonical_json(calls).decode()
 
 
 class ChatMessage(BaseModel):
