@@ -76,13 +76,15 @@ def verify(record: RenderRecord, rendered: bytes, markers: Mapping[str, MarkerAt
         now = markers.get(m.identity)
         return now is not None and now.end_byte == m.prefix_bytes <= len(rendered)
 
-    sha = prefix_digests(rendered, (m.prefix_bytes for m in record.markers if same_place(m)))
+    placed = [same_place(m) for m in record.markers]
+    ends = (m.prefix_bytes for m, ok in zip(record.markers, placed, strict=True) if ok)
+    sha = prefix_digests(rendered, ends)
     kept: list[MarkerRecord] = []
     dropped: list[tuple[MarkerRecord, DropReason]] = []
-    for m in record.markers:
+    for m, ok in zip(record.markers, placed, strict=True):
         if m.identity not in markers:
             dropped.append((m, "missing"))
-        elif not same_place(m) or sha[m.prefix_bytes] != m.prefix_sha256:
+        elif not ok or sha[m.prefix_bytes] != m.prefix_sha256:
             dropped.append((m, "changed"))
         else:
             kept.append(m)
