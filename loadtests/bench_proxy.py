@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
 from procs import free_port, get_ok, serving  # noqa: E402
+from report import percentile  # noqa: E402
 
 SYSTEM = "You answer questions about the vcache manual, one section at a time.\n" * 60
 PHASES = ("one at a time", "under load", "under load, streamed")
@@ -98,11 +98,11 @@ class Tally:
         self.latencies: list[float] = []
 
     def row(self, measured_cpu: bool) -> dict[str, Any]:
-        xs = sorted(self.latencies)
+        xs = [x * 1e3 for x in self.latencies]
         row: dict[str, Any] = {
             "requests": len(xs),
-            "latency_p50_ms": statistics.median(xs) * 1e3,
-            "latency_p90_ms": xs[int(len(xs) * 0.9)] * 1e3,
+            "latency_p50_ms": percentile(xs, 50),
+            "latency_p90_ms": percentile(xs, 90),
             "requests_per_s": len(xs) / self.wall if self.wall else None,
         }
         if measured_cpu:
