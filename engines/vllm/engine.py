@@ -228,7 +228,12 @@ class VllmEngine:
         """Run a utility method in the engine core (the vcache plugin's pin/evict/...)."""
         if self._llm is None or self._closed:
             raise EngineUnavailable("engine is not ready")
-        return await self._llm.engine_core.call_utility_async(method, *args)
+        try:
+            return await self._llm.engine_core.call_utility_async(method, *args)
+        except EngineError:
+            raise
+        except Exception as exc:  # a dead core (EngineDeadError), a plugin's own failure
+            raise EngineUnavailable(f"engine core call {method} failed: {exc}") from exc
 
     async def close(self) -> None:
         if self._closed:
@@ -248,6 +253,7 @@ def _sampling_params(request: GenerateRequest) -> Any:
         max_tokens=s.max_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
+        top_k=s.top_k,
         stop=list(s.stop) or None,
         seed=s.seed,
         presence_penalty=s.presence_penalty,

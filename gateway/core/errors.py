@@ -20,9 +20,10 @@ handlers (``gateway/http/errors.py``) and later the gRPC servicer render these.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 from engines.errors import (
     EngineError,
@@ -162,6 +163,24 @@ def from_engine_error(exc: EngineError) -> APIError:
     if isinstance(exc, EngineUnavailable):
         return Unavailable(str(exc), code="engine_unavailable", retry_after_s=5)
     return APIError(f"engine error: {exc}")
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def maps_engine_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """``fn`` with every engine error it lets out mapped once to the API's terms (a sick
+    replica's control endpoint is a 503 with Retry-After, never a 500)."""
+
+    @functools.wraps(fn)
+    async def mapped(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+
+    return mapped
 
 
 def _param_parts(loc: tuple[int | str, ...]) -> list[str]:

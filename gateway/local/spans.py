@@ -66,6 +66,10 @@ class ReplicaCacheState:
     # its BlockStored events were sent before the answer, but may still be in transit.
     answered: list[BlockHash] = field(default_factory=list)
     late_event_waits: int = 0  # syncs that had to wait for such events
+    # False while the engine core cannot be asked which events it sent (its control
+    # endpoint is down): the index may lag it, so its predictions are not exact.
+    synced: bool = True
+    sync_failures: int = 0
 
 
 @dataclass
@@ -237,14 +241,28 @@ class KVSpans:
         sends the next turn at once must be predicted against them.
         """
         for st in self._live():
-            if barrier:
+            if barrier:  # an admin operation: a replica that cannot answer is an error
                 await self._barrier(st)
+                st.synced = True
             else:
                 await st.subscriber.sync()
                 if st.answered and not self._all_seen(st):
                     st.late_event_waits += 1
-                    await self._barrier(st)
+                    await self._dispatch_barrier(st)
             st.answered.clear()
+
+    async def _dispatch_barrier(self, st: ReplicaCacheState) -> None:
+        """The barrier a request's routing needs.  A replica whose engine core cannot be
+        asked (its control endpoint is down) does not fail the request: it is predicted
+        from the events seen so far and marked not exact until a barrier succeeds."""
+        try:
+            await self._barrier(st)
+        except EngineError as exc:
+            st.synced, st.sync_failures = False, st.sync_failures + 1
+            log.warning("replica %s: KV events barrier failed (%s); predictions there are "
+                        "not exact until it answers", st.replica, exc)  # fmt: skip
+            return
+        st.synced = True
 
     def _all_seen(self, st: ReplicaCacheState) -> bool:
         return all(self.index.match([h])[st.replica] for h in st.answered)
@@ -279,7 +297,7 @@ class KVSpans:
 
     def is_exact(self, replica: LocationId) -> bool:
         st = self._replicas.get(replica)
-        return st is not None and st.agreement == "exact"
+        return st is not None and st.agreement == "exact" and st.synced
 
     # ------------------------------------------------------------- probe
 
@@ -447,6 +465,7 @@ class KVSpans:
                 "engine": engine,
                 "predictions": {"matched": st.predictions_matched, "missed": st.predictions_missed},
                 "late_event_waits": st.late_event_waits,
+                "sync_failures": st.sync_failures,
                 "events": {
                     "batches": sub.batches,
                     "gaps": sub.gaps,

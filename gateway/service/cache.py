@@ -20,6 +20,7 @@ from gateway.core.errors import (
     NotFound,
     PermissionDenied,
     Unavailable,
+    maps_engine_errors,
 )
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage, RequestModel, TokenId
 from gateway.core.types import Principal, tenant_salt
@@ -190,6 +191,7 @@ class CacheService:
         if not who.admin:
             raise PermissionDenied("The cache API needs an admin key", code="admin_required")
 
+    @maps_engine_errors
     async def lookup(self, body: CacheRequest, who: Principal) -> LookupResponse:
         kv, spans = self._spans(body, who)
         await kv.sync(barrier=True)
@@ -213,6 +215,7 @@ class CacheService:
             ],
         )
 
+    @maps_engine_errors
     async def pin(self, body: CacheRequest, who: Principal) -> PinResponse:
         kv, spans = self._spans(body, who)
         await kv.sync(barrier=True)
@@ -229,6 +232,7 @@ class CacheService:
             ],
         )
 
+    @maps_engine_errors
     async def unpin(self, body: CacheRequest, who: Principal) -> UnpinResponse:
         kv, spans = self._spans(body, who)
         owner = who.key_name or who.tenant
@@ -246,6 +250,7 @@ class CacheService:
             return None
         return targets[0]
 
+    @maps_engine_errors
     async def evict(self, body: CacheRequest, who: Principal) -> EvictResponse:
         target = self._provider_target(body)
         if target is not None:  # Gemini cached contents; other providers cannot be told
@@ -263,6 +268,7 @@ class CacheService:
             out.append(ReplicaEvictions(replica=r, evicted=evicted, busy=busy))
         return EvictResponse(replicas=out)
 
+    @maps_engine_errors
     async def warm_provider(
         self, body: CacheRequest, who: Principal
     ) -> ProviderWarmResponse | None:
@@ -284,6 +290,7 @@ class CacheService:
             written_tokens=u.cache_write_tokens if u else 0,
         )
 
+    @maps_engine_errors
     async def warm(self, body: CacheRequest, who: Principal) -> WarmResponse:
         kv, spans = self._spans(body, who)
         if spans.tokens is None:
@@ -302,6 +309,7 @@ class CacheService:
         before, after = await kv.warm(target, spans.tokens, spans.salt)
         return WarmResponse(replica=target, cached_tokens_before=before, cached_tokens_after=after)
 
+    @maps_engine_errors
     async def stats(self) -> dict[str, object]:
         """The local replicas' KV accounting and, with providers, each provider target's
         hit rate, writes, reads, verified savings and false-warm count."""
