@@ -32,12 +32,8 @@ import httpx
 from engines.providers.base import CacheDirectives, ChatCall, ProviderUsage, Turn
 from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
-from gateway.providers.path import (
-    ProviderPath,
-    ProviderTarget,
-    calibration_path,
-    target_profile,
-)
+from gateway.providers.path import ProviderPath
+from gateway.providers.targets import ProviderTarget, calibration_path, target_profile
 from manifest.calibration import CalibratedProfile, Search, fit_granularity
 from manifest.planner import Regime
 

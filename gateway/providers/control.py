@@ -33,7 +33,7 @@ from gateway.core.config import ControlSettings
 from gateway.core.loops import every
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.providers.book import PromptView
-from gateway.providers.path import ProviderTarget
+from gateway.providers.targets import ProviderTarget
 from manifest.economics import dedicated_warm_break_even, warm_set_size, zipf_coverage, zipf_fit
 from manifest.governor import ArrivalRate, Decision, Economics, TtlOption, Verdict
 from manifest.planner import Regime

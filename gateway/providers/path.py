@@ -17,8 +17,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engines.providers.base import (
     CacheDirectives,
@@ -29,83 +28,16 @@ from engines.providers.base import (
     ToolCallPart,
 )
 from engines.providers.client import ProviderClient
-from engines.providers.retry import RetryPolicy
-from engines.providers.specs import PROVIDERS, ProviderSpec
-from gateway.core.config import ProviderConfig, Settings
-from gateway.core.errors import NotFound, Unavailable
+from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.providers.book import Believed, PromptView, ProviderCacheBook, Settlement
+from gateway.providers.control import Control, Fan
 from gateway.providers.gemini import CachedContents, Handle
-from manifest.calibration import CalibratedProfile
-from manifest.calibration import apply as apply_calibration
-from manifest.ledger import PriceTable
-from manifest.planner import CapabilityProfile, Regime, TargetState, WarmPrimitive, plan
-
-if TYPE_CHECKING:  # the control loop imports this module
-    from gateway.providers.control import Control, Fan
+from gateway.providers.targets import ProviderTarget, ProviderTargets
+from manifest.planner import TargetState, WarmPrimitive, plan
 
 log = logging.getLogger(__name__)
-
-
-def _by_prefix(table: dict[str, Any], model: str) -> Any:
-    keys = sorted((k for k in table if model.startswith(k)), key=len, reverse=True)
-    return table[keys[0]] if keys else None
-
-
-def target_profile(spec: ProviderSpec, model: str, cfg: ProviderConfig) -> CapabilityProfile:
-    """The provider's documented rules, with this deployment's overrides."""
-    profile = spec.profile(model, cfg.cache_ttl_s)
-    minimum = _by_prefix(cfg.min_prefix_tokens, model)
-    if minimum is not None:
-        profile = dataclasses.replace(profile, min_prefix_tokens=int(minimum))
-    price = _by_prefix(cfg.prices, model)
-    if price is not None:
-        profile = dataclasses.replace(
-            profile, read_mult=price.read_mult, write_mult=price.write_mult
-        )
-    return profile
-
-
-def calibration_path(data_dir: Path, target: str) -> Path:
-    """Where a target's fitted cache rules live (``vcache calibrate`` writes them)."""
-    return data_dir / "calibration" / (target.replace("/", "__") + ".json")
-
-
-@dataclass(frozen=True)
-class ProviderTarget:
-    name: str  # "provider/model"
-    spec: ProviderSpec
-    model: str
-    client: ProviderClient
-    profile: CapabilityProfile
-    config: ProviderConfig
-    calibrated: CalibratedProfile | None = None  # fitted by `vcache calibrate`
-
-    @property
-    def prices(self) -> PriceTable:
-        return PriceTable(self.profile.read_mult, self.profile.write_mult)
-
-    @property
-    def long_ttl_s(self) -> float:
-        """The long tier's TTL (Anthropic 1h), fitted once calibrated."""
-        cal = self.calibrated
-        if cal is not None and cal.ttl_long_s:
-            return cal.ttl_long_s
-        opts = self.profile.ttl_options_s
-        return float(opts[1]) if len(opts) >= 2 else self.ttl_s
-
-    @property
-    def ttl_s(self) -> float:
-        """How long a written prefix lives: the fitted TTL of the configured tier once
-        calibrated, else the documented one (explicit) or the configured belief."""
-        long_tier = self.config.cache_ttl_s > 300
-        cal = self.calibrated
-        if cal is not None:
-            return cal.ttl_long_s if long_tier and cal.ttl_long_s else cal.ttl_s
-        if self.profile.regime is Regime.EXPLICIT:
-            return float(self.config.cache_ttl_s)
-        return self.config.belief_ttl_s
 
 
 @dataclass
@@ -145,12 +77,9 @@ class ProviderPath:
         clock: Callable[[], float] = time.monotonic,
         client_factory: Callable[..., ProviderClient] = ProviderClient,
     ) -> None:
-        self._settings = settings
+        self.targets = ProviderTargets(settings, client_factory)
         self._metrics = metrics
         self._clock = clock
-        self._factory = client_factory
-        self._clients: dict[str, ProviderClient] = {}
-        self._targets: dict[str, ProviderTarget] = {}
         self.book = ProviderCacheBook(clock)
         self.control: Control | None = None  # the control loop, when one runs
         gemini = settings.providers.get("gemini")
@@ -158,50 +87,8 @@ class ProviderPath:
         self.cached_contents = CachedContents(clock, ttl)
 
     def target(self, name: str) -> ProviderTarget:
-        """``provider/model`` for a configured provider."""
-        if name in self._targets:
-            return self._targets[name]
-        provider, _, model = name.partition("/")
-        cfg = self._settings.providers.get(provider)
-        if cfg is None or not model:
-            raise NotFound(
-                f"The model '{name}' does not exist", param="model", code="model_not_found"
-            )
-        spec = PROVIDERS[provider]
-        client = self._clients.get(provider)
-        if client is None:
-            key = cfg.resolved_key(provider)
-            if key is None:
-                raise Unavailable(
-                    f"No API key is configured for provider '{provider}'",
-                    code="provider_not_configured",
-                )
-            retry = RetryPolicy(
-                cfg.max_retries, cfg.backoff_base_s, cfg.backoff_cap_s, cfg.max_retry_after_s
-            )
-            client = self._factory(
-                spec.adapter(), cfg.resolved_base_url(provider), key, retry, cfg.timeout_s
-            )
-            self._clients[provider] = client
-        profile = target_profile(spec, model, cfg)
-        cal = self._calibration(name)
-        if cal is not None:
-            profile = apply_calibration(profile, cal)
-        t = ProviderTarget(name, spec, model, client, profile, cfg, cal)
-        self._targets[name] = t
-        return t
-
-    def _calibration(self, name: str) -> CalibratedProfile | None:
-        path = calibration_path(self._settings.data_dir, name)
-        if not path.exists():
-            return None
-        try:
-            cal = CalibratedProfile.from_json(path.read_text())
-        except (OSError, ValueError, TypeError) as exc:
-            log.warning("%s: ignoring the calibration at %s (%s)", name, path, exc)
-            return None
-        log.info("%s: using the calibrated cache rules from %s", name, path)
-        return cal
+        """``provider/model`` for a configured provider (404 / 503 otherwise)."""
+        return self.targets.target(name)
 
     def _view(self, t: ProviderTarget, call: ChatCall, tenant: str) -> PromptView:
         plain = t.client.adapter.render(call, CacheDirectives())
@@ -333,13 +220,13 @@ class ProviderPath:
 
     def stats(self) -> dict[str, Any]:
         snap = self.book.snapshot()
-        for name, t in self._targets.items():
+        for name, t in self.targets.known().items():
             snap.setdefault(name, {})["retries"] = t.client.retries
         if self.cached_contents.created:
             snap["gemini_cached_contents"] = self.cached_contents.snapshot()
         return snap
 
     async def close(self) -> None:
-        await self.cached_contents.delete_all({t.name: t.client for t in self._targets.values()})
-        for c in self._clients.values():
-            await c.aclose()
+        known = self.targets.known().values()
+        await self.cached_contents.delete_all({t.name: t.client for t in known})
+        await self.targets.close()

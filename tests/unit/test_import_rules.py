@@ -100,3 +100,65 @@ def test_the_rule_catches_a_violation(tmp_path: Path) -> None:
     bad.write_text("from gateway.providers.path import ProviderPath\n")
     used = {m.split(".")[1] for m in _modules(bad) if m.startswith("gateway.")}
     assert not used <= STAGES["sessions"] | {"sessions"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle in ``graph`` (one per strongly connected component of more
+    than one module, or a module that imports itself), found by Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _gateway_graph() -> dict[str, set[str]]:
+    names = {_module_name(p): p for p in GATEWAY_FILES}
+    return {
+        name: {m for m in _modules(path) if m in names and m != name}
+        for name, path in names.items()
+    }
+
+
+def test_no_import_circle_inside_a_stage() -> None:
+    """No modules of gateway/ import each other in a loop, directly or through others
+    (TYPE_CHECKING and function-level imports count: they hide a circle, not cut it)."""
+    assert _cycles(_gateway_graph()) == []
+
+
+def test_the_circle_rule_catches_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

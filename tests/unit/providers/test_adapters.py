@@ -28,7 +28,8 @@ from engines.sse import SSEDecoder
 from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
 from gateway.providers.book import PromptView
-from gateway.providers.path import ProviderPath, target_profile
+from gateway.providers.path import ProviderPath
+from gateway.providers.targets import target_profile
 from manifest.planner import TargetState, plan
 
 CALL = ChatCall(
