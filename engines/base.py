@@ -31,6 +31,7 @@ class SamplingOptions:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token may be sampled
     stop: tuple[str, ...] = ()
     seed: int | None = None
     presence_penalty: float = 0.0

@@ -237,3 +237,23 @@ def plan(layout: PromptLayout, profile: CapabilityProfile, state: TargetState) -
         predicted_written_tokens=written,
         cost=cost,
     )
+
+
+def client_breakpoints(
+    layout: PromptLayout, profile: CapabilityProfile, keys: Sequence[str]
+) -> tuple[int, ...] | None:
+    """The boundary indices of the breakpoints a client placed itself (segment ``keys``,
+    Anthropic ``cache_control``), when the provider can take them as sent: an explicit
+    regime, every key a boundary of ``layout``, at most ``max_breakpoints`` of them and
+    none below the minimum cacheable prefix.  None: the planner places them instead."""
+    if profile.regime is not Regime.EXPLICIT or not keys:
+        return None
+    where = {b.key: i for i, b in enumerate(layout.boundaries)}
+    if any(k not in where for k in keys):
+        return None
+    marks = tuple(sorted({where[k] for k in keys}))
+    if len(marks) > profile.max_breakpoints:
+        return None
+    if any(layout.boundaries[i].tokens < profile.min_prefix_tokens for i in marks):
+        return None
+    return marks

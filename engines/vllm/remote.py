@@ -149,6 +149,8 @@ class RemoteVllmEngine:
         }
         if s.n > 1:
             body["n"] = s.n
+        if s.top_k:
+            body["top_k"] = s.top_k
         if s.logprobs is not None:
             body["logprobs"] = s.logprobs
         if s.structured is not None:

@@ -8,12 +8,14 @@ Output models allow extra fields and are never built as raw dicts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -216,7 +218,29 @@ class ResponseFormat(BaseModel):
         return self
 
 
+@dataclass(frozen=True)
+class Breakpoint:
+    """A client's cache breakpoint (Anthropic ``cache_control``): the prompt through
+    ``segment`` (``tools``, ``system`` or ``message:i``, i counted after the system
+    messages) is to be kept cached for ``ttl_s``."""
+
+    segment: str
+    ttl_s: int = 300
+
+
+@dataclass(frozen=True)
+class EdgeHints:
+    """What another API's edge (the Messages API) asks of a chat request beyond OpenAI's
+    fields; never read from the wire."""
+
+    breakpoints: tuple[Breakpoint, ...] = ()
+    clamp_output: bool = False  # a max_tokens past the context is cut to fit, not refused
+    top_k: int | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
+    _hints: EdgeHints = PrivateAttr(default_factory=EdgeHints)
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
@@ -264,6 +288,14 @@ class ChatCompletionRequest(SamplingFields):
                 "tool_choice names '{name}', which is not among the tools",
                 {"param": "tool_choice", "name": choice.function.name},
             )
+        return self
+
+    @property
+    def hints(self) -> EdgeHints:
+        return self._hints
+
+    def with_hints(self, hints: EdgeHints) -> ChatCompletionRequest:
+        self._hints = hints
         return self
 
     def top_logprobs_asked(self) -> int | None:

@@ -57,6 +57,8 @@ class Served:
     fallback_from: tuple[str, ...] = ()
     session: str | None = None  # the stored id of the session-log session it was appended to
     answer_seq: int | None = None  # the sequence number of its answer in that session
+    clamped_max_tokens: int | None = None  # the output limit cut to what the context holds
+    breakpoints: str | None = None  # who placed a provider request's cache breakpoints
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-target": self.target}
@@ -66,6 +68,10 @@ class Served:
             h["x-vcache-prefix-lint"] = ", ".join(self.lint)
         if self.session:
             h["x-vcache-session"] = session_name(self.session)
+        if self.breakpoints is not None:
+            h["x-vcache-breakpoints"] = self.breakpoints
+        if self.clamped_max_tokens is not None:
+            h["x-vcache-max-tokens-clamped"] = str(self.clamped_max_tokens)
         if self.fallback_from:
             h["x-vcache-fallback-from"] = ", ".join(self.fallback_from)
         return h

@@ -10,6 +10,7 @@ from typing import Any
 
 from gateway.core.errors import APIError, PayloadTooLarge, RequestTimeout
 from gateway.core.metrics import Metrics
+from gateway.http import anthropic
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -18,13 +19,22 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-async def _send_error(send: Send, exc: APIError, close: bool = False) -> None:
-    """The error as a whole response; ``close``: the connection too (a body left unread)."""
-    body = json.dumps(exc.body()).encode()
+async def _send_error(send: Send, exc: APIError, scope: Scope, close: bool = False) -> None:
+    """The error as a whole response in the API's shape (Anthropic's on the Messages
+    routes); ``close``: the connection too (a body left unread)."""
+    status, extra = exc.status, []
+    if str(scope.get("path", "")).startswith(anthropic.PREFIX):
+        rid = anthropic.new_request_id()
+        status, event = anthropic.error_event(exc, rid)
+        body = event.model_dump_json(exclude_none=True).encode()
+        extra.append((b"request-id", rid.encode()))
+    else:
+        body = json.dumps(exc.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += extra
     if close:
         headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -57,7 +67,7 @@ class BodyLimitMiddleware:
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await _send_error(send, self._too_large())
+                await _send_error(send, self._too_large(), scope)
                 return
         chunks: list[bytes] = []
         size = 0
@@ -71,14 +81,14 @@ class BodyLimitMiddleware:
                     f"{self.chunk_timeout_s:g} s)",
                     code="request_timeout",
                 )
-                await _send_error(send, slow, close=True)
+                await _send_error(send, slow, scope, close=True)
                 return
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                await _send_error(send, self._too_large(), close=True)
+                await _send_error(send, self._too_large(), scope, close=True)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -17,6 +17,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
+from gateway.core.messages import ErrorEvent
+
 
 class ErrorDetail(BaseModel):
     message: str
@@ -68,6 +70,18 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ErrorResponse, "description": _WHY[c]} for c in codes}
 
 
+_WHY_ANTHROPIC = {
+    **_WHY,
+    500: "The gateway or a hosted provider failed (api_error)",
+    529: "Overloaded, starting, or the engine is restarting; see Retry-After",
+}
+
+
+def anthropic_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries of the Messages API routes: Anthropic's error shape."""
+    return {c: {"model": ErrorEvent, "description": _WHY_ANTHROPIC[c]} for c in codes}
+
+
 # What any authenticated route may answer besides its own errors.
 COMMON = (400, 401, 408, 413, 503)
 GENERATION = errors(*COMMON, 403, 404, 429, 502, 504)
@@ -90,12 +104,15 @@ def install_openapi(app: FastAPI) -> None:
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
         doc["components"]["securitySchemes"] = {
-            "bearer": {"type": "http", "scheme": "bearer", "description": "an API key"}
+            "bearer": {"type": "http", "scheme": "bearer", "description": "an API key"},
+            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
         }
         for path, ops in doc.get("paths", {}).items():
             for op in ops.values():
                 op.get("responses", {}).pop("422", None)
-                if path.startswith("/v1/"):
+                if path.startswith("/v1/messages"):  # Anthropic's clients send x-api-key
+                    op["security"] = [{"x-api-key": []}, {"bearer": []}]
+                elif path.startswith("/v1/"):
                     op["security"] = [{"bearer": []}]
         app.openapi_schema = doc
         return doc

@@ -1,10 +1,10 @@
-"""Server-sent events for streamed completions, with errors mid-stream in OpenAI's shape."""
+"""Server-sent events for streamed answers, with errors mid-stream in the API's shape."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -20,8 +20,20 @@ def _event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
+def openai_frame(item: BaseModel) -> bytes:
+    return _event(item.model_dump_json().encode())
+
+
+def openai_error(exc: APIError) -> bytes:
+    return _event(json.dumps(exc.body()).encode())
+
+
 async def open_stream(
-    stream: AsyncGenerator[BaseModel, None], headers: dict[str, str] | None = None
+    stream: AsyncGenerator[BaseModel, None],
+    headers: dict[str, str] | None = None,
+    frame: Callable[[BaseModel], bytes] = openai_frame,
+    on_error: Callable[[APIError], bytes] = openai_error,
+    done: bytes | None = DONE,
 ) -> StreamingResponse:
     """Start ``stream`` now and return the response.
 
@@ -34,16 +46,17 @@ async def open_stream(
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            yield _event(first.model_dump_json().encode())
+            yield frame(first)
             async for item in stream:
-                yield _event(item.model_dump_json().encode())
+                yield frame(item)
         except APIError as exc:
             log.warning("stream failed after it started: %s", exc.message)
-            yield _event(json.dumps(exc.body()).encode())
+            yield on_error(exc)
             return
         finally:
             await stream.aclose()
-        yield DONE
+        if done is not None:
+            yield done
 
     return StreamingResponse(
         body(),

@@ -35,7 +35,7 @@ from gateway.providers.book import Believed, PromptView, ProviderCacheBook, Sett
 from gateway.providers.control import Control, Fan
 from gateway.providers.gemini import CachedContents, Handle
 from gateway.providers.targets import ProviderTarget, ProviderTargets
-from manifest.planner import TargetState, WarmPrimitive, plan
+from manifest.planner import TargetState, WarmPrimitive, client_breakpoints, plan
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +62,22 @@ class Prepared:
     directives: CacheDirectives
     rendered: Rendered
     fan: Fan | None = None  # the first of a cold anchor's siblings releases the rest
+    # whose breakpoints these are when the client placed its own: "client" (taken as
+    # sent) or "planner" (invalid for the target: at most 4, none below the minimum)
+    placed_by: str | None = None
 
     def release(self) -> None:
         """Let the anchor's held siblings go (the provider has written it)."""
         if self.fan is not None:
             self.fan.release()
+
+
+def _segment(view: PromptView, segment: str) -> str:
+    """A client breakpoint's segment as a boundary key of the rendered prompt: a mark on
+    the system prompt closes all of it (its volatile part, under the canonical layout)."""
+    if segment == "system" and "system:volatile" in view.keys:
+        return "system:volatile"
+    return segment
 
 
 class ProviderPath:
@@ -125,10 +136,20 @@ class ProviderPath:
             believed_warm_tokens=believed.tokens, warm_probability=believed.probability
         )
         p = plan(view.layout(), t.profile, state)
-        marked = tuple(view.keys[i] for i in p.breakpoints)
+        breakpoints = p.breakpoints
         long_ttl: tuple[str, ...] = ()
         if c is not None and c.long_ttl(anchor):  # the anchor, and marks before it: 1h first
             long_ttl = tuple(view.keys[i] for i in p.breakpoints if i <= view.anchor())
+        asked = req.hints.breakpoints if req is not None and not t.spec.cached_contents else ()
+        placed_by = None
+        if asked:  # the client's own cache_control marks, taken as sent when valid
+            keys = [_segment(view, b.segment) for b in asked]
+            taken = client_breakpoints(view.layout(), t.profile, keys)
+            placed_by = "client" if taken is not None else "planner"
+            if taken is not None:
+                breakpoints = taken
+                long_ttl = tuple(_segment(view, b.segment) for b in asked if b.ttl_s > 300)
+        marked = tuple(view.keys[i] for i in breakpoints)
         handle = None
         if t.spec.cached_contents:
             handle = await self.cached_contents.use(t.name, t.client, t.profile, call, view)
@@ -142,7 +163,9 @@ class ProviderPath:
             retention=t.config.prompt_cache_retention if t.spec.cache_key else None,
         )
         rendered = t.client.adapter.render(call, directives)
-        return Prepared(t, call, view, believed, marked, handle, directives, rendered, fan)
+        return Prepared(
+            t, call, view, believed, marked, handle, directives, rendered, fan, placed_by
+        )
 
     def inline(self, p: Prepared) -> Prepared | None:
         """After :class:`ProviderNotFound` on a request that used a cached-content handle:

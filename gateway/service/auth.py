@@ -50,3 +50,11 @@ async def require_principal(request: Request) -> Principal:
     """FastAPI dependency for every /v1 route."""
     keyring: KeyRing = request.app.state.keyring
     return keyring.authenticate(request.headers.get("authorization"))
+
+
+async def require_anthropic_principal(request: Request) -> Principal:
+    """The Messages API's keys: ``x-api-key`` as Anthropic's clients send it, or a bearer
+    header, checked against the same keys."""
+    keyring: KeyRing = request.app.state.keyring
+    key = request.headers.get("x-api-key")
+    return keyring.authenticate(f"Bearer {key}" if key else request.headers.get("authorization"))

@@ -12,8 +12,9 @@ before a response starts.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from typing import TypeVar
 
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable
@@ -51,6 +52,8 @@ from gateway.service.local import LocalChat
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets, first_ok
 from gateway.sessions.log import SessionLog
+
+T = TypeVar("T")
 
 
 def _include_usage(req: SamplingFields) -> bool:
@@ -214,12 +217,37 @@ class GatewayService:
         session: str | None = None,
     ) -> Routed[ChatCompletion]:
         """One whole answer; a target that fails at any point before it ends falls back."""
+
+        async def shape(rid: str, pieces: Pieces) -> ChatCompletion:
+            return await chat_completion(rid, req.model, pieces, chat_shape(req))
+
+        routed = await self.whole(req, who, shape, route, session)
+        return Routed(routed.body[0], routed.served)
+
+    async def whole(
+        self,
+        req: ChatCompletionRequest,
+        who: Principal,
+        shape: Callable[[str, Pieces], Awaitable[T]],
+        route: RouteOverride | None = None,
+        session: str | None = None,
+    ) -> Routed[tuple[T, Usage]]:
+        """One whole answer shaped by ``shape(request id, pieces)`` (any API's object) and
+        its usage; a target that fails at any point before it ends falls back."""
         served = Served()
         trace = self.tracing.request("vcache.chat", model=req.model, stream=False)
+        usage = Usage.of(0, 0, 0)
 
-        async def attempt(target: str) -> ChatCompletion:
+        async def used(pieces: Pieces) -> Pieces:
+            nonlocal usage
+            async with aclosing(pieces):
+                async for p in pieces:
+                    usage = p.usage or usage
+                    yield p
+
+        async def attempt(target: str) -> T:
             rid, pieces = self._pieces(target, req, who, route, served, session, trace)
-            return await chat_completion(rid, req.model, pieces, chat_shape(req))
+            return await shape(rid, used(pieces))
 
         try:
             targets = self._targets.resolve(req.model)
@@ -227,8 +255,8 @@ class GatewayService:
         except BaseException as exc:
             trace.end(exc, target=served.target)
             raise
-        trace.end(None, target=served.target, **_usage_attrs(body.usage))
-        return Routed(body, served)
+        trace.end(None, target=served.target, **_usage_attrs(usage))
+        return Routed((body, usage), served)
 
     async def chat_stream(
         self,
@@ -243,10 +271,12 @@ class GatewayService:
 
     # ------------------------------------------------------- completions
 
-    def _local_only(self, model: str) -> None:
+    def local_only(self, model: str, what: str = "text completions") -> None:
+        """``model`` has the local model among its targets (else a 400 saying ``what`` is
+        served by the local model only)."""
         if LOCAL_TARGET not in self._targets.resolve(model):
             raise InvalidRequest(
-                f"'{model}' is served by hosted providers only; text completions are "
+                f"'{model}' is served by hosted providers only; {what} are "
                 "served by the local model",
                 param="model",
                 code="unsupported_model",
@@ -255,7 +285,7 @@ class GatewayService:
     async def complete(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[Completion]:
-        self._local_only(req.model)
+        self.local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
         trace = self.tracing.request("vcache.completion", model=req.model, stream=False)
         pieces = _ended(self.local.completion(req, who, route, served, rid, trace), trace, served)
@@ -265,7 +295,7 @@ class GatewayService:
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[AsyncGenerator[Completion, None]]:
         """A stream that has produced its first piece (errors before it are raised here)."""
-        self._local_only(req.model)
+        self.local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
         trace = self.tracing.request("vcache.completion", model=req.model, stream=True)
         local = self.local.completion(req, who, route, served, rid, trace)

@@ -21,6 +21,7 @@ from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest, Unavailable
+from gateway.core.outputs import Usage
 from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -33,6 +34,8 @@ from gateway.core.tracing import RequestTrace
 from gateway.core.types import Principal, RouteOverride, Served, tenant_salt
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
+from gateway.local.retention import BreakpointLeases
+from gateway.local.spans import KVSpans
 from gateway.service.journal import Journal
 from gateway.service.tools import ToolPlan
 from gateway.sessions.log import Open
@@ -59,7 +62,8 @@ class LocalChat:
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
         self.governor: LocalGovernor | None = None  # pins anchors worth holding
-        self._anchor_len: OrderedDict[tuple[SystemPrompts, bytes], int] = OrderedDict()
+        self._anchor_len: OrderedDict[tuple[SystemPrompts, bytes, Turns], int] = OrderedDict()
+        self.leases = BreakpointLeases()  # the KV blocks through clients' breakpoints
 
     @property
     def engine(self) -> Engine:
@@ -147,6 +151,7 @@ class LocalChat:
         greq = self._generate_request(
             rid, ids, req, req.output_limit(), ("messages", limit_param), who,
             logprobs=req.top_logprobs_asked(), structured=structured,
+            clamp=req.hints.clamp_output, top_k=req.hints.top_k,
         )  # fmt: skip
         return greq, plan
 
@@ -170,6 +175,9 @@ class LocalChat:
                 op = await self._journal(req, who, greq, session, served, system, turns)
             d = await self._route(greq, route, trace)
             served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
+            asked = req.output_limit()
+            if asked is not None and greq.sampling.max_tokens < asked:
+                served.clamped_max_tokens = greq.sampling.max_tokens
             kv = self.dispatcher.kv
             if self.governor is not None and kv is not None and d.hashes and system:
                 n = self._anchor_tokens(system, req, greq.prompt_token_ids)
@@ -177,6 +185,10 @@ class LocalChat:
             pieces = self._generate(greq, d, "chat", t0, trace)
             if plan is not None:
                 pieces = plan.stream(pieces)
+            if req.hints.breakpoints:
+                ends = self._breakpoint_ends(system, turns, req, greq.prompt_token_ids)
+                owner = f"breakpoints:{who.tenant}:{served.session or rid}"
+                pieces = self._retained(pieces, d, ends, owner)
             async with aclosing(self._journaled(pieces, op, served, rid)) as out:
                 async for p in out:
                     yield p
@@ -185,12 +197,22 @@ class LocalChat:
         self, system: SystemPrompts, req: ChatCompletionRequest, ids: Sequence[int]
     ) -> int:
         """How many leading tokens the system prompts (and tools) render to, as a prefix
-        of the whole prompt: remembered per (system, tools), the last 1024."""
-        tools = req.tool_dicts()
-        key = (system, canonical_json(tools) if tools else b"")
+        of the whole prompt."""
+        return self._prefix_tokens(system, (), req.tool_dicts(), ids)
+
+    def _prefix_tokens(
+        self,
+        system: SystemPrompts,
+        turns: Turns,
+        tools: list[dict[str, Any]],
+        ids: Sequence[int],
+    ) -> int:
+        """How many leading tokens of ``ids`` the system prompts, tools and ``turns``
+        render to: remembered per (system, tools, turns), the last 1024."""
+        key = (system, canonical_json(tools) if tools else b"", turns)
         n = self._anchor_len.get(key)
         if n is None:
-            head = self._render(system, (), tools)
+            head = self._render(system, turns, tools)
             n = 0
             while n < min(len(head), len(ids)) and head[n] == ids[n]:
                 n += 1
@@ -200,6 +222,56 @@ class LocalChat:
         else:
             self._anchor_len.move_to_end(key)
         return n
+
+    def _breakpoint_ends(
+        self, system: SystemPrompts, turns: Turns, req: ChatCompletionRequest, ids: Sequence[int]
+    ) -> list[tuple[int, int]]:
+        """(token position, TTL) of each client breakpoint: where the prompt through its
+        marked segment ends.  A mark on the last turn covers the whole prompt (only the
+        template's few tokens that open the answer follow it)."""
+        out = []
+        for bp in req.hints.breakpoints:
+            if bp.segment in ("tools", "system"):
+                pos = self._anchor_tokens(system, req, ids)
+            else:
+                i = int(bp.segment.partition(":")[2])
+                last = i >= len(turns) - 1
+                pos = len(ids) if last else self._prefix_tokens(
+                    system, turns[: i + 1], req.tool_dicts(), ids
+                )  # fmt: skip
+            out.append((pos, bp.ttl_s))
+        return out
+
+    async def _retained(
+        self, pieces: Pieces, d: Dispatch, ends: list[tuple[int, int]], owner: str
+    ) -> Pieces:
+        """The pieces; at the end, the blocks through each breakpoint leased on the replica
+        for its TTL, and the usage says how many prompt tokens were newly cached through
+        the last breakpoint (Anthropic's ``cache_creation_input_tokens``)."""
+        kv = self.dispatcher.kv
+        block = kv.block_size if kv is not None else self.engine.capabilities.block_size
+        async with aclosing(pieces):
+            async for p in pieces:
+                if p.usage is not None:
+                    u = p.usage
+                    cached = u.prompt_tokens_details.cached_tokens
+                    through = max(pos for pos, _ in ends) // block * block
+                    written = max(0, min(through, u.prompt_tokens) - cached)
+                    usage = Usage.of(u.prompt_tokens, u.completion_tokens, cached, written)
+                    p = dataclasses.replace(p, usage=usage)
+                    if kv is not None and d.hashes:
+                        await self._lease(kv, d, ends, owner, block)
+                yield p
+
+    async def _lease(
+        self, kv: KVSpans, d: Dispatch, ends: list[tuple[int, int]], owner: str, block: int
+    ) -> None:
+        tiers: dict[int, int] = {}  # TTL → the furthest position marked with it
+        for pos, ttl in ends:
+            tiers[ttl] = max(tiers.get(ttl, 0), pos)
+        for ttl, pos in sorted(tiers.items()):
+            n = min(pos // block, len(d.hashes))
+            await self.leases.hold(kv, d.replica.id, f"{owner}:{ttl}s", d.hashes[:n], ttl)
 
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         if not req.tools or req.tool_choice == "none":
@@ -326,6 +398,8 @@ class LocalChat:
         who: Principal,
         logprobs: int | None = None,
         structured: Structured | None = None,
+        clamp: bool = False,
+        top_k: int | None = None,
     ) -> GenerateRequest:
         prompt_param, limit_param = params
         max_len = self.engine.capabilities.max_model_len
@@ -337,6 +411,8 @@ class LocalChat:
                 code="context_length_exceeded",
             )
         room = max_len - len(ids)
+        if clamp and limit is not None:  # coding agents ask for far more than fits
+            limit = min(limit, room)
         if limit is not None and limit > room:
             raise InvalidRequest(
                 f"max_tokens is {limit}, but the prompt has {len(ids)} tokens and the "
@@ -348,6 +424,7 @@ class LocalChat:
             max_tokens=room if limit is None else limit,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k or 0,
             stop=req.stop_list(),
             seed=req.seed,
             presence_penalty=req.presence_penalty,

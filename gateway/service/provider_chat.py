@@ -124,6 +124,8 @@ class ProviderChat:
             with trace.step("plan", target=target) as span:
                 p = await self.path.prepare(t, call, tenant, warm, req)
                 span.set_attribute("vcache.breakpoints", len(p.marked))
+            if served is not None:
+                served.breakpoints = p.placed_by
             attempt, yielded = 0, False
             while True:
                 request_id = rid if attempt == 0 else f"{rid}-{attempt}"

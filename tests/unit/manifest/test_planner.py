@@ -16,6 +16,7 @@ from manifest.planner import (
     TargetState,
     WarmPrimitive,
     anthropic_profile,
+    client_breakpoints,
     deepseek_profile,
     local_vllm_profile,
     openai_profile,
@@ -149,3 +150,18 @@ def test_gemini_profile_is_implicit_with_a_cached_content_warm() -> None:
     flash, pro = gemini_profile("gemini-2.5-flash"), gemini_profile("gemini-2.5-pro")
     assert (flash.min_prefix_tokens, pro.min_prefix_tokens) == (2048, 4096)
     assert flash.regime is Regime.IMPLICIT and flash.warm is WarmPrimitive.CACHED_CONTENT
+
+
+def test_client_breakpoints_taken_as_sent_only_when_valid() -> None:
+    """A client's own marks: valid on Anthropic (sorted, deduplicated), refused when one
+    names no boundary, falls below the minimum prefix, or there are more than four; an
+    implicit provider never takes them."""
+    a = anthropic_profile("claude-sonnet-4-5")
+    four = layout(*[(f"message:{i}", M, 1100) for i in range(5)])
+    assert client_breakpoints(AGENT, a, ["message:1", "system", "system"]) == (1, 3)
+    assert client_breakpoints(AGENT, a, ["tools"]) is None  # 900 tokens < 1024
+    assert client_breakpoints(AGENT, a, ["message:9"]) is None
+    assert client_breakpoints(AGENT, a, []) is None
+    assert client_breakpoints(four, a, [f"message:{i}" for i in range(4)]) == (0, 1, 2, 3)
+    assert client_breakpoints(four, a, [f"message:{i}" for i in range(5)]) is None
+    assert client_breakpoints(AGENT, openai_profile("gpt-5"), ["system"]) is None

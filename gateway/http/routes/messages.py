@@ -1,0 +1,120 @@
+"""POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API).
+
+Auth by ``x-api-key`` or a bearer header against the same keys;
+``anthropic-version`` and ``anthropic-beta`` are accepted (and ``?beta=true``,
+as coding agents send it).  The conversation's session in the log is named by
+``x-vcache-session``, else the agent's own session header
+(``X-Claude-Code-Session-Id``), else the session id inside
+``metadata.user_id``; failing those the log finds it by prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel
+
+from gateway.core.errors import APIError
+from gateway.core.messages import CountTokensRequest, Message, MessagesRequest, TokenCount
+from gateway.core.types import Principal, RouteOverride
+from gateway.http import anthropic
+from gateway.http.openapi import anthropic_errors, streamed
+from gateway.http.routes.chat import SESSION_ID, routing_override, service, session_header
+from gateway.http.sse import open_stream
+from gateway.service.auth import require_anthropic_principal
+from gateway.service.messages import Messages
+
+router = APIRouter(prefix="/v1", tags=["messages"])
+
+AGENT_SESSION_HEADERS = ("x-claude-code-session-id", "x-session-id")
+_USER_ID_SESSION = re.compile(r"session_([0-9a-fA-F-]{8,64})")
+ERRORS = anthropic_errors(400, 401, 403, 404, 413, 429, 500, 504, 529)
+
+
+@dataclass(frozen=True)
+class MessagesCaller:
+    who: Principal
+    api: Messages
+    route: RouteOverride | None
+    request_id: str
+
+
+async def messages_caller(request: Request) -> MessagesCaller:
+    rid = anthropic.request_id(request)
+    who = await require_anthropic_principal(request)
+    svc = await service(request)
+    return MessagesCaller(who, Messages(svc), routing_override(request, who, svc), rid)
+
+
+def metadata_session(user_id: str | None) -> str | None:
+    """The session id a coding agent puts in ``metadata.user_id``: a JSON object with a
+    ``session_id``, or the older ``user_<hash>_account_<uuid>_session_<uuid>`` text."""
+    if not user_id:
+        return None
+    try:
+        value = json.loads(user_id)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("session_id"), str):
+        sid: str = value["session_id"]
+        return sid if SESSION_ID.match(sid) else None
+    found = _USER_ID_SESSION.search(user_id)
+    return found.group(1) if found else None
+
+
+async def conversation(request: Request, body: MessagesRequest) -> str | None:
+    explicit = await session_header(request)  # a bad x-vcache-session is a 400
+    if explicit is not None:
+        return explicit
+    for name in AGENT_SESSION_HEADERS:
+        sid = request.headers.get(name)
+        if sid and SESSION_ID.match(sid):
+            return sid
+    return metadata_session(body.metadata.user_id if body.metadata else None)
+
+
+def _frame(item: BaseModel) -> bytes:
+    kind = getattr(item, "type", "message")
+    return anthropic.sse(str(kind), item.model_dump_json().encode())
+
+
+Caller = Annotated[MessagesCaller, Depends(messages_caller)]
+
+
+@router.post(
+    "/messages",
+    response_model=None,
+    responses={**streamed(Message), **ERRORS},
+    summary="Create a Message (Anthropic's Messages API)",
+)
+async def create_message(body: MessagesRequest, call: Caller, request: Request) -> Response:
+    session = await conversation(request, body)
+    extra = {"request-id": call.request_id}
+    if body.stream:
+        routed = await call.api.stream(body, call.who, call.route, session)
+
+        def failed(exc: APIError) -> bytes:
+            _, event = anthropic.error_event(exc, call.request_id)
+            return _frame(event)
+
+        return await open_stream(
+            routed.body, {**routed.headers(), **extra}, _frame, failed, done=None
+        )
+    done = await call.api.create(body, call.who, call.route, session)
+    headers = {**done.headers(), **extra}
+    return Response(done.body.model_dump_json(), media_type="application/json", headers=headers)
+
+
+@router.post(
+    "/messages/count_tokens",
+    response_model=TokenCount,
+    responses=anthropic_errors(400, 401, 404, 529),
+    summary="Count the tokens of a Messages request as the local model renders it",
+)
+async def count_tokens(body: CountTokensRequest, call: Caller, response: Response) -> TokenCount:
+    response.headers["request-id"] = call.request_id
+    return call.api.count_tokens(body)
