@@ -80,7 +80,7 @@ class DemoModelSpec:
     intermediate_size: int = 512
     num_layers: int = 2
     num_heads: int = 4  # head_dim = 256 / 4 = 64: vLLM's CPU attention rejects 16
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 131072  # a coding agent's context (~48k tokens) fits
     corpus_sentences: int = 20000
 
     @property
