@@ -64,6 +64,10 @@ class Piece:
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    # on the first piece, where the engine knows them then: the prompt's tokens and how
+    # many were served from the prefix cache (the usage at the end is the answer's total)
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -332,6 +332,11 @@ class LocalChat:
                     trace.finish("dispatch", cached_tokens=c.num_cached_tokens or 0)
                     trace.begin("generate")
                     first = False
+                    yield Piece(
+                        c.text, c.finish_reason, index=c.index, logprobs=c.logprobs,
+                        prompt_tokens=c.num_prompt_tokens, cached_tokens=c.num_cached_tokens,
+                    )  # fmt: skip
+                    continue
                 yield Piece(c.text, c.finish_reason, index=c.index, logprobs=c.logprobs)
         trace.finish("generate", completion_tokens=totals.completion)
         yield Piece(usage=totals.usage())

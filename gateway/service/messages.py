@@ -66,7 +66,7 @@ from gateway.core.schemas import (
     ToolCallIn,
     ToolSpec,
 )
-from gateway.core.shaping import Pieces, collect
+from gateway.core.shaping import Piece, Pieces, collect
 from gateway.core.types import Principal, Routed, RouteOverride
 from gateway.service.chat import GatewayService
 
@@ -257,20 +257,33 @@ async def whole_message(mid: str, model: str, pieces: Pieces) -> Message:
     )
 
 
+async def _chain(first: Piece | None, rest: Pieces) -> Pieces:
+    if first is not None:
+        yield first
+    async for p in rest:
+        yield p
+
+
 async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[StreamEvent, None]:
     """The stream in Anthropic's events: a text block, then one tool_use block per call
-    (its input as JSON deltas), each started when its first piece arrives."""
-    start = Message(
-        id=mid, model=model, content=[], stop_reason=None,
-        usage=MessageUsage(input_tokens=0, output_tokens=0),
-    )  # fmt: skip
-    yield MessageStart(message=start)
-    yield Ping()
+    (its input as JSON deltas), each started when its first piece arrives.
+    ``message_start`` carries the prompt's tokens where the engine knew them at the
+    first token (the local one does); ``message_delta`` the totals."""
     index, open_kind = -1, ""
     blocks: dict[int, int] = {}  # tool call index → content block index
     finish = "stop"
     async with aclosing(pieces):
-        async for p in pieces:
+        first = await anext(pieces, None)  # produced already: the stream is primed
+        prompt, read = (first.prompt_tokens or 0, first.cached_tokens or 0) if first else (0, 0)
+        start = Message(
+            id=mid, model=model, content=[], stop_reason=None,
+            usage=MessageUsage(
+                input_tokens=prompt - read, output_tokens=0, cache_read_input_tokens=read
+            ),
+        )  # fmt: skip
+        yield MessageStart(message=start)
+        yield Ping()
+        async for p in _chain(first, pieces):
             if p.text:
                 if open_kind != "text":
                     if open_kind:

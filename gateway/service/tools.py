@@ -18,6 +18,7 @@ A sample that called tools ends with ``finish_reason: "tool_calls"``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from contextlib import aclosing
@@ -116,13 +117,19 @@ class ToolPlan:
     async def stream(self, pieces: Pieces) -> Pieces:
         """The model's pieces with tool calls read out of their text."""
         samples: dict[int, _Sample] = {}
+        head: Piece | None = None  # its prompt counts go out with the first piece out
         async with aclosing(pieces):
             async for p in pieces:
+                head = head or p
                 if p.usage is not None:
                     yield p
                     continue
                 s = samples.setdefault(p.index, _Sample())
                 for out in self._step(s, p):
+                    if head is not None and head.prompt_tokens is not None:
+                        n, cached = head.prompt_tokens, head.cached_tokens
+                        out = dataclasses.replace(out, prompt_tokens=n, cached_tokens=cached)
+                        head = Piece()  # passed on
                     yield out
 
     def _step(self, s: _Sample, p: Piece) -> list[Piece]:

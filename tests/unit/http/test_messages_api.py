@@ -136,13 +136,18 @@ def test_count_tokens_equals_the_next_requests_prompt(gw: tuple[FakeEngine, Test
 
 def test_stream_events_parse_with_the_sdk(gw: tuple[FakeEngine, TestClient]) -> None:
     _, http = gw
-    kinds = []
+    kinds, started = [], None
     with _sdk(http).messages.stream(
         model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "stream"}]
     ) as s:
         for ev in s:
             kinds.append(ev.type)
+            if ev.type == "message_start":
+                started = ev.message.usage
         final = s.get_final_message()
+    # the prompt's tokens are known at the first token: message_start says them already
+    assert started is not None and started.output_tokens == 0
+    assert started.input_tokens == final.usage.input_tokens > 0
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
     assert kinds[-2] == "message_delta"
@@ -204,8 +209,10 @@ def test_streamed_tool_use_has_input_json_deltas(tools_gw: tuple[FakeEngine, Tes
         model=MODEL, max_tokens=64, tools=[WEATHER],
         messages=[{"role": "user", "content": "weather?"}],
     ) as s:  # fmt: skip
-        deltas = [ev.delta.type for ev in s if ev.type == "content_block_delta"]
+        events = list(s)
         final = s.get_final_message()
+    deltas = [ev.delta.type for ev in events if ev.type == "content_block_delta"]
+    assert events[0].type == "message_start" and events[0].message.usage.input_tokens > 0
     assert "input_json_delta" in deltas
     (use,) = [b for b in final.content if b.type == "tool_use"]
     assert use.input == {"city": "Paris"} and final.stop_reason == "tool_use"
