@@ -34,6 +34,8 @@ from engines.vllm.kv_events import (
     EventBatch,
     KVEventSubscriber,
 )
+from engines.vllm.span_control import SpanControl
+from gateway.local.leases import Lease, LeaseBook
 from manifest.hashing import BlockHash, HashKeys, block_hashes
 from manifest.index import LocationId, PrefixIndex
 
@@ -71,11 +73,10 @@ class ReplicaCacheState:
     synced: bool = True
     sync_failures: int = 0
 
-
-@dataclass
-class _Lease:
-    owner: str
-    expires_at: float
+    @property
+    def control(self) -> SpanControl:
+        """The engine core's span control (pin, unpin, evict, barrier...), typed."""
+        return SpanControl(self.engine)
 
 
 @dataclass
@@ -102,7 +103,7 @@ class KVSpans:
         self.default_lease_s = default_lease_s
         self._clock = clock
         self._replicas: dict[LocationId, ReplicaCacheState] = {}
-        self._leases: dict[tuple[LocationId, BlockHash], list[_Lease]] = {}
+        self.leases = LeaseBook()
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribers: dict[LocationId, asyncio.Task[None]] = {}
         # The index's events, drained after every change and counted (its queue stays empty).
@@ -187,7 +188,7 @@ class KVSpans:
 
     async def _resync(self, replica: LocationId) -> None:
         """Rebuild one replica's index from the engine's own view of its cache."""
-        resident = await self._replicas[replica].engine.call_core("vcache_resident")
+        resident = await self._replicas[replica].control.resident()
         self.index.apply_cleared(replica)
         self._drop_leases(replica)  # a restarted engine holds no pins: owners must pin again
         self.index.apply_stored(replica, [BlockHash(bytes(h)) for h in resident])
@@ -195,11 +196,9 @@ class KVSpans:
         log.info("replica %s: index resynced, %d blocks resident", replica, len(resident))
 
     def _drop_leases(self, replica: LocationId) -> None:
-        lost = [k for k in self._leases if k[0] == replica]
-        for k in lost:
-            del self._leases[k]
+        lost = self.leases.drop(replica)
         if lost:
-            log.warning("replica %s: %d pinned blocks lost (cache cleared)", replica, len(lost))
+            log.warning("replica %s: %d pinned blocks lost (cache cleared)", replica, lost)
 
     async def start(self, probe_tokens: Sequence[int]) -> None:
         """Start the subscribers and the lease reaper, then probe every replica."""
@@ -268,8 +267,8 @@ class KVSpans:
         return all(self.index.match([h])[st.replica] for h in st.answered)
 
     async def _barrier(self, st: ReplicaCacheState) -> None:
-        seq = await st.engine.call_core("vcache_events_barrier")
-        if not await st.subscriber.wait_for(int(seq)):
+        seq = await st.control.barrier()
+        if not await st.subscriber.wait_for(seq):
             log.warning("replica %s: KV events up to %s not seen in time", st.replica, seq)
 
     # -------------------------------------------------------- prediction
@@ -321,7 +320,7 @@ class KVSpans:
         if st.agreement == "approximate":
             log.warning("replica %s: block hashes disagree with the manifest (%d/%d blocks): "
                         "predictions are approximate", replica, got, want)  # fmt: skip
-        await st.engine.call_core("vcache_evict", [bytes(h) for h in expected])
+        await st.control.evict(expected)
         return st.agreement
 
     async def _prefill(
@@ -362,64 +361,41 @@ class KVSpans:
         lease_s: float | None = None,
     ) -> PinResult:
         st = self._replicas[replica]
-        lease = _Lease(owner, self._clock() + (lease_s or self.default_lease_s))
-        fresh = [h for h in hashes if (replica, h) not in self._leases]
+        lease = Lease(owner, self._clock() + (lease_s or self.default_lease_s))
+        fresh = [h for h in hashes if not self.leases.pinned(replica, h)]
         out = PinResult(replica)
         if fresh:
-            res = await st.engine.call_core(
-                "vcache_pin", [bytes(h) for h in fresh], self._pin_max_share
-            )
-            took = {bytes(h) for h in res["pinned"]} | {bytes(h) for h in res["already"]}
-            out.missing = [bytes(h).hex() for h in res["missing"]]
-            out.refused = [bytes(h).hex() for h in res["refused"]]
-            self.index.pin(replica, [BlockHash(h) for h in took])
+            res = await st.control.pin(fresh, self._pin_max_share)
+            took = [BlockHash(h) for h in (*res.pinned, *res.already)]
+            out.missing = [h.hex() for h in res.missing]
+            out.refused = [h.hex() for h in res.refused]
+            self.index.pin(replica, took)
             self._drain()
-            for h in fresh:
-                if h in took:
-                    self._leases[(replica, h)] = []
-        for h in hashes:
-            leases = self._leases.get((replica, h))
-            if leases is None:
-                continue
-            leases[:] = [x for x in leases if x.owner != owner] + [lease]
-            out.pinned.append(h.hex())
+            self.leases.add(replica, took)
+        out.pinned = [h.hex() for h in hashes if self.leases.grant(replica, h, lease)]
         return out
 
     async def unpin(
         self, replica: LocationId, hashes: Sequence[BlockHash], owner: str | None
     ) -> list[str]:
         """Release ``owner``'s leases (all owners' when None); unpin blocks nobody holds."""
-        released: list[BlockHash] = []
-        for h in hashes:
-            leases = self._leases.get((replica, h))
-            if leases is None:
-                continue
-            leases[:] = [x for x in leases if owner is not None and x.owner != owner]
-            if not leases:
-                del self._leases[(replica, h)]
-                released.append(h)
+        released = self.leases.release(replica, hashes, owner)
         await self._release(replica, released)
         return [h.hex() for h in released]
 
     async def _release(self, replica: LocationId, hashes: Sequence[BlockHash]) -> None:
         if not hashes:
             return
-        await self._replicas[replica].engine.call_core("vcache_unpin", [bytes(h) for h in hashes])
+        await self._replicas[replica].control.unpin(hashes)
         self.index.unpin(replica, hashes)
         self._drain()
 
     def pin_owners(self, replica: LocationId, h: BlockHash) -> list[str]:
-        return [x.owner for x in self._leases.get((replica, h), [])]
+        return self.leases.owners(replica, h)
 
     async def reap(self) -> int:
         """Release every lease that has expired; returns how many blocks were unpinned."""
-        now = self._clock()
-        expired: dict[LocationId, list[BlockHash]] = {}
-        for (replica, h), leases in list(self._leases.items()):
-            leases[:] = [x for x in leases if x.expires_at > now]
-            if not leases:
-                del self._leases[(replica, h)]
-                expired.setdefault(replica, []).append(h)
+        expired = self.leases.expire(self._clock())
         for replica, hs in expired.items():
             await self._release(replica, hs)
         return sum(len(hs) for hs in expired.values())
@@ -436,13 +412,11 @@ class KVSpans:
         self, replica: LocationId, hashes: Sequence[BlockHash]
     ) -> tuple[list[str], list[str]]:
         """Evict blocks no request or pin holds. Returns (evicted, busy) as hex."""
-        res = await self._replicas[replica].engine.call_core(
-            "vcache_evict", [bytes(h) for h in hashes]
-        )
-        evicted = [BlockHash(bytes(h)) for h in res["evicted"]]
+        gone, busy = await self._replicas[replica].control.evict(hashes)
+        evicted = [BlockHash(h) for h in gone]
         self.index.apply_removed(replica, evicted)  # the BlockRemoved events agree later
         self._drain()
-        return [h.hex() for h in evicted], [bytes(h).hex() for h in res["busy"]]
+        return [h.hex() for h in evicted], [h.hex() for h in busy]
 
     # ------------------------------------------------------------- stats
 
@@ -454,7 +428,7 @@ class KVSpans:
             engine: dict[str, Any] | None = None
             if st.live:
                 with contextlib.suppress(EngineError):  # it died between the check and now
-                    engine = await st.engine.call_core("vcache_cache_stats")
+                    engine = await st.control.cache_stats()
             sub = st.subscriber.stats
             out["replicas"][r] = {
                 "live": st.live and engine is not None,

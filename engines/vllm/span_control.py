@@ -1,0 +1,82 @@
+"""A typed client of the engine-core plugin's span control (``engines/vllm/plugin.py``).
+
+Any engine that runs core calls serves it: the embedded ``AsyncLLM``
+(utility calls) or a remote replica (its control endpoint).  This is the one
+error boundary of those calls: an :class:`~engines.errors.EngineError` passes
+as it is, anything else a core call raises (a dead core, a plugin's own
+failure, a reply of the wrong shape) becomes
+:class:`~engines.errors.EngineUnavailable`, so the gateway maps every failure
+of span control once, to a 503 with Retry-After or a fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engines.errors import EngineError, EngineUnavailable
+
+
+class CoreCaller(Protocol):
+    async def call_core(self, method: str, *args: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class PinReply:
+    pinned: tuple[bytes, ...]  # pinned by this call
+    already: tuple[bytes, ...]  # pinned before it
+    missing: tuple[bytes, ...]  # not resident: nothing to pin
+    refused: tuple[bytes, ...]  # over the pin budget
+
+
+def _hashes(value: Any) -> tuple[bytes, ...]:
+    return tuple(bytes(h) for h in value)
+
+
+class SpanControl:
+    def __init__(self, engine: CoreCaller) -> None:
+        self._engine = engine
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await self._engine.call_core(method, *args)
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineUnavailable(f"engine core call {method} failed: {exc}") from exc
+
+    async def _reply(self, method: str, *args: Any) -> dict[str, Any]:
+        res = await self._call(method, *args)
+        if not isinstance(res, dict):
+            raise EngineUnavailable(f"engine core call {method} answered {type(res).__name__}")
+        return res
+
+    async def pin(self, hashes: Sequence[bytes], max_share: float) -> PinReply:
+        """Pin resident blocks, at most ``max_share`` of the pool pinned in all."""
+        res = await self._reply("vcache_pin", [bytes(h) for h in hashes], max_share)
+        try:
+            return PinReply(*(_hashes(res[k]) for k in ("pinned", "already", "missing", "refused")))
+        except (KeyError, TypeError) as exc:
+            raise EngineUnavailable(f"engine core call vcache_pin answered {res!r}") from exc
+
+    async def unpin(self, hashes: Sequence[bytes]) -> tuple[bytes, ...]:
+        res = await self._reply("vcache_unpin", [bytes(h) for h in hashes])
+        return _hashes(res.get("unpinned", ()))
+
+    async def evict(self, hashes: Sequence[bytes]) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """Evict blocks no request or pin holds: (evicted, busy)."""
+        res = await self._reply("vcache_evict", [bytes(h) for h in hashes])
+        return _hashes(res.get("evicted", ())), _hashes(res.get("busy", ()))
+
+    async def resident(self) -> tuple[bytes, ...]:
+        """Every block hash the engine's prefix cache holds now."""
+        return _hashes(await self._call("vcache_resident"))
+
+    async def barrier(self) -> int:
+        """The sequence number of the last KV-event batch sent (every event before it is
+        on the wire)."""
+        return int(await self._call("vcache_events_barrier"))
+
+    async def cache_stats(self) -> dict[str, Any]:
+        return await self._reply("vcache_cache_stats")

@@ -1,0 +1,93 @@
+"""Who holds which pinned KV block, and until when: a pure book (times passed in).
+
+A block pinned in the engine is held by one or more owners' leases; one owner
+holds at most one lease on a block (renewing replaces it).  A block nobody
+holds any more is to be unpinned in the engine: the book says which, the
+caller does it (decide, then hand over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from manifest.hashing import BlockHash
+from manifest.index import LocationId
+
+Key = tuple[LocationId, BlockHash]
+
+
+@dataclass(frozen=True)
+class Lease:
+    owner: str
+    expires_at: float
+
+
+class LeaseBook:
+    def __init__(self) -> None:
+        self._held: dict[Key, list[Lease]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def pinned(self, replica: LocationId, h: BlockHash) -> bool:
+        """Whether the engine holds ``h`` pinned for someone (a lease, or one pending)."""
+        return (replica, h) in self._held
+
+    def owners(self, replica: LocationId, h: BlockHash) -> list[str]:
+        return [x.owner for x in self._held.get((replica, h), [])]
+
+    def add(self, replica: LocationId, hashes: Iterable[BlockHash]) -> None:
+        """Blocks the engine has just pinned (their leases follow with :meth:`grant`)."""
+        for h in hashes:
+            self._held.setdefault((replica, h), [])
+
+    def grant(self, replica: LocationId, h: BlockHash, lease: Lease) -> bool:
+        """``lease`` on a pinned block (replacing its owner's earlier one); False when the
+        block is not pinned."""
+        leases = self._held.get((replica, h))
+        if leases is None:
+            return False
+        leases[:] = [x for x in leases if x.owner != lease.owner] + [lease]
+        return True
+
+    def release(
+        self, replica: LocationId, hashes: Iterable[BlockHash], owner: str | None
+    ) -> list[BlockHash]:
+        """Drop ``owner``'s leases (every owner's when None); the blocks nobody holds now,
+        to unpin."""
+        free = []
+        for h in hashes:
+            leases = self._held.get((replica, h))
+            if leases is None:
+                continue
+            leases[:] = [x for x in leases if owner is not None and x.owner != owner]
+            if not leases:
+                del self._held[(replica, h)]
+                free.append(h)
+        return free
+
+    def expire(self, now: float) -> dict[LocationId, list[BlockHash]]:
+        """Drop every lease that has ended by ``now``; per replica, the blocks nobody
+        holds any more, to unpin."""
+        free: dict[LocationId, list[BlockHash]] = {}
+        for (replica, h), leases in list(self._held.items()):
+            leases[:] = [x for x in leases if x.expires_at > now]
+            if not leases:
+                del self._held[(replica, h)]
+                free.setdefault(replica, []).append(h)
+        return free
+
+    def drop(self, replica: LocationId) -> int:
+        """Forget a replica's pins (its cache was cleared); how many blocks were held."""
+        lost = [k for k in self._held if k[0] == replica]
+        for k in lost:
+            del self._held[k]
+        return len(lost)
+
+    def check_integrity(self) -> None:
+        """One lease per owner and block."""
+        for key, leases in self._held.items():
+            owners = [x.owner for x in leases]
+            if len(owners) != len(set(owners)):
+                raise AssertionError(f"{key}: an owner holds two leases")
