@@ -8,8 +8,8 @@ from fastapi import APIRouter, Depends, Response
 
 from gateway.core.outputs import Completion
 from gateway.core.schemas import CompletionRequest
+from gateway.http.deps import Caller, caller, whole
 from gateway.http.openapi import GENERATION, streamed
-from gateway.http.routes.chat import Caller, caller, whole
 from gateway.http.sse import open_stream
 
 router = APIRouter(prefix="/v1", tags=["completions"])

@@ -22,8 +22,8 @@ from gateway.core.errors import APIError
 from gateway.core.messages import CountTokensRequest, Message, MessagesRequest, TokenCount
 from gateway.core.types import Principal, RouteOverride
 from gateway.http import anthropic
+from gateway.http.deps import SESSION_ID, routing_override, service, session_header
 from gateway.http.openapi import anthropic_errors, streamed
-from gateway.http.routes.chat import SESSION_ID, routing_override, service, session_header
 from gateway.http.sse import open_stream
 from gateway.service.auth import require_anthropic_principal
 from gateway.service.messages import Messages

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 
 from gateway.core.outputs import ModelCard, ModelList
+from gateway.http.deps import service
 from gateway.http.openapi import errors
-from gateway.http.routes.chat import service
 from gateway.service.auth import require_principal
 from gateway.service.chat import GatewayService
 

@@ -1,0 +1,76 @@
+"""FastAPI dependencies the routes share: the service, who calls, an admin's routing
+override, the session header, and whole answers serialized in one pass."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fastapi import Request, Response
+from pydantic import BaseModel
+
+from gateway.core.errors import InvalidRequest, PermissionDenied
+from gateway.core.types import Principal, RouteOverride
+from gateway.service.auth import require_principal
+from gateway.service.chat import GatewayService
+
+
+async def service(request: Request) -> GatewayService:
+    svc: GatewayService = request.app.state.service
+    return svc
+
+
+def routing_override(request: Request, who: Principal, svc: GatewayService) -> RouteOverride | None:
+    """Admin headers for one request: ``x-vcache-routing`` forces a policy (comparisons),
+    ``x-vcache-replica`` a replica (a load test's oracle placement)."""
+    policy = request.headers.get("x-vcache-routing")
+    replica = request.headers.get("x-vcache-replica")
+    if policy is None and replica is None:
+        return None
+    if not who.admin:
+        raise PermissionDenied(
+            "x-vcache-routing and x-vcache-replica need an admin key", code="admin_required"
+        )
+    if policy is not None and policy not in svc.routing_policies:
+        raise InvalidRequest(
+            f"x-vcache-routing must be one of {', '.join(svc.routing_policies)}",
+            param="x-vcache-routing",
+            code="invalid_value",
+        )
+    return RouteOverride(policy=policy, replica=replica)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who calls, the service, and their routing override, as one dependency of the
+    generation routes (FastAPI solves each dependency, and each of its own, per request)."""
+
+    who: Principal
+    svc: GatewayService
+    route: RouteOverride | None
+
+
+async def caller(request: Request) -> Caller:
+    who = await require_principal(request)
+    svc = await service(request)
+    return Caller(who, svc, routing_override(request, who, svc))
+
+
+def whole(body: BaseModel, headers: dict[str, str]) -> Response:
+    """A whole (non-streamed) answer, serialized by pydantic in one pass."""
+    return Response(body.model_dump_json(), media_type="application/json", headers=headers)
+
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+async def session_header(request: Request) -> str | None:
+    """``x-vcache-session``: append this request to that session of the log."""
+    sid = request.headers.get("x-vcache-session")
+    if sid is not None and not SESSION_ID.match(sid):
+        raise InvalidRequest(
+            "x-vcache-session must be 1-128 characters of letters, digits, '_', '.', ':' or '-'",
+            param="x-vcache-session",
+            code="invalid_value",
+        )
+    return sid
