@@ -39,7 +39,6 @@ from gateway.service.auth import KeyRing
 from gateway.service.cache import CacheService
 from gateway.service.chat import GatewayService
 from gateway.service.health import Health
-from gateway.service.journal import Journal
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
@@ -168,7 +167,8 @@ def create_app(
         starting = asyncio.create_task(boot(), name="engine-start")
         steering = []
         if providers is not None and control.enabled:
-            steering.append(asyncio.create_task(control.run(), name="provider-control"))
+            warm = app.state.service.warm_provider
+            steering.append(asyncio.create_task(control.run(warm), name="provider-control"))
         if local_governor is not None:
             steering.append(asyncio.create_task(local_governor.run(), name="local-governor"))
         retention = None
@@ -208,10 +208,7 @@ def create_app(
     app.state.session_log = session_log
     provider_chat = None
     if providers is not None:
-        provider_chat = ProviderChat(
-            providers, settings.prompt_layout, Journal(session_log), metrics
-        )
-        control.warm = provider_chat.warm
+        provider_chat = ProviderChat(providers, settings.prompt_layout, metrics)
     app.state.service = GatewayService(
         dispatcher,
         model_name=settings.model_name,

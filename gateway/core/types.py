@@ -3,7 +3,7 @@ request was served (read into the ``x-vcache-*`` response headers)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from gateway.core.config import LOCAL_TARGET
@@ -49,29 +49,23 @@ class Placement(Protocol):
 
 @dataclass
 class Served:
-    """Where a request was served; response headers are read after the first token."""
+    """Where a request was served, read into the ``x-vcache-*`` response headers after
+    the first token.  The service loop is the one writer."""
 
     target: str = LOCAL_TARGET
     dispatch: Placement | None = None
-    lint: tuple[str, ...] = ()
+    notes: dict[str, str] = field(default_factory=dict)  # headers of how it was prepared
     fallback_from: tuple[str, ...] = ()
     session: str | None = None  # the stored id of the session-log session it was appended to
     answer_seq: int | None = None  # the sequence number of its answer in that session
-    clamped_max_tokens: int | None = None  # the output limit cut to what the context holds
-    breakpoints: str | None = None  # who placed a provider request's cache breakpoints
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-target": self.target}
         if self.dispatch is not None:
             h.update(self.dispatch.headers())
-        if self.lint:
-            h["x-vcache-prefix-lint"] = ", ".join(self.lint)
+        h.update(self.notes)
         if self.session:
             h["x-vcache-session"] = session_name(self.session)
-        if self.breakpoints is not None:
-            h["x-vcache-breakpoints"] = self.breakpoints
-        if self.clamped_max_tokens is not None:
-            h["x-vcache-max-tokens-clamped"] = str(self.clamped_max_tokens)
         if self.fallback_from:
             h["x-vcache-fallback-from"] = ", ".join(self.fallback_from)
         return h

@@ -109,7 +109,6 @@ class Control:
         self.clock = clock
         self.anchors: dict[Key, Anchor] = {}
         self.targets: dict[str, ProviderTarget] = {}
-        self.warm: WarmFn | None = None
         self.counts = {"heartbeats": 0, "held": 0, "deferred": 0, "evicted": 0, "failed": 0}
 
     @property
@@ -213,9 +212,9 @@ class Control:
         )
         return not (short_of_requests or short_of_tokens)
 
-    async def tick(self) -> list[Anchor]:
-        """Decide every anchor, then send the heartbeats that are due (by rank, in budget);
-        returns the anchors heartbeated."""
+    def decide(self) -> list[Anchor]:
+        """Decide every anchor; the heartbeats that are due, by rank, inside each target's
+        headroom (those past it are deferred).  Sends nothing."""
         now = self.clock()
         due: list[Anchor] = []
         for key, a in list(self.anchors.items()):
@@ -231,7 +230,7 @@ class Control:
                 due.append(a)
         due.sort(key=lambda a: a.arrivals.rate(now) * a.tokens, reverse=True)
         sent: dict[str, tuple[int, int]] = {}
-        done: list[Anchor] = []
+        out: list[Anchor] = []
         for a in due:
             t = self.targets[a.target]
             n, tokens = sent.get(a.target, (0, 0))
@@ -239,15 +238,17 @@ class Control:
                 self.counts["deferred"] += 1
                 continue
             sent[a.target] = (n + 1, tokens + a.tokens)
-            if await self._heartbeat(a):
-                done.append(a)
-        return done
+            out.append(a)
+        return out
 
-    async def _heartbeat(self, a: Anchor) -> bool:
-        if self.warm is None:
-            return False
+    async def tick(self, send: WarmFn) -> list[Anchor]:
+        """Decide, then hand over: the due heartbeats sent through ``send`` (the service's
+        provider warm, journaled like any request); returns the anchors heartbeated."""
+        return [a for a in self.decide() if await self._heartbeat(a, send)]
+
+    async def _heartbeat(self, a: Anchor, send: WarmFn) -> bool:
         try:
-            await self.warm(a.template, a.tenant, a.target, f"heartbeat-{uuid.uuid4().hex[:16]}")
+            await send(a.template, a.tenant, a.target, f"heartbeat-{uuid.uuid4().hex[:16]}")
         except Exception as exc:  # a failed heartbeat is a miss later, never an error now
             self.counts["failed"] += 1
             log.warning("%s: heartbeat failed (%s)", a.target, exc)
@@ -257,8 +258,11 @@ class Control:
         self.counts["heartbeats"] += 1
         return True
 
-    async def run(self) -> None:
-        await every(self.cfg.tick_s, self.tick, "control tick")
+    async def run(self, send: WarmFn) -> None:
+        async def tick() -> None:
+            await self.tick(send)
+
+        await every(self.cfg.tick_s, tick, "control tick")
 
     # ------------------------------------------------------------------- plan
 

@@ -279,15 +279,14 @@ class CacheService:
             raise InvalidRequest(
                 "a provider warm needs messages", param="messages", code="invalid_value"
             )
-        assert self._svc.providers is not None
         req = ChatCompletionRequest(model=body.model, messages=body.messages)
         rid = f"warm-{uuid.uuid4().hex}"
-        u = await self._svc.providers.warm(req, body.tenant or who.tenant, target, rid)
+        u = await self._svc.warm_provider(req, body.tenant or who.tenant, target, rid)
         return ProviderWarmResponse(
             target=target,
-            prompt_tokens=u.prompt_tokens if u else 0,
-            cached_tokens=u.cached_tokens if u else 0,
-            written_tokens=u.cache_write_tokens if u else 0,
+            prompt_tokens=u.prompt_tokens,
+            cached_tokens=u.prompt_tokens_details.cached_tokens,
+            written_tokens=u.prompt_tokens_details.cache_write_tokens or 0,
         )
 
     @maps_engine_errors

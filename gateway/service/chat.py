@@ -2,7 +2,8 @@
 
 A chat request names a model; :class:`~gateway.service.targets.Targets`
 resolves it to ordered targets (the local replicas, hosted providers) and the
-first that can serve it answers (:func:`~gateway.service.targets.first_ok`).
+first that can serve it answers, through the one loop every target shares
+(:mod:`gateway.service.loop`: prepare, journal, send, settle).
 Each path produces answer pieces (:mod:`gateway.core.shaping`); they are
 shaped once into the API's objects.  Streams produce their first piece before
 returning, so every error before the first token (and every fallback) happens
@@ -14,7 +15,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable
@@ -43,14 +44,16 @@ from gateway.core.shaping import (
     completion_chunks,
     primed,
 )
+from gateway.core.target import Call, Target
 from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Principal, Routed, RouteOverride, Served
 from gateway.local.dispatch import Dispatcher
 from gateway.local.routing import POLICIES
 from gateway.service.journal import Journal
 from gateway.service.local import LocalChat
+from gateway.service.loop import ServiceLoop
 from gateway.service.provider_chat import ProviderChat
-from gateway.service.targets import Targets, first_ok
+from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
 
 T = TypeVar("T")
@@ -110,7 +113,8 @@ class GatewayService:
         self.providers = providers
         self._metrics = metrics or Metrics()
         self.log = log
-        self.local = LocalChat(dispatcher, Journal(log), tool_parser)
+        self.local = LocalChat(dispatcher, tool_parser)
+        self.loop = ServiceLoop(Journal(log), self._metrics, self._target)
 
     @property
     def targets(self) -> Targets:
@@ -167,22 +171,22 @@ class GatewayService:
 
     # ------------------------------------------------------------ chat
 
-    def _pieces(
+    def _target(self, name: str) -> Target[Any]:
+        if name == LOCAL_TARGET:
+            return self.local
+        if self.providers is None:
+            raise Unavailable("no hosted providers are configured", code="no_providers")
+        return self.providers
+
+    def _call(
         self,
-        target: str,
         req: ChatCompletionRequest,
         who: Principal,
         route: RouteOverride | None,
-        served: Served,
         session: str | None,
         trace: RequestTrace,
-    ) -> tuple[str, Pieces]:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if target == LOCAL_TARGET:
-            return rid, self.local.chat(req, who, route, served, rid, session, trace)
-        if self.providers is None:
-            raise Unavailable("no hosted providers are configured", code="no_providers")
-        return rid, self.providers.answer(req, who.tenant, target, served, rid, session, trace)
+    ) -> Call:
+        return Call(req, who, f"chatcmpl-{uuid.uuid4().hex}", session, route, trace)
 
     async def answer(
         self,
@@ -196,18 +200,14 @@ class GatewayService:
         started implicitly)."""
         served = Served()
         trace = self.tracing.request("vcache.chat", model=req.model, stream=True)
-
-        async def attempt(target: str) -> Answer:
-            rid, pieces = self._pieces(target, req, who, route, served, session, trace)
-            return Answer(rid, await primed(pieces))
-
         try:
-            targets = self._targets.resolve(req.model)
-            a = await first_ok(targets, attempt, served, self._metrics)
+            names = self._targets.resolve(req.model)
+            call = self._call(req, who, route, session, trace)
+            rid, pieces = await self.loop.first_answer(names, call, served)
         except BaseException as exc:
             trace.end(exc, target=served.target)
             raise
-        return Routed(Answer(a.id, await primed(_ended(a.pieces, trace, served))), served)
+        return Routed(Answer(rid, await primed(_ended(pieces, trace, served))), served)
 
     async def chat(
         self,
@@ -245,18 +245,30 @@ class GatewayService:
                     usage = p.usage or usage
                     yield p
 
-        async def attempt(target: str) -> T:
-            rid, pieces = self._pieces(target, req, who, route, served, session, trace)
-            return await shape(rid, used(pieces))
-
         try:
-            targets = self._targets.resolve(req.model)
-            body = await first_ok(targets, attempt, served, self._metrics)
+            names = self._targets.resolve(req.model)
+            call = self._call(req, who, route, session, trace)
+            rid, pieces = await self.loop.first_answer(names, call, served, whole=True)
+            body = await shape(rid, used(pieces))
         except BaseException as exc:
             trace.end(exc, target=served.target)
             raise
         trace.end(None, target=served.target, **_usage_attrs(usage))
         return Routed((body, usage), served)
+
+    async def warm_provider(
+        self, req: ChatCompletionRequest, tenant: str, target: str, rid: str
+    ) -> Usage:
+        """Prefill a provider's planned breakpoints without generating (Anthropic
+        ``max_tokens: 0``); on implicit providers the first real request warms, so this
+        sends a one-token call.  Journaled like any request that reaches a model."""
+        req = req.model_copy(update={"max_tokens": 1, "stream": False})
+        call = Call(req, Principal(tenant=tenant), rid, warm=True)
+        usage = Usage.of(0, 0, 0)
+        async with aclosing(self.loop.serve(target, call, None)) as pieces:
+            async for p in pieces:
+                usage = p.usage or usage
+        return usage
 
     async def chat_stream(
         self,

@@ -1,9 +1,12 @@
-"""Requests served by the local replicas, as answer pieces.
+"""The local replicas as a :class:`~gateway.core.target.Target`, and text completions.
 
-Admit first (a refused request costs nothing) → tokenize with the model's
-template → check the context → journal what vLLM will be handed (token ids,
-cache salt, sampling) → route to a replica (:mod:`gateway.local.dispatch`)
-→ stream → fold usage and journal the answer.
+prepare: tokenize with the model's template (tools and tool turns through it),
+check the context, route to a replica by the predicted cached prefix
+(:mod:`gateway.local.dispatch`; the index sync before it is its own step) →
+the service loop journals what vLLM will be handed (token ids, cache salt,
+sampling) → send: stream from the replica, read tool calls out of the text,
+lease the blocks through a client's breakpoints → the usage is folded as
+vLLM reports it.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
-from contextlib import aclosing
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, aclosing
+from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import Engine, GenerateRequest, SamplingOptions, Structured
@@ -27,18 +30,16 @@ from gateway.core.schemas import (
     ChatMessage,
     CompletionRequest,
     SamplingFields,
-    tool_calls_json,
 )
-from gateway.core.shaping import Piece, Pieces, Sample
+from gateway.core.shaping import Piece, Pieces
+from gateway.core.target import Call, Sent
 from gateway.core.tracing import RequestTrace
-from gateway.core.types import Principal, RouteOverride, Served, tenant_salt
+from gateway.core.types import Placement, Principal, RouteOverride, Served, tenant_salt
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
 from gateway.local.retention import BreakpointLeases
-from gateway.local.spans import KVSpans
-from gateway.service.journal import Journal
+from gateway.service.breakpoints import PrefixLengths, retained
 from gateway.service.tools import ToolPlan
-from gateway.sessions.log import Open
 from gateway.sessions.render import (
     local_messages,
     request_config,
@@ -53,16 +54,41 @@ SystemPrompts = tuple[str, ...]
 Turns = tuple[MessageEvent, ...]
 
 
+@dataclass(frozen=True)
+class LocalPrepared:
+    """A chat call tokenized and routed to a replica: what vLLM will be handed."""
+
+    call: Call
+    greq: GenerateRequest
+    plan: ToolPlan | None
+    dispatch: Dispatch
+    header: Header
+    turns: Turns
+    system: SystemPrompts
+    t0: float
+    notes: Mapping[str, str] = field(default_factory=dict)
+    target: str = LOCAL_TARGET
+
+    @property
+    def placement(self) -> Placement:
+        return self.dispatch
+
+    @property
+    def sent(self) -> Sent:
+        g = self.greq
+        sampling = dataclasses.asdict(g.sampling)
+        body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling)
+        directives = {"cache_salt": g.cache_salt, "sampling": sampling}
+        return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
+
+
 class LocalChat:
-    def __init__(
-        self, dispatcher: Dispatcher, journal: Journal, tool_parser: str = "hermes"
-    ) -> None:
+    def __init__(self, dispatcher: Dispatcher, tool_parser: str = "hermes") -> None:
         self.dispatcher = dispatcher
-        self.journal = journal
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
         self.governor: LocalGovernor | None = None  # pins anchors worth holding
-        self._anchor_len: OrderedDict[tuple[SystemPrompts, bytes, Turns], int] = OrderedDict()
+        self._prefix = PrefixLengths(self._render)  # prefix token lengths, remembered
         self.leases = BreakpointLeases()  # the KV blocks through clients' breakpoints
 
     @property
@@ -155,123 +181,54 @@ class LocalChat:
         )  # fmt: skip
         return greq, plan
 
-    async def chat(
-        self,
-        req: ChatCompletionRequest,
-        who: Principal,
-        route: RouteOverride | None,
-        served: Served,
-        rid: str,
-        session: str | None,
-        trace: RequestTrace,
-    ) -> Pieces:
-        with self.dispatcher.admit():
-            t0 = time.perf_counter()
-            system, turns = request_parts(req)  # what is rendered is what is journaled
-            with trace.step("tokenize") as span:
-                greq, plan = self._chat_request(req, who, rid, system, turns)
-                span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
-            with trace.step("journal"):
-                op = await self._journal(req, who, greq, session, served, system, turns)
-            d = await self._route(greq, route, trace)
-            served.target, served.dispatch, served.lint = LOCAL_TARGET, d, ()
-            asked = req.output_limit()
-            if asked is not None and greq.sampling.max_tokens < asked:
-                served.clamped_max_tokens = greq.sampling.max_tokens
-            kv = self.dispatcher.kv
-            if self.governor is not None and kv is not None and d.hashes and system:
-                n = self._anchor_tokens(system, req, greq.prompt_token_ids)
-                self.governor.observe(d.replica_id, d.hashes, n // kv.block_size)
-            pieces = self._generate(greq, d, "chat", t0, trace)
-            if plan is not None:
-                pieces = plan.stream(pieces)
-            if req.hints.breakpoints:
-                ends = self._breakpoint_ends(system, turns, req, greq.prompt_token_ids)
-                owner = f"breakpoints:{who.tenant}:{served.session or rid}"
-                pieces = self._retained(pieces, d, ends, owner)
-            async with aclosing(self._journaled(pieces, op, served, rid)) as out:
-                async for p in out:
-                    yield p
+    # ------------------------------------------------------- the Target
 
-    def _anchor_tokens(
-        self, system: SystemPrompts, req: ChatCompletionRequest, ids: Sequence[int]
-    ) -> int:
-        """How many leading tokens the system prompts (and tools) render to, as a prefix
-        of the whole prompt."""
-        return self._prefix_tokens(system, (), req.tool_dicts(), ids)
+    def admission(self) -> AbstractContextManager[None]:
+        return self.dispatcher.admit()
 
-    def _prefix_tokens(
-        self,
-        system: SystemPrompts,
-        turns: Turns,
-        tools: list[dict[str, Any]],
-        ids: Sequence[int],
-    ) -> int:
-        """How many leading tokens of ``ids`` the system prompts, tools and ``turns``
-        render to: remembered per (system, tools, turns), the last 1024."""
-        key = (system, canonical_json(tools) if tools else b"", turns)
-        n = self._anchor_len.get(key)
-        if n is None:
-            head = self._render(system, turns, tools)
-            n = 0
-            while n < min(len(head), len(ids)) and head[n] == ids[n]:
-                n += 1
-            self._anchor_len[key] = n
-            if len(self._anchor_len) > 1024:
-                self._anchor_len.popitem(last=False)
-        else:
-            self._anchor_len.move_to_end(key)
-        return n
-
-    def _breakpoint_ends(
-        self, system: SystemPrompts, turns: Turns, req: ChatCompletionRequest, ids: Sequence[int]
-    ) -> list[tuple[int, int]]:
-        """(token position, TTL) of each client breakpoint: where the prompt through its
-        marked segment ends.  A mark on the last turn covers the whole prompt (only the
-        template's few tokens that open the answer follow it)."""
-        out = []
-        for bp in req.hints.breakpoints:
-            if bp.segment in ("tools", "system"):
-                pos = self._anchor_tokens(system, req, ids)
-            else:
-                i = int(bp.segment.partition(":")[2])
-                last = i >= len(turns) - 1
-                pos = len(ids) if last else self._prefix_tokens(
-                    system, turns[: i + 1], req.tool_dicts(), ids
-                )  # fmt: skip
-            out.append((pos, bp.ttl_s))
-        return out
-
-    async def _retained(
-        self, pieces: Pieces, d: Dispatch, ends: list[tuple[int, int]], owner: str
-    ) -> Pieces:
-        """The pieces; at the end, the blocks through each breakpoint leased on the replica
-        for its TTL, and the usage says how many prompt tokens were newly cached through
-        the last breakpoint (Anthropic's ``cache_creation_input_tokens``)."""
+    async def prepare(self, name: str, call: Call) -> LocalPrepared:
+        """Tokenize with the model's template, check the context, route to a replica by
+        the predicted cached prefix (the index sync before it is its own step)."""
+        t0 = time.perf_counter()
+        req, who, rid, trace = call.request, call.who, call.request_id, call.trace
+        system, turns = request_parts(req)  # what is rendered is what is journaled
+        with trace.step("tokenize") as span:
+            greq, plan = self._chat_request(req, who, rid, system, turns)
+            span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
+        d = await self._route(greq, call.route, trace)
         kv = self.dispatcher.kv
-        block = kv.block_size if kv is not None else self.engine.capabilities.block_size
-        async with aclosing(pieces):
-            async for p in pieces:
-                if p.usage is not None:
-                    u = p.usage
-                    cached = u.prompt_tokens_details.cached_tokens
-                    through = max(pos for pos, _ in ends) // block * block
-                    written = max(0, min(through, u.prompt_tokens) - cached)
-                    usage = Usage.of(u.prompt_tokens, u.completion_tokens, cached, written)
-                    p = dataclasses.replace(p, usage=usage)
-                    if kv is not None and d.hashes:
-                        await self._lease(kv, d, ends, owner, block)
-                yield p
+        if self.governor is not None and kv is not None and d.hashes and system:
+            n = self._prefix(system, (), req.tool_dicts(), greq.prompt_token_ids)
+            self.governor.observe(d.replica_id, d.hashes, n // kv.block_size)
+        notes: dict[str, str] = {}
+        asked = req.output_limit()
+        if asked is not None and greq.sampling.max_tokens < asked:
+            notes["x-vcache-max-tokens-clamped"] = str(greq.sampling.max_tokens)
+        tools = req.tool_dicts() or None
+        header = Header.make(req.model, LOCAL_TARGET, system, tools, request_config(req, None))
+        return LocalPrepared(call, greq, plan, d, header, turns, system, t0, notes)
 
-    async def _lease(
-        self, kv: KVSpans, d: Dispatch, ends: list[tuple[int, int]], owner: str, block: int
-    ) -> None:
-        tiers: dict[int, int] = {}  # TTL → the furthest position marked with it
-        for pos, ttl in ends:
-            tiers[ttl] = max(tiers.get(ttl, 0), pos)
-        for ttl, pos in sorted(tiers.items()):
-            n = min(pos // block, len(d.hashes))
-            await self.leases.hold(kv, d.replica.id, f"{owner}:{ttl}s", d.hashes[:n], ttl)
+    def send(self, p: LocalPrepared, session: str | None) -> Pieces:
+        pieces = self._generate(p.greq, p.dispatch, "chat", p.t0, p.call.trace)
+        if p.plan is not None:
+            pieces = p.plan.stream(pieces)
+        req = p.call.request
+        if req.hints.breakpoints:
+            ids = p.greq.prompt_token_ids
+            marks, tools = req.hints.breakpoints, req.tool_dicts()
+            ends = self._prefix.ends(marks, p.system, p.turns, tools, ids)
+            owner = f"breakpoints:{p.call.who.tenant}:{session or p.call.request_id}"
+            kv = self.dispatcher.kv
+            block = kv.block_size if kv is not None else self.engine.capabilities.block_size
+            pieces = retained(pieces, p.dispatch, ends, owner, kv, block, self.leases)
+        return pieces
+
+    def retry(self, p: LocalPrepared, error: Exception) -> LocalPrepared | None:
+        return None  # another replica is the router's choice, made before the send
+
+    def settle(self, p: LocalPrepared, usage: Usage) -> None:
+        """Nothing left: the prediction was folded when vLLM reported its cached tokens
+        (:meth:`Dispatcher.run`), and the KV events fold the blocks it stored."""
 
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         if not req.tools or req.tool_choice == "none":
@@ -287,28 +244,6 @@ class LocalChat:
             self._parser = (tok, ToolCallParser(self.tool_parser, tok))
         parser = self._parser[1]
         return ToolPlan(req, parser.parse, parser.start_marker)
-
-    async def _journal(
-        self,
-        req: ChatCompletionRequest,
-        who: Principal,
-        greq: GenerateRequest,
-        session: str | None,
-        served: Served,
-        system: SystemPrompts,
-        turns: Turns,
-    ) -> Open | None:
-        """Journal what vLLM will be handed (token ids, salt, sampling), before routing."""
-        tools = req.tool_dicts() or None
-        header = Header.make(req.model, LOCAL_TARGET, system, tools, request_config(req, None))
-        op = self.journal.open(who.tenant, header, turns, session)
-        if op is None:
-            return None
-        sampling = dataclasses.asdict(greq.sampling)
-        sent = vllm_payload(greq.prompt_token_ids, greq.cache_salt, sampling)
-        directives = {"cache_salt": greq.cache_salt, "sampling": sampling}
-        await self.journal.sent(op, served, greq.request_id, LOCAL_TARGET, "vllm", directives, sent)
-        return op
 
     async def _route(
         self, greq: GenerateRequest, route: RouteOverride | None, trace: RequestTrace
@@ -340,21 +275,6 @@ class LocalChat:
                 yield Piece(c.text, c.finish_reason, index=c.index, logprobs=c.logprobs)
         trace.finish("generate", completion_tokens=totals.completion)
         yield Piece(usage=totals.usage())
-
-    async def _journaled(self, pieces: Pieces, op: Open | None, served: Served, rid: str) -> Pieces:
-        """The pieces, and the answer journaled before its usage goes out: the text and
-        tool calls of sample 0, the one the conversation goes on with."""
-        answer = Sample()
-        async with aclosing(pieces):
-            async for p in pieces:
-                if p.usage is not None:
-                    out = answer.tool_calls()
-                    called = tool_calls_json([c.model_dump() for c in out]) if out else None
-                    text = "".join(answer.text)
-                    await self.journal.answered(op, served, rid, text, p.usage, called)
-                elif p.index == 0:
-                    answer.add(p)
-                yield p
 
     # ------------------------------------------------------- completions
 

@@ -1,32 +1,32 @@
-"""Chat completions served by a hosted provider, as answer pieces.
+"""The hosted providers as a :class:`~gateway.core.target.Target`.
 
-Per request: split it into a header and turns (the session log's shapes,
-:mod:`gateway.sessions.render`), open its place in the journal, let the
-provider path plan and render it once, journal the exact bytes, send; a
-cached-content handle the provider no longer knows (a false warm) is dropped
-and the call sent again inline, journaled as its own dispatch.  The usage
-telemetry is settled into the belief when the answer ends.
+prepare: split the request into a header and turns (the session log's
+shapes, :mod:`gateway.sessions.render`), let the provider path plan the cache
+and render it once → the service loop journals the exact bytes → send: the
+provider's deltas as answer pieces → retry: a cached-content handle the
+provider no longer knows (a false warm) is dropped and the call prepared
+again inline, journaled as its own dispatch → settle: the usage telemetry
+into the belief (verify, then account).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing
+from dataclasses import dataclass, field
 
 from engines.errors import EngineError
-from engines.providers.base import ChatCall, Delta, ProviderUsage
+from engines.providers.base import ProviderUsage
 from engines.providers.errors import ProviderNotFound
-from gateway.core.errors import InvalidRequest, from_engine_error
+from gateway.core.errors import APIError, InvalidRequest, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
-from gateway.core.schemas import ChatCompletionRequest, tool_calls_json
-from gateway.core.shaping import Piece, Pieces, Sample, ToolCallDelta
-from gateway.core.tracing import RequestTrace, Tracing
-from gateway.core.types import Served
+from gateway.core.schemas import ChatCompletionRequest
+from gateway.core.shaping import Piece, Pieces, ToolCallDelta
+from gateway.core.target import Call, Sent
 from gateway.providers.path import Outcome, Prepared, ProviderPath
-from gateway.service.journal import Journal
-from gateway.sessions.log import Open
 from gateway.sessions.render import (
     SystemLayouts,
     directives_of,
@@ -34,7 +34,7 @@ from gateway.sessions.render import (
     request_config,
     request_parts,
 )
-from manifest.sessionlog import Header
+from manifest.sessionlog import Header, MessageEvent
 
 
 def usage_of(u: ProviderUsage | None) -> Usage:
@@ -77,135 +77,118 @@ class _Timing:
         self._last = now
 
 
+@dataclass(frozen=True)
+class ProviderPrepared:
+    """A chat call planned and rendered for one provider target."""
+
+    call: Call
+    target: str
+    planned: Prepared
+    header: Header
+    turns: tuple[MessageEvent, ...]
+    request_id: str
+    t0: float
+    lint: tuple[str, ...] = ()
+    outcome: Outcome = field(default_factory=Outcome)  # the provider's own telemetry
+    placement: None = None
+
+    @property
+    def sent(self) -> Sent:
+        body = self.planned.rendered.body
+        return Sent(
+            self.request_id, self.target, "provider", directives_of(self.planned.directives), body
+        )
+
+    @property
+    def notes(self) -> dict[str, str]:
+        out = {}
+        if self.lint:
+            out["x-vcache-prefix-lint"] = ", ".join(self.lint)
+        if self.planned.placed_by is not None:
+            out["x-vcache-breakpoints"] = self.planned.placed_by
+        return out
+
+
 class ProviderChat:
-    def __init__(self, path: ProviderPath, layout: str, journal: Journal, metrics: Metrics) -> None:
+    """Every configured provider's models as one :class:`~gateway.core.target.Target`."""
+
+    def __init__(self, path: ProviderPath, layout: str, metrics: Metrics) -> None:
         self.path = path
         self.metrics = metrics
         self.layout = layout
-        self.journal = journal
         self.layouts = SystemLayouts()
 
-    def _open(
-        self,
-        req: ChatCompletionRequest,
-        target: str,
-        served: Served,
-        tenant: str,
-        session: str | None,
-    ) -> tuple[ChatCall, Open | None]:
-        self.path.target(target)  # 404 / 503 before anything else
+    def admission(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # providers shed load themselves (429, 529)
+
+    async def prepare(self, name: str, call: Call) -> ProviderPrepared:
+        """Plan the cache and render once: the header and turns the log keeps, the
+        provider-neutral call, the planner's breakpoints and directives."""
+        t0 = time.perf_counter()
+        t = self.path.target(name)  # 404 / 503 before anything else
+        req = call.request
         _local_only_parameters(req)
         system, turns = request_parts(req)
         config = request_config(req, self.layout)
-        header = Header.make(req.model, target, system, req.tool_dicts(), config)
-        call, lint_names = provider_call(header, turns, self.layouts)
-        served.target, served.dispatch, served.lint = target, None, tuple(lint_names)
-        return call, self.journal.open(tenant, header, turns, session)
+        header = Header.make(req.model, name, system, req.tool_dicts(), config)
+        chat, lint = provider_call(header, turns, self.layouts)
+        tenant = call.who.tenant
+        with call.trace.step("plan", target=name) as span:
+            try:
+                planned = await self.path.prepare(t, chat, tenant, call.warm, req)
+            except Exception as exc:
+                self.path.failed(t)
+                if isinstance(exc, EngineError):
+                    raise from_engine_error(exc) from exc
+                raise
+            span.set_attribute("vcache.breakpoints", len(planned.marked))
+        return ProviderPrepared(
+            call, name, planned, header, turns, call.request_id, t0, tuple(lint)
+        )
 
-    async def _deltas(
-        self,
-        call: ChatCall,
-        op: Open | None,
-        served: Served | None,
-        tenant: str,
-        target: str,
-        rid: str,
-        out: Outcome,
-        warm: bool = False,
-        trace: RequestTrace | None = None,
-        req: ChatCompletionRequest | None = None,
-    ) -> AsyncGenerator[Delta, None]:
-        """The provider's deltas: planned once, journaled before each send, errors in the
-        API's terms."""
-        t = self.path.target(target)
-        trace = trace or Tracing().request("vcache.warm")  # warms are not traced
-        p: Prepared | None = None
+    async def send(self, p: ProviderPrepared, session: str | None) -> Pieces:
+        """The provider's deltas as answer pieces; errors in the API's terms; the usage
+        last.  Siblings held for this call's anchor go, whatever happens to it."""
+        t, trace = p.planned.target, p.call.trace
+        timing = _Timing(self.metrics, p.planned.call.model, p.target, p.t0)
+        trace.begin("dispatch", target=p.target)
+        first = True
         try:
-            with trace.step("plan", target=target) as span:
-                p = await self.path.prepare(t, call, tenant, warm, req)
-                span.set_attribute("vcache.breakpoints", len(p.marked))
-            if served is not None:
-                served.breakpoints = p.placed_by
-            attempt, yielded = 0, False
-            while True:
-                request_id = rid if attempt == 0 else f"{rid}-{attempt}"
-                body = p.rendered.body
-                directives = directives_of(p.directives)
-                with trace.step("journal"):
-                    await self.journal.sent(
-                        op, served, request_id, target, "provider", directives, body
-                    )
-                trace.begin("dispatch", target=target, attempt=attempt)
-                try:
-                    async with aclosing(self.path.send(p, out)) as deltas:
-                        async for d in deltas:
-                            if not yielded:  # the first token
-                                trace.finish("dispatch")
-                                trace.begin("generate")
-                            yielded = True
-                            yield d
-                    trace.finish("generate")
-                    break
-                except ProviderNotFound:
-                    inline = None if yielded or attempt else self.path.inline(p)
-                    if inline is None:
-                        raise
-                    p, attempt = inline, attempt + 1
+            async with aclosing(self.path.send(p.planned, p.outcome)) as deltas:
+                async for d in deltas:
+                    if first:  # the first token
+                        trace.finish("dispatch")
+                        trace.begin("generate")
+                        first = False
+                    if d.text or d.tool_calls:
+                        timing.output()
+                    if d.text or d.finish_reason or d.tool_calls:
+                        parts = tuple(
+                            ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.tool_calls
+                        )
+                        yield Piece(d.text, d.finish_reason, tool_calls=parts)
+            trace.finish("generate")
         except Exception as exc:
             self.path.failed(t)
             if isinstance(exc, EngineError):
                 raise from_engine_error(exc) from exc
             raise
         finally:
-            if p is not None:
-                p.release()  # siblings held for this one go, whatever happened to it
-        self.path.settle(p, rid, out)
+            p.planned.release()
+        yield Piece(usage=usage_of(p.outcome.usage))
 
-    async def answer(
-        self,
-        req: ChatCompletionRequest,
-        tenant: str,
-        target: str,
-        served: Served,
-        rid: str,
-        session: str | None,
-        trace: RequestTrace,
-    ) -> Pieces:
-        t0 = time.perf_counter()
-        call, op = self._open(req, target, served, tenant, session)
-        out = Outcome()
-        answer = Sample()
-        timing = _Timing(self.metrics, call.model, target, t0)
-        deltas = self._deltas(call, op, served, tenant, target, rid, out, trace=trace, req=req)
-        async with aclosing(deltas):
-            async for d in deltas:
-                if d.text or d.tool_calls:
-                    timing.output()
-                if d.text or d.finish_reason or d.tool_calls:
-                    parts = tuple(
-                        ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.tool_calls
-                    )
-                    piece = Piece(d.text, d.finish_reason, tool_calls=parts)
-                    answer.add(piece)
-                    yield piece
-        usage = usage_of(out.usage)
-        calls = answer.tool_calls()
-        called = tool_calls_json([c.model_dump() for c in calls]) if calls else None
-        await self.journal.answered(op, served, rid, "".join(answer.text), usage, called)
-        yield Piece(usage=usage)
+    def retry(self, p: ProviderPrepared, error: Exception) -> ProviderPrepared | None:
+        """A cached-content handle the provider no longer knows (a false warm): the same
+        call with the prompt inline, journaled as its own dispatch."""
+        cause = error.__cause__ if isinstance(error, APIError) else error
+        if not isinstance(cause, ProviderNotFound):
+            return None
+        inline = self.path.inline(p.planned)
+        if inline is None:
+            return None
+        rid = f"{p.call.request_id}-1"
+        return dataclasses.replace(p, planned=inline, request_id=rid, outcome=Outcome())
 
-    async def warm(
-        self, req: ChatCompletionRequest, tenant: str, target: str, rid: str
-    ) -> ProviderUsage | None:
-        """Prefill the planned breakpoints without generating (Anthropic ``max_tokens: 0``);
-        on implicit providers the first real request warms, so this sends a one-token call.
-        Journaled like any request that reaches a model."""
-        req = req.model_copy(update={"max_tokens": 1, "stream": False})
-        call, op = self._open(req, target, Served(), tenant, None)
-        out = Outcome()
-        warming = self._deltas(call, op, None, tenant, target, rid, out, True, req=req)
-        async with aclosing(warming) as ds:
-            async for _ in ds:
-                pass
-        await self.journal.answered(op, None, rid, "", usage_of(out.usage))
-        return out.usage
+    def settle(self, p: ProviderPrepared, usage: Usage) -> None:
+        """Verify, then account: the provider's own telemetry into the belief."""
+        self.path.settle(p.planned, p.call.request_id, p.outcome)

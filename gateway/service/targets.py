@@ -10,18 +10,10 @@ and a streamed answer only before its first token.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
 
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import APIError, InvalidRequest, NotFound, RateLimited, Unavailable
-from gateway.core.metrics import Metrics
-from gateway.core.types import Served
-
-log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class Targets:
@@ -53,23 +45,3 @@ def can_fall_back(exc: APIError) -> bool:
     if isinstance(exc, InvalidRequest):  # what this target cannot do, another may
         return exc.code in ("context_length_exceeded", "tools_unsupported", "unsupported_on_target")
     return isinstance(exc, Unavailable | RateLimited) or exc.status >= 500
-
-
-async def first_ok(
-    targets: Sequence[str],
-    attempt: Callable[[str], Awaitable[T]],
-    served: Served,
-    metrics: Metrics,
-) -> T:
-    """``attempt(target)`` for each target in order until one succeeds."""
-    for i, target in enumerate(targets):
-        try:
-            return await attempt(target)
-        except APIError as exc:
-            if i == len(targets) - 1 or not can_fall_back(exc):
-                raise
-            reason = exc.code or exc.type
-            log.warning("%s failed (%s: %s); trying %s", target, reason, exc, targets[i + 1])
-            metrics.fallbacks.labels(target, reason).inc()
-            served.fallback_from += (target,)
-    raise AssertionError("no targets")  # resolve() never returns an empty list

@@ -49,7 +49,8 @@ def _advance(gw: Gw, seconds: float) -> None:
 
 
 def _tick(gw: Gw) -> int:
-    return len(gw.http.portal.call(_control(gw).tick))  # type: ignore[union-attr]
+    send = gw.http.app.state.service.warm_provider  # type: ignore[attr-defined]
+    return len(gw.http.portal.call(_control(gw).tick, send))  # type: ignore[union-attr]
 
 
 def _ask(gw: Gw, model: str, question: str = "what is a block?", system: str = SYSTEM) -> Any:

@@ -125,19 +125,21 @@ def test_an_explicit_session_logs_a_change_snapshot_and_still_rebuilds(gw: Gw) -
 def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
     gw: Gw, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import dataclasses
+
     import gateway.service.provider_chat as pc
-    import gateway.sessions.render as render
 
-    real = render.request_parts
+    real = pc.ProviderChat.prepare
 
-    def corrupt(req: Any) -> Any:  # what the log records differs from what the live path renders
-        system, turns = real(req)
-        return system, tuple(type(t)(t.role, t.content + "!", t.name) for t in turns)
+    async def corrupt(self: Any, name: str, call: Any) -> Any:
+        """What the log records differs from what the live call renders."""
+        p = await real(self, name, call)
+        turns = tuple(type(t)(t.role, t.content + "!", t.name) for t in p.turns)
+        return dataclasses.replace(p, turns=turns)
 
     model = f"openai/{MODELS['openai']}"
     before = len(gw.emulator.received())
-    monkeypatch.setattr(render, "request_parts", corrupt)
-    monkeypatch.setattr(pc.ProviderChat, "_open", _open_with_live_turns(real))
+    monkeypatch.setattr(pc.ProviderChat, "prepare", corrupt)
     r = gw.http.post(
         "/v1/chat/completions",
         headers={"authorization": f"Bearer {KEY}"},
@@ -148,26 +150,6 @@ def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
     assert err["code"] == "reconstruction_mismatch"
     assert "differs from the live request at byte" in err["message"]
     assert len(gw.emulator.received()) == before  # nothing was sent
-
-
-def _open_with_live_turns(real: Any) -> Any:
-    """An _open whose live call renders the real turns while the log gets corrupted ones."""
-    import gateway.sessions.render as render
-    from manifest.sessionlog import Header
-
-    def _open(self: Any, req: Any, target: str, served: Any, tenant: str, session: Any) -> Any:
-        self.path.target(target)
-        system, turns = real(req)
-        header = Header.make(
-            req.model, target, system, None, render.request_config(req, self.layout)
-        )
-        call, lint_names = render.provider_call(header, turns)
-        served.target, served.dispatch, served.lint = target, None, tuple(lint_names)
-        _, logged = render.request_parts(req)
-        op = self.journal.open(tenant, header, logged, session)
-        return call, op
-
-    return _open
 
 
 def test_cli_lists_sessions_and_replays_a_request(gw: Gw) -> None:

@@ -45,8 +45,8 @@ def test_a_chat_is_one_span_with_a_child_per_step(demo_model: Path) -> None:
         ]
         assert [c.name for c in children] == [
             "tokenize",
+            "route",  # prepare (tokenize, route) decides; then the journal; then the send
             "journal",
-            "route",
             "dispatch",
             "generate",
         ]

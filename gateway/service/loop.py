@@ -1,0 +1,126 @@
+"""The one loop every chat request goes through, whatever its target.
+
+For each target of the request's model, in order (:class:`Targets`): admit,
+prepare (plan and render; nothing sent), journal what will be sent, send,
+and journal the answer before its usage goes out; then settle.  A target
+that fails before the first token (unavailable, overloaded, a context too
+small, a provider that still fails after its retries) gives way to the
+next, and ``served.fallback_from`` says so.  This is the only place that
+journals, falls back and writes where a request was served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from gateway.core.errors import APIError
+from gateway.core.metrics import Metrics
+from gateway.core.outputs import Usage
+from gateway.core.schemas import tool_calls_json
+from gateway.core.shaping import Pieces, Sample, primed
+from gateway.core.target import Call, Target
+from gateway.core.types import Served
+from gateway.service.journal import Journal
+from gateway.service.targets import can_fall_back
+
+log = logging.getLogger(__name__)
+
+Resolve = Callable[[str], Target[Any]]
+
+
+class ServiceLoop:
+    def __init__(self, journal: Journal, metrics: Metrics, resolve: Resolve) -> None:
+        self.journal = journal
+        self._metrics = metrics
+        self._resolve = resolve  # a target name → the Target that serves it
+
+    async def first_answer(
+        self, names: Sequence[str], call: Call, served: Served, whole: bool = False
+    ) -> tuple[str, Pieces]:
+        """The request id and answer of the first target in ``names`` that serves
+        ``call``, its first piece produced (each fallback is a request of its own, with an
+        id of its own).  ``whole``: the answer is read to its end here, so a target that
+        fails at any point before it ends falls back too."""
+        for i, name in enumerate(names):
+            attempt = (
+                call if i == 0 else dataclasses.replace(call, request_id=f"{call.request_id}-{i}")
+            )
+            try:
+                pieces = await primed(self.serve(name, attempt, served))
+                return attempt.request_id, (await _drained(pieces) if whole else pieces)
+            except APIError as exc:
+                if i == len(names) - 1 or not can_fall_back(exc):
+                    raise
+                reason = exc.code or exc.type
+                log.warning("%s failed (%s: %s); trying %s", name, reason, exc, names[i + 1])
+                self._metrics.fallbacks.labels(name, reason).inc()
+                served.fallback_from += (name,)
+        raise AssertionError("no targets")  # Targets.resolve never returns an empty list
+
+    async def serve(self, name: str, call: Call, served: Served | None) -> Pieces:
+        """One target's answer: admitted, prepared, journaled, sent, settled."""
+        target = self._resolve(name)
+        with target.admission():
+            p = await target.prepare(name, call)
+            if served is not None:
+                served.target, served.dispatch, served.notes = p.target, p.placement, dict(p.notes)
+            op = self.journal.open(call.who.tenant, p.header, p.turns, call.session)
+            answer, usage, attempt = Sample(), None, 0
+            while True:
+                with call.trace.step("journal"):
+                    s = p.sent
+                    await self.journal.sent(
+                        op, served, s.request_id, s.target, s.render, s.directives, s.body
+                    )
+                yielded = False
+                try:
+                    async with aclosing(target.send(p, op.session_id if op else None)) as out:
+                        async for piece in out:
+                            if piece.usage is not None:
+                                usage = piece.usage
+                                await self._answered(op, served, call, answer, usage)
+                            elif piece.index == 0:
+                                answer.add(piece)
+                            yielded = True
+                            yield piece
+                    break
+                except Exception as exc:
+                    again = None if yielded or attempt else target.retry(p, exc)
+                    if again is None:
+                        raise
+                    p, attempt = again, attempt + 1
+            target.settle(p, usage or Usage.of(0, 0, 0))
+
+    async def _answered(
+        self,
+        op: Any,
+        served: Served | None,
+        call: Call,
+        answer: Sample,
+        usage: Usage,
+    ) -> None:
+        """Journal the answer (sample 0, the one the conversation goes on with) before its
+        usage goes out: its text and the tools it called."""
+        calls = answer.tool_calls()
+        called = tool_calls_json([c.model_dump() for c in calls]) if calls else None
+        await self.journal.answered(
+            op, served, call.request_id, "".join(answer.text), usage, called
+        )
+
+
+async def _drained(pieces: Pieces) -> Pieces:
+    """``pieces`` read to the end first (errors raised here), then replayed."""
+    got = []
+    async with aclosing(pieces):
+        async for p in pieces:
+            got.append(p)
+
+    async def replay() -> Pieces:
+        for p in got:
+            yield p
+
+    return replay()
