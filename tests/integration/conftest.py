@@ -7,6 +7,7 @@ over loopback with the official ``openai`` SDK and plain httpx.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -94,6 +95,33 @@ def gateway(
             log_path=log_path,
             sessions_db=sessions,
         )
+    # whatever ran and in whatever order: every request the session sent rebuilds
+    rebuilt, failed = rebuild_all(sessions, demo_model)
+    print(f"\nsession log: {rebuilt} requests rebuilt byte for byte")
+    if failed:
+        pytest.fail(f"requests that do not rebuild from the session log: {failed}")
+
+
+def rebuild_all(sessions_db: Path, model: Path) -> tuple[int, list[str]]:
+    """Rebuild every request of a session log offline (a tokenizer of its own, no
+    gateway): how many rebuilt byte for byte, and the ids of those that did not."""
+    from engines.providers.specs import adapter_for
+    from engines.tokenizer import ChatTokenizer
+    from gateway.sessions.log import SessionLog
+    from gateway.sessions.reconstruct import Reconstructor
+    from gateway.sessions.store import SessionStore
+
+    store = SessionStore(sessions_db)
+    tokenizer = ChatTokenizer.from_pretrained(str(model))
+    log = SessionLog(store, Reconstructor(adapter_for, lambda: tokenizer), verify=False)
+    failed = []
+    rows = store.requests()
+    for row in rows:
+        event, data = log.rebuild(row.session_id, row.seq)
+        if not hashlib.sha256(data).hexdigest() == row.sha256 == event.sha256:
+            failed.append(row.request_id)
+    store.close()
+    return len(rows) - len(failed), failed
 
 
 @contextlib.contextmanager

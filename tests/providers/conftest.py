@@ -25,6 +25,7 @@ from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
 from gateway.providers.path import ProviderPath
+from gateway.sessions.log import SessionLog
 from tests.integration.conftest import _free_port, running
 
 KEY = "sk-provider-tests"
@@ -101,6 +102,11 @@ class Gw:
         return openai.OpenAI(
             base_url="http://testserver/v1", api_key=KEY, http_client=self.http, max_retries=0
         )
+
+    def log(self) -> SessionLog:
+        """The gateway's session log."""
+        log: SessionLog = self.http.app.state.session_log  # type: ignore[attr-defined]
+        return log
 
     def stats(self) -> dict[str, Any]:
         r = self.http.get("/v1/cache/stats", headers={"authorization": f"Bearer {KEY}"})

@@ -5,6 +5,7 @@ adapters, and an alias that falls back from the local model to Anthropic."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,36 +86,47 @@ def test_more_than_four_marks_are_placed_by_the_planner(gw: Gw) -> None:
     assert 0 < len(_marks(gw.emulator.last_body())) <= 4
 
 
-def test_rolling_breakpoint_reads_the_previous_turn(gw: Gw) -> None:
-    """A coding agent's loop: the mark moves to the last block of every new user turn;
-    from the second turn on, nearly all of the previous turn's prompt is read back."""
+def test_coding_agent_reads_the_previous_turn_on_anthropic(gw: Gw) -> None:
+    """A coding agent's loop on an Anthropic target: three system blocks (two marked),
+    twelve tools, thinking and context_management, the mark moving to the last block of
+    every new user turn, twenty tool turns; from the second turn on at least 95% of the
+    previous turn's prompt is read back, and every request rebuilds byte for byte."""
     client = sdk(gw)
+    tools: Any = [{**TOOLS[i % 4], "name": f"tool_{i}"} for i in range(12)]
     history: Any = []
     last_prompt = 0
-    for turn in range(5):
+    for turn in range(21):
         for m in history:  # the previous turn's mark is dropped, as agents do
             if m["role"] == "user":
                 m["content"] = [{k: v for k, v in b.items() if k != "cache_control"}
                                 for b in m["content"]]  # fmt: skip
-        history.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": f"t{turn}", "content": "output " * 200}
-            if turn else {"type": "text", "text": "start the task"},
-        ]})  # fmt: skip
-        history[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
-        if turn:  # a tool result answers the assistant's tool call before it
-            history.insert(-1, {"role": "assistant", "content": [
-                {"type": "tool_use", "id": f"t{turn}", "name": "tool_0", "input": {"path": "a"}}
-            ]})  # fmt: skip
+        if turn:  # the tool call the model made, then its result
+            call = {"type": "tool_use", "id": f"toolu_{turn}", "name": "tool_0",
+                    "input": {"path": f"src/{turn}.py"}}  # fmt: skip
+            history.append({"role": "assistant", "content": [call]})
+            block = {"type": "tool_result", "tool_use_id": call["id"], "content": "out " * 150}
+        else:
+            block = {"type": "text", "text": "start the task"}
+        mark = {"cache_control": {"type": "ephemeral"}}
+        history.append({"role": "user", "content": [{**block, **mark}]})
         m = client.messages.create(
-            model=SONNET, max_tokens=8, system=SYSTEM, tools=TOOLS, messages=history
-        )
+            model=SONNET, max_tokens=8, system=SYSTEM, tools=tools, messages=history,
+            extra_headers={"X-Claude-Code-Session-Id": "agent-on-anthropic"},
+            extra_body={"thinking": {"type": "adaptive"},
+                        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+        )  # fmt: skip
         u = m.usage
         prompt = u.input_tokens + (u.cache_read_input_tokens or 0)
         prompt += u.cache_creation_input_tokens or 0
         if turn:
             assert (u.cache_read_input_tokens or 0) >= 0.95 * last_prompt, (turn, u)
         last_prompt = prompt
-        history.append({"role": "assistant", "content": [b.model_dump() for b in m.content]})
+    log = gw.log()
+    rows = [r for r in log.store.requests() if r.target == SONNET]
+    assert len(rows) == 21
+    for row in rows:
+        _, data = log.rebuild(row.session_id, row.seq)
+        assert hashlib.sha256(data).hexdigest() == row.sha256
 
 
 @pytest.mark.parametrize(
@@ -142,3 +154,35 @@ def test_alias_falls_back_from_the_local_model(gw: Gw) -> None:
         model="smart", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
     )
     assert short.headers["x-vcache-target"] == "local"
+
+
+def test_vcache_replay_rebuilds_a_messages_request(gw: Gw) -> None:
+    """A Messages conversation on Anthropic, named by the agent's session header: the CLI
+    lists its session and replays its last request to the bytes the emulator received."""
+    import subprocess
+    import sys
+
+    from manifest.sessionlog import scoped_session
+
+    client = sdk(gw)
+    turns: Any = [{"role": "user", "content": "first"}]
+    for _ in range(2):
+        m = client.messages.create(
+            model=SONNET, max_tokens=8, system=SYSTEM, messages=turns,
+            extra_headers={"X-Claude-Code-Session-Id": "replayed-agent"},
+        )  # fmt: skip
+        answer = [b.model_dump() for b in m.content]
+        turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": "next"}]
+    log = gw.log()
+    rows = log.store.requests(scoped_session("t", "replayed-agent"))
+    assert len(rows) == 2
+    cli = [sys.executable, "-m", "gateway.cli"]
+    db = str(log.store.path)
+    listed = subprocess.run([*cli, "sessions", "--db", db], capture_output=True, text=True)
+    assert listed.returncode == 0 and rows[0].session_id in listed.stdout, listed.stderr
+    done = subprocess.run(
+        [*cli, "replay", rows[-1].request_id, "--db", db], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "match: the log rebuilds what was sent" in done.stdout
+    assert rows[-1].sha256 == gw.emulator.received()[-1]["sha256"]

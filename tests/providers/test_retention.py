@@ -11,7 +11,6 @@ import pytest
 
 from engines.tokenizer import ChatTokenizer
 from tests.providers.conftest import KEY, MODELS, PROVIDER_KEY, Emulator, Gw, make_gateway
-from tests.providers.test_session_log import log_of
 
 SYSTEM = "You answer questions about the vcache manual, one section at a time.\n" * 80
 
@@ -50,7 +49,7 @@ def test_extended_retention_goes_on_the_wire_and_outlives_the_in_memory_ttl(
     retained.emulator.admin("clock/advance", seconds=3 * 3600)  # hours, not minutes
     retained.clock.now += 3 * 3600
     assert _ask(retained, "second") >= 1024
-    log = log_of(retained)
+    log = retained.log()
     for row in log.store.requests():
         _, data = log.rebuild(row.session_id, row.seq)
         assert hashlib.sha256(data).hexdigest() == row.sha256

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from gateway.sessions.log import SessionLog
 from manifest.sessionlog import (
     DispatchEvent,
     HeaderEvent,
@@ -43,11 +42,6 @@ def converse(
     return out
 
 
-def log_of(gw: Gw) -> SessionLog:
-    log: SessionLog = gw.http.app.state.session_log  # type: ignore[attr-defined]
-    return log
-
-
 @pytest.mark.parametrize("provider", list(MODELS))
 def test_every_provider_request_rebuilds_to_the_bytes_the_emulator_received(
     gw: Gw, provider: str
@@ -56,7 +50,7 @@ def test_every_provider_request_rebuilds_to_the_bytes_the_emulator_received(
     replies = converse(gw, model, 4)
     sessions = {r.headers["x-vcache-session"] for r in replies}
     assert len(sessions) == 1  # the stateless conversation was found again each turn
-    log = log_of(gw)
+    log = gw.log()
     assert log.verify and log.verified >= 4
     received = [
         r["sha256"]
@@ -80,7 +74,7 @@ def test_local_requests_rebuild_to_the_token_ids_the_engine_received(gw: Gw) -> 
     replies = converse(gw, "vcache-demo", 3, system="You are brief.")
     sid = replies[0].headers["x-vcache-session"]
     assert {r.headers["x-vcache-session"] for r in replies} == {sid}
-    log = log_of(gw)
+    log = gw.log()
     rows = log.store.requests(scoped_session("t", sid))
     assert [r.request_id for r in rows] == [g.request_id for g in gw.engine.received]
     import json
@@ -110,7 +104,7 @@ def test_an_explicit_session_logs_a_change_snapshot_and_still_rebuilds(gw: Gw) -
         },
     )
     assert r.status_code == 200 and r.headers["x-vcache-session"] == "team-a.chat-1"
-    log = log_of(gw)
+    log = gw.log()
     events = [e for _, e in log.store.events(scoped_session("t", "team-a.chat-1"))]
     headers = [e.reason for e in events if isinstance(e, HeaderEvent)]
     assert headers == [Reason.INITIAL, Reason.CHANGE]
@@ -158,7 +152,7 @@ def test_cli_lists_sessions_and_replays_a_request(gw: Gw) -> None:
 
     model = f"deepseek/{MODELS['deepseek']}"
     replies = converse(gw, model, 2)
-    log = log_of(gw)
+    log = gw.log()
     db = str(log.store.path)
     rows = log.store.requests(scoped_session("t", replies[0].headers["x-vcache-session"]))
     cli = [sys.executable, "-m", "gateway.cli"]
@@ -212,7 +206,7 @@ def test_tools_added_mid_session_are_a_change_snapshot_and_rebuild(gw: Gw, provi
         json={"model": model, "messages": messages, "tools": TOOLS, "tool_choice": "auto"},
     )
     assert r2.status_code == 200, r2.text
-    log = log_of(gw)
+    log = gw.log()
     events = [e for _, e in log.store.events(scoped_session("t", f"tools-{provider}"))]
     snaps = [e for e in events if isinstance(e, HeaderEvent)]
     assert [s.reason for s in snaps] == [Reason.INITIAL, Reason.CHANGE]

@@ -20,7 +20,6 @@ from openai.types.chat import ChatCompletionToolParam
 
 from manifest.sessionlog import scoped_session
 from tests.providers.conftest import KEY, MODELS, Gw
-from tests.providers.test_session_log import log_of
 
 SYSTEM = "You look things up in the vcache manual.\n" * 40
 WEATHER = {
@@ -82,7 +81,7 @@ def test_calls_come_back_in_openais_shape_and_the_results_go_on(gw: Gw, provider
     assert choice["finish_reason"] in ("stop", "length") and choice["message"]["content"]
     assert "tool_calls" not in choice["message"]
 
-    log = log_of(gw)
+    log = gw.log()
     rows = log.store.requests(scoped_session("t", session))
     assert len(rows) == 2
     received = [r for r in gw.emulator.received() if r["path"] != "/v1beta/cachedContents"]
