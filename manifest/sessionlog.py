@@ -101,10 +101,16 @@ class MessageEvent:
     kind: Literal["message"] = "message"
     tool_calls: str | None = None  # an assistant's tool calls, as canonical JSON
     tool_call_id: str | None = None  # a tool result's call
+    # an assistant's thinking blocks (with their signatures), as canonical JSON: relayed
+    # to the provider that wrote them exactly as it wrote them
+    thinking: str | None = None
 
     def key(self) -> tuple[str | None, ...]:
-        """What identifies the message in a conversation (plain messages keep the
-        three-part key they always had, so their digests do not change)."""
+        """What identifies the message in a conversation (messages without tool calls or
+        thinking keep the shorter keys they always had, so their digests do not change)."""
+        if self.thinking is not None:
+            return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id,
+                    self.thinking)  # fmt: skip
         if self.tool_calls is None and self.tool_call_id is None:
             return (self.role, self.content, self.name)
         return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id)
@@ -241,6 +247,8 @@ def _as_dict(event: Event) -> dict[str, Any]:
             out["tool_calls"] = event.tool_calls
         if event.tool_call_id is not None:
             out["tool_call_id"] = event.tool_call_id
+        if event.thinking is not None:
+            out["thinking"] = event.thinking
         return out
     if isinstance(event, ReplaceEvent):
         m = event.message
@@ -291,6 +299,7 @@ def _message(d: dict[str, Any]) -> MessageEvent:
         d.get("name"),
         tool_calls=d.get("tool_calls"),
         tool_call_id=d.get("tool_call_id"),
+        thinking=d.get("thinking"),
     )
 
 

@@ -12,6 +12,7 @@ from engines.providers.base import (
     Delta,
     ProviderUsage,
     Rendered,
+    ThinkingPart,
     ToolCall,
     ToolCallPart,
     Turn,
@@ -59,8 +60,8 @@ def _turn_blocks(t: Turn) -> tuple[str, list[dict[str, Any]]]:
     if t.role == "tool":
         result = {"type": "tool_result", "tool_use_id": t.tool_call_id or "", "content": t.content}
         return "user", [result]
-    blocks: list[dict[str, Any]] = []
-    if t.content or not t.tool_calls:
+    blocks: list[dict[str, Any]] = [dict(b) for b in t.thinking]  # first, as written
+    if t.content or not (t.tool_calls or t.thinking):
         blocks.append({"type": "text", "text": t.content})
     for c in t.tool_calls:
         blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": c.args()})
@@ -144,6 +145,8 @@ class AnthropicAdapter:
                 body[name] = value
         if call.stop:
             body["stop_sequences"] = list(call.stop)
+        if call.thinking is not None and not cache.warm:
+            body["thinking"] = dict(call.thinking)
         return Rendered("/messages", canonical_json(body), prompt, ends, bool(body.get("stream")))
 
     def parse(self, body: Any) -> Answer:
@@ -156,7 +159,14 @@ class AnthropicAdapter:
         )
         u = body.get("usage") or {}
         usage = _usage(u, int(u.get("output_tokens") or 0))
-        return Answer(text, usage, _FINISH.get(str(body.get("stop_reason")), "stop"), calls)
+        finish = _FINISH.get(str(body.get("stop_reason")), "stop")
+        thoughts = [b for b in content if b.get("type") in ("thinking", "redacted_thinking")]
+        thinking = tuple(
+            ThinkingPart(i, str(b.get("thinking", "")), str(b.get("signature", "")),
+                         b.get("data") if b["type"] == "redacted_thinking" else None)
+            for i, b in enumerate(thoughts)
+        )  # fmt: skip
+        return Answer(text, usage, finish, calls, thinking)
 
     def stream_parser(self) -> _StreamParser:
         return _StreamParser()
@@ -166,6 +176,7 @@ class _StreamParser:
     def __init__(self) -> None:
         self._usage: dict[str, Any] = {}
         self._calls: dict[int, int] = {}  # content block index → tool call index
+        self._thoughts: dict[int, int] = {}  # content block index → thinking block index
 
     def feed(self, event: ServerSentEvent) -> list[Delta]:
         if not event.data:
@@ -178,10 +189,23 @@ class _StreamParser:
             block = data["content_block"]
             call = self._calls[int(data["index"])] = len(self._calls)
             return [Delta(tool_calls=(ToolCallPart(call, str(block["id"]), str(block["name"])),))]
+        elif kind == "content_block_start" and data["content_block"].get("type") in (
+            "thinking",
+            "redacted_thinking",
+        ):
+            block = data["content_block"]
+            n = self._thoughts[int(data["index"])] = len(self._thoughts)
+            redacted = block.get("data") if block["type"] == "redacted_thinking" else None
+            part = ThinkingPart(n, str(block.get("thinking", "")), "", redacted)
+            return [Delta(thinking=(part,))]
         elif kind == "content_block_delta":
             delta = data["delta"]
             if delta.get("type") == "text_delta":
                 return [Delta(text=delta["text"])]
+            if delta.get("type") in ("thinking_delta", "signature_delta"):
+                n = self._thoughts[int(data["index"])]
+                text, sig = str(delta.get("thinking", "")), str(delta.get("signature", ""))
+                return [Delta(thinking=(ThinkingPart(n, text, sig),))]
             if delta.get("type") == "input_json_delta" and delta.get("partial_json"):
                 call = self._calls[int(data["index"])]
                 return [Delta(tool_calls=(ToolCallPart(call, arguments=delta["partial_json"]),))]

@@ -44,6 +44,7 @@ class Turn:
     content: str
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    thinking: tuple[Mapping[str, Any], ...] = ()  # an assistant's thinking blocks, as written
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class ChatCall:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     stream: bool = False
+    thinking: Mapping[str, Any] | None = None  # Anthropic's extended thinking config
 
     def segment_keys(self) -> list[str]:
         """Segments in prefix order: tools → system → system:volatile → message:i."""
@@ -103,11 +105,25 @@ class ProviderUsage:
 
 
 @dataclass(frozen=True)
+class ThinkingPart:
+    """Part of a thinking block the model wrote: the first part of block ``index`` opens
+    it (``redacted`` carries a redacted block's data whole); its text and signature may
+    come in several parts.  Relayed to the client untouched, as the provider wants it
+    back."""
+
+    index: int
+    text: str = ""
+    signature: str = ""
+    redacted: str | None = None
+
+
+@dataclass(frozen=True)
 class Answer:
     text: str
     usage: ProviderUsage
     finish_reason: str  # OpenAI's names: "stop" | "length" | "tool_calls"
     tool_calls: tuple[ToolCall, ...] = ()
+    thinking: tuple[ThinkingPart, ...] = ()  # whole blocks, in order
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,7 @@ class Delta:
     usage: ProviderUsage | None = None
     finish_reason: str | None = None
     tool_calls: tuple[ToolCallPart, ...] = ()
+    thinking: tuple[ThinkingPart, ...] = ()
 
 
 def forced_tool(choice: str | dict[str, Any] | None) -> str | None:

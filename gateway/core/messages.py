@@ -271,6 +271,20 @@ class ToolUseOut(_Out):
     input: dict[str, Any]
 
 
+class ThinkingOut(_Out):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str
+
+
+class RedactedThinkingOut(_Out):
+    type: Literal["redacted_thinking"] = "redacted_thinking"
+    data: str
+
+
+Block = TextOut | ToolUseOut | ThinkingOut | RedactedThinkingOut
+
+
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]
 
 
@@ -279,7 +293,7 @@ class Message(_Out):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextOut | ToolUseOut]
+    content: list[Block]
     stop_reason: StopReason | None
     stop_sequence: str | None = None
     usage: MessageUsage
@@ -300,7 +314,7 @@ class MessageStart(_Out):
 class ContentBlockStart(_Out):
     type: Literal["content_block_start"] = "content_block_start"
     index: int
-    content_block: TextOut | ToolUseOut
+    content_block: Block
 
 
 class TextDelta(_Out):
@@ -313,10 +327,20 @@ class InputJsonDelta(_Out):
     partial_json: str
 
 
+class ThinkingDelta(_Out):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(_Out):
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str
+
+
 class ContentBlockDelta(_Out):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
 
 
 class ContentBlockStop(_Out):

@@ -105,6 +105,9 @@ def tool_calls_json(calls: list[dict[str, Any]]) -> str:
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # an assistant's thinking blocks as another API sent them (canonical JSON); never
+    # read from an OpenAI request
+    _thinking: str | None = PrivateAttr(default=None)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -117,6 +120,14 @@ class ChatMessage(BaseModel):
         if not self.tool_calls:
             return None
         return tool_calls_json([c.model_dump() for c in self.tool_calls])
+
+    @property
+    def thinking(self) -> str | None:
+        return self._thinking
+
+    def with_thinking(self, blocks: list[dict[str, Any]]) -> ChatMessage:
+        self._thinking = canonical_json(blocks).decode() if blocks else None
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -236,6 +247,7 @@ class EdgeHints:
     breakpoints: tuple[Breakpoint, ...] = ()
     clamp_output: bool = False  # a max_tokens past the context is cut to fit, not refused
     top_k: int | None = None
+    thinking: dict[str, Any] | None = None  # Anthropic's extended thinking, for its targets
 
 
 class ChatCompletionRequest(SamplingFields):

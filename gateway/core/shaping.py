@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engines.base import TokenLogprob
+from engines.providers.base import ThinkingPart
 from gateway.core.outputs import (
     AssistantMessage,
     ChatChoice,
@@ -68,6 +69,7 @@ class Piece:
     # many were served from the prefix cache (the usage at the end is the answer's total)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    thinking: tuple[ThinkingPart, ...] = ()  # a provider's thinking blocks, relayed as written
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,19 @@ class _Call:
 
 
 @dataclass
+class _Thought:
+    text: list[str] = field(default_factory=list)
+    signature: list[str] = field(default_factory=list)
+    redacted: str | None = None
+
+    def block(self) -> dict[str, Any]:
+        if self.redacted is not None:
+            return {"type": "redacted_thinking", "data": self.redacted}
+        return {"type": "thinking", "thinking": "".join(self.text),
+                "signature": "".join(self.signature)}  # fmt: skip
+
+
+@dataclass
 class Sample:
     """One sample of an answer, as its pieces arrive."""
 
@@ -159,16 +174,26 @@ class Sample:
     finish_reason: str = "stop"
     logprobs: list[TokenLogprob] = field(default_factory=list)
     calls: dict[int, _Call] = field(default_factory=dict)
+    thoughts: dict[int, _Thought] = field(default_factory=dict)
 
     def add(self, p: Piece) -> None:
         self.text.append(p.text)
         self.logprobs += p.logprobs
         self.finish_reason = p.finish_reason or self.finish_reason
+        for t in p.thinking:
+            thought = self.thoughts.setdefault(t.index, _Thought())
+            thought.text.append(t.text)
+            thought.signature.append(t.signature)
+            thought.redacted = t.redacted if t.redacted is not None else thought.redacted
         for d in p.tool_calls:
             call = self.calls.setdefault(d.index, _Call())
             call.id = d.id or call.id
             call.name = d.name or call.name
             call.arguments.append(d.arguments)
+
+    def thinking_blocks(self) -> list[dict[str, Any]]:
+        """The thinking blocks, whole, in order (Anthropic's shape)."""
+        return [t.block() for _, t in sorted(self.thoughts.items())]
 
     def tool_calls(self) -> list[ToolCallOut] | None:
         if not self.calls:

@@ -234,6 +234,8 @@ class ProviderPath:
                     yield d
             return
         answer = await t.client.complete(r)
+        if answer.thinking:
+            yield Delta(thinking=answer.thinking)
         if answer.text or answer.tool_calls:
             parts = tuple(
                 ToolCallPart(i, c.id, c.name, c.arguments) for i, c in enumerate(answer.tool_calls)

@@ -56,10 +56,13 @@ class Journal:
         text: str,
         usage: Usage,
         tool_calls: str | None = None,
+        thinking: str | None = None,
     ) -> None:
-        """Append the answer: its text and (canonical JSON) the tools it called."""
+        """Append the answer: its text and (canonical JSON) the tools it called and the
+        thinking blocks it wrote."""
         if self.log is None or op is None:
             return
-        await self.log.respond(op, request_id, text, usage_record(usage), tool_calls)
+        record = usage_record(usage)
+        await self.log.respond(op, request_id, text, record, tool_calls, thinking)
         if served is not None:
             served.answer_seq = op.answer_seq

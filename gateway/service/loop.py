@@ -26,6 +26,7 @@ from gateway.core.target import Call, Target
 from gateway.core.types import Served
 from gateway.service.journal import Journal
 from gateway.service.targets import can_fall_back
+from manifest.canonical import canonical_json
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +108,10 @@ class ServiceLoop:
         usage goes out: its text and the tools it called."""
         calls = answer.tool_calls()
         called = tool_calls_json([c.model_dump() for c in calls]) if calls else None
-        await self.journal.answered(
-            op, served, call.request_id, "".join(answer.text), usage, called
-        )
+        blocks = answer.thinking_blocks()
+        thinking = canonical_json(blocks).decode() if blocks else None
+        text = "".join(answer.text)
+        await self.journal.answered(op, served, call.request_id, text, usage, called, thinking)
 
 
 async def _drained(pieces: Pieces) -> Pieces:

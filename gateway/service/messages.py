@@ -26,6 +26,7 @@ from typing import Any
 
 from gateway.core.errors import InvalidRequest
 from gateway.core.messages import (
+    Block,
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
@@ -38,12 +39,18 @@ from gateway.core.messages import (
     MessageStop,
     MessageUsage,
     Ping,
+    RedactedThinkingBlock,
+    RedactedThinkingOut,
+    SignatureDelta,
     StopDelta,
     StopReason,
     StreamEvent,
     TextBlock,
     TextDelta,
     TextOut,
+    ThinkingBlock,
+    ThinkingDelta,
+    ThinkingOut,
     TokenCount,
     ToolResultBlock,
     ToolUseBlock,
@@ -126,10 +133,13 @@ def _user(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
 def _assistant(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
     text: list[TextPart] = []
     calls: list[ToolCallIn] = []
+    thoughts: list[dict[str, Any]] = []  # relayed to the provider that wrote them, as written
     marked = False
     for j, b in enumerate(m.blocks()):
         if isinstance(b, TextBlock):
             text.append(TextPart(type="text", text=b.text))
+        elif isinstance(b, ThinkingBlock | RedactedThinkingBlock):
+            thoughts.append(b.model_dump(exclude_none=True, exclude={"cache_control"}))
         elif isinstance(b, ToolUseBlock):
             fn = FunctionCallIn(name=b.name, arguments=_arguments(b.input))
             calls.append(ToolCallIn(id=b.id, function=fn))
@@ -139,9 +149,10 @@ def _assistant(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
                 param=f"{where}.content.{j}.type",
                 code="invalid_value",
             )
-        marked = marked or b.cache_control is not None  # thinking blocks: not shown
+        marked = marked or b.cache_control is not None
     content = text if text else ("" if not calls else None)
-    turns.append(ChatMessage(role="assistant", content=content, tool_calls=calls or None))
+    turn = ChatMessage(role="assistant", content=content, tool_calls=calls or None)
+    turns.append(turn.with_thinking(thoughts))
     return marked
 
 
@@ -206,7 +217,9 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
             else None
         ),
     )
-    return chat.with_hints(EdgeHints(tuple(marks), clamp_output=True, top_k=req.top_k or None))
+    thinking = req.thinking.model_dump(exclude_none=True) if req.thinking else None
+    hints = EdgeHints(tuple(marks), clamp_output=True, top_k=req.top_k or None, thinking=thinking)
+    return chat.with_hints(hints)
 
 
 def _mark(b: Any) -> bool:
@@ -229,6 +242,12 @@ def message_usage(u: Usage) -> MessageUsage:
     )
 
 
+def _thought(block: dict[str, Any]) -> ThinkingOut | RedactedThinkingOut:
+    if block["type"] == "redacted_thinking":
+        return RedactedThinkingOut(data=block["data"])
+    return ThinkingOut(thinking=block["thinking"], signature=block["signature"])
+
+
 def _input(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments or "{}")
@@ -240,7 +259,7 @@ def _input(arguments: str) -> dict[str, Any]:
 async def whole_message(mid: str, model: str, pieces: Pieces) -> Message:
     samples, usage = await collect(pieces)
     s = samples[0]
-    content: list[TextOut | ToolUseOut] = []
+    content: list[Block] = [_thought(b) for b in s.thinking_blocks()]
     text = "".join(s.text)
     if text or not s.calls:
         content.append(TextOut(text=text))
@@ -271,6 +290,7 @@ async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[
     first token (the local one does); ``message_delta`` the totals."""
     index, open_kind = -1, ""
     blocks: dict[int, int] = {}  # tool call index → content block index
+    thoughts: dict[int, int] = {}  # thinking block index → content block index
     finish = "stop"
     async with aclosing(pieces):
         first = await anext(pieces, None)  # produced already: the stream is primed
@@ -284,6 +304,24 @@ async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[
         yield MessageStart(message=start)
         yield Ping()
         async for p in _chain(first, pieces):
+            for t in p.thinking:  # thinking blocks come first, each one whole in its turn
+                if t.index not in thoughts:
+                    if open_kind:
+                        yield ContentBlockStop(index=index)
+                    index, open_kind = index + 1, "thinking"
+                    thoughts[t.index] = index
+                    redacted = t.redacted is not None
+                    block: Block = (
+                        RedactedThinkingOut(data=t.redacted or "")
+                        if redacted
+                        else ThinkingOut(thinking="", signature="")
+                    )
+                    yield ContentBlockStart(index=index, content_block=block)
+                at = thoughts[t.index]
+                if t.text:
+                    yield ContentBlockDelta(index=at, delta=ThinkingDelta(thinking=t.text))
+                if t.signature:
+                    yield ContentBlockDelta(index=at, delta=SignatureDelta(signature=t.signature))
             if p.text:
                 if open_kind != "text":
                     if open_kind:
@@ -297,8 +335,8 @@ async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[
                         yield ContentBlockStop(index=index)
                     index, open_kind = index + 1, "tool"
                     blocks[d.index] = index
-                    block = ToolUseOut(id=d.id or "", name=d.name or "", input={})
-                    yield ContentBlockStart(index=index, content_block=block)
+                    use = ToolUseOut(id=d.id or "", name=d.name or "", input={})
+                    yield ContentBlockStart(index=index, content_block=use)
                 if d.arguments:
                     delta = InputJsonDelta(partial_json=d.arguments)
                     yield ContentBlockDelta(index=blocks[d.index], delta=delta)

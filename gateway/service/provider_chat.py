@@ -160,13 +160,13 @@ class ProviderChat:
                         trace.finish("dispatch")
                         trace.begin("generate")
                         first = False
-                    if d.text or d.tool_calls:
+                    if d.text or d.tool_calls or d.thinking:
                         timing.output()
-                    if d.text or d.finish_reason or d.tool_calls:
+                    if d.text or d.finish_reason or d.tool_calls or d.thinking:
                         parts = tuple(
                             ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.tool_calls
                         )
-                        yield Piece(d.text, d.finish_reason, tool_calls=parts)
+                        yield Piece(d.text, d.finish_reason, tool_calls=parts, thinking=d.thinking)
             trace.finish("generate")
         except Exception as exc:
             self.path.failed(t)

@@ -225,6 +225,7 @@ class SessionLog:
         text: str,
         usage: Mapping[str, Any],
         tool_calls: str | None = None,
+        thinking: str | None = None,
     ) -> None:
         """Append the answer (it extends the conversation) and its telemetry.
 
@@ -235,7 +236,7 @@ class SessionLog:
         sid = op.session_id
         if sid is None:
             return
-        answer = MessageEvent("assistant", text, tool_calls=tool_calls)
+        answer = MessageEvent("assistant", text, tool_calls=tool_calls, thinking=thinking)
         tail: list[Event] = [answer, ResponseEvent(request_id, tuple(sorted(usage.items())))]
         head = link(op.digests[-1], canonical_json(list(answer.key())))
         heads = [(op.tenant, head, len(op.entries) + 1)]

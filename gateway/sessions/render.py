@@ -42,10 +42,11 @@ def split_messages(
     system = tuple(m.text() for m in msgs[:lead])
     turns = tuple(
         MessageEvent(
-            m.role, m.text(), m.name, tool_calls=m.tool_calls_json(), tool_call_id=m.tool_call_id
+            m.role, m.text(), m.name, tool_calls=m.tool_calls_json(),
+            tool_call_id=m.tool_call_id, thinking=m.thinking,
         )
         for m in msgs[lead:]
-    )
+    )  # fmt: skip
     return system, turns
 
 
@@ -57,7 +58,7 @@ def request_parts(
 
 def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, Any]:
     """The call config a header snapshot keeps (what frames the request, not the turns)."""
-    return {
+    out: dict[str, Any] = {
         "max_tokens": req.output_limit(),
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -71,6 +72,9 @@ def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, 
             else req.tool_choice
         ),
     }
+    if req.hints.thinking is not None:  # logs written before it have no such key
+        out["thinking"] = req.hints.thinking
+    return out
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,7 @@ def provider_call(
         stop=tuple(cfg.get("stop") or ()),
         seed=cfg.get("seed"),
         stream=bool(cfg.get("stream", False)),
+        thinking=cfg.get("thinking"),
     )
     return call, named
 
@@ -152,7 +157,8 @@ def provider_turn(m: MessageEvent) -> Turn:
             ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
             for c in json.loads(m.tool_calls or "[]")
         )
-        return Turn("assistant", m.content, calls)
+        thinking = tuple(json.loads(m.thinking)) if m.thinking else ()
+        return Turn("assistant", m.content, calls, thinking=thinking)
     if m.role == "tool":
         return Turn("tool", m.content, tool_call_id=m.tool_call_id)
     return Turn("user", m.content if m.role == "user" else f"[{m.role}] {m.content}")

@@ -42,6 +42,9 @@ from .common import (
 )
 from .limits import RuleOverride
 from .state import PrefixStore, compact, tokens
+from .thinking import enabled as thinking_enabled
+from .thinking import problem as thinking_problem
+from .thinking import thought
 from .tools import Function, ToolUse, tool_use
 
 router = APIRouter()
@@ -259,6 +262,9 @@ async def messages(request: Request) -> Response:
     try:
         body = _validate(body)
         _check_results(body["messages"])
+        refused = thinking_problem(body)
+        if refused is not None:
+            raise BadRequest(refused)
         blocks = blocks_of(body)
         limited = rate_limited(
             state, "anthropic", sum(tokens(b.data + b"\n") for b in blocks), error
@@ -284,6 +290,7 @@ async def messages(request: Request) -> Response:
     ]
     if calls:
         stop = "tool_use"
+    thinking = [thought(raw)] if n and thinking_enabled(body) else []
     output = len(words) + sum(tokens(compact(u.args)) for u in uses)
     state.bill("anthropic").add(
         usage.input_tokens, usage.read, usage.write_5m, usage.write_1h, output
@@ -297,7 +304,9 @@ async def messages(request: Request) -> Response:
                 "type": "message",
                 "role": "assistant",
                 "model": body["model"],
-                "content": ([{"type": "text", "text": "".join(words)}] if words else []) + calls,
+                "content": thinking
+                + ([{"type": "text", "text": "".join(words)}] if words else [])
+                + calls,
                 "stop_reason": stop,
                 "stop_sequence": None,
                 "usage": {**usage.fields(), "output_tokens": output},
@@ -319,6 +328,14 @@ async def messages(request: Request) -> Response:
         yield sse({"type": "message_start", "message": start}, "message_start")
         yield sse({"type": "ping"}, "ping")
         index = 0
+        for t in thinking:
+            deltas = [
+                {"type": "thinking_delta", "thinking": t["thinking"]},
+                {"type": "signature_delta", "signature": t["signature"]},
+            ]
+            for e in _block(index, {"type": "thinking", "thinking": "", "signature": ""}, deltas):
+                yield e
+            index += 1
         if words or not calls:
             for e in _text_block(index, words):
                 yield e

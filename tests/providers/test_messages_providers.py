@@ -5,6 +5,7 @@ adapters, and an alias that falls back from the local model to Anthropic."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -95,15 +96,17 @@ def test_coding_agent_reads_the_previous_turn_on_anthropic(gw: Gw) -> None:
     tools: Any = [{**TOOLS[i % 4], "name": f"tool_{i}"} for i in range(12)]
     history: Any = []
     last_prompt = 0
+    m: Any = None  # the last answer: its thinking block goes back with the next tool turn
     for turn in range(21):
-        for m in history:  # the previous turn's mark is dropped, as agents do
-            if m["role"] == "user":
-                m["content"] = [{k: v for k, v in b.items() if k != "cache_control"}
-                                for b in m["content"]]  # fmt: skip
+        for msg in history:  # the previous turn's mark is dropped, as agents do
+            if msg["role"] == "user":
+                msg["content"] = [{k: v for k, v in b.items() if k != "cache_control"}
+                                for b in msg["content"]]  # fmt: skip
         if turn:  # the tool call the model made, then its result
             call = {"type": "tool_use", "id": f"toolu_{turn}", "name": "tool_0",
                     "input": {"path": f"src/{turn}.py"}}  # fmt: skip
-            history.append({"role": "assistant", "content": [call]})
+            thoughts = [b.model_dump() for b in m.content if b.type == "thinking"]
+            history.append({"role": "assistant", "content": [*thoughts, call]})
             block = {"type": "tool_result", "tool_use_id": call["id"], "content": "out " * 150}
         else:
             block = {"type": "text", "text": "start the task"}
@@ -186,3 +189,55 @@ def test_vcache_replay_rebuilds_a_messages_request(gw: Gw) -> None:
     assert done.returncode == 0, done.stderr
     assert "match: the log rebuilds what was sent" in done.stdout
     assert rows[-1].sha256 == gw.emulator.received()[-1]["sha256"]
+
+
+def test_thinking_is_relayed_to_anthropic_and_back_untouched(gw: Gw) -> None:
+    """Extended thinking through an Anthropic target: the thinking config goes through, the
+    answer's thinking block comes back with its signature (whole and streamed), and the
+    next turn relays it as written (the emulator checks the signature, and refuses a tool
+    turn that lost its thinking block, as Anthropic does); every request rebuilds."""
+    client = sdk(gw)
+    think: Any = {"type": "enabled", "budget_tokens": 1024}
+    ask: Any = [{"role": "user", "content": "read the file, please"}]
+    tools: Any = TOOLS[:1]
+    m = client.messages.create(
+        model=SONNET, max_tokens=2048, thinking=think, tools=tools, messages=ask
+    )
+    assert gw.emulator.last_body()["thinking"] == think
+    assert [b.type for b in m.content][:1] == ["thinking"]
+    thought = m.content[0]
+    assert thought.type == "thinking" and thought.signature
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and m.stop_reason == "tool_use"
+    result = {"type": "tool_result", "tool_use_id": uses[0].id, "content": "file contents"}
+    turn: Any = [
+        *ask,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [result]},
+    ]
+    with client.messages.stream(
+        model=SONNET, max_tokens=2048, thinking=think, tools=tools, messages=turn
+    ) as s:
+        kinds = [ev.delta.type for ev in s if ev.type == "content_block_delta"]
+        final = s.get_final_message()
+    sent = gw.emulator.last_body()["messages"][1]["content"]
+    assert sent[0] == {"type": "thinking", "thinking": thought.thinking,
+                       "signature": thought.signature}  # fmt: skip
+    assert "thinking_delta" in kinds and "signature_delta" in kinds
+    assert final.content[0].type == "thinking" and final.content[0].signature
+    # the emulator's checks are real: a lost thinking block or a changed signature is a 400
+    lost: Any = [turn[0], {"role": "assistant", "content": [uses[0].model_dump()]}, turn[2]]
+    with pytest.raises(anthropic.BadRequestError, match="must start with a thinking block"):
+        client.messages.create(model=SONNET, max_tokens=2048, thinking=think, tools=tools,
+                               messages=lost)  # fmt: skip
+    forged = copy.deepcopy(turn)
+    forged[1]["content"][0]["signature"] = "0" * 64
+    with pytest.raises(anthropic.BadRequestError, match="Invalid `signature`"):
+        client.messages.create(model=SONNET, max_tokens=2048, thinking=think, tools=tools,
+                               messages=forged)  # fmt: skip
+    log = gw.log()
+    rows = [r for r in log.store.requests() if r.target == SONNET]
+    assert len(rows) == 4
+    for row in rows:
+        _, data = log.rebuild(row.session_id, row.seq)
+        assert hashlib.sha256(data).hexdigest() == row.sha256

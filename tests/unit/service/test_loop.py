@@ -89,7 +89,14 @@ class RecordingJournal(Journal):
         self.events.append(f"journal {request_id}")
 
     async def answered(
-        self, op: Any, served: Any, request_id: str, text: str, usage: Usage, calls: Any = None
+        self,
+        op: Any,
+        served: Any,
+        request_id: str,
+        text: str,
+        usage: Usage,
+        calls: Any = None,
+        thinking: Any = None,
     ) -> None:
         self.events.append(f"answered {request_id} {text!r}")
 
