@@ -81,6 +81,7 @@ class GenerateChunk:
     index: int = 0  # which of the ``n`` samples
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
     queue_time_s: float | None = None  # first chunk: queued → scheduled in the engine core
+    stop_sequence: str | None = None  # the stop string that ended the sample, when one did
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,8 @@ class AnthropicAdapter:
                          b.get("data") if b["type"] == "redacted_thinking" else None)
             for i, b in enumerate(thoughts)
         )  # fmt: skip
-        return Answer(text, usage, finish, calls, thinking)
+        stop = body.get("stop_sequence")
+        return Answer(text, usage, finish, calls, thinking, stop if isinstance(stop, str) else None)
 
     def stream_parser(self) -> _StreamParser:
         return _StreamParser()
@@ -212,7 +213,9 @@ class _StreamParser:
         elif kind == "message_delta":
             out = int((data.get("usage") or {}).get("output_tokens") or 0)
             reason = _FINISH.get(str(data["delta"].get("stop_reason")), "stop")
-            return [Delta(usage=_usage(self._usage, out), finish_reason=reason)]
+            stop = data["delta"].get("stop_sequence")
+            seq = stop if isinstance(stop, str) else None
+            return [Delta(usage=_usage(self._usage, out), finish_reason=reason, stop_sequence=seq)]
         elif kind == "error":
             err = data.get("error") or {}
             if err.get("type") == "overloaded_error":

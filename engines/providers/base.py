@@ -124,6 +124,7 @@ class Answer:
     finish_reason: str  # OpenAI's names: "stop" | "length" | "tool_calls"
     tool_calls: tuple[ToolCall, ...] = ()
     thinking: tuple[ThinkingPart, ...] = ()  # whole blocks, in order
+    stop_sequence: str | None = None  # the client's stop sequence that ended it
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ class Delta:
     finish_reason: str | None = None
     tool_calls: tuple[ToolCallPart, ...] = ()
     thinking: tuple[ThinkingPart, ...] = ()
+    stop_sequence: str | None = None
 
 
 def forced_tool(choice: str | dict[str, Any] | None) -> str | None:

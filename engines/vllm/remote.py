@@ -200,6 +200,7 @@ class RemoteVllmEngine:
                             finish_reason=c.get("finish_reason"),
                             index=int(c.get("index") or 0),
                             logprobs=_logprobs(c.get("logprobs")),
+                            stop_sequence=_stop_string(c.get("stop_reason")),
                         )
                 elif usage is not None:
                     details = usage.get("prompt_tokens_details") or {}
@@ -214,6 +215,11 @@ class RemoteVllmEngine:
         if not self._closed:
             self._closed = True
             await self._http.aclose()
+
+
+def _stop_string(reason: Any) -> str | None:
+    """vLLM's ``stop_reason`` extension: the stop string that matched (an int is a token)."""
+    return reason if isinstance(reason, str) else None
 
 
 def _logprobs(lp: dict[str, Any] | None) -> tuple[TokenLogprob, ...]:

@@ -70,6 +70,7 @@ class Piece:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     thinking: tuple[ThinkingPart, ...] = ()  # a provider's thinking blocks, relayed as written
+    stop_sequence: str | None = None  # with finish "stop": the stop string that ended it
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,10 @@ class Sample:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     calls: dict[int, _Call] = field(default_factory=dict)
     thoughts: dict[int, _Thought] = field(default_factory=dict)
+    stop_sequence: str | None = None
 
     def add(self, p: Piece) -> None:
+        self.stop_sequence = p.stop_sequence or self.stop_sequence
         self.text.append(p.text)
         self.logprobs += p.logprobs
         self.finish_reason = p.finish_reason or self.finish_reason

@@ -241,7 +241,11 @@ class ProviderPath:
                 ToolCallPart(i, c.id, c.name, c.arguments) for i, c in enumerate(answer.tool_calls)
             )
             yield Delta(text=answer.text, tool_calls=parts)
-        yield Delta(usage=answer.usage, finish_reason=answer.finish_reason)
+        yield Delta(
+            usage=answer.usage,
+            finish_reason=answer.finish_reason,
+            stop_sequence=answer.stop_sequence,
+        )
 
     def stats(self) -> dict[str, Any]:
         snap = self.book.snapshot()

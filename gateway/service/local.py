@@ -270,9 +270,13 @@ class LocalChat:
                     yield Piece(
                         c.text, c.finish_reason, index=c.index, logprobs=c.logprobs,
                         prompt_tokens=c.num_prompt_tokens, cached_tokens=c.num_cached_tokens,
+                        stop_sequence=c.stop_sequence,
                     )  # fmt: skip
                     continue
-                yield Piece(c.text, c.finish_reason, index=c.index, logprobs=c.logprobs)
+                yield Piece(
+                    c.text, c.finish_reason, index=c.index, logprobs=c.logprobs,
+                    stop_sequence=c.stop_sequence,
+                )  # fmt: skip
         trace.finish("generate", completion_tokens=totals.completion)
         yield Piece(usage=totals.usage())
 

@@ -242,6 +242,13 @@ def message_usage(u: Usage) -> MessageUsage:
     )
 
 
+def _stopped(finish: str, stop_sequence: str | None) -> tuple[StopReason, str | None]:
+    """Anthropic's stop reason: a stop string that ended the answer is ``stop_sequence``."""
+    if finish == "stop" and stop_sequence:
+        return "stop_sequence", stop_sequence
+    return _STOP.get(finish, "end_turn"), None
+
+
 def _thought(block: dict[str, Any]) -> ThinkingOut | RedactedThinkingOut:
     if block["type"] == "redacted_thinking":
         return RedactedThinkingOut(data=block["data"])
@@ -267,11 +274,13 @@ async def whole_message(mid: str, model: str, pieces: Pieces) -> Message:
         content.append(
             ToolUseOut(id=c.id, name=c.function.name, input=_input(c.function.arguments))
         )
+    reason, seq = _stopped(s.finish_reason, s.stop_sequence)
     return Message(
         id=mid,
         model=model,
         content=content,
-        stop_reason=_STOP.get(s.finish_reason, "end_turn"),
+        stop_reason=reason,
+        stop_sequence=seq,
         usage=message_usage(usage),
     )
 
@@ -291,7 +300,7 @@ async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[
     index, open_kind = -1, ""
     blocks: dict[int, int] = {}  # tool call index → content block index
     thoughts: dict[int, int] = {}  # thinking block index → content block index
-    finish = "stop"
+    finish, stop_sequence = "stop", None
     async with aclosing(pieces):
         first = await anext(pieces, None)  # produced already: the stream is primed
         prompt, read = (first.prompt_tokens or 0, first.cached_tokens or 0) if first else (0, 0)
@@ -341,11 +350,13 @@ async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[
                     delta = InputJsonDelta(partial_json=d.arguments)
                     yield ContentBlockDelta(index=blocks[d.index], delta=delta)
             finish = p.finish_reason or finish
+            stop_sequence = p.stop_sequence or stop_sequence
             if p.usage is not None:
                 if open_kind:
                     yield ContentBlockStop(index=index)
                     open_kind = ""
-                stop = StopDelta(stop_reason=_STOP.get(finish, "end_turn"))
+                reason, seq = _stopped(finish, stop_sequence)
+                stop = StopDelta(stop_reason=reason, stop_sequence=seq)
                 yield MessageDelta(delta=stop, usage=message_usage(p.usage))
     yield MessageStop()
 

@@ -166,7 +166,10 @@ class ProviderChat:
                         parts = tuple(
                             ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.tool_calls
                         )
-                        yield Piece(d.text, d.finish_reason, tool_calls=parts, thinking=d.thinking)
+                        yield Piece(
+                            d.text, d.finish_reason, tool_calls=parts, thinking=d.thinking,
+                            stop_sequence=d.stop_sequence,
+                        )  # fmt: skip
             trace.finish("generate")
         except Exception as exc:
             self.path.failed(t)

@@ -183,3 +183,27 @@ def test_leased_breakpoint_survives_kv_pressure(local: Local) -> None:
     assert lost < 0.2 * _prompt(m_plain.usage)
     for m, h in ((m_leased, h_leased), (m_plain, h_plain)):
         assert int(h["x-vcache-predicted-cached-tokens"]) == (m.usage.cache_read_input_tokens or 0)
+
+
+def test_a_stop_sequence_is_named_in_the_stop_reason(local: Local) -> None:
+    """vLLM reports which stop string ended the answer: Anthropic's ``stop_sequence``."""
+    ask: Any = [{"role": "user", "content": "write a long sentence"}]
+    m = local.sdk().messages.create(
+        model="vcache-demo",
+        max_tokens=300,
+        stop_sequences=["a"],
+        messages=ask,
+        extra_body={"temperature": 0},
+    )
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "a")
+    text = m.content[0]
+    assert text.type == "text" and "a" not in text.text  # cut before the stop string
+    with local.sdk().messages.stream(
+        model="vcache-demo",
+        max_tokens=300,
+        stop_sequences=["a"],
+        messages=ask,
+        extra_body={"temperature": 0},
+    ) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "a")

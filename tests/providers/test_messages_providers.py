@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -241,3 +242,30 @@ def test_thinking_is_relayed_to_anthropic_and_back_untouched(gw: Gw) -> None:
     for row in rows:
         _, data = log.rebuild(row.session_id, row.seq)
         assert hashlib.sha256(data).hexdigest() == row.sha256
+
+
+def test_rate_limits_and_mid_stream_failures_in_anthropics_shape(gw: Gw) -> None:
+    """A provider that keeps answering 429 is the SDK's RateLimitError (with Retry-After);
+    a stream cut after it began ends with an ``event: error`` in Anthropic's shape."""
+    gw.emulator.admin("faults", kind="status", status=429, retry_after="1", count=10,
+                      provider="anthropic")  # fmt: skip
+    with pytest.raises(anthropic.RateLimitError) as limited:
+        sdk(gw).messages.create(
+            model=SONNET, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert limited.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    assert limited.value.response.headers["retry-after"] == "1"
+    gw.emulator.admin("reset")
+    gw.emulator.admin("faults", kind="cut", after_events=4, provider="anthropic")
+    body = {"model": SONNET, "max_tokens": 64, "stream": True,
+            "messages": [{"role": "user", "content": "tell me more"}]}  # fmt: skip
+    headers = {"x-api-key": KEY}
+    with gw.http.stream("POST", "/v1/messages", json=body, headers=headers) as r:
+        assert r.status_code == 200  # the stream had begun
+        text = "".join(r.iter_text())
+    assert text.startswith("event: message_start")
+    event, data = text.rstrip().split("\n")[-2:]
+    assert event == "event: error"
+    err = json.loads(data.removeprefix("data: "))
+    assert err["type"] == "error" and err["error"]["type"] == "api_error"
+    assert err["request_id"] == r.headers["request-id"]
