@@ -49,6 +49,17 @@ def sdk(gw: Gw) -> anthropic.Anthropic:
     )
 
 
+def _rebuilt(gw: Gw, target: str) -> int:
+    """How many requests sent to ``target`` there are; each rebuilds from the log to the
+    bytes that were sent."""
+    log = gw.log()
+    rows = [r for r in log.store.requests() if r.target == target]
+    for row in rows:
+        _, data = log.rebuild(row.session_id, row.seq)
+        assert hashlib.sha256(data).hexdigest() == row.sha256, row.request_id
+    return len(rows)
+
+
 def _marks(body: dict[str, Any]) -> list[str]:
     """Where the body sent upstream carries cache_control: system:i, tools:i, message:i."""
     out = [f"tools:{i}" for i, t in enumerate(body.get("tools", [])) if "cache_control" in t]
@@ -125,12 +136,7 @@ def test_coding_agent_reads_the_previous_turn_on_anthropic(gw: Gw) -> None:
         if turn:
             assert (u.cache_read_input_tokens or 0) >= 0.95 * last_prompt, (turn, u)
         last_prompt = prompt
-    log = gw.log()
-    rows = [r for r in log.store.requests() if r.target == SONNET]
-    assert len(rows) == 21
-    for row in rows:
-        _, data = log.rebuild(row.session_id, row.seq)
-        assert hashlib.sha256(data).hexdigest() == row.sha256
+    assert _rebuilt(gw, SONNET) == 21
 
 
 @pytest.mark.parametrize(
@@ -236,12 +242,7 @@ def test_thinking_is_relayed_to_anthropic_and_back_untouched(gw: Gw) -> None:
     with pytest.raises(anthropic.BadRequestError, match="Invalid `signature`"):
         client.messages.create(model=SONNET, max_tokens=2048, thinking=think, tools=tools,
                                messages=forged)  # fmt: skip
-    log = gw.log()
-    rows = [r for r in log.store.requests() if r.target == SONNET]
-    assert len(rows) == 4
-    for row in rows:
-        _, data = log.rebuild(row.session_id, row.seq)
-        assert hashlib.sha256(data).hexdigest() == row.sha256
+    assert _rebuilt(gw, SONNET) == 4
 
 
 def test_rate_limits_and_mid_stream_failures_in_anthropics_shape(gw: Gw) -> None:
