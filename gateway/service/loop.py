@@ -70,7 +70,7 @@ class ServiceLoop:
             if served is not None:
                 served.target, served.dispatch, served.notes = p.target, p.placement, dict(p.notes)
             op = self.journal.open(call.who.tenant, p.header, p.turns, call.session)
-            answer, usage, attempt = Sample(), None, 0
+            answer, attempt = Sample(), 0
             while True:
                 with call.trace.step("journal"):
                     s = p.sent
@@ -81,9 +81,9 @@ class ServiceLoop:
                 try:
                     async with aclosing(target.send(p, op.session_id if op else None)) as out:
                         async for piece in out:
-                            if piece.usage is not None:
-                                usage = piece.usage
-                                await self._answered(op, served, call, answer, usage)
+                            if piece.usage is not None:  # the end: all is known
+                                await self._answered(op, served, call, answer, piece.usage)
+                                target.settle(p, piece.usage)  # before the client can leave
                             elif piece.index == 0:
                                 answer.add(piece)
                             yielded = True
@@ -94,7 +94,6 @@ class ServiceLoop:
                     if again is None:
                         raise
                     p, attempt = again, attempt + 1
-            target.settle(p, usage or Usage.of(0, 0, 0))
 
     async def _answered(
         self,

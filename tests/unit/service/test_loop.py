@@ -166,3 +166,18 @@ def test_a_retry_is_prepared_again_and_journaled_as_its_own_dispatch() -> None:
         "settle chatcmpl-1-r cached=4",
     ]
     assert pieces[-1].usage is not None
+
+
+def test_settled_even_when_the_client_leaves_after_the_usage() -> None:
+    log: list[str] = []
+    loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: FakeTarget(log))
+
+    async def main() -> None:
+        _, pieces = await loop.first_answer(["a"], _call(), Served())
+        async for p in pieces:
+            if p.usage is not None:
+                break  # the client goes away with the usage, before the stream's end
+        await pieces.aclose()
+
+    asyncio.run(main())
+    assert "settle chatcmpl-1 cached=4" in log and log[-1] == "release"
