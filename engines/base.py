@@ -96,6 +96,7 @@ class EngineCapabilities:
     hash_seed: str | None = None
     vocab_size: int | None = None  # the model's (embedding rows); None: the tokenizer's
     span_control: bool = False  # its core runs the vcache plugin: pin/evict/inspect by hash
+    model: str | None = None  # what it loaded: a local path or hub id (its tokenizer's too)
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,7 @@ class VllmEngine:
             hash_seed=self._config.hash_seed,
             span_control=True,
             vocab_size=llm.model_config.get_vocab_size(),
+            model=str(llm.model_config.model),
         )
         self._tokenizer = tokenizer
         self._llm = llm

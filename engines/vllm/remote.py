@@ -110,6 +110,7 @@ class RemoteVllmEngine:
             hash_algo="sha256_cbor",
             hash_seed=self._config.hash_seed,
             span_control=True,
+            model=str(card.get("root") or self._config.tokenizer),
         )
 
     def stats(self) -> EngineStats:

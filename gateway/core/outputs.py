@@ -186,6 +186,8 @@ class ModelCard(_Out):
     created: int = Field(default_factory=_now)
     owned_by: str = "vcache"
     max_model_len: int | None = None
+    root: str | None = None  # the model it serves (a path or hub id), as vLLM reports it
+    parent: str | None = None
 
 
 class ModelList(_Out):

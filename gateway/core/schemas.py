@@ -197,6 +197,16 @@ class SamplingFields(RequestModel):
             raise ValueError("at most 4 stop sequences are allowed")
         return v
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "value_error",
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled",
+                {"param": "stream_options"},
+            )
+        return self
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -287,7 +297,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
         choice = self.tool_choice
-        if choice in (None, "auto", "none"):
+        if choice in (None, "none"):  # "none" needs no tools; every other choice does
             return self
         names = {t.function.name for t in self.tools or []}
         if not names:

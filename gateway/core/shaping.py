@@ -139,7 +139,9 @@ def completion_logprobs(lps: Sequence[TokenLogprob], offset: int) -> CompletionL
     for t in lps:
         out.tokens.append(t.token)
         out.token_logprobs.append(t.logprob)
-        out.top_logprobs.append(dict(t.top))
+        top = dict(t.top)
+        top.setdefault(t.token, t.logprob)  # the sampled token is always among them
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(t.token)
     return out

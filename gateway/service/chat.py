@@ -140,7 +140,8 @@ class GatewayService:
         if not self.dispatcher.replicas:  # a provider-only gateway
             return ModelList(data=[ModelCard(id=name) for name in self._targets.names()])
         max_len = self.local.engine.capabilities.max_model_len if self.ready else None
-        cards = [ModelCard(id=self._model, max_model_len=max_len)]
+        root = self.local.engine.capabilities.model if self.ready else None
+        cards = [ModelCard(id=self._model, max_model_len=max_len, root=root or self._model)]
         cards += [ModelCard(id=name) for name in self._targets.names()[1:]]
         return ModelList(data=cards)
 

@@ -52,6 +52,7 @@ from manifest.sessionlog import Header, MessageEvent
 
 SystemPrompts = tuple[str, ...]
 Turns = tuple[MessageEvent, ...]
+COMPLETION_MAX_TOKENS = 16  # text completions without max_tokens, as OpenAI's and vLLM's
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,14 @@ class LocalChat:
         if not ids:
             raise InvalidRequest("prompt must not be empty", param="prompt", code="invalid_value")
         return self._generate_request(
-            rid, ids, req, req.max_tokens, ("prompt", "max_tokens"), who, logprobs=req.logprobs
+            rid,
+            ids,
+            req,
+            COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+            ("prompt", "max_tokens"),
+            who,
+            logprobs=req.logprobs,
+            clamp=req.max_tokens is None,  # the default fits what the context leaves
         )
 
     async def completion(

@@ -28,6 +28,9 @@ def tokenizer(demo_model: Path) -> ChatTokenizer:
 def test_models(gateway: Gateway) -> None:
     models = gateway.client().models.list()
     assert [m.id for m in models.data] == [gateway.model]
+    card = models.data[0].model_dump()
+    # vLLM's fields, which its benchmark client reads (root: where the tokenizer is)
+    assert Path(card["root"]).is_dir() and card["parent"] is None
 
 
 def test_chat_non_streaming(gateway: Gateway, tokenizer: ChatTokenizer) -> None:
