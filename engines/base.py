@@ -40,6 +40,7 @@ class SamplingOptions:
     n: int = 1  # parallel samples of one prompt (its KV computed once)
     logprobs: int | None = None  # the sampled token's logprob and this many top ones
     structured: Structured | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

@@ -269,6 +269,7 @@ def _sampling_params(request: GenerateRequest) -> Any:
         n=s.n,
         logprobs=s.logprobs,
         structured_outputs=_structured(s.structured),
+        logit_bias=dict(s.logit_bias) or None,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -152,6 +152,8 @@ class RemoteVllmEngine:
             body["n"] = s.n
         if s.top_k:
             body["top_k"] = s.top_k
+        if s.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
         if s.logprobs is not None:
             body["logprobs"] = s.logprobs
         if s.structured is not None:

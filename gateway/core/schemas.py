@@ -189,6 +189,20 @@ class SamplingFields(RequestModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens
+    # token id (as text, as OpenAI's API has it) → bias added to its logit, -100 to 100
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.strip().lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"'{key}' is not a token id (logit_bias keys are token ids)")
+        return v
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs, in token order."""
+        return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
 
     @field_validator("stop")
     @classmethod

@@ -140,11 +140,28 @@ class LocalChat:
     def text_tokens(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
 
-    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
-        """Client-given token ids, each inside the model's vocabulary (else a 400): the
-        larger of the tokenizer's and the model's, as vLLM's own check."""
+    def _bias(self, req: SamplingFields) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` checked against the vocabulary, as vLLM checks it."""
+        bias = req.bias()
+        vocab = self._vocab()
+        for t, _ in bias:
+            if t >= vocab:
+                raise InvalidRequest(
+                    f"Invalid value for 'logit_bias': token id {t} is outside the model's "
+                    f"vocabulary (0 to {vocab - 1})",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+        return bias
+
+    def _vocab(self) -> int:
+        """The larger of the tokenizer's and the model's vocabulary, as vLLM's own check."""
         engine = self.engine
-        vocab = max(engine.tokenizer.vocab_size, engine.capabilities.vocab_size or 0)
+        return max(engine.tokenizer.vocab_size, engine.capabilities.vocab_size or 0)
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        """Client-given token ids, each inside the model's vocabulary (else a 400)."""
+        vocab = self._vocab()
         for i, t in enumerate(ids):
             if not 0 <= t < vocab:
                 raise InvalidRequest(
@@ -370,6 +387,7 @@ class LocalChat:
             n=req.n,
             logprobs=logprobs,
             structured=structured,
+            logit_bias=self._bias(req),
         )
         return GenerateRequest(
             request_id=rid,

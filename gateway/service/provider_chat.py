@@ -49,6 +49,7 @@ def _local_only_parameters(req: ChatCompletionRequest) -> None:
         "n": req.n > 1,
         "logprobs": bool(req.logprobs),
         "response_format": req.structured() is not None,
+        "logit_bias": bool(req.logit_bias),
     }
     for param, on in asked.items():
         if on:

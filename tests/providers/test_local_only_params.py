@@ -22,6 +22,7 @@ HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"12": 5}}, "logit_bias"),
     ],
 )
 def test_a_provider_target_refuses_them_by_name(

@@ -73,3 +73,20 @@ def test_models_name_their_root(gw: tuple[FakeEngine, TestClient]) -> None:
     _, http = gw
     (card,) = http.get("/v1/models").json()["data"]
     assert card["root"] == MODEL and card["parent"] is None  # the fake loads no path
+
+
+def test_logit_bias_is_validated_and_reaches_the_engine(
+    gw: tuple[FakeEngine, TestClient],
+) -> None:
+    engine, http = gw
+    ok = http.post("/v1/chat/completions", json={**CHAT, "logit_bias": {"1500": 100, "7": -5}})
+    assert ok.status_code == 200
+    assert engine.received[-1].sampling.logit_bias == ((7, -5.0), (1500, 100.0))
+    for bias, says in (
+        ({"bad1": 50}, "'bad1' is not a token id"),
+        ({"5": 101}, "less than or equal to 100"),
+        ({"999999": 1}, "outside the model's vocabulary"),
+    ):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "logit_bias": bias})
+        assert r.status_code == 400, bias
+        assert r.json()["error"]["param"].startswith("logit_bias") and says in r.text, r.text
