@@ -112,3 +112,21 @@ def test_json_object_output_parses(gateway: Gateway) -> None:
 def test_retrieve_the_model(gateway: Gateway) -> None:
     m = gateway.client().models.retrieve(gateway.model)
     assert m.id == gateway.model
+
+
+def test_logit_bias_steers_the_real_engine(gateway: Gateway) -> None:
+    """A +100 bias on one token makes vLLM sample it every step (the repro of issue 22:
+    the bias used to change nothing)."""
+    client = gateway.client(KEY_A)
+    biased = client.completions.create(
+        model=gateway.model, prompt="probe 5", max_tokens=4, temperature=0, logprobs=0,
+        logit_bias={"1500": 100},
+    )  # fmt: skip
+    plain = client.completions.create(
+        model=gateway.model, prompt="probe 5", max_tokens=4, temperature=0, logprobs=0
+    )
+    lp, other = biased.choices[0].logprobs, plain.choices[0].logprobs
+    assert lp is not None and other is not None and lp.tokens is not None
+    assert len(set(lp.tokens)) == 1 and lp.tokens != other.tokens
+    assert lp.top_logprobs is not None
+    assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs, strict=True))
