@@ -66,6 +66,7 @@ class LocalPrepared:
     header: Header
     turns: Turns
     system: SystemPrompts
+    tools: list[dict[str, Any]]
     t0: float
     notes: Mapping[str, str] = field(default_factory=dict)
     target: str = LOCAL_TARGET
@@ -181,10 +182,11 @@ class LocalChat:
         rid: str,
         system: SystemPrompts,
         turns: Turns,
+        tools: list[dict[str, Any]],
     ) -> tuple[GenerateRequest, ToolPlan | None]:
         self.check_ready()
         plan = self._tool_plan(req)
-        ids = self._render(system, turns, req.tool_dicts())
+        ids = self._render(system, turns, tools)
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         fmt = req.structured()
         structured = plan.structured() if plan is not None else None
@@ -210,21 +212,22 @@ class LocalChat:
         t0 = time.perf_counter()
         req, who, rid, trace = call.request, call.who, call.request_id, call.trace
         system, turns = request_parts(req)  # what is rendered is what is journaled
+        tools = req.tool_dicts()  # dumped once: the render, the anchor, the header
         with trace.step("tokenize") as span:
-            greq, plan = self._chat_request(req, who, rid, system, turns)
+            greq, plan = self._chat_request(req, who, rid, system, turns, tools)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
         d = await self._route(greq, call.route, trace)
         kv = self.dispatcher.kv
         if self.governor is not None and kv is not None and d.hashes and system:
-            n = self._prefix(system, (), req.tool_dicts(), greq.prompt_token_ids)
+            n = self._prefix(system, (), tools, greq.prompt_token_ids)
             self.governor.observe(d.replica_id, d.hashes, n // kv.block_size)
         notes: dict[str, str] = {}
         asked = req.output_limit()
         if asked is not None and greq.sampling.max_tokens < asked:
             notes["x-vcache-max-tokens-clamped"] = str(greq.sampling.max_tokens)
-        tools = req.tool_dicts() or None
-        header = Header.make(req.model, LOCAL_TARGET, system, tools, request_config(req, None))
-        return LocalPrepared(call, greq, plan, d, header, turns, system, t0, notes)
+        config = request_config(req, None)
+        header = Header.make(req.model, LOCAL_TARGET, system, tools or None, config)
+        return LocalPrepared(call, greq, plan, d, header, turns, system, tools, t0, notes)
 
     def send(self, p: LocalPrepared, session: str | None) -> Pieces:
         pieces = self._generate(p.greq, p.dispatch, "chat", p.t0, p.call.trace)
@@ -233,8 +236,7 @@ class LocalChat:
         req = p.call.request
         if req.hints.breakpoints:
             ids = p.greq.prompt_token_ids
-            marks, tools = req.hints.breakpoints, req.tool_dicts()
-            ends = self._prefix.ends(marks, p.system, p.turns, tools, ids)
+            ends = self._prefix.ends(req.hints.breakpoints, p.system, p.turns, p.tools, ids)
             owner = f"breakpoints:{p.call.who.tenant}:{session or p.call.request_id}"
             kv = self.dispatcher.kv
             block = kv.block_size if kv is not None else self.engine.capabilities.block_size
@@ -281,19 +283,16 @@ class LocalChat:
         first = True
         async with aclosing(self.dispatcher.run(greq, d, endpoint, t0, totals)) as chunks:
             async for c in chunks:
+                head = first
                 if first:  # the first token: the engine scheduled and prefilled it
                     trace.finish("dispatch", cached_tokens=c.num_cached_tokens or 0)
                     trace.begin("generate")
                     first = False
-                    yield Piece(
-                        c.text, c.finish_reason, index=c.index, logprobs=c.logprobs,
-                        prompt_tokens=c.num_prompt_tokens, cached_tokens=c.num_cached_tokens,
-                        stop_sequence=c.stop_sequence,
-                    )  # fmt: skip
-                    continue
                 yield Piece(
                     c.text, c.finish_reason, index=c.index, logprobs=c.logprobs,
                     stop_sequence=c.stop_sequence,
+                    prompt_tokens=c.num_prompt_tokens if head else None,  # known at the first
+                    cached_tokens=c.num_cached_tokens if head else None,
                 )  # fmt: skip
         trace.finish("generate", completion_tokens=totals.completion)
         yield Piece(usage=totals.usage())
