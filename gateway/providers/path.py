@@ -135,7 +135,8 @@ class ProviderPath:
         state = TargetState(
             believed_warm_tokens=believed.tokens, warm_probability=believed.probability
         )
-        p = plan(view.layout(), t.profile, state)
+        layout = view.layout()
+        p = plan(layout, t.profile, state)
         breakpoints = p.breakpoints
         long_ttl: tuple[str, ...] = ()
         if c is not None and c.long_ttl(anchor):  # the anchor, and marks before it: 1h first
@@ -144,11 +145,11 @@ class ProviderPath:
         placed_by = None
         if asked:  # the client's own cache_control marks, taken as sent when valid
             keys = [_segment(view, b.segment) for b in asked]
-            taken = client_breakpoints(view.layout(), t.profile, keys)
+            taken = client_breakpoints(layout, t.profile, keys)
             placed_by = "client" if taken is not None else "planner"
             if taken is not None:
                 breakpoints = taken
-                long_ttl = tuple(_segment(view, b.segment) for b in asked if b.ttl_s > 300)
+                long_ttl = tuple(k for k, b in zip(keys, asked, strict=True) if b.ttl_s > 300)
         marked = tuple(view.keys[i] for i in breakpoints)
         handle = None
         if t.spec.cached_contents:
