@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from engines.errors import EngineError
 from gateway.local.spans import KVSpans
@@ -29,16 +28,6 @@ from manifest.index import LocationId
 log = logging.getLogger(__name__)
 
 MAX_OWNERS = 4096  # conversations whose last lease is remembered for the rolling release
-
-
-@dataclass(frozen=True)
-class Held:
-    """What a conversation's breakpoint leases hold on one replica."""
-
-    replica: LocationId
-    pinned: int  # blocks held now
-    refused: int  # over the pin budget: not held
-    released: int  # blocks of the previous turn's lease let go
 
 
 class BreakpointLeases:
@@ -53,23 +42,22 @@ class BreakpointLeases:
         owner: str,
         hashes: Sequence[BlockHash],
         ttl_s: float,
-    ) -> Held | None:
+    ) -> None:
         """Lease ``hashes`` (a prefix's full blocks) on ``replica`` to ``owner`` for
         ``ttl_s``, then release what the owner's previous lease held that this one does
-        not.  None when the engine could not be asked (the request is not failed: its
-        blocks are simply not retained)."""
+        not.  An engine that cannot be asked fails nothing: the blocks are simply not
+        retained.  Blocks over the pin budget are not held (the engine refuses them)."""
         prev = self._last.pop(owner, None)
         try:
-            res = await kv.pin(replica, hashes, owner, ttl_s)
-            released = 0
+            await kv.pin(replica, hashes, owner, ttl_s)
             if prev is not None:
                 keep = set(hashes) if prev[0] == replica else set()
                 stale = [h for h in prev[1] if h not in keep]
-                released = len(await kv.unpin(prev[0], stale, owner)) if stale else 0
+                if stale:
+                    await kv.unpin(prev[0], stale, owner)
         except EngineError as exc:
             log.warning("replica %s: breakpoint lease for %s failed (%s)", replica, owner, exc)
-            return None
+            return
         self._last[owner] = (replica, tuple(hashes))
         while len(self._last) > self._max:
             self._last.popitem(last=False)  # its lease still expires on time
-        return Held(replica, len(res.pinned), len(res.refused), released)

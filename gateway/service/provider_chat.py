@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass, field
 
 from engines.errors import EngineError
-from engines.providers.base import ProviderUsage
+from engines.providers.base import Delta, ProviderUsage
 from engines.providers.errors import ProviderNotFound
 from gateway.core.errors import APIError, InvalidRequest, from_engine_error
 from gateway.core.metrics import Metrics
@@ -27,6 +28,7 @@ from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import Piece, Pieces, ToolCallDelta
 from gateway.core.target import Call, Sent
 from gateway.providers.path import Outcome, Prepared, ProviderPath
+from gateway.providers.targets import ProviderTarget
 from gateway.sessions.render import (
     SystemLayouts,
     directives_of,
@@ -58,6 +60,15 @@ def _local_only_parameters(req: ChatCompletionRequest) -> None:
                 param=param,
                 code="unsupported_on_target",
             )
+
+
+def _piece(d: Delta) -> Piece:
+    """A provider's delta as an answer piece (its usage is the last piece, apart)."""
+    parts = tuple(ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.tool_calls)
+    return Piece(
+        d.text, d.finish_reason, tool_calls=parts, thinking=d.thinking,
+        stop_sequence=d.stop_sequence,
+    )  # fmt: skip
 
 
 class _Timing:
@@ -122,6 +133,18 @@ class ProviderChat:
     def admission(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # providers shed load themselves (429, 529)
 
+    @contextlib.contextmanager
+    def _failures(self, t: ProviderTarget) -> Iterator[None]:
+        """A call to ``t`` that fails (planning or sending) is counted, and its engine
+        error mapped to the API's terms, once."""
+        try:
+            yield
+        except Exception as exc:
+            self.path.failed(t)
+            if isinstance(exc, EngineError):
+                raise from_engine_error(exc) from exc
+            raise
+
     async def prepare(self, name: str, call: Call) -> ProviderPrepared:
         """Plan the cache and render once: the header and turns the log keeps, the
         provider-neutral call, the planner's breakpoints and directives."""
@@ -134,14 +157,8 @@ class ProviderChat:
         header = Header.make(req.model, name, system, req.tool_dicts(), config)
         chat, lint = provider_call(header, turns, self.layouts)
         tenant = call.who.tenant
-        with call.trace.step("plan", target=name) as span:
-            try:
-                planned = await self.path.prepare(t, chat, tenant, call.warm, req)
-            except Exception as exc:
-                self.path.failed(t)
-                if isinstance(exc, EngineError):
-                    raise from_engine_error(exc) from exc
-                raise
+        with call.trace.step("plan", target=name) as span, self._failures(t):
+            planned = await self.path.prepare(t, chat, tenant, call.warm, req)
             span.set_attribute("vcache.breakpoints", len(planned.marked))
         return ProviderPrepared(
             call, name, planned, header, turns, call.request_id, t0, tuple(lint)
@@ -155,28 +172,18 @@ class ProviderChat:
         trace.begin("dispatch", target=p.target)
         first = True
         try:
-            async with aclosing(self.path.send(p.planned, p.outcome)) as deltas:
-                async for d in deltas:
-                    if first:  # the first token
-                        trace.finish("dispatch")
-                        trace.begin("generate")
-                        first = False
-                    if d.text or d.tool_calls or d.thinking:
-                        timing.output()
-                    if d.text or d.finish_reason or d.tool_calls or d.thinking:
-                        parts = tuple(
-                            ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.tool_calls
-                        )
-                        yield Piece(
-                            d.text, d.finish_reason, tool_calls=parts, thinking=d.thinking,
-                            stop_sequence=d.stop_sequence,
-                        )  # fmt: skip
-            trace.finish("generate")
-        except Exception as exc:
-            self.path.failed(t)
-            if isinstance(exc, EngineError):
-                raise from_engine_error(exc) from exc
-            raise
+            with self._failures(t):
+                async with aclosing(self.path.send(p.planned, p.outcome)) as deltas:
+                    async for d in deltas:
+                        if first:  # the first token
+                            trace.finish("dispatch")
+                            trace.begin("generate")
+                            first = False
+                        if d.text or d.tool_calls or d.thinking:
+                            timing.output()
+                        if d.text or d.finish_reason or d.tool_calls or d.thinking:
+                            yield _piece(d)
+                trace.finish("generate")
         finally:
             p.planned.release()
         yield Piece(usage=usage_of(p.outcome.usage))
