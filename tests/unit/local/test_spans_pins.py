@@ -154,7 +154,7 @@ def test_a_resync_drops_leases_so_owners_can_pin_again(make: Callable[[int], Set
         kv, core, _, hashes = make(10)
         await kv.pin(R, hashes[:2], "alice")
         core.pins.clear()  # the engine restarted: its pins are gone
-        await kv._resync(R)
+        await kv.events.resync(R)
         assert kv.pin_owners(R, hashes[0]) == [] and kv.index.counts(R).pinned == 0
         again = await kv.pin(R, hashes[:2], "alice")
         assert again.pinned == [h.hex() for h in hashes[:2]]
@@ -180,8 +180,8 @@ def test_the_index_queue_is_drained_into_counts(make: Callable[[int], Setup]) ->
         more = block_hashes(list(range(1000, 1064)), 16, "0")
         for i in range(100):
             h = bytes(more[i % 4])
-            kv._apply(R, EventBatch(ts=float(i), events=[BlockStored(block_hashes=[h])]))
-            kv._apply(R, EventBatch(ts=float(i), events=[BlockRemoved(block_hashes=[h])]))
+            kv.events.apply(R, EventBatch(ts=float(i), events=[BlockStored(block_hashes=[h])]))
+            kv.events.apply(R, EventBatch(ts=float(i), events=[BlockRemoved(block_hashes=[h])]))
         await kv.pin(R, hashes[:2], "alice")
         await kv.unpin(R, hashes[:2], "alice")
         assert kv.index.take_events() == []
