@@ -61,7 +61,3 @@ def error_response(exc: APIError, request: Request) -> JSONResponse:
     status, body = error_event(exc, rid)
     headers = {**exc.headers(), "request-id": rid}
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
-
-
-def sse(event: str, payload: bytes) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + payload + b"\n\n"

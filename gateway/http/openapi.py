@@ -11,11 +11,11 @@ So a contract tester (schemathesis) can check every response against it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from gateway.core.messages import ErrorEvent
 
@@ -31,24 +31,6 @@ class ErrorResponse(BaseModel):
     """Every error, HTTP status aside: OpenAI's shape."""
 
     error: ErrorDetail
-
-
-class ResponseObject(BaseModel):
-    """A Responses API response (fields beyond these as OpenAI defines them)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    id: str
-    object: Literal["response"]
-    status: str
-    model: str
-    output: list[dict[str, Any]]
-
-
-class ResponseDeleted(BaseModel):
-    id: str
-    object: Literal["response"]
-    deleted: bool
 
 
 _WHY = {

@@ -24,6 +24,12 @@ def openai_frame(item: BaseModel) -> bytes:
     return _event(item.model_dump_json().encode())
 
 
+def named_frame(item: BaseModel) -> bytes:
+    """An event named by the item's ``type`` (Anthropic's and the Responses API's streams)."""
+    kind = str(getattr(item, "type", "message"))
+    return b"event: " + kind.encode() + b"\ndata: " + item.model_dump_json().encode() + b"\n\n"
+
+
 def openai_error(exc: APIError) -> bytes:
     return _event(json.dumps(exc.body()).encode())
 

@@ -190,7 +190,7 @@ class LocalChat:
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         fmt = req.structured()
         structured = plan.structured() if plan is not None else None
-        if fmt is not None:
+        if fmt is not None and structured is None:
             schema = fmt.json_schema
             text = canonical_json(schema.schema_).decode() if schema and schema.schema_ else None
             structured = Structured(json_schema=text, json_object=text is None)

@@ -27,7 +27,6 @@ from typing import Any, Literal
 
 from engines.base import Structured, call_id
 from engines.vllm.tool_calls import ParsedCalls
-from gateway.core.errors import InvalidRequest
 from gateway.core.schemas import ChatCompletionRequest, NamedToolChoice
 from gateway.core.shaping import Piece, Pieces, ToolCallDelta
 from manifest.canonical import canonical_json
@@ -77,15 +76,10 @@ class ToolPlan:
         elif choice == "required":
             self.mode = "required"
         self._parallel = req.parallel_tool_calls
-        if self.mode != "auto" and req.structured() is not None:
-            raise InvalidRequest(
-                "response_format cannot be combined with a forced tool_choice",
-                param="response_format",
-                code="invalid_value",
-            )
 
     def structured(self) -> Structured | None:
-        """The constraint a forced tool choice puts on the answer."""
+        """The constraint a forced tool choice puts on the answer (it wins over a
+        ``response_format``, as in vLLM and OpenAI: the answer is a call, not text)."""
         if self.mode == "named":
             tool = next(t for t in self.tools if t["function"]["name"] == self.name)
             params = tool["function"].get("parameters") or {"type": "object"}

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel
 
 from gateway.core.errors import APIError
 from gateway.core.messages import CountTokensRequest, Message, MessagesRequest, TokenCount
@@ -24,7 +23,7 @@ from gateway.core.types import Principal, RouteOverride
 from gateway.http import anthropic
 from gateway.http.deps import SESSION_ID, routing_override, service, session_header
 from gateway.http.openapi import anthropic_errors, streamed
-from gateway.http.sse import open_stream
+from gateway.http.sse import named_frame, open_stream
 from gateway.service.auth import require_anthropic_principal
 from gateway.service.messages import Messages
 
@@ -77,11 +76,6 @@ async def conversation(request: Request, body: MessagesRequest) -> str | None:
     return metadata_session(body.metadata.user_id if body.metadata else None)
 
 
-def _frame(item: BaseModel) -> bytes:
-    kind = getattr(item, "type", "message")
-    return anthropic.sse(str(kind), item.model_dump_json().encode())
-
-
 Caller = Annotated[MessagesCaller, Depends(messages_caller)]
 
 
@@ -99,10 +93,10 @@ async def create_message(body: MessagesRequest, call: Caller, request: Request) 
 
         def failed(exc: APIError) -> bytes:
             _, event = anthropic.error_event(exc, call.request_id)
-            return _frame(event)
+            return named_frame(event)
 
         return await open_stream(
-            routed.body, {**routed.headers(), **extra}, _frame, failed, done=None
+            routed.body, {**routed.headers(), **extra}, named_frame, failed, done=None
         )
     done = await call.api.create(body, call.who, call.route, session)
     headers = {**done.headers(), **extra}

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Request, Response
 
+from gateway.core.errors import APIError
+from gateway.core.responses import ErrorEvent, ResponseDeleted, ResponseObject, ResponsesRequest
 from gateway.core.types import Principal
-from gateway.http.openapi import GENERATION, ResponseDeleted, ResponseObject, errors, streamed
+from gateway.http.deps import whole
+from gateway.http.openapi import GENERATION, errors, streamed
+from gateway.http.sse import named_frame, open_stream
 from gateway.service.auth import require_principal
-from gateway.service.responses import Responses, ResponsesRequest
+from gateway.service.chat import GatewayService
+from gateway.service.responses import Responses
 
 router = APIRouter(prefix="/v1", tags=["responses"])
 
 
 async def responses(request: Request) -> Responses:
-    return Responses(request.app.state.service)
+    svc: GatewayService = request.app.state.service
+    return Responses(svc.answer, svc.chat, svc.log.store if svc.log is not None else None)
 
 
 Who = Annotated[Principal, Depends(require_principal)]
@@ -26,16 +31,19 @@ Api = Annotated[Responses, Depends(responses)]
 @router.post(
     "/responses", response_model=None, responses={**streamed(ResponseObject), **GENERATION}
 )
-async def create_response(body: ResponsesRequest, who: Who, api: Api) -> Any:
+async def create_response(body: ResponsesRequest, who: Who, api: Api) -> Response:
     if body.stream:
-        events, served = await api.stream(body, who)
-        return StreamingResponse(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", **served.headers()},
-        )
-    done, served = await api.create(body, who)
-    return JSONResponse(done, headers=served.headers())
+        events, state, served = await api.stream(body, who)
+
+        def failed(exc: APIError) -> bytes:
+            ev = ErrorEvent(
+                sequence_number=state.n(), code=exc.code, message=exc.message, param=exc.param
+            )
+            return named_frame(ev)
+
+        return await open_stream(events, served.headers(), named_frame, failed, done=None)
+    done = await api.create(body, who)
+    return whole(done.body, done.served.headers())
 
 
 @router.get(
@@ -48,5 +56,5 @@ async def get_response(response_id: str, who: Who, api: Api) -> dict[str, Any]:
 @router.delete(
     "/responses/{response_id}", response_model=ResponseDeleted, responses=errors(401, 404, 503)
 )
-async def delete_response(response_id: str, who: Who, api: Api) -> dict[str, Any]:
+async def delete_response(response_id: str, who: Who, api: Api) -> ResponseDeleted:
     return await api.delete(response_id, who)

@@ -1,0 +1,274 @@
+"""A chat answer shaped as the Responses API's: the response object and its stream events.
+
+The output holds the assistant's text as one message item (when it wrote
+text, or called nothing) and one ``function_call`` item per tool call, its
+``call_id`` the chat call id (so the tool round trip an agent sends back maps
+onto the same chat turns the session log keeps).  Streamed, each item is
+added, filled by deltas and done in turn, as OpenAI's events are.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from gateway.core.outputs import ChatCompletion, ToolCallOut, Usage
+from gateway.core.responses import (
+    ArgumentsDelta,
+    ArgumentsDone,
+    FunctionChoice,
+    Incomplete,
+    InputTokensDetails,
+    ItemEvent,
+    OutputFunctionCall,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    PartEvent,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseState,
+    ResponseUsage,
+    StreamEvent,
+    TextConfig,
+    TextDelta,
+    TextDone,
+)
+from gateway.core.shaping import Pieces
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_usage(u: Usage) -> ResponseUsage:
+    return ResponseUsage(
+        input_tokens=u.prompt_tokens,
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=u.prompt_tokens_details.cached_tokens
+        ),
+        output_tokens=u.completion_tokens,
+        total_tokens=u.total_tokens,
+    )
+
+
+def response_object(
+    rid: str,
+    req: ResponsesRequest,
+    created: int,
+    output: Sequence[OutputItem] = (),
+    finish: str | None = None,
+    usage: Usage | None = None,
+) -> ResponseObject:
+    """The response as the client sees it: in progress until ``finish`` is known."""
+    incomplete = finish == "length"
+    status = "in_progress" if finish is None else ("incomplete" if incomplete else "completed")
+    choice = req.tool_choice if req.tool_choice is not None else "auto"
+    return ResponseObject(
+        id=rid,
+        created_at=created,
+        status=status,
+        incomplete_details=Incomplete(reason="max_output_tokens") if incomplete else None,
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        model=req.model,
+        output=list(output),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        previous_response_id=req.previous_response_id,
+        store=req.store,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        text=TextConfig(format=req.text_format()),
+        tool_choice=choice
+        if isinstance(choice, str)
+        else FunctionChoice(type="function", name=choice.name),
+        tools=list(req.tools or []),
+        truncation=req.truncation or "disabled",
+        metadata=req.metadata or {},
+        usage=response_usage(usage) if usage is not None and finish is not None else None,
+    )
+
+
+def _message(text: str, finish: str | None) -> OutputMessage:
+    status = "incomplete" if finish == "length" else "completed"
+    return OutputMessage(id=new_id("msg"), status=status, content=[OutputText(text=text)])
+
+
+def _call(c: ToolCallOut) -> OutputFunctionCall:
+    return OutputFunctionCall(
+        id=new_id("fc"),
+        call_id=c.id,
+        name=c.function.name,
+        arguments=c.function.arguments,
+        status="completed",
+    )
+
+
+def output_items(done: ChatCompletion) -> list[OutputItem]:
+    """A whole chat answer's output items: its text, then its tool calls."""
+    msg = done.choices[0].message
+    calls = msg.tool_calls or []
+    items: list[OutputItem] = []
+    if msg.content or not calls:
+        items.append(_message(msg.content or "", done.choices[0].finish_reason))
+    items += [_call(c) for c in calls]
+    return items
+
+
+@dataclass
+class _Open:
+    """An output item being streamed."""
+
+    index: int
+    item: OutputItem
+    parts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ResponseStream:
+    """The events of one streamed response; ``seq`` is the next sequence number (an error
+    event after a failure carries it too)."""
+
+    rid: str
+    req: ResponsesRequest
+    created: int
+    seq: int = 0
+    items: list[OutputItem] = field(default_factory=list)
+    finish: str | None = None
+    usage: Usage | None = None
+
+    def n(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+    def final(self) -> ResponseObject:
+        return response_object(
+            self.rid, self.req, self.created, self.items, self.finish or "stop", self.usage
+        )
+
+    async def events(self, pieces: Pieces) -> AsyncGenerator[StreamEvent, None]:
+        """Every event through ``response.completed`` (or ``incomplete``), but the last:
+        the caller stores the response first, then sends :meth:`final`."""
+        pending = response_object(self.rid, self.req, self.created)
+        yield ResponseState(type="response.created", sequence_number=self.n(), response=pending)
+        yield ResponseState(type="response.in_progress", sequence_number=self.n(), response=pending)
+        cur: _Open | None = None
+        calls: dict[int, _Open] = {}
+        async with aclosing(pieces):
+            async for p in pieces:
+                if p.text and p.index == 0:
+                    if cur is None or not isinstance(cur.item, OutputMessage):
+                        for ev in self._close(cur):
+                            yield ev
+                        cur = _Open(
+                            len(self.items), OutputMessage(id=new_id("msg"), status="in_progress")
+                        )
+                        for ev in self._opened(cur):
+                            yield ev
+                    cur.parts.append(p.text)
+                    yield TextDelta(
+                        sequence_number=self.n(),
+                        item_id=cur.item.id,
+                        output_index=cur.index,
+                        delta=p.text,
+                    )
+                for tc in p.tool_calls if p.index == 0 else ():
+                    if tc.index not in calls:
+                        for ev in self._close(cur):
+                            yield ev
+                        item = OutputFunctionCall(
+                            id=new_id("fc"),
+                            call_id=tc.id or new_id("call"),
+                            name=tc.name or "",
+                            arguments="",
+                            status="in_progress",
+                        )
+                        cur = calls[tc.index] = _Open(len(self.items), item)
+                        for ev in self._opened(cur):
+                            yield ev
+                    o = calls[tc.index]
+                    if tc.arguments:
+                        o.parts.append(tc.arguments)
+                        yield ArgumentsDelta(
+                            sequence_number=self.n(),
+                            item_id=o.item.id,
+                            output_index=o.index,
+                            delta=tc.arguments,
+                        )
+                if p.index == 0:
+                    self.finish = p.finish_reason or self.finish
+                self.usage = p.usage or self.usage
+        if cur is None:  # nothing written, nothing called: an empty message
+            cur = _Open(0, OutputMessage(id=new_id("msg"), status="in_progress"))
+            for ev in self._opened(cur):
+                yield ev
+        for ev in self._close(cur):
+            yield ev
+
+    def _opened(self, o: _Open) -> list[StreamEvent]:
+        self.items.append(o.item)
+        out: list[StreamEvent] = [
+            ItemEvent(
+                type="response.output_item.added",
+                sequence_number=self.n(),
+                output_index=o.index,
+                item=o.item.model_copy(),
+            )
+        ]
+        if isinstance(o.item, OutputMessage):
+            out.append(
+                PartEvent(
+                    type="response.content_part.added",
+                    sequence_number=self.n(),
+                    item_id=o.item.id,
+                    output_index=o.index,
+                    part=OutputText(text=""),
+                )
+            )
+        return out
+
+    def _close(self, o: _Open | None) -> list[StreamEvent]:
+        if o is None:
+            return []
+        text = "".join(o.parts)
+        status = "incomplete" if self.finish == "length" else "completed"
+        out: list[StreamEvent] = []
+        done: OutputItem
+        if isinstance(o.item, OutputMessage):
+            part = OutputText(text=text)
+            done = o.item.model_copy(update={"status": status, "content": [part]})
+            out += [
+                TextDone(
+                    sequence_number=self.n(), item_id=o.item.id, output_index=o.index, text=text
+                ),
+                PartEvent(
+                    type="response.content_part.done",
+                    sequence_number=self.n(),
+                    item_id=o.item.id,
+                    output_index=o.index,
+                    part=part,
+                ),
+            ]
+        else:
+            done = o.item.model_copy(update={"status": "completed", "arguments": text})
+            out.append(
+                ArgumentsDone(
+                    sequence_number=self.n(),
+                    item_id=o.item.id,
+                    output_index=o.index,
+                    name=o.item.name,
+                    arguments=text,
+                )
+            )
+        self.items[o.index] = done
+        out.append(
+            ItemEvent(
+                type="response.output_item.done",
+                sequence_number=self.n(),
+                output_index=o.index,
+                item=done,
+            )
+        )
+        return out
