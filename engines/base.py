@@ -55,6 +55,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] = field(repr=False)
     sampling: SamplingOptions
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: lower is served first (under its "priority" scheduling)
 
     @property
     def num_prompt_tokens(self) -> int:

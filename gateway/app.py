@@ -30,7 +30,9 @@ from gateway.http.openapi import install_openapi
 from gateway.http.routes import cache, chat, completions, health, messages, models, responses
 from gateway.local.dispatch import Dispatcher
 from gateway.local.governor import LocalGovernor
+from gateway.local.pauses import SessionTurns
 from gateway.local.replicas import Replica
+from gateway.local.retention import BreakpointLeases
 from gateway.local.routing import Router
 from gateway.local.supervisor import Supervisor
 from gateway.providers.control import Control
@@ -130,6 +132,7 @@ def create_app(
         metrics,
         max_inflight=settings.engine.max_queued_requests,
         model=settings.model_name,
+        shares=settings.engine.admission_shares,
     )
     supervisor = Supervisor(
         dispatcher,
@@ -220,6 +223,11 @@ def create_app(
         log=session_log,
         tool_parser=settings.engine.tool_parser,
         tracing=tracing,
+        turns=SessionTurns(
+            settings.cache.retention,
+            BreakpointLeases(),
+            count=lambda outcome: metrics.retention.labels(outcome).inc(),
+        ),
     )
     local_governor = None
     if settings.control.mode == "govern" and replicas:

@@ -71,6 +71,7 @@ class VllmEngineConfig:
     # KV events (ZMQ PUB) and their replay endpoint; None disables events.
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    scheduling_policy: str = "fcfs"  # "priority": requests ordered by their priority first
 
 
 class VllmEngine:
@@ -114,6 +115,7 @@ class VllmEngine:
             dtype=c.dtype,
             disable_log_stats=False,  # stats feed CoreStats (engine-core truth)
             structured_outputs_config=_compact_json(),
+            scheduling_policy=c.scheduling_policy,
         )
         if c.block_size is not None:
             kwargs["block_size"] = c.block_size
@@ -189,7 +191,9 @@ class VllmEngine:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         params = _sampling_params(request)
-        stream = llm.generate(prompt, params, request_id=request.request_id)
+        stream = llm.generate(
+            prompt, params, request_id=request.request_id, priority=request.priority
+        )
         finished = False
         first = True
         try:

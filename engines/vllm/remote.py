@@ -166,6 +166,8 @@ class RemoteVllmEngine:
             body["seed"] = s.seed
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
+        if request.priority:
+            body["priority"] = request.priority
         self._running += 1
         try:
             async with self._http.stream("POST", "/v1/completions", json=body) as resp:

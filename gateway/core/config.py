@@ -48,6 +48,28 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+Priority = Literal["interactive", "default", "batch"]
+PRIORITIES: tuple[Priority, ...] = ("interactive", "default", "batch")  # first is highest
+
+
+_SHARES: dict[Priority, float] = {"batch": 0.5, "default": 0.9, "interactive": 1.0}
+
+
+class KeyLimits(BaseModel):
+    """A key's limits (none by default): past one, a request is a 429 with Retry-After."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion
+    max_concurrent: int | None = Field(None, ge=1)
+
+    def empty(self) -> bool:
+        return (self.requests_per_minute, self.tokens_per_minute, self.max_concurrent) == (
+            None, None, None,
+        )  # fmt: skip
+
+
 class ApiKeyConfig(BaseModel):
     """One accepted key, stored as its sha256 (``vcache hash-key KEY`` prints it)."""
 
@@ -58,6 +80,16 @@ class ApiKeyConfig(BaseModel):
     name: str = ""
     admin: bool = False  # the cache API and routing overrides, within its own tenant
     scope: Literal["tenant", "global"] = "tenant"  # global: an admin over every tenant
+    # x-vcache-priority when the request sends none, and the highest it may ask for
+    priority: Priority = "default"
+    max_priority: Priority = "interactive"
+    limits: KeyLimits = Field(default_factory=KeyLimits)
+
+    @model_validator(mode="after")
+    def _priority_within_cap(self) -> ApiKeyConfig:
+        if PRIORITIES.index(self.priority) < PRIORITIES.index(self.max_priority):
+            raise ValueError(f"priority {self.priority} is above max_priority {self.max_priority}")
+        return self
 
 
 class EngineSettings(BaseModel):
@@ -79,6 +111,19 @@ class EngineSettings(BaseModel):
     # vLLM's tool-call parser for the model's chat template (hermes, llama3_json, mistral,
     # qwen3_coder, ...): reads tool calls out of answers to `tool_choice: auto`
     tool_parser: str = "hermes"
+    # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
+    # "fcfs" arrival order whatever the priority
+    scheduling_policy: Literal["priority", "fcfs"] = "priority"
+    # the share of max_queued_requests each priority may fill: when the queue fills,
+    # batch is refused first and interactive last
+    admission_shares: dict[Priority, float] = Field(default_factory=lambda: dict(_SHARES))
+
+    @field_validator("admission_shares")
+    @classmethod
+    def _shares(cls, v: dict[Priority, float]) -> dict[Priority, float]:
+        if any(not 0 < x <= 1 for x in v.values()):
+            raise ValueError("admission shares are in (0, 1]")
+        return v
 
 
 class RemoteReplicaConfig(BaseModel):
@@ -108,6 +153,21 @@ class RemoteReplicaConfig(BaseModel):
         return data
 
 
+class RetentionSettings(BaseModel):
+    """A session's KV kept on its replica across tool-call pauses (gateway/local/pauses.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    quantile: float = Field(0.9, gt=0, lt=1)  # of the session's (else tenant's) gaps
+    margin: float = Field(1.5, ge=1)  # the lease is the quantile times this
+    min_lease_s: float = Field(5.0, gt=0)
+    max_lease_s: float = Field(120.0, gt=0)
+    default_gap_s: float = Field(30.0, gt=0)  # before any gap has been seen
+    min_blocks: int = Field(2, ge=1)  # a shorter prompt is cheaper to prefill again
+    max_sessions: int = Field(4096, ge=1)  # sessions remembered (least recent forgotten)
+
+
 class CacheSettings(BaseModel):
     """Exact KV spans on the local replicas (KV events, pins, routing)."""
 
@@ -118,6 +178,7 @@ class CacheSettings(BaseModel):
     load_imbalance: int = Field(4, ge=0)  # kv routing falls back to least loaded beyond it
     pin_max_share: float = Field(0.5, gt=0, le=1)  # most of the KV blocks pins may hold
     default_lease_s: float = Field(300, gt=0)
+    retention: RetentionSettings = Field(default_factory=RetentionSettings)
 
 
 class ControlSettings(BaseModel):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from engines.errors import (
@@ -56,12 +56,14 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self._headers = dict(headers or {})  # sent with the error (a 429's rate limits)
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return {
@@ -75,8 +77,8 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+            return dict(self._headers)
+        return {**self._headers, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class InvalidRequest(APIError):

@@ -155,6 +155,25 @@ class Metrics:
             ["target", "reason"],
             registry=r,
         )
+        self.shed = Counter(
+            "vcache_requests_shed",
+            "Requests refused by admission (the queue full for their priority)",
+            ["priority"],
+            registry=r,
+        )
+        self.retention = Counter(
+            "vcache_session_retention",
+            "Turns of agent sessions that ended, by what was done with their KV: leased "
+            "until the next turn, refused (pin budget), released, short, off",
+            ["outcome"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "vcache_rate_limited",
+            "Requests refused by a key's limits, by tenant and key",
+            ["tenant", "key"],
+            registry=r,
+        )
 
     def count_routing(self, policy: str, reason: str) -> None:
         self.routing_decisions.labels(policy, reason).inc()

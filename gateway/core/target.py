@@ -93,8 +93,9 @@ class Target(Protocol[P]):
     """Something that serves chat calls: the local replicas, or a hosted provider's
     models (``name`` says which target of the alias)."""
 
-    def admission(self) -> AbstractContextManager[None]:
-        """Held from before prepare until the answer ends; refuses when full."""
+    def admission(self, call: Call) -> AbstractContextManager[None]:
+        """Held from before prepare until the answer ends; refuses when full (a lower
+        priority first)."""
         ...
 
     async def prepare(self, name: str, call: Call) -> P:

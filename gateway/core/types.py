@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from gateway.core.config import LOCAL_TARGET
+from gateway.core.config import LOCAL_TARGET, KeyLimits, Priority
 from manifest.sessionlog import session_name
 
 T = TypeVar("T")
@@ -20,6 +20,12 @@ class Principal:
     key_name: str = ""
     admin: bool = False
     global_admin: bool = False  # may act on other tenants' spans (names them or raw hashes)
+    priority: Priority = "default"  # this request's (x-vcache-priority, within the key's cap)
+    limits: KeyLimits | None = None  # the key's
+
+
+# x-vcache-priority as vLLM's request priority (lower is scheduled first)
+ENGINE_PRIORITY: dict[Priority, int] = {"interactive": -1, "default": 0, "batch": 1}
 
 
 def tenant_salt(tenant: str) -> str:
@@ -58,6 +64,7 @@ class Served:
     fallback_from: tuple[str, ...] = ()
     session: str | None = None  # the stored id of the session-log session it was appended to
     answer_seq: int | None = None  # the sequence number of its answer in that session
+    limits: dict[str, str] = field(default_factory=dict)  # the key's x-ratelimit-* headers
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-target": self.target}
@@ -68,6 +75,7 @@ class Served:
             h["x-vcache-session"] = session_name(self.session)
         if self.fallback_from:
             h["x-vcache-fallback-from"] = ", ".join(self.fallback_from)
+        h.update(self.limits)
         return h
 
 

@@ -118,8 +118,12 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         await context.abort_with_status(rpc_status.to_status(status_of(exc)))
 
     def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
-        auth = dict(context.invocation_metadata() or ()).get("authorization")
-        return self._keys.authenticate(auth if isinstance(auth, str) else None)
+        md = dict(context.invocation_metadata() or ())
+        auth, priority = md.get("authorization"), md.get("x-vcache-priority")
+        return self._keys.authenticate(
+            auth if isinstance(auth, str) else None,
+            priority if isinstance(priority, str) else None,
+        )
 
     def _chat_request(
         self, request: pb.ChatCompletionRequest, stream: bool

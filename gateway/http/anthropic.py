@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.core.errors import APIError
 from gateway.core.messages import ErrorDetail, ErrorEvent
+from gateway.service.limits import anthropic_headers
 
 PREFIX = "/v1/messages"
 _TYPES = {
@@ -59,5 +60,5 @@ def error_event(exc: APIError, rid: str | None = None) -> tuple[int, ErrorEvent]
 def error_response(exc: APIError, request: Request) -> JSONResponse:
     rid = request_id(request)
     status, body = error_event(exc, rid)
-    headers = {**exc.headers(), "request-id": rid}
+    headers = {**anthropic_headers(exc.headers()), "request-id": rid}
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)

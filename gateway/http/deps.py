@@ -64,8 +64,13 @@ def whole(body: BaseModel, headers: dict[str, str]) -> Response:
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
+# the coding agents' own session ids: Claude Code's, Codex's (session and thread), others'
+AGENT_SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "thread-id", "x-session-id")
+
+
 async def session_header(request: Request) -> str | None:
-    """``x-vcache-session``: append this request to that session of the log."""
+    """The session to append this request to: ``x-vcache-session`` (a bad value is a 400),
+    else an agent's own session header (ignored when it is not a valid name)."""
     sid = request.headers.get("x-vcache-session")
     if sid is not None and not SESSION_ID.match(sid):
         raise InvalidRequest(
@@ -73,4 +78,10 @@ async def session_header(request: Request) -> str | None:
             param="x-vcache-session",
             code="invalid_value",
         )
-    return sid
+    if sid is not None:
+        return sid
+    for name in AGENT_SESSION_HEADERS:
+        agent = request.headers.get(name)
+        if agent and SESSION_ID.match(agent):
+            return agent
+    return None

@@ -51,6 +51,7 @@ def build_replicas(settings: Settings, runtime_dir: Path) -> list[Replica]:
             dtype=e.dtype,
             kv_events_endpoint=events,
             kv_events_replay_endpoint=replay,
+            scheduling_policy=e.scheduling_policy,
         )
         out.append(
             Replica(

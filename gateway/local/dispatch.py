@@ -10,12 +10,13 @@ import contextlib
 import time
 import zlib
 from array import array
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.errors import EngineError
+from gateway.core.config import PRIORITIES, Priority
 from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
@@ -69,12 +70,16 @@ class Dispatcher:
         metrics: Metrics,
         max_inflight: int,
         model: str = "local",
+        shares: Mapping[Priority, float] | None = None,
     ) -> None:
         self.replicas = list(replicas)
         self.router = router
         self.kv = kv
         self._metrics = metrics
         self._max_inflight = max_inflight
+        # how many requests in flight each priority may find and still be admitted
+        self._room = {p: max(1, int(max_inflight * (shares or {}).get(p, 1.0))) for p in PRIORITIES}
+        self._room["interactive"] = max_inflight
         self.model = model  # the served name: the ``model`` label of the local metrics
         self._inflight = 0
         self.started = False  # set once every replica is up (and probed)
@@ -92,7 +97,14 @@ class Dispatcher:
     def replica(self, replica_id: str) -> Replica | None:
         return next((r for r in self.replicas if r.id == replica_id), None)
 
-    async def route(self, greq: GenerateRequest, override: RouteOverride | None) -> Dispatch:
+    async def route(
+        self,
+        greq: GenerateRequest,
+        override: RouteOverride | None,
+        session: LocationId | None = None,
+    ) -> Dispatch:
+        """The replica for ``greq``: the router's choice over the serving replicas (an
+        admin's forced replica aside); ``session``, the replica of the session's last turn."""
         predicted: dict[LocationId, int] | None = None
         hashes: list[BlockHash] = []
         affinity = hash_tokens(greq.prompt_token_ids[:AFFINITY_TOKENS])
@@ -118,18 +130,23 @@ class Dispatcher:
                     code="engine_unavailable",
                     retry_after_s=self.retry_after_s(),
                 )
-            replica = self.router.choose(serving, RouteContext(predicted, affinity), policy)
+            ctx = RouteContext(predicted, affinity, session)
+            replica = self.router.choose(serving, ctx, policy)
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p = predicted.get(replica.id) if predicted is not None and exact else None
         return Dispatch(replica, replica.id, p, hashes)
 
     @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
+    def admit(self, priority: Priority = "default") -> Iterator[None]:
         """Admission control, first: a request refused here (503 queue_full) has cost no
-        tokenizing and left nothing in the session log.  Held until the request ends."""
-        if self._inflight >= self._max_inflight:
+        tokenizing and left nothing in the session log.  Held until the request ends.
+        Each priority may fill its share of the queue: batch is refused first,
+        interactive last (at the full limit)."""
+        if self._inflight >= self._room[priority]:
+            self._metrics.shed.labels(priority).inc()
+            whom = "" if self._inflight >= self._max_inflight else f" for {priority} requests"
             raise Unavailable(
-                "The gateway's request queue is full; retry shortly",
+                f"The gateway's request queue is full{whom}; retry shortly",
                 code="queue_full",
                 retry_after_s=1,
             )

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from engines.errors import EngineError
-from gateway.local.spans import KVSpans
+from gateway.local.spans import KVSpans, PinResult
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
@@ -42,14 +42,15 @@ class BreakpointLeases:
         owner: str,
         hashes: Sequence[BlockHash],
         ttl_s: float,
-    ) -> None:
+    ) -> PinResult | None:
         """Lease ``hashes`` (a prefix's full blocks) on ``replica`` to ``owner`` for
         ``ttl_s``, then release what the owner's previous lease held that this one does
         not.  An engine that cannot be asked fails nothing: the blocks are simply not
-        retained.  Blocks over the pin budget are not held (the engine refuses them)."""
+        retained.  Blocks over the pin budget are not held (the engine refuses them).
+        Returns what the engine pinned, or None when it could not be asked."""
         prev = self._last.pop(owner, None)
         try:
-            await kv.pin(replica, hashes, owner, ttl_s)
+            res = await kv.pin(replica, hashes, owner, ttl_s)
             if prev is not None:
                 keep = set(hashes) if prev[0] == replica else set()
                 stale = [h for h in prev[1] if h not in keep]
@@ -57,7 +58,19 @@ class BreakpointLeases:
                     await kv.unpin(prev[0], stale, owner)
         except EngineError as exc:
             log.warning("replica %s: breakpoint lease for %s failed (%s)", replica, owner, exc)
-            return
+            return None
         self._last[owner] = (replica, tuple(hashes))
         while len(self._last) > self._max:
             self._last.popitem(last=False)  # its lease still expires on time
+        return res
+
+    async def release(self, kv: KVSpans, owner: str) -> int:
+        """Release what ``owner``'s last lease holds; how many blocks it held."""
+        prev = self._last.pop(owner, None)
+        if prev is None:
+            return 0
+        try:
+            await kv.unpin(prev[0], prev[1], owner)
+        except EngineError as exc:  # the lease still expires on time
+            log.warning("replica %s: releasing %s failed (%s)", prev[0], owner, exc)
+        return len(prev[1])

@@ -5,9 +5,12 @@ One :class:`RoutingPolicy` protocol and a registry of them by name; the
 and counts every decision by ``{policy, reason}``
 (``vcache_routing_decisions_total``).
 
-``kv`` (default) sends a request to the replica with the longest predicted
-cached prefix (``longest_prefix``), unless in-flight load is out of balance by
-more than ``imbalance`` requests (``imbalance``: then the least loaded).  A
+``kv`` (default) sends a session's next turn back to the replica that
+served its last one while that replica holds as long a cached prefix as any
+and is not out of balance (``session``); otherwise a request goes to the
+replica with the longest predicted cached prefix (``longest_prefix``), unless
+in-flight load is out of balance by more than ``imbalance`` requests
+(``imbalance``: then the least loaded).  A
 prefix no replica holds (``cold``) or a gateway without KV events
 (``no_index``) goes to the least loaded, ties broken by rendezvous hashing of
 the prompt's first tokens, so a new prefix family lands on one replica and
@@ -32,6 +35,7 @@ class RouteContext:
 
     predicted: Mapping[LocationId, int] | None  # cached tokens per replica; None: no KV index
     affinity: int = 0  # a hash of the prompt's first tokens
+    session: LocationId | None = None  # the replica that served the session's last turn
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,17 @@ class KvAware:
 
     def choose(self, replicas: Sequence[Replica], ctx: RouteContext) -> Decision:
         least = _least_loaded(replicas, ctx.affinity)
-        predicted = ctx.predicted
-        if not predicted:
-            return Decision(least, "no_index")
+        predicted = ctx.predicted or {}
         top = max(predicted.get(r.id, 0) for r in replicas)
+        home = next((r for r in replicas if r.id == ctx.session), None)
+        if (
+            home is not None
+            and predicted.get(home.id, 0) == top
+            and home.inflight - least.inflight <= self.imbalance
+        ):
+            return Decision(home, "session")  # it holds the session's spans, as much as any
+        if not ctx.predicted:
+            return Decision(least, "no_index")
         if top == 0:
             return Decision(least, "cold")
         best = _least_loaded([r for r in replicas if predicted.get(r.id, 0) == top], ctx.affinity)

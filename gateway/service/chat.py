@@ -18,7 +18,7 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from gateway.core.config import LOCAL_TARGET
-from gateway.core.errors import InvalidRequest, NotFound, Unavailable
+from gateway.core.errors import InvalidRequest, NotFound, RateLimited, Unavailable
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import (
     ChatCompletion,
@@ -48,8 +48,10 @@ from gateway.core.target import Call, Target
 from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Principal, Routed, RouteOverride, Served
 from gateway.local.dispatch import Dispatcher
+from gateway.local.pauses import SessionTurns
 from gateway.local.routing import POLICIES
 from gateway.service.journal import Journal
+from gateway.service.limits import Grant, RateLimits
 from gateway.service.local import LocalChat
 from gateway.service.loop import ServiceLoop
 from gateway.service.provider_chat import ProviderChat
@@ -106,14 +108,17 @@ class GatewayService:
         log: SessionLog | None = None,
         tool_parser: str = "hermes",
         tracing: Tracing | None = None,
+        limits: RateLimits | None = None,
+        turns: SessionTurns | None = None,
     ) -> None:
         self._model = model_name
+        self.limits = limits or RateLimits()
         self.tracing = tracing or Tracing()
         self._targets = targets or Targets(model_name, {}, [])
         self.providers = providers
         self._metrics = metrics or Metrics()
         self.log = log
-        self.local = LocalChat(dispatcher, tool_parser)
+        self.local = LocalChat(dispatcher, tool_parser, turns)
         self.loop = ServiceLoop(Journal(log), self._metrics, self._target)
 
     @property
@@ -172,6 +177,17 @@ class GatewayService:
 
     # ------------------------------------------------------------ chat
 
+    def _admit(self, who: Principal, served: Served) -> Grant | None:
+        """The key's limits, first: a request over one is a 429 before any work."""
+        try:
+            grant = self.limits.admit(who)
+        except RateLimited:
+            self._metrics.rate_limited.labels(who.tenant, who.key_name).inc()
+            raise
+        if grant is not None:
+            served.limits = grant.headers()
+        return grant
+
     def _target(self, name: str) -> Target[Any]:
         if name == LOCAL_TARGET:
             return self.local
@@ -200,6 +216,7 @@ class GatewayService:
         piece produced.  ``session``: an explicit session-log session (else found or
         started implicitly)."""
         served = Served()
+        grant = self._admit(who, served)
         trace = self.tracing.request("vcache.chat", model=req.model, stream=True)
         try:
             names = self._targets.resolve(req.model)
@@ -207,8 +224,10 @@ class GatewayService:
             rid, pieces = await self.loop.first_answer(names, call, served)
         except BaseException as exc:
             trace.end(exc, target=served.target)
+            _release(grant, 0)
             raise
-        return Routed(Answer(rid, await primed(_ended(pieces, trace, served))), served)
+        pieces = _limited(_ended(pieces, trace, served), grant)
+        return Routed(Answer(rid, await primed(pieces)), served)
 
     async def chat(
         self,
@@ -236,6 +255,7 @@ class GatewayService:
         """One whole answer shaped by ``shape(request id, pieces)`` (any API's object) and
         its usage; a target that fails at any point before it ends falls back."""
         served = Served()
+        grant = self._admit(who, served)
         trace = self.tracing.request("vcache.chat", model=req.model, stream=False)
         usage = Usage.of(0, 0, 0)
 
@@ -254,6 +274,8 @@ class GatewayService:
         except BaseException as exc:
             trace.end(exc, target=served.target)
             raise
+        finally:
+            _release(grant, usage.total_tokens)
         trace.end(None, target=served.target, **_usage_attrs(usage))
         return Routed((body, usage), served)
 
@@ -300,8 +322,10 @@ class GatewayService:
     ) -> Routed[Completion]:
         self.local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
+        grant = self._admit(who, served)
         trace = self.tracing.request("vcache.completion", model=req.model, stream=False)
-        pieces = _ended(self.local.completion(req, who, route, served, rid, trace), trace, served)
+        local = self.local.completion(req, who, route, served, rid, trace)
+        pieces = _limited(_ended(local, trace, served), grant)
         return Routed(await completion(rid, self._model, pieces, completion_shape(req)), served)
 
     async def complete_stream(
@@ -310,8 +334,32 @@ class GatewayService:
         """A stream that has produced its first piece (errors before it are raised here)."""
         self.local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
+        grant = self._admit(who, served)
         trace = self.tracing.request("vcache.completion", model=req.model, stream=True)
         local = self.local.completion(req, who, route, served, rid, trace)
-        pieces = await primed(_ended(local, trace, served))
+        pieces = await primed(_limited(_ended(local, trace, served), grant))
         chunks = completion_chunks(rid, self._model, pieces, completion_shape(req))
         return Routed(chunks, served)
+
+
+def _release(grant: Grant | None, tokens: int) -> None:
+    if grant is not None:
+        grant.done(tokens)
+
+
+def _limited(pieces: Pieces, grant: Grant | None) -> Pieces:
+    """``pieces``, the key's slot freed and its tokens counted when the answer ends (or
+    the client leaves); as they are for a key without limits."""
+    return pieces if grant is None else _counted(pieces, grant)
+
+
+async def _counted(pieces: Pieces, grant: Grant) -> Pieces:
+    tokens = 0
+    try:
+        async with aclosing(pieces):
+            async for p in pieces:
+                if p.usage is not None:
+                    tokens = p.usage.total_tokens
+                yield p
+    finally:
+        grant.done(tokens)

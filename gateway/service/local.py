@@ -22,7 +22,7 @@ from typing import Any
 from engines.base import Engine, GenerateRequest, SamplingOptions, Structured
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
-from gateway.core.config import LOCAL_TARGET
+from gateway.core.config import LOCAL_TARGET, RetentionSettings
 from gateway.core.errors import InvalidRequest, Unavailable
 from gateway.core.outputs import Usage
 from gateway.core.schemas import (
@@ -34,9 +34,17 @@ from gateway.core.schemas import (
 from gateway.core.shaping import Piece, Pieces
 from gateway.core.target import Call, Sent
 from gateway.core.tracing import RequestTrace
-from gateway.core.types import Placement, Principal, RouteOverride, Served, tenant_salt
+from gateway.core.types import (
+    ENGINE_PRIORITY,
+    Placement,
+    Principal,
+    RouteOverride,
+    Served,
+    tenant_salt,
+)
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
+from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
 from gateway.service.breakpoints import PrefixLengths, retained
 from gateway.service.tools import ToolPlan
@@ -48,6 +56,7 @@ from gateway.sessions.render import (
     vllm_payload,
 )
 from manifest.canonical import canonical_json
+from manifest.index import LocationId
 from manifest.sessionlog import Header, MessageEvent
 
 SystemPrompts = tuple[str, ...]
@@ -85,13 +94,20 @@ class LocalPrepared:
 
 
 class LocalChat:
-    def __init__(self, dispatcher: Dispatcher, tool_parser: str = "hermes") -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        tool_parser: str = "hermes",
+        turns: SessionTurns | None = None,
+    ) -> None:
         self.dispatcher = dispatcher
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
         self.governor: LocalGovernor | None = None  # pins anchors worth holding
         self._prefix = PrefixLengths(self._render)  # prefix token lengths, remembered
         self.leases = BreakpointLeases()  # the KV blocks through clients' breakpoints
+        # agent sessions: the replica of the last turn, KV leased across tool-call pauses
+        self.turns = turns or SessionTurns(RetentionSettings(), self.leases)
 
     @property
     def engine(self) -> Engine:
@@ -203,8 +219,8 @@ class LocalChat:
 
     # ------------------------------------------------------- the Target
 
-    def admission(self) -> AbstractContextManager[None]:
-        return self.dispatcher.admit()
+    def admission(self, call: Call) -> AbstractContextManager[None]:
+        return self.dispatcher.admit(call.who.priority)
 
     async def prepare(self, name: str, call: Call) -> LocalPrepared:
         """Tokenize with the model's template, check the context, route to a replica by
@@ -216,7 +232,7 @@ class LocalChat:
         with trace.step("tokenize") as span:
             greq, plan = self._chat_request(req, who, rid, system, turns, tools)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
-        d = await self._route(greq, call.route, trace)
+        d = await self._route(greq, call.route, trace, self.turns.replica(_session_key(call)))
         kv = self.dispatcher.kv
         if self.governor is not None and kv is not None and d.hashes and system:
             n = self._prefix(system, (), tools, greq.prompt_token_ids)
@@ -241,6 +257,11 @@ class LocalChat:
             kv = self.dispatcher.kv
             block = kv.block_size if kv is not None else self.engine.capabilities.block_size
             pieces = retained(pieces, p.dispatch, ends, owner, kv, block, self.leases)
+        key = _session_key(p.call) or (f"{p.call.who.tenant}:log:{session}" if session else None)
+        if key is not None:
+            self.turns.began(key, p.call.who.tenant)
+            d = p.dispatch
+            pieces = paused(pieces, self.turns, self.dispatcher.kv, key, d.replica.id, d.hashes)
         return pieces
 
     def retry(self, p: LocalPrepared, error: Exception) -> LocalPrepared | None:
@@ -266,10 +287,14 @@ class LocalChat:
         return ToolPlan(req, parser.parse, parser.start_marker)
 
     async def _route(
-        self, greq: GenerateRequest, route: RouteOverride | None, trace: RequestTrace
+        self,
+        greq: GenerateRequest,
+        route: RouteOverride | None,
+        trace: RequestTrace,
+        session: LocationId | None = None,
     ) -> Dispatch:
         with trace.step("route") as span:
-            d = await self.dispatcher.route(greq, route)
+            d = await self.dispatcher.route(greq, route, session)
             span.set_attribute("vcache.replica", d.replica_id)
             if d.predicted_cached_tokens is not None:
                 span.set_attribute("vcache.predicted_cached_tokens", d.predicted_cached_tokens)
@@ -330,7 +355,7 @@ class LocalChat:
         rid: str,
         trace: RequestTrace,
     ) -> Pieces:
-        with self.dispatcher.admit():
+        with self.dispatcher.admit(who.priority):
             t0 = time.perf_counter()
             with trace.step("tokenize"):
                 greq = self._completion_request(req, who, rid)
@@ -393,4 +418,10 @@ class LocalChat:
             prompt_token_ids=tuple(ids),
             sampling=sampling,
             cache_salt=tenant_salt(who.tenant),
+            priority=ENGINE_PRIORITY[who.priority],
         )
+
+
+def _session_key(call: Call) -> str | None:
+    """A named session (a header, an agent's own id, a previous response), per tenant."""
+    return f"{call.who.tenant}:{call.session}" if call.session else None

@@ -65,7 +65,7 @@ class ServiceLoop:
     async def serve(self, name: str, call: Call, served: Served | None) -> Pieces:
         """One target's answer: admitted, prepared, journaled, sent, settled."""
         target = self._resolve(name)
-        with target.admission():
+        with target.admission(call):
             p = await target.prepare(name, call)
             if served is not None:
                 served.target, served.dispatch, served.notes = p.target, p.placement, dict(p.notes)

@@ -130,7 +130,7 @@ class ProviderChat:
         self.layout = layout
         self.layouts = SystemLayouts()
 
-    def admission(self) -> AbstractContextManager[None]:
+    def admission(self, call: Call) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # providers shed load themselves (429, 529)
 
     @contextlib.contextmanager

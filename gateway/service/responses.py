@@ -141,12 +141,13 @@ class Responses:
         return row
 
     async def _chat_request(
-        self, req: ResponsesRequest, who: Principal
+        self, req: ResponsesRequest, who: Principal, session: str | None
     ) -> tuple[ChatCompletionRequest, str | None]:
+        """The chat request and its session: the previous response's, else ``session``
+        (a header's), else None (found by the log's prefix digests)."""
         messages: list[ChatMessage] = []
         if req.instructions:
             messages.append(ChatMessage(role="system", content=req.instructions))
-        session = None
         if req.previous_response_id is not None:
             row = await self._stored(req.previous_response_id, who, "previous_response_id")
             session = session_name(row.session_id)  # the name the chat path scopes again
@@ -181,8 +182,10 @@ class Responses:
                 body.store,
             )  # fmt: skip
 
-    async def create(self, req: ResponsesRequest, who: Principal) -> Routed[ResponseObject]:
-        chat, session = await self._chat_request(req, who)
+    async def create(
+        self, req: ResponsesRequest, who: Principal, session: str | None = None
+    ) -> Routed[ResponseObject]:
+        chat, session = await self._chat_request(req, who, session)
         done: Routed[ChatCompletion] = await self._chat(chat, who, None, session)
         c = done.body
         body = response_object(
@@ -193,11 +196,11 @@ class Responses:
         return Routed(body, done.served)
 
     async def stream(
-        self, req: ResponsesRequest, who: Principal
+        self, req: ResponsesRequest, who: Principal, session: str | None = None
     ) -> tuple[AsyncGenerator[StreamEvent, None], ResponseStream, Served]:
         """The response's events, started (first token) on return; the stream's state
         numbers an error event, should the answer fail after it started."""
-        chat, session = await self._chat_request(req, who)
+        chat, session = await self._chat_request(req, who, session)
         routed: Routed[Answer] = await self._answer(chat, who, None, session)
         state = ResponseStream(new_id("resp"), req, int(time.time()))
         served = routed.served

@@ -25,11 +25,11 @@ from gateway.http.deps import SESSION_ID, routing_override, service, session_hea
 from gateway.http.openapi import anthropic_errors, streamed
 from gateway.http.sse import named_frame, open_stream
 from gateway.service.auth import require_anthropic_principal
+from gateway.service.limits import anthropic_headers
 from gateway.service.messages import Messages
 
 router = APIRouter(prefix="/v1", tags=["messages"])
 
-AGENT_SESSION_HEADERS = ("x-claude-code-session-id", "x-session-id")
 _USER_ID_SESSION = re.compile(r"session_([0-9a-fA-F-]{8,64})")
 ERRORS = anthropic_errors(400, 401, 403, 404, 413, 429, 500, 504, 529)
 
@@ -66,13 +66,10 @@ def metadata_session(user_id: str | None) -> str | None:
 
 
 async def conversation(request: Request, body: MessagesRequest) -> str | None:
-    explicit = await session_header(request)  # a bad x-vcache-session is a 400
-    if explicit is not None:
-        return explicit
-    for name in AGENT_SESSION_HEADERS:
-        sid = request.headers.get(name)
-        if sid and SESSION_ID.match(sid):
-            return sid
+    """A header's session (a bad x-vcache-session is a 400), else ``metadata.user_id``'s."""
+    named = await session_header(request)
+    if named is not None:
+        return named
     return metadata_session(body.metadata.user_id if body.metadata else None)
 
 
@@ -96,10 +93,14 @@ async def create_message(body: MessagesRequest, call: Caller, request: Request) 
             return named_frame(event)
 
         return await open_stream(
-            routed.body, {**routed.headers(), **extra}, named_frame, failed, done=None
+            routed.body,
+            {**anthropic_headers(routed.headers()), **extra},
+            named_frame,
+            failed,
+            done=None,
         )
     done = await call.api.create(body, call.who, call.route, session)
-    headers = {**done.headers(), **extra}
+    headers = {**anthropic_headers(done.headers()), **extra}
     return Response(done.body.model_dump_json(), media_type="application/json", headers=headers)
 
 

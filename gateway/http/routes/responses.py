@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from gateway.core.errors import APIError
 from gateway.core.responses import ErrorEvent, ResponseDeleted, ResponseObject, ResponsesRequest
 from gateway.core.types import Principal
-from gateway.http.deps import whole
+from gateway.http.deps import session_header, whole
 from gateway.http.openapi import GENERATION, errors, streamed
 from gateway.http.sse import named_frame, open_stream
 from gateway.service.auth import require_principal
@@ -31,9 +31,14 @@ Api = Annotated[Responses, Depends(responses)]
 @router.post(
     "/responses", response_model=None, responses={**streamed(ResponseObject), **GENERATION}
 )
-async def create_response(body: ResponsesRequest, who: Who, api: Api) -> Response:
+async def create_response(
+    body: ResponsesRequest,
+    who: Who,
+    api: Api,
+    session: Annotated[str | None, Depends(session_header)],
+) -> Response:
     if body.stream:
-        events, state, served = await api.stream(body, who)
+        events, state, served = await api.stream(body, who, session)
 
         def failed(exc: APIError) -> bytes:
             ev = ErrorEvent(
@@ -42,7 +47,7 @@ async def create_response(body: ResponsesRequest, who: Who, api: Api) -> Respons
             return named_frame(ev)
 
         return await open_stream(events, served.headers(), named_frame, failed, done=None)
-    done = await api.create(body, who)
+    done = await api.create(body, who, session)
     return whole(done.body, done.served.headers())
 
 

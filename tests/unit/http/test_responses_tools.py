@@ -167,7 +167,7 @@ def test_forced_tool_then_text(text_gw: tuple[FakeEngine, Any]) -> None:
     assert [o.type for o in r.output] == ["function_call"]
     assert engine.received[-1].sampling.structured is not None
     call = r.output[0]
-    assert r.tool_choice.name == "get_weather"  # type: ignore[union-attr]
+    assert r.tool_choice.name == "get_weather"
     done = sdk.responses.create(
         model=MODEL, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=4,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "rain"}],
@@ -183,7 +183,7 @@ def test_text_format_json_schema(text_gw: tuple[FakeEngine, Any]) -> None:
     r = sdk.responses.create(model=MODEL, input="answer", text=fmt, max_output_tokens=32)
     assert engine.received[-1].sampling.structured is not None
     assert json.loads(r.output_text) == {"answer": "fake"}
-    assert r.text.format.type == "json_schema"  # type: ignore[union-attr]
+    assert r.text.format.type == "json_schema"
     j = sdk.responses.create(
         model=MODEL, input="answer", text={"format": {"type": "json_object"}}, max_output_tokens=32
     )
@@ -212,3 +212,26 @@ def test_what_cannot_be_served_is_refused_by_name(
     error = err.value.body
     assert isinstance(error, dict)
     assert str(error.get("param", "")).startswith(param), error
+
+
+@pytest.mark.parametrize("header", ["session-id", "thread-id", "x-claude-code-session-id"])
+def test_an_agents_own_session_header_names_the_session(
+    text_gw: tuple[FakeEngine, Any], header: str
+) -> None:
+    """Codex sends ``session-id`` / ``thread-id``, Claude Code its own header: each names
+    the session on the Responses and chat APIs as ``x-vcache-session`` does."""
+    _, sdk = text_gw
+    r = sdk.responses.with_raw_response.create(
+        model=MODEL, input="hi", max_output_tokens=2, extra_headers={header: "agent-7"}
+    )
+    assert r.headers["x-vcache-session"] == "agent-7"
+    c = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_headers={header: "agent-8"},
+    )  # fmt: skip
+    assert c.headers["x-vcache-session"] == "agent-8"
+    bad = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_headers={header: "not a name!"},
+    )  # fmt: skip
+    assert bad.headers["x-vcache-session"] != "not a name!"  # ignored: found or started

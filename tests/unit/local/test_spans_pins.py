@@ -5,65 +5,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash, block_hashes
 from manifest.index import LocationId
+from tests.unit.local.fake_core import Clock, FakeCore
 
 R = LocationId("replica-0")
-Setup = tuple[KVSpans, "FakeCore", "Clock", list[BlockHash]]
-
-
-class FakeCore:
-    """The plugin's pin semantics, in memory."""
-
-    def __init__(self, resident: list[BlockHash], capacity: int) -> None:
-        self.resident = {bytes(h) for h in resident}
-        self.pins: set[bytes] = set()
-        self.capacity = capacity
-        self.calls: list[str] = []
-
-    async def call_core(self, method: str, *args: Any) -> Any:
-        self.calls.append(method)
-        if method == "vcache_pin":
-            out: dict[str, list[bytes]] = {
-                "pinned": [],
-                "already": [],
-                "missing": [],
-                "refused": [],
-            }
-            for h in args[0]:
-                if h in self.pins:
-                    out["already"].append(h)
-                elif h not in self.resident:
-                    out["missing"].append(h)
-                elif len(self.pins) >= self.capacity:
-                    out["refused"].append(h)
-                else:
-                    self.pins.add(h)
-                    out["pinned"].append(h)
-            return out
-        if method == "vcache_resident":
-            return sorted(self.resident)
-        if method == "vcache_unpin":
-            done = [h for h in args[0] if h in self.pins]
-            self.pins -= set(done)
-            return {"unpinned": done}
-        raise AssertionError(method)
-
-    def generate(self, request: Any) -> Any:
-        raise AssertionError("not used")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+Setup = tuple[KVSpans, FakeCore, Clock, list[BlockHash]]
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ class FakeTarget:
         finally:
             self.log.append("release")
 
-    def admission(self) -> AbstractContextManager[None]:
+    def admission(self, call: Call) -> AbstractContextManager[None]:
         return self._admitted()
 
     async def prepare(self, name: str, call: Call) -> FakePrepared:

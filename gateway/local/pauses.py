@@ -1,0 +1,161 @@
+"""Agent sessions on the local replicas: the next turn's replica, and the session's KV
+kept there across a tool-call pause.
+
+A coding agent's turn ends with a tool call; its next turn, the same prompt
+and the tool's result, comes back seconds later.  Meanwhile other traffic may
+evict the session's blocks, and the next turn prefills its whole prompt
+again.  When a turn of a session ends by calling tools, the prompt's full
+blocks are leased on the replica that holds them (a pin with an owner and an
+expiry, inside the engine's pin budget) for a high quantile of the gaps this
+session has shown (the tenant's before the session has any; a default before
+either), times a margin, bounded.  The next turn reads them and its own end
+replaces the lease (a rolling lease: blocks the new prompt no longer has are
+released); a turn that ends without calling tools (the agent's answer)
+releases it; an abandoned session's lease expires on time.
+
+:meth:`SessionTurns.replica` is the replica of a session's last turn: the
+router sends the next turn back there while that replica is not out of
+balance (``vcache_routing_decisions_total{reason="session"}``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.core.config import RetentionSettings
+from gateway.core.shaping import Pieces
+from gateway.local.retention import BreakpointLeases
+from gateway.local.spans import KVSpans
+from manifest.hashing import BlockHash
+from manifest.index import LocationId
+
+Outcome = Literal["leased", "refused", "released", "short", "off"]
+MAX_GAPS = 64  # per session and per tenant, the most recent
+
+
+class Gaps:
+    """The most recent gaps (seconds between a turn's end and the next turn's start)."""
+
+    def __init__(self) -> None:
+        self._gaps: deque[float] = deque(maxlen=MAX_GAPS)
+
+    def __len__(self) -> int:
+        return len(self._gaps)
+
+    def add(self, gap_s: float) -> None:
+        self._gaps.append(gap_s)
+
+    def quantile(self, q: float) -> float | None:
+        if not self._gaps:
+            return None
+        ordered = sorted(self._gaps)
+        return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclass
+class _Session:
+    tenant: str
+    replica: LocationId | None = None
+    ended_at: float | None = None  # None while a turn runs
+    gaps: Gaps = field(default_factory=Gaps)
+
+
+@dataclass
+class SessionTurns:
+    cfg: RetentionSettings
+    leases: BreakpointLeases
+    clock: Callable[[], float] = time.monotonic
+    sessions: OrderedDict[str, _Session] = field(default_factory=OrderedDict)
+    tenants: dict[str, Gaps] = field(default_factory=dict)
+    count: Callable[[str], None] = lambda outcome: None  # a metric per outcome
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def replica(self, key: str | None) -> LocationId | None:
+        """The replica that served the session's last turn (None: a new session)."""
+        s = self.sessions.get(key) if key is not None else None
+        return s.replica if s is not None else None
+
+    def began(self, key: str, tenant: str) -> None:
+        """A turn of session ``key`` starts: the gap since its last turn ended is counted."""
+        s = self.sessions.pop(key, None) or _Session(tenant)
+        self.sessions[key] = s  # the most recent last
+        if s.ended_at is not None:
+            gap = max(self.clock() - s.ended_at, 0.0)
+            s.gaps.add(gap)
+            self.tenants.setdefault(tenant, Gaps()).add(gap)
+        s.ended_at = None
+        while len(self.sessions) > self.cfg.max_sessions:
+            self.sessions.popitem(last=False)  # its lease, if any, expires on time
+
+    def lease_s(self, key: str, tenant: str) -> float:
+        """How long the session's KV is held after a turn: the quantile of its gaps (the
+        tenant's, the default) times the margin, within the bounds."""
+        s = self.sessions.get(key)
+        q = s.gaps.quantile(self.cfg.quantile) if s is not None else None
+        if q is None and tenant in self.tenants:
+            q = self.tenants[tenant].quantile(self.cfg.quantile)
+        base = self.cfg.default_gap_s if q is None else q
+        return min(max(base * self.cfg.margin, self.cfg.min_lease_s), self.cfg.max_lease_s)
+
+    async def ended(
+        self,
+        kv: KVSpans | None,
+        key: str,
+        replica: LocationId,
+        hashes: Sequence[BlockHash],
+        called_tools: bool,
+    ) -> Outcome:
+        """A turn of session ``key`` ended on ``replica`` with a prompt of ``hashes``: lease
+        them until the next turn if it called tools, else release the session's lease."""
+        s = self.sessions.get(key)
+        if s is None:  # forgotten while the turn ran
+            s = self.sessions[key] = _Session("")
+        s.replica, s.ended_at = replica, self.clock()
+        owner = f"session:{key}"
+        out: Outcome
+        if kv is None or not self.cfg.enabled:
+            out = "off"
+        elif not called_tools:
+            await self.leases.release(kv, owner)
+            out = "released"
+        elif len(hashes) < self.cfg.min_blocks:
+            out = "short"
+        else:
+            res = await self.leases.hold(kv, replica, owner, hashes, self.lease_s(key, s.tenant))
+            out = "leased" if res is not None and not res.refused else "refused"
+        self.counts[out] = self.counts.get(out, 0) + 1
+        self.count(out)
+        return out
+
+    def gap_quantiles(self, tenant: str) -> dict[str, float]:
+        """p50 / p90 of the tenant's observed gaps (for stats), empty before any."""
+        g = self.tenants.get(tenant)
+        if g is None or not len(g):
+            return {}
+        return {"p50": g.quantile(0.5) or 0.0, "p90": g.quantile(0.9) or 0.0}
+
+
+async def paused(
+    pieces: Pieces,
+    turns: SessionTurns,
+    kv: KVSpans | None,
+    key: str,
+    replica: LocationId,
+    hashes: Sequence[BlockHash],
+) -> Pieces:
+    """The pieces of one turn of session ``key``; at its end (before the usage goes out,
+    so a client that comes back at once finds the lease) the retention is decided."""
+    called = False
+    async with aclosing(pieces):
+        async for p in pieces:
+            if p.index == 0 and p.finish_reason == "tool_calls":
+                called = True
+            if p.usage is not None:
+                await turns.ended(kv, key, replica, hashes, called)
+            yield p
