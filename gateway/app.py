@@ -132,7 +132,7 @@ def create_app(
         metrics,
         max_inflight=settings.engine.max_queued_requests,
         model=settings.model_name,
-        shares=settings.engine.admission_shares,
+        room=settings.engine.admission_room(),
     )
     supervisor = Supervisor(
         dispatcher,

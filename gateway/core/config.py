@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,7 +53,7 @@ Priority = Literal["interactive", "default", "batch"]
 PRIORITIES: tuple[Priority, ...] = ("interactive", "default", "batch")  # first is highest
 
 
-_SHARES: dict[Priority, float] = {"batch": 0.5, "default": 0.9, "interactive": 1.0}
+_SHARES: dict[Priority, float] = {"batch": 0.5, "default": 1.0, "interactive": 1.1}
 
 
 class KeyLimits(BaseModel):
@@ -114,16 +115,21 @@ class EngineSettings(BaseModel):
     # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
     # "fcfs" arrival order whatever the priority
     scheduling_policy: Literal["priority", "fcfs"] = "priority"
-    # the share of max_queued_requests each priority may fill: when the queue fills,
-    # batch is refused first and interactive last
+    # how much of max_queued_requests each priority may fill (interactive a reserve beyond
+    # it): when the queue fills, batch is refused first and interactive last
     admission_shares: dict[Priority, float] = Field(default_factory=lambda: dict(_SHARES))
 
     @field_validator("admission_shares")
     @classmethod
     def _shares(cls, v: dict[Priority, float]) -> dict[Priority, float]:
-        if any(not 0 < x <= 1 for x in v.values()):
-            raise ValueError("admission shares are in (0, 1]")
+        if any(not 0 < x <= 2 for x in v.values()):
+            raise ValueError("admission shares are in (0, 2]")
         return v
+
+    def admission_room(self) -> dict[Priority, int]:
+        """Per priority, the requests in flight beside which one more is still admitted."""
+        limit = self.max_queued_requests
+        return {p: max(1, math.ceil(limit * self.admission_shares.get(p, 1.0))) for p in PRIORITIES}
 
 
 class RemoteReplicaConfig(BaseModel):

@@ -168,6 +168,13 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.prefill_waits = Counter(
+            "vcache_prefill_waits",
+            "Requests that waited for a running prefill of their prefix on their replica "
+            "(joined: it stored the blocks; timeout: the wait ended first)",
+            ["outcome"],
+            registry=r,
+        )
         self.rate_limited = Counter(
             "vcache_rate_limited",
             "Requests refused by a key's limits, by tenant and key",

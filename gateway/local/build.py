@@ -46,7 +46,7 @@ def build_replicas(settings: Settings, runtime_dir: Path) -> list[Replica]:
             enforce_eager=e.enforce_eager,
             hash_seed=e.hash_seed,
             # The gateway admits a request first; vLLM's own queue is the backstop.
-            max_queued_requests=e.max_queued_requests + 16,
+            max_queued_requests=max(e.admission_room().values()) + 16,
             tensor_parallel_size=e.tensor_parallel_size,
             dtype=e.dtype,
             kv_events_endpoint=events,

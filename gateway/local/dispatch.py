@@ -21,6 +21,7 @@ from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
+from gateway.local.prefills import Prefill, Prefills
 from gateway.local.replicas import Replica
 from gateway.local.routing import RouteContext, Router
 from gateway.local.spans import KVSpans
@@ -70,7 +71,8 @@ class Dispatcher:
         metrics: Metrics,
         max_inflight: int,
         model: str = "local",
-        shares: Mapping[Priority, float] | None = None,
+        room: Mapping[Priority, int] | None = None,
+        prefill_wait_s: float = 30.0,
     ) -> None:
         self.replicas = list(replicas)
         self.router = router
@@ -78,10 +80,11 @@ class Dispatcher:
         self._metrics = metrics
         self._max_inflight = max_inflight
         # how many requests in flight each priority may find and still be admitted
-        self._room = {p: max(1, int(max_inflight * (shares or {}).get(p, 1.0))) for p in PRIORITIES}
-        self._room["interactive"] = max_inflight
+        self._room = {p: (room or {}).get(p, max_inflight) for p in PRIORITIES}
         self.model = model  # the served name: the ``model`` label of the local metrics
         self._inflight = 0
+        self.prefills = Prefills()  # prompts being prefilled, by replica
+        self._prefill_wait_s = prefill_wait_s
         self.started = False  # set once every replica is up (and probed)
         self.failed: str | None = None  # why the replicas could not start at boot
         self.retry_after_s: Callable[[], float] = lambda: 5.0  # the supervisor's estimate
@@ -108,10 +111,16 @@ class Dispatcher:
         predicted: dict[LocationId, int] | None = None
         hashes: list[BlockHash] = []
         affinity = hash_tokens(greq.prompt_token_ids[:AFFINITY_TOKENS])
+        pending: dict[LocationId, tuple[int, Prefill]] = {}
+        view: dict[LocationId, int] | None = None  # what routing sees: stored or being stored
         if self.kv is not None:
             await self.kv.sync()
             hashes = self.kv.hashes(greq.prompt_token_ids, greq.cache_salt)
             predicted = self.kv.predict(hashes, greq.num_prompt_tokens)
+            pending = self.prefills.overlap(hashes[: self._cap(greq)])
+            bs = self.kv.block_size
+            view = {r: max(n, pending[r][0] * bs if r in pending else 0)
+                    for r, n in predicted.items()}  # fmt: skip
         if override is not None and override.replica is not None:
             forced = self.replica(override.replica)
             if forced is None:
@@ -130,21 +139,51 @@ class Dispatcher:
                     code="engine_unavailable",
                     retry_after_s=self.retry_after_s(),
                 )
-            ctx = RouteContext(predicted, affinity, session)
+            ctx = RouteContext(view, affinity, session)
             replica = self.router.choose(serving, ctx, policy)
+        if predicted is not None and replica.id in pending:
+            predicted = await self._join(greq, hashes, predicted, replica.id, pending[replica.id])
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p = predicted.get(replica.id) if predicted is not None and exact else None
         return Dispatch(replica, replica.id, p, hashes)
+
+    def _cap(self, greq: GenerateRequest) -> int:
+        """Full blocks vLLM can serve from cache for ``greq`` (never its last token)."""
+        bs = self.kv.block_size if self.kv is not None else 1
+        return max(greq.num_prompt_tokens - 1, 0) // bs
+
+    async def _join(
+        self,
+        greq: GenerateRequest,
+        hashes: Sequence[BlockHash],
+        predicted: dict[LocationId, int],
+        replica: LocationId,
+        pending: tuple[int, Prefill],
+    ) -> dict[LocationId, int]:
+        """Wait (bounded) for the running prefill whose blocks this request would read, then
+        predict again: the engine has stored them and the index has seen them."""
+        assert self.kv is not None
+        blocks, running = pending
+        if blocks * self.kv.block_size <= predicted.get(replica, 0):
+            return predicted  # the index holds as much already
+        try:
+            await asyncio.wait_for(running.done.wait(), self._prefill_wait_s)
+            outcome = "joined"
+        except TimeoutError:
+            outcome = "timeout"
+        self._metrics.prefill_waits.labels(outcome).inc()
+        await self.kv.sync()
+        return self.kv.predict(hashes, greq.num_prompt_tokens)
 
     @contextlib.contextmanager
     def admit(self, priority: Priority = "default") -> Iterator[None]:
         """Admission control, first: a request refused here (503 queue_full) has cost no
         tokenizing and left nothing in the session log.  Held until the request ends.
-        Each priority may fill its share of the queue: batch is refused first,
-        interactive last (at the full limit)."""
+        Each priority may fill its room (``engine.admission_shares`` of the limit):
+        batch is refused first, interactive last (it has a reserve beyond the limit)."""
         if self._inflight >= self._room[priority]:
             self._metrics.shed.labels(priority).inc()
-            whom = "" if self._inflight >= self._max_inflight else f" for {priority} requests"
+            whom = "" if priority == "default" else f" for {priority} requests"
             raise Unavailable(
                 f"The gateway's request queue is full{whom}; retry shortly",
                 code="queue_full",
@@ -159,8 +198,10 @@ class Dispatcher:
     async def run(
         self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, totals: Totals
     ) -> AsyncGenerator[GenerateChunk, None]:
-        """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives."""
+        """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives.
+        Until its first token, its prompt is a running prefill others may wait for."""
         d.replica.inflight += 1
+        prefill = self.prefills.start(d.replica.id, d.hashes[: self._cap(greq)])
         first = True
         cached_known = False
         m = self._metrics
@@ -177,6 +218,7 @@ class Dispatcher:
                     last = now
                     if first:
                         self._first_output(d, chunk, endpoint, now - t0)
+                        self.prefills.finish(prefill)
                         totals.prompt = chunk.num_prompt_tokens
                         prompt_tokens.inc(totals.prompt)
                         first = False
@@ -198,6 +240,7 @@ class Dispatcher:
             raise
         finally:
             d.replica.inflight -= 1
+            self.prefills.finish(prefill)
 
     def _first_output(
         self, d: Dispatch, chunk: GenerateChunk, endpoint: str, ttft_s: float

@@ -6,6 +6,7 @@ the same conversation without the tool call, loses its KV to the same flood."""
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -97,3 +98,57 @@ def test_a_tool_pause_keeps_the_sessions_kv_through_pressure(gateway: Gateway) -
     metrics = httpx.get(f"{gateway.base_url}/metrics", timeout=10).text
     assert 'vcache_session_retention_total{outcome="leased"}' in metrics
     assert 'vcache_session_retention_total{outcome="released"}' in metrics
+
+
+def test_concurrent_siblings_meet_one_prefill_and_are_predicted_exactly(
+    gateway: Gateway,
+) -> None:
+    """Requests that share a long prefix, sent at once: the later ones wait for the first
+    one's prefill on its replica and are served from it, predicted exactly."""
+    system = _system(3) + " " + _system(4)
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+
+    def one(i: int) -> tuple[int, int | None, str]:
+        with httpx.Client(base_url=gateway.base_url, headers=headers, timeout=300) as c:
+            r = c.post(
+                "/v1/chat/completions",
+                json={"model": gateway.model, "max_tokens": 2, "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"question {i}"}]},
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+            predicted = r.headers.get("x-vcache-predicted-cached-tokens")
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return cached, int(predicted) if predicted else None, r.headers["x-vcache-replica"]
+
+    before = _metric(gateway, 'vcache_prefill_waits_total{outcome="joined"}')
+    with ThreadPoolExecutor(3) as pool:  # the gateway under test admits three at once
+        got = list(pool.map(one, range(3)))
+    print(f"\nsiblings (cached, predicted, replica): {got}")
+    assert all(cached == predicted for cached, predicted, _ in got)
+    assert len({replica for *_, replica in got}) == 1  # they met on one replica
+    served = sorted(cached for cached, *_ in got)
+    assert served[0] == 0 and all(c >= 4 * BLOCK for c in served[1:])  # one prefill for all
+    assert _metric(gateway, 'vcache_prefill_waits_total{outcome="joined"}') > before
+
+
+def _metric(gateway: Gateway, line: str) -> float:
+    for row in httpx.get(f"{gateway.base_url}/metrics", timeout=10).text.splitlines():
+        if row.startswith(line + " "):
+            return float(row.split()[-1])
+    return 0.0
+
+
+def test_priorities_reach_vllms_priority_scheduler(gateway: Gateway) -> None:
+    """The engine runs vLLM's priority scheduling: requests of every priority are served,
+    and a bad one is a 400 naming the header."""
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    body = {"model": gateway.model, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "priority check"}]}  # fmt: skip
+    with httpx.Client(base_url=gateway.base_url, headers=headers, timeout=120) as c:
+        for priority in ("batch", "default", "interactive"):
+            r = c.post("/v1/chat/completions", json=body, headers={"x-vcache-priority": priority})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3
+        bad = c.post("/v1/chat/completions", json=body, headers={"x-vcache-priority": "vip"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-vcache-priority"

@@ -129,7 +129,7 @@ def test_a_full_queue_refuses_batch_before_interactive(
     gw: tuple[FakeEngine, TestClient],
 ) -> None:
     """max_queued_requests 4, batch's share 0.5: two answers in flight fill batch's room;
-    default (0.9 of 4: 3) and interactive still get in."""
+    default (4) and interactive (1.1 of 4: 5) still get in."""
     _, http = gw
     body = {"model": MODEL, "messages": ASK, "max_tokens": 50, "stream": True}
     auth = {"authorization": "Bearer sk-free"}

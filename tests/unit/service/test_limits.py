@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from gateway.core.config import ApiKeyConfig, KeyLimits, hash_api_key
+from gateway.core.config import ApiKeyConfig, EngineSettings, KeyLimits, hash_api_key
 from gateway.core.errors import InvalidRequest, RateLimited, Unavailable
 from gateway.core.metrics import Metrics
 from gateway.core.types import Principal
@@ -127,9 +127,14 @@ def test_priority_header_is_capped_by_the_key() -> None:
 
 
 def test_admission_sheds_batch_first_and_interactive_last() -> None:
-    shares = {"batch": 0.5, "default": 0.8, "interactive": 1.0}
+    engine = EngineSettings(
+        max_queued_requests=10, admission_shares={"batch": 0.5, "default": 0.8, "interactive": 1.0}
+    )
+    assert EngineSettings(max_queued_requests=256).admission_room() == {
+        "interactive": 282, "default": 256, "batch": 128,
+    }  # fmt: skip
     metrics = Metrics()
-    d = Dispatcher([], Router(), None, metrics, max_inflight=10, shares=shares)  # type: ignore[arg-type]
+    d = Dispatcher([], Router(), None, metrics, max_inflight=10, room=engine.admission_room())
 
     def room(priority: str) -> int:
         """How many requests in flight a request of ``priority`` is still admitted beside."""

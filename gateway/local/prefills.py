@@ -1,0 +1,80 @@
+"""Prompts being prefilled on each replica, until their first token.
+
+A request routed while another with the same prefix is still being prefilled
+would be planned against an index that does not hold those blocks yet: it is
+sent where it is not cached, or beside the other and computes the same
+blocks again, and either way its predicted cached tokens are wrong.  The
+dispatcher counts the blocks of running prefills as the replica's (so
+siblings meet on one replica, as llm-d's precise scorer pre-indexes routed
+blocks) and then waits, bounded, for the prefill it overlaps to produce its
+first token: the engine has stored those blocks, the next index sync has
+seen them, and the request is predicted exactly and served from them
+instead of computing them a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from manifest.hashing import BlockHash
+from manifest.index import LocationId
+
+
+@dataclass(eq=False)
+class Prefill:
+    replica: LocationId
+    hashes: tuple[BlockHash, ...]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _common(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+    """Leading blocks two prompts share (a block hash names its whole prefix)."""
+    n = min(len(a), len(b))
+    lo, hi = 0, n  # the shared blocks are a prefix: the last shared one decides
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Prefills:
+    def __init__(self) -> None:
+        self._running: dict[LocationId, list[Prefill]] = {}
+
+    def start(self, replica: LocationId, hashes: Sequence[BlockHash]) -> Prefill | None:
+        if not hashes:
+            return None
+        p = Prefill(replica, tuple(hashes))
+        self._running.setdefault(replica, []).append(p)
+        return p
+
+    def finish(self, p: Prefill | None) -> None:
+        """``p``'s first token came (or it ended): its blocks are stored, or never will be."""
+        if p is None or p.done.is_set():
+            return
+        p.done.set()
+        running = self._running.get(p.replica, [])
+        if p in running:
+            running.remove(p)
+
+    def overlap(self, hashes: Sequence[BlockHash]) -> dict[LocationId, tuple[int, Prefill]]:
+        """Per replica, the running prefill sharing the most leading blocks with ``hashes``
+        and how many it shares (replicas with none are left out)."""
+        out: dict[LocationId, tuple[int, Prefill]] = {}
+        for replica, running in self._running.items():
+            best: tuple[int, Prefill] | None = None
+            for p in running:
+                n = _common(hashes, p.hashes)
+                if n and (best is None or n > best[0]):
+                    best = (n, p)
+            if best is not None:
+                out[replica] = best
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._running.values())
