@@ -133,6 +133,7 @@ def create_app(
         max_inflight=settings.engine.max_queued_requests,
         model=settings.model_name,
         room=settings.engine.admission_room(),
+        slots=settings.engine.max_num_seqs,
     )
     supervisor = Supervisor(
         dispatcher,

@@ -65,6 +65,7 @@ def run_locust(
     limit_s: int,
     user_class: str = "ChatUser",
     reports: bool = False,
+    locustfile: str = "locustfile.py",
 ) -> float:
     """Run loadtests/locustfile.py headless on a dumped workload (raw rows to
     ``wdir/raw.csv``; with ``reports``, locust's own CSV and HTML there too); returns the
@@ -81,7 +82,7 @@ def run_locust(
         "VCACHE_RAW_CSV": str(wdir / "raw.csv"),
     }
     cmd = [
-        sys.executable, "-m", "locust", "-f", str(here / "locustfile.py"), user_class,
+        sys.executable, "-m", "locust", "-f", str(here / locustfile), *user_class.split(),
         "--headless", "-u", str(users), "-r", str(users), "-t", f"{limit_s}s",
         "--host", host, "--only-summary", "--loglevel", "WARNING",
     ]  # fmt: skip

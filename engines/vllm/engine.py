@@ -72,6 +72,7 @@ class VllmEngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     scheduling_policy: str = "fcfs"  # "priority": requests ordered by their priority first
+    max_num_seqs: int | None = None  # None: vLLM's default
 
 
 class VllmEngine:
@@ -119,6 +120,8 @@ class VllmEngine:
         )
         if c.block_size is not None:
             kwargs["block_size"] = c.block_size
+        if c.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = c.max_num_seqs
         kv_bytes = c.kv_cache_bytes
         if kv_bytes is None and _on_cpu():
             # On CPU, gpu_memory_utilization reserves that share of a NUMA node's

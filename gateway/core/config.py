@@ -112,6 +112,10 @@ class EngineSettings(BaseModel):
     # vLLM's tool-call parser for the model's chat template (hermes, llama3_json, mistral,
     # qwen3_coder, ...): reads tool calls out of answers to `tool_choice: auto`
     tool_parser: str = "hermes"
+    # requests in each replica's engine at once (vLLM's max_num_seqs); the rest wait in
+    # the gateway and go in fair order across tenants (gateway/local/fairness.py).
+    # None: vLLM's default, no gateway queue.
+    max_num_seqs: int | None = Field(None, ge=1)
     # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
     # "fcfs" arrival order whatever the priority
     scheduling_policy: Literal["priority", "fcfs"] = "priority"

@@ -175,6 +175,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.fair_waits = Counter(
+            "vcache_fair_queue_waits",
+            "Requests that waited for a slot in their replica's engine (engine.max_num_seqs)",
+            ["replica"],
+            registry=r,
+        )
         self.rate_limited = Counter(
             "vcache_rate_limited",
             "Requests refused by a key's limits, by tenant and key",

@@ -167,7 +167,9 @@ class ResponsesRequest(RequestModel):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, v: Any) -> Any:
-        for t in v or []:
+        if not isinstance(v, list):
+            return v  # not a list: the type check names it
+        for t in v:
             kind = t.get("type") if isinstance(t, dict) else None
             if kind != "function":
                 raise ValueError(f"tools of type '{kind}' are not supported (function tools are)")

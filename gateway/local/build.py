@@ -52,6 +52,7 @@ def build_replicas(settings: Settings, runtime_dir: Path) -> list[Replica]:
             kv_events_endpoint=events,
             kv_events_replay_endpoint=replay,
             scheduling_policy=e.scheduling_policy,
+            max_num_seqs=e.max_num_seqs,
         )
         out.append(
             Replica(

@@ -21,6 +21,7 @@ from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
+from gateway.local.fairness import FairGate
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.replicas import Replica
 from gateway.local.routing import RouteContext, Router
@@ -73,6 +74,7 @@ class Dispatcher:
         model: str = "local",
         room: Mapping[Priority, int] | None = None,
         prefill_wait_s: float = 30.0,
+        slots: int | None = None,
     ) -> None:
         self.replicas = list(replicas)
         self.router = router
@@ -85,6 +87,8 @@ class Dispatcher:
         self._inflight = 0
         self.prefills = Prefills()  # prompts being prefilled, by replica
         self._prefill_wait_s = prefill_wait_s
+        # per replica, the requests its engine takes at once, the rest in fair order
+        self._gates = {r.id: FairGate(slots) for r in self.replicas} if slots else {}
         self.started = False  # set once every replica is up (and probed)
         self.failed: str | None = None  # why the replicas could not start at boot
         self.retry_after_s: Callable[[], float] = lambda: 5.0  # the supervisor's estimate
@@ -201,6 +205,14 @@ class Dispatcher:
         """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives.
         Until its first token, its prompt is a running prefill others may wait for."""
         d.replica.inflight += 1
+        gate = self._gates.get(d.replica.id)
+        tenant = greq.cache_salt or ""
+        if gate is not None:
+            try:
+                await self._enter(gate, greq, d, tenant)
+            except BaseException:
+                d.replica.inflight -= 1
+                raise
         prefill = self.prefills.start(d.replica.id, d.hashes[: self._cap(greq)])
         first = True
         cached_known = False
@@ -241,6 +253,15 @@ class Dispatcher:
         finally:
             d.replica.inflight -= 1
             self.prefills.finish(prefill)
+            if gate is not None:
+                gate.leave(tenant, totals.completion)
+
+    async def _enter(self, gate: FairGate, greq: GenerateRequest, d: Dispatch, tenant: str) -> None:
+        """A slot in the replica's engine, in fair order; charged the prefill it computes."""
+        cost = greq.num_prompt_tokens - (d.predicted_cached_tokens or 0)
+        if not gate.free():
+            self._metrics.fair_waits.labels(d.replica_id).inc()
+        await gate.enter(tenant, greq.priority, cost)
 
     def _first_output(
         self, d: Dispatch, chunk: GenerateChunk, endpoint: str, ttft_s: float

@@ -5,7 +5,9 @@ engine, and a full queue refusing batch before interactive."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +151,31 @@ def test_a_full_queue_refuses_batch_before_interactive(
         )
         assert urgent.status_code == 200
     assert 'vcache_requests_shed_total{priority="batch"} 1.0' in http.get("/metrics").text
+
+
+def test_a_tenant_waits_its_turn_for_a_slot_in_the_engine(tokenizer: ChatTokenizer) -> None:
+    """engine.max_num_seqs 1: while one tenant's answer holds the replica's slot, the other
+    tenant's request waits in the gateway (counted) and is served when the slot frees."""
+    engine = FakeEngine(tokenizer, block_size=16, max_model_len=1024, step_delay_s=0.01)
+    cfg = Settings(grpc_port=None, api_keys=_keys(), engine={"max_num_seqs": 1})
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 30, "stream": True}
+    with TestClient(create_app(cfg, [engine])) as http:
+        auth = {"authorization": "Bearer sk-free"}
+        with http.stream("POST", "/v1/chat/completions", json=body, headers=auth) as held:
+            assert held.status_code == 200
+            with ThreadPoolExecutor(1) as pool:
+                other = pool.submit(
+                    http.post, "/v1/chat/completions",
+                    json={**body, "stream": False, "max_tokens": 2},
+                    headers={"authorization": "Bearer sk-two"},
+                )  # fmt: skip
+                waits = 'vcache_fair_queue_waits_total{replica="replica-0"} 1.0'
+                deadline = time.monotonic() + 10
+                try:
+                    while waits not in http.get("/metrics").text:  # queued, not served
+                        assert time.monotonic() < deadline and not other.done()
+                        time.sleep(0.01)
+                finally:
+                    for _ in held.iter_lines():  # the held answer ends: its slot frees
+                        pass
+                assert other.result(timeout=10).status_code == 200

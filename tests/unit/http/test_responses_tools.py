@@ -201,6 +201,9 @@ def test_text_format_json_schema(text_gw: tuple[FakeEngine, Any]) -> None:
         ({"tool_choice": "required"}, "tool_choice"),
         ({"background": True}, "background"),
         ({"text": {"format": {"type": "json_schema"}}}, "text"),
+        ({"tools": True}, "tools"),  # found by the contract fuzzer: was a 500
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "",
+                     "status": {"x": 1}}]}, "input"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_served_is_refused_by_name(

@@ -1,0 +1,298 @@
+"""Agent sessions under KV pressure: retention and affinity against plain KV routing,
+round robin and vllm-router.
+
+    .venv/bin/python loadtests/agent_sessions.py [--vllm-router PATH]
+
+The workload (seeded, one run id per arm so no arm reads another's cache):
+``--agent-types`` agent types, each a system prompt and tools shared by its
+sessions; ``--sessions`` sessions of ``--turns`` turns, ``--users`` live at
+once; every turn but the last calls a tool, whose result
+(``--result-tokens`` range) comes back after a gap drawn log-normal (median
+``--gap-median-s``, a tail to ``--gap-max-s``); one background tenant sends
+short unrelated requests throughout.  Two replicas whose KV caches
+(``--kv-bytes`` each) hold about half the live sessions' contexts.
+
+Arms: ``retention`` (the default gateway: kv routing, session affinity, KV
+leased across tool pauses), ``kv`` and ``round_robin`` (retention off, no
+session names), and ``vllm_router`` (``--vllm-router``: its cache_aware
+policy over two plain vLLM servers with the same model and KV size).
+
+Per arm: the share of reusable prompt tokens served from cache (reusable: the
+full blocks of the session's previous prompt, which the turn sends again),
+TTFT p50/p90 of the continuation turns and of the first turns, and for vcache
+the retention outcomes and prediction exactness.  Prints a table, writes
+JSON; exits 1 on a missed target (retention >= 97% of reusable tokens, TTFT
+p90 at least 2x better than round_robin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from procs import free_port, get_ok, run_locust, serving  # noqa: E402
+from report import parse_metrics, percentile  # noqa: E402
+from run import token_counter  # noqa: E402
+from workloads import VOCAB  # noqa: E402
+
+LEASED = 'vcache_session_retention_total{outcome="leased"}'
+REFUSED = 'vcache_session_retention_total{outcome="refused"}'
+ADMIN_KEY = "sk-agents-admin"
+BACKGROUND_KEY = "sk-agents-background"
+
+
+def _text(rng: random.Random, tokens: int, count: Any) -> str:
+    words = rng.choices(VOCAB, k=tokens)
+    text = " ".join(words)
+    while count(text) > tokens:
+        words = words[: int(len(words) * 0.9)]
+        text = " ".join(words)
+    return text
+
+
+def _tools(rng: random.Random, agent: int) -> list[Any]:
+    """The agent type's tools: the first (the one its turns call) takes an enum, so a
+    random model's constrained arguments end; the others only make the prefix longer."""
+    out: list[Any] = [{"type": "function", "function": {
+        "name": f"run_{agent}", "description": f"Run step {agent} of the agent's plan",
+        "parameters": {"type": "object", "additionalProperties": False,
+                       "properties": {"step": {"enum": ["build", "test", "lint"]}},
+                       "required": ["step"]}}}]  # fmt: skip
+    for i in range(3):
+        props = {w: {"type": "string", "description": " ".join(rng.choices(VOCAB, k=12))}
+                 for w in rng.sample(VOCAB, 4)}  # fmt: skip
+        out.append({"type": "function", "function": {
+            "name": f"tool_{agent}_{i}", "description": " ".join(rng.choices(VOCAB, k=20)),
+            "parameters": {"type": "object", "properties": props}}})  # fmt: skip
+    return out
+
+
+def workload(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    count = args.count
+    systems = [f"[run {run_id}] You are agent type {a}. " + _text(rng, args.system_tokens, count)
+               for a in range(args.agent_types)]  # fmt: skip
+    tools = {str(a): _tools(rng, a) for a in range(args.agent_types)}
+    sigma = math.log(args.gap_max_s / args.gap_median_s) / 2.5  # the cap ~ 2.5 sigma out
+    sessions = []
+    for i in range(args.sessions):
+        a = i % args.agent_types
+        n = rng.randint(*args.turns)
+        turns = [{"result": _text(rng, rng.randint(*args.result_tokens), count),
+                  "gap_s": round(min(rng.lognormvariate(math.log(args.gap_median_s), sigma),
+                                     args.gap_max_s), 3)}
+                 for _ in range(n)]  # fmt: skip
+        ask = f"Task {i}: " + _text(rng, 40, count)
+        sessions.append({"id": f"{run_id}-s{i}", "agent": str(a), "system": systems[a],
+                         "ask": ask, "turns": turns})  # fmt: skip
+    background = [_text(rng, args.background_tokens, count) for _ in range(64)]
+    return {"sessions": sessions, "tools": tools, "background": background}
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def summarize(rows: list[dict[str, str]]) -> dict[str, Any]:
+    agent = [r for r in rows if r["kind"] == "agent"]
+    ok = [r for r in agent if r["ok"] == "1"]
+    later = [r for r in ok if int(r["turn"]) > 0]
+    reusable = sum(int(r["reusable_tokens"]) for r in later)
+    served = sum(min(int(r["cached_tokens"]), int(r["reusable_tokens"])) for r in later)
+    ttft_later = [float(r["ttft_ms"]) for r in later]
+    ttft_first = [float(r["ttft_ms"]) for r in ok if int(r["turn"]) == 0]
+    bg = [r for r in rows if r["kind"] == "background"]
+    return {
+        "turns": len(ok),
+        "errors": len(agent) - len(ok) + sum(r["ok"] != "1" for r in bg),
+        "reusable_tokens": reusable,
+        "reused_share": served / reusable if reusable else None,
+        "hit_rate": sum(int(r["cached_tokens"]) for r in ok)
+        / max(sum(int(r["prompt_tokens"]) for r in ok), 1),
+        "ttft_ms_later": {"p50": percentile(ttft_later, 50), "p90": percentile(ttft_later, 90)},
+        "ttft_ms_first": {"p50": percentile(ttft_first, 50), "p90": percentile(ttft_first, 90)},
+        "background_requests": len(bg),
+    }
+
+
+def _keys() -> str:
+    from gateway.core.config import hash_api_key
+
+    return json.dumps([
+        {"sha256": hash_api_key(ADMIN_KEY), "tenant": "agents", "name": "agents", "admin": True},
+        {"sha256": hash_api_key(BACKGROUND_KEY), "tenant": "background", "name": "bg"},
+    ])  # fmt: skip
+
+
+def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str, str]) -> Any:
+    run_id = f"{name}-{time.time_ns():x}"
+    wdir = out / name
+    wdir.mkdir(parents=True, exist_ok=True)
+    (wdir / "workload.json").write_text(json.dumps(workload(args, run_id)))
+    users = "AgentUser BackgroundUser"
+    env = {**env, "VCACHE_API_KEY": ADMIN_KEY, "VCACHE_BACKGROUND_KEY": BACKGROUND_KEY}
+    before = _metrics(host) if name != "vllm_router" else {}
+    elapsed = run_locust(wdir / "workload.json", host, wdir, env, args.users + 1, args.limit_s,
+                         users, locustfile="agents_locust.py")  # fmt: skip
+    after = _metrics(host) if name != "vllm_router" else {}
+    row = {"arm": name, "seconds": round(elapsed, 1), **summarize(_rows(wdir / "raw.csv"))}
+    if after:
+        row["gateway"] = {k: after.get(k, 0) - before.get(k, 0) for k in (
+            'vcache_session_retention_total{outcome="leased"}',
+            'vcache_session_retention_total{outcome="refused"}',
+            'vcache_session_retention_total{outcome="released"}',
+            'vcache_predictions_total{outcome="matched"}',
+            'vcache_predictions_total{outcome="missed"}',
+            'vcache_prefill_waits_total{outcome="joined"}',
+            'vcache_routing_decisions_total{policy="kv",reason="session"}',
+        )}  # fmt: skip
+    print(f"{name}: {json.dumps(row)}", flush=True)
+    return row
+
+
+def _metrics(host: str) -> dict[str, float]:
+    try:
+        return parse_metrics(httpx.get(f"{host}/metrics", timeout=10).text)
+    except httpx.HTTPError:
+        return {}
+
+
+def gateway_arms(out: Path, args: argparse.Namespace, retention: bool) -> list[Any]:
+    port = free_port()
+    host = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    cmd += ["--grpc-port", str(free_port()), "--replicas", "2", "--kv-cache-bytes",
+            str(args.kv_bytes), "--max-model-len", str(args.max_model_len),
+            "--pin-max-share", str(args.pin_max_share),
+            "--max-queued-requests", "64"]  # fmt: skip
+    tag = "on" if retention else "off"
+    env = {**os.environ, "VCACHE_DATA_DIR": str(out / f"vcache-data-{tag}"),
+           "VCACHE_API_KEYS": _keys(),
+           "VCACHE_CACHE__RETENTION__ENABLED": "true" if retention else "false"}  # fmt: skip
+    rows = []
+    arms = ["retention"] if retention else ["kv", "round_robin"]
+    with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / f"vcache-{tag}.log", env):
+        for name in arms:
+            extra = {} if name == "retention" else {"VCACHE_ROUTING": name}
+            rows.append(arm(name, host, out, args, extra))
+    return rows
+
+
+def router_arm(out: Path, args: argparse.Namespace, model: str) -> Any:
+    ports = [free_port(), free_port()]
+    router_port = free_port()
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    servers = [
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+         "--served-model-name", "vcache-demo", "--port", str(p),
+         "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
+         str(args.kv_bytes), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        for p in ports
+    ]  # fmt: skip
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    router = [args.vllm_router, "--port", str(router_port), "--policy", "cache_aware"]
+    router += ["--worker-urls", *urls]
+    host = f"http://127.0.0.1:{router_port}"
+    with (
+        serving(servers[0], lambda: get_ok(f"{urls[0]}/v1/models"), out / "vllm-0.log", env),
+        serving(servers[1], lambda: get_ok(f"{urls[1]}/v1/models"), out / "vllm-1.log", env),
+        serving(router, lambda: get_ok(f"{host}/v1/models"), out / "router.log", env),
+    ):
+        return arm("vllm_router", host, out, args, {})
+
+
+def table(rows: list[Any]) -> str:
+    head = (f"{'arm':<13}{'turns':>6}{'err':>5}{'reused':>8}{'hit':>7}"
+            f"{'ttft p50':>10}{'p90':>7}{'turn-0 p50':>12}{'p90':>7}{'leased':>8}{'refused':>8}"
+            f"{'exact':>7}")  # fmt: skip
+    lines = [head]
+    for r in rows:
+        later, first = r["ttft_ms_later"], r["ttft_ms_first"]
+        g = r.get("gateway", {})
+        leased = int(g.get(LEASED, 0))
+        refused = int(g.get(REFUSED, 0))
+        matched = g.get('vcache_predictions_total{outcome="matched"}', 0)
+        missed = g.get('vcache_predictions_total{outcome="missed"}', 0)
+        exact = f"{matched / (matched + missed):.3f}" if matched + missed else "-"
+        reused = "-" if r["reused_share"] is None else f"{r['reused_share']:.3f}"
+        lines.append(
+            f"{r['arm']:<13}{r['turns']:>6}{r['errors']:>5}{reused:>8}{r['hit_rate']:>7.3f}"
+            f"{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}{first['p50'] or 0:>12.0f}"
+            f"{first['p90'] or 0:>7.0f}"
+            f"{leased:>8}{refused:>8}{exact:>7}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--vllm-router", default=None, help="the vllm-router executable")
+    ap.add_argument("--agent-types", type=int, default=3)
+    ap.add_argument("--system-tokens", type=int, default=1200)
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--turns", type=int, nargs=2, default=(5, 8))
+    ap.add_argument("--result-tokens", type=int, nargs=2, default=(100, 300))
+    ap.add_argument("--gap-median-s", type=float, default=1.0)
+    ap.add_argument("--gap-max-s", type=float, default=15.0)
+    ap.add_argument("--background-tokens", type=int, default=400)
+    ap.add_argument("--users", type=int, default=8, help="agent sessions live at once")
+    ap.add_argument("--kv-bytes", type=int, default=16 << 20, help="per replica")
+    ap.add_argument("--pin-max-share", type=float, default=0.75)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--limit-s", type=int, default=900)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--arms", default="retention,kv,round_robin,vllm_router")
+    ap.add_argument(
+        "--out", type=Path, default=Path("reports") / time.strftime("agents-%Y%m%d-%H%M%S")
+    )
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.count = token_counter(None)
+    arms = set(args.arms.split(","))
+    rows: list[Any] = []
+    if "retention" in arms:
+        rows += gateway_arms(args.out, args, retention=True)
+    if arms & {"kv", "round_robin"}:
+        rows += [r for r in gateway_arms(args.out, args, retention=False) if r["arm"] in arms]
+    if "vllm_router" in arms and args.vllm_router:
+        from gateway.core.config import Settings
+        from gateway.local.build import resolve_model
+
+        rows.append(router_arm(args.out, args, resolve_model(Settings())))
+    text = table(rows)
+    print(text)
+    by = {r["arm"]: r for r in rows}
+    checks: dict[str, bool] = {}
+    if "retention" in by:
+        checks["retention >= 97% of reusable tokens"] = (
+            by["retention"]["reused_share"] or 0
+        ) >= 0.97
+    if "retention" in by and "round_robin" in by:
+        rr, ret = by["round_robin"]["ttft_ms_later"]["p90"], by["retention"]["ttft_ms_later"]["p90"]
+        checks["TTFT p90 >= 2x better than round_robin"] = bool(rr and ret and rr >= 2 * ret)
+    for name, ok in checks.items():
+        print(f"{name}: {'ok' if ok else 'MISSED'}")
+    saved = {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+             for k, v in vars(args).items() if k != "count"}  # fmt: skip
+    (args.out / "agents.json").write_text(json.dumps({"args": saved, "arms": rows}, indent=2))
+    (args.out / "agents.txt").write_text(text + "\n")
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

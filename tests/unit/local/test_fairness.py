@@ -1,0 +1,84 @@
+"""The fair gate in front of a replica: slots, virtual token counters per tenant, the
+lift of a returning tenant, priorities first, cancellation while waiting."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.local.fairness import FairGate
+
+
+def test_a_flooding_tenant_does_not_take_every_slot() -> None:
+    async def main() -> list[str]:
+        gate = FairGate(slots=1)
+        order: list[str] = []
+
+        async def one(tenant: str) -> None:
+            await gate.enter(tenant, 0, 100)
+            order.append(tenant)
+            await asyncio.sleep(0)
+            gate.leave(tenant, 10)
+
+        await gate.enter("flood", 0, 100)  # holds the slot while the others queue
+        tasks = [asyncio.create_task(one("flood")) for _ in range(6)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(one("agent")) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert len(gate) == 8 and gate.running == 1
+        gate.leave("flood", 10)
+        await asyncio.gather(*tasks)
+        return order
+
+    order = asyncio.run(main())
+    # the agent, lifted to the flood's counter, is served within the first few, not last
+    assert order.index("agent") <= 2
+    assert order.count("agent") == 2 and order[-1] == "flood"
+
+
+def test_interactive_goes_before_default_and_batch() -> None:
+    async def main() -> list[str]:
+        gate = FairGate(slots=1)
+        order: list[str] = []
+
+        async def one(name: str, prio: int) -> None:
+            await gate.enter(name, prio, 1)
+            order.append(name)
+            gate.leave(name, 1)
+
+        await gate.enter("x", 0, 1)
+        tasks = [asyncio.create_task(one(n, p)) for n, p in (("b", 1), ("d", 0), ("i", -1))]
+        await asyncio.sleep(0)
+        gate.leave("x", 1)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(main()) == ["i", "d", "b"]
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_slots_are_not_lost() -> None:
+    async def main() -> None:
+        gate = FairGate(slots=1)
+        await gate.enter("a", 0, 1)
+        waiting = asyncio.create_task(gate.enter("b", 0, 1))
+        await asyncio.sleep(0)
+        assert len(gate) == 1
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert len(gate) == 0
+        gate.leave("a", 1)
+        assert gate.running == 0
+        await asyncio.wait_for(gate.enter("c", 0, 1), 1)  # the slot is free again
+        assert gate.running == 1 and gate.counters["c"] == 1
+
+    asyncio.run(main())
+
+
+def test_counters_charge_uncached_prompt_then_output() -> None:
+    async def main() -> None:
+        gate = FairGate(slots=4)
+        await gate.enter("t", 0, 300)
+        assert gate.counters["t"] == 300
+        gate.leave("t", 20)
+        assert gate.counters["t"] == 320 and gate.running == 0
+
+    asyncio.run(main())
