@@ -155,8 +155,8 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
             'vcache_session_retention_total{outcome="leased"}',
             'vcache_session_retention_total{outcome="refused"}',
             'vcache_session_retention_total{outcome="released"}',
-            'vcache_predictions_total{outcome="matched"}',
-            'vcache_predictions_total{outcome="missed"}',
+            'vcache_cached_token_predictions_total{outcome="matched"}',
+            'vcache_cached_token_predictions_total{outcome="missed"}',
             'vcache_prefill_waits_total{outcome="joined"}',
             'vcache_routing_decisions_total{policy="kv",reason="session"}',
         )}  # fmt: skip
@@ -226,8 +226,8 @@ def table(rows: list[Any]) -> str:
         g = r.get("gateway", {})
         leased = int(g.get(LEASED, 0))
         refused = int(g.get(REFUSED, 0))
-        matched = g.get('vcache_predictions_total{outcome="matched"}', 0)
-        missed = g.get('vcache_predictions_total{outcome="missed"}', 0)
+        matched = g.get('vcache_cached_token_predictions_total{outcome="matched"}', 0)
+        missed = g.get('vcache_cached_token_predictions_total{outcome="missed"}', 0)
         exact = f"{matched / (matched + missed):.3f}" if matched + missed else "-"
         reused = "-" if r["reused_share"] is None else f"{r['reused_share']:.3f}"
         lines.append(
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--users", type=int, default=8, help="agent sessions live at once")
     ap.add_argument("--kv-bytes", type=int, default=16 << 20, help="per replica")
     ap.add_argument("--pin-max-share", type=float, default=0.75)
-    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=6144)
     ap.add_argument("--limit-s", type=int, default=900)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--arms", default="retention,kv,round_robin,vllm_router")

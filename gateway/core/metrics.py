@@ -164,7 +164,7 @@ class Metrics:
         self.retention = Counter(
             "vcache_session_retention",
             "Turns of agent sessions that ended, by what was done with their KV: leased "
-            "until the next turn, refused (pin budget), released, short, off",
+            "until the next turn, refused (pin budget), released, none, short, off",
             ["outcome"],
             registry=r,
         )

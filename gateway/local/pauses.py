@@ -35,7 +35,7 @@ from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
-Outcome = Literal["leased", "refused", "released", "short", "off"]
+Outcome = Literal["leased", "refused", "released", "none", "short", "off"]
 MAX_GAPS = 64  # per session and per tenant, the most recent
 
 
@@ -121,9 +121,8 @@ class SessionTurns:
         out: Outcome
         if kv is None or not self.cfg.enabled:
             out = "off"
-        elif not called_tools:
-            await self.leases.release(kv, owner)
-            out = "released"
+        elif not called_tools:  # an answer: the session's lease, if any, is released
+            out = "released" if await self.leases.release(kv, owner) else "none"
         elif len(hashes) < self.cfg.min_blocks:
             out = "short"
         else:

@@ -79,6 +79,16 @@ def test_an_answer_without_tool_calls_releases_the_lease(setup: Any) -> None:
     asyncio.run(main())
 
 
+def test_an_answer_with_no_lease_to_release_is_none(setup: Any) -> None:
+    kv, _, _, turns = setup
+
+    async def main() -> None:
+        turns.began("t:q", "t")
+        assert await turns.ended(kv, "t:q", R, HASHES[:4], called_tools=False) == "none"
+
+    asyncio.run(main())
+
+
 def test_past_the_pin_budget_the_lease_is_refused(setup: Any) -> None:
     kv, core, _, turns = setup
 
