@@ -27,7 +27,16 @@ from gateway.grpc.server import GatewayServicer, GrpcServer
 from gateway.http.errors import install_error_handlers
 from gateway.http.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from gateway.http.openapi import install_openapi
-from gateway.http.routes import cache, chat, completions, health, messages, models, responses
+from gateway.http.routes import (
+    cache,
+    chat,
+    completions,
+    health,
+    messages,
+    models,
+    responses,
+    tokenize,
+)
 from gateway.local.dispatch import Dispatcher
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns
@@ -241,7 +250,7 @@ def create_app(
     app.state.health = Health(supervisor, app.state.service)
     install_error_handlers(app, metrics)
     install_openapi(app)
-    routers = (health, models, chat, completions, responses, messages, cache)
+    routers = (health, models, chat, completions, responses, messages, cache, tokenize)
     for r in (m.router for m in routers):
         app.include_router(r)
     app.add_middleware(

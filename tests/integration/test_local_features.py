@@ -130,3 +130,22 @@ def test_logit_bias_steers_the_real_engine(gateway: Gateway) -> None:
     assert len(set(lp.tokens)) == 1 and lp.tokens != other.tokens
     assert lp.top_logprobs is not None
     assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs, strict=True))
+
+
+def test_tokenize_gives_the_ids_and_block_hashes_the_request_path_uses(gateway: Gateway) -> None:
+    """/tokenize of a chat request: the prompt tokens vLLM counts for the same request, and
+    the block hashes the cache API (and the index) key those tokens by."""
+    messages = _messages("tokenize me " * 80)
+    auth = {"authorization": f"Bearer {KEY_A}"}
+    with httpx.Client(base_url=gateway.base_url, headers=auth, timeout=120) as c:
+        tok = c.post("/tokenize", json={"model": gateway.model, "messages": messages})
+        assert tok.status_code == 200, tok.text
+        body = tok.json()
+        ask = {"model": gateway.model, "messages": messages, "max_tokens": 1}
+        chat = c.post("/v1/chat/completions", json=ask)
+        assert chat.json()["usage"]["prompt_tokens"] == body["count"] == len(body["tokens"])
+        found = c.post("/v1/cache/lookup", json={"model": gateway.model, "messages": messages})
+        replicas = found.json()["replicas"]
+        assert body["block_hashes"] and body["block_hashes"] == replicas[0]["block_hashes"]
+        back = c.post("/detokenize", json={"model": gateway.model, "tokens": body["tokens"][:20]})
+        assert back.status_code == 200 and back.json()["prompt"]

@@ -1,0 +1,42 @@
+"""POST /tokenize, POST /detokenize (vLLM's; see gateway/service/tokenize.py) and the
+``/ping`` health check SageMaker-style deployments call."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Response
+
+from gateway.core.types import Principal
+from gateway.http.deps import service
+from gateway.http.openapi import errors
+from gateway.service.auth import require_principal
+from gateway.service.chat import GatewayService
+from gateway.service.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
+
+router = APIRouter(tags=["tokenize"])
+Svc = Annotated[GatewayService, Depends(service)]
+Who = Annotated[Principal, Depends(require_principal)]
+
+
+@router.post("/tokenize", responses=errors(400, 401, 404, 503))
+async def tokenize_route(body: TokenizeRequest, who: Who, svc: Svc) -> TokenizeResponse:
+    return tokenize(svc, body, who)
+
+
+@router.post("/detokenize", responses=errors(400, 401, 404, 503))
+async def detokenize_route(body: DetokenizeRequest, who: Who, svc: Svc) -> DetokenizeResponse:
+    return detokenize(svc, body)
+
+
+@router.api_route("/ping", methods=["GET", "POST"], include_in_schema=True)
+async def ping(svc: Svc) -> Response:
+    """200 when a request can be served now, 503 otherwise (as /readyz)."""
+    return Response(status_code=200 if svc.ready else 503)

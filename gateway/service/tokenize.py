@@ -1,0 +1,96 @@
+"""``/tokenize`` and ``/detokenize`` as vLLM's server offers them, through the request
+path's own tokenization: a chat request's messages (and tools) render through the same
+template, from the same parts the session log keeps, as ``/v1/chat/completions`` sends
+them; a prompt as ``/v1/completions`` sends it.  With exact spans on, the answer also
+carries the block hashes the index keys those tokens by (the caller's tenant salt)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from gateway.core.errors import InvalidRequest
+from gateway.core.schemas import ChatMessage, RequestModel, ToolSpec
+from gateway.core.types import Principal, tenant_salt
+from gateway.service.chat import GatewayService
+
+
+class TokenizeRequest(RequestModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolSpec] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.tools and self.messages is None:
+            raise ValueError("tools are rendered with messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+    block_hashes: list[str] | None = None  # vcache: the full blocks' hashes, as indexed
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=1)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def _refuse(req: TokenizeRequest) -> None:
+    """What would make the ids differ from the request path's is refused by name."""
+    if req.add_special_tokens:
+        raise InvalidRequest(
+            "add_special_tokens is not supported: ids are what the request path sends",
+            param="add_special_tokens",
+            code="unsupported_parameter",
+        )
+    if not req.add_generation_prompt:
+        raise InvalidRequest(
+            "add_generation_prompt false is not supported: chat prompts end ready for the "
+            "assistant, as /v1/chat/completions sends them",
+            param="add_generation_prompt",
+            code="unsupported_parameter",
+        )
+
+
+def tokenize(svc: GatewayService, req: TokenizeRequest, who: Principal) -> TokenizeResponse:
+    svc.check_model(req.model or svc.model_name)
+    _refuse(req)
+    local = svc.local
+    if req.messages is not None:
+        tools: list[dict[str, Any]] | None = (
+            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        )
+        ids = local.chat_tokens(req.messages, tools)
+    else:
+        ids = local.text_tokens(req.prompt or "")
+    tok = local.engine.tokenizer
+    kv = svc.dispatcher.kv
+    return TokenizeResponse(
+        count=len(ids),
+        max_model_len=local.engine.capabilities.max_model_len,
+        tokens=ids,
+        token_strs=[tok.decode([t]) for t in ids] if req.return_token_strs else None,
+        block_hashes=[h.hex() for h in kv.hashes(ids, tenant_salt(who.tenant))] if kv else None,
+    )
+
+
+def detokenize(svc: GatewayService, req: DetokenizeRequest) -> DetokenizeResponse:
+    svc.check_model(req.model or svc.model_name)
+    ids = svc.check_token_ids(list(req.tokens), "tokens")
+    return DetokenizeResponse(prompt=svc.local.engine.tokenizer.decode(ids))
