@@ -35,6 +35,8 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -143,10 +145,12 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
     wdir = out / name
     wdir.mkdir(parents=True, exist_ok=True)
     (wdir / "workload.json").write_text(json.dumps(workload(args, run_id)))
-    users = "AgentUser BackgroundUser"
-    env = {**env, "VCACHE_API_KEY": ADMIN_KEY, "VCACHE_BACKGROUND_KEY": BACKGROUND_KEY}
+    bg = int(env.get("VCACHE_BACKGROUND_USERS") or os.environ.get("VCACHE_BACKGROUND_USERS", "1"))
+    users = "AgentUser BackgroundUser" if bg else "AgentUser"
+    env = {**env, "VCACHE_API_KEY": ADMIN_KEY, "VCACHE_BACKGROUND_KEY": BACKGROUND_KEY,
+           "VCACHE_BACKGROUND_USERS": str(bg)}  # fmt: skip
     before = _metrics(host) if name != "vllm_router" else {}
-    elapsed = run_locust(wdir / "workload.json", host, wdir, env, args.users + 1, args.limit_s,
+    elapsed = run_locust(wdir / "workload.json", host, wdir, env, args.users + bg, args.limit_s,
                          users, locustfile="agents_locust.py")  # fmt: skip
     after = _metrics(host) if name != "vllm_router" else {}
     row = {"arm": name, "seconds": round(elapsed, 1), **summarize(_rows(wdir / "raw.csv"))}
@@ -171,7 +175,26 @@ def _metrics(host: str) -> dict[str, float]:
         return {}
 
 
-def gateway_arms(out: Path, args: argparse.Namespace, retention: bool) -> list[Any]:
+def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
+    """The agents alone, then beside a background tenant at about ten times their request
+    rate, with fair slots (``engine.max_num_seqs``) and without."""
+    rows = []
+    for fair in (True, False):
+        extra_env = {"VCACHE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs)} if fair else {}
+        runs = [("alone", "0"), ("flooded", str(args.flood_users))] if fair else [
+            ("flooded", str(args.flood_users))]  # fmt: skip
+        tag = "fair" if fair else "fcfs"
+        with _gateway(out, args, True, tag, extra_env) as host:
+            for name, users in runs:
+                env = {"VCACHE_BACKGROUND_USERS": users, "VCACHE_BACKGROUND_WAIT_S": "0"}
+                rows.append(arm(f"{name}_{tag}", host, out, args, env))
+    return rows
+
+
+@contextmanager
+def _gateway(
+    out: Path, args: argparse.Namespace, retention: bool, tag: str, extra: dict[str, str]
+) -> Iterator[str]:
     port = free_port()
     host = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
@@ -179,13 +202,17 @@ def gateway_arms(out: Path, args: argparse.Namespace, retention: bool) -> list[A
             str(args.kv_bytes), "--max-model-len", str(args.max_model_len),
             "--pin-max-share", str(args.pin_max_share),
             "--max-queued-requests", "64"]  # fmt: skip
-    tag = "on" if retention else "off"
     env = {**os.environ, "VCACHE_DATA_DIR": str(out / f"vcache-data-{tag}"),
-           "VCACHE_API_KEYS": _keys(),
+           "VCACHE_API_KEYS": _keys(), **extra,
            "VCACHE_CACHE__RETENTION__ENABLED": "true" if retention else "false"}  # fmt: skip
+    with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / f"vcache-{tag}.log", env):
+        yield host
+
+
+def gateway_arms(out: Path, args: argparse.Namespace, retention: bool) -> list[Any]:
     rows = []
     arms = ["retention"] if retention else ["kv", "round_robin"]
-    with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / f"vcache-{tag}.log", env):
+    with _gateway(out, args, retention, "on" if retention else "off", {}) as host:
         for name in arms:
             extra = {} if name == "retention" else {"VCACHE_ROUTING": name}
             rows.append(arm(name, host, out, args, extra))
@@ -239,6 +266,40 @@ def table(rows: list[Any]) -> str:
     return "\n".join(lines)
 
 
+def rates(out: Path, name: str) -> dict[str, float]:
+    """Requests per second of the agents and of the background tenant in one run."""
+    rows = _rows(out / name / "raw.csv")
+    span = max((float(r["t"]) for r in rows), default=0.0) or 1.0
+    agents = sum(r["kind"] == "agent" for r in rows)
+    return {"agents_rps": agents / span, "background_rps": (len(rows) - agents) / span}
+
+
+def fairness(args: argparse.Namespace) -> int:
+    rows = fairness_arms(args.out, args)
+    for r in rows:
+        r.update(rates(args.out, r["arm"]))
+    lines = [
+        f"{'run':<15}{'agent rps':>10}{'bg rps':>8}{'ttft p50':>10}{'p90':>7}{'turn-0 p90':>12}"
+    ]
+    for r in rows:
+        later, first = r["ttft_ms_later"], r["ttft_ms_first"]
+        lines.append(f"{r['arm']:<15}{r['agents_rps']:>10.2f}{r['background_rps']:>8.2f}"
+                     f"{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
+                     f"{first['p90'] or 0:>12.0f}")  # fmt: skip
+    text = "\n".join(lines)
+    print(text)
+    by = {r["arm"]: r for r in rows}
+    alone, fair = (
+        by["alone_fair"]["ttft_ms_later"]["p90"],
+        by["flooded_fair"]["ttft_ms_later"]["p90"],
+    )
+    ok = bool(alone and fair and fair <= 1.2 * alone)
+    print(f"flooded p90 within 20% of alone (fair slots): {'ok' if ok else 'MISSED'}")
+    (args.out / "fairness.json").write_text(json.dumps(rows, indent=2))
+    (args.out / "fairness.txt").write_text(text + "\n")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm-router", default=None, help="the vllm-router executable")
@@ -257,12 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit-s", type=int, default=900)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--arms", default="retention,kv,round_robin,vllm_router")
+    ap.add_argument("--fairness", action="store_true", help="the fairness runs instead")
+    ap.add_argument("--max-num-seqs", type=int, default=4, help="fair slots per replica")
+    ap.add_argument("--flood-users", type=int, default=4, help="background users, no wait")
     ap.add_argument(
         "--out", type=Path, default=Path("reports") / time.strftime("agents-%Y%m%d-%H%M%S")
     )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.count = token_counter(None)
+    if args.fairness:
+        return fairness(args)
     arms = set(args.arms.split(","))
     rows: list[Any] = []
     if "retention" in arms:

@@ -195,7 +195,7 @@ class BackgroundUser(FastHttpUser):
     """Another tenant's short, unrelated requests (nothing of them is reused)."""
 
     fixed_count = int(os.environ.get("VCACHE_BACKGROUND_USERS", "1"))
-    wait_time = constant(0.2)
+    wait_time = constant(float(os.environ.get("VCACHE_BACKGROUND_WAIT_S", "0.2")))
 
     @task
     def ask(self) -> None:
