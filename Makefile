@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration bench bench-memory bench-proxy fuzz loadtest loadtest-control clean
+.PHONY: setup serve test lint typecheck unit integration bench bench-memory bench-proxy fuzz loadtest loadtest-control loadtest-agents clean
 
 setup:
 	@bash scripts/setup.sh
@@ -49,6 +49,9 @@ loadtest: setup
 
 loadtest-control: setup
 	$(BIN)/python loadtests/control_arms.py $(CONTROL_ARGS)
+
+loadtest-agents: setup
+	$(BIN)/python loadtests/agent_sessions.py $(AGENTS_ARGS)
 
 clean:
 	rm -rf $(VENV) .bench .vcache-test-data .mypy_cache .ruff_cache .pytest_cache
