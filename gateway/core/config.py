@@ -15,8 +15,6 @@ Nested sections merge field by field across sources.
 from __future__ import annotations
 
 import difflib
-import hashlib
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,155 +38,37 @@ from pydantic_settings import (
 )
 
 from engines.providers.specs import PROVIDERS
+from gateway.core.engine_settings import (
+    CacheSettings,
+    EngineSettings,
+    RemoteReplicaConfig,
+    RetentionSettings,
+)
+from gateway.core.keys import PRIORITIES, ApiKeyConfig, KeyLimits, Priority, hash_api_key
+
+__all__ = [
+    "DEMO_MODEL_NAME",
+    "LOCAL_TARGET",
+    "PRIORITIES",
+    "ApiKeyConfig",
+    "CacheSettings",
+    "ControlSettings",
+    "EngineSettings",
+    "HttpSettings",
+    "KeyLimits",
+    "PriceConfig",
+    "Priority",
+    "ProviderConfig",
+    "RemoteReplicaConfig",
+    "RetentionSettings",
+    "SessionLogSettings",
+    "Settings",
+    "explain",
+    "hash_api_key",
+    "unknown_env",
+]
 
 DEMO_MODEL_NAME = "vcache-demo"
-
-
-def hash_api_key(key: str) -> str:
-    """The form in which keys are stored in config: hex sha256 of the key."""
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-Priority = Literal["interactive", "default", "batch"]
-PRIORITIES: tuple[Priority, ...] = ("interactive", "default", "batch")  # first is highest
-
-
-_SHARES: dict[Priority, float] = {"batch": 0.5, "default": 1.0, "interactive": 1.1}
-
-
-class KeyLimits(BaseModel):
-    """A key's limits (none by default): past one, a request is a 429 with Retry-After."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion
-    max_concurrent: int | None = Field(None, ge=1)
-
-    def empty(self) -> bool:
-        return (self.requests_per_minute, self.tokens_per_minute, self.max_concurrent) == (
-            None, None, None,
-        )  # fmt: skip
-
-
-class ApiKeyConfig(BaseModel):
-    """One accepted key, stored as its sha256 (``vcache hash-key KEY`` prints it)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    tenant: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    name: str = ""
-    admin: bool = False  # the cache API and routing overrides, within its own tenant
-    scope: Literal["tenant", "global"] = "tenant"  # global: an admin over every tenant
-    # x-vcache-priority when the request sends none, and the highest it may ask for
-    priority: Priority = "default"
-    max_priority: Priority = "interactive"
-    limits: KeyLimits = Field(default_factory=KeyLimits)
-
-    @model_validator(mode="after")
-    def _priority_within_cap(self) -> ApiKeyConfig:
-        if PRIORITIES.index(self.priority) < PRIORITIES.index(self.max_priority):
-            raise ValueError(f"priority {self.priority} is above max_priority {self.max_priority}")
-        return self
-
-
-class EngineSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    replicas: int = Field(1, ge=0, le=64)  # embedded vLLM engines, one per GPU / TP group
-    max_model_len: int = Field(2048, ge=16)
-    block_size: int | None = Field(None, ge=1)
-    kv_cache_bytes: int | None = Field(None, ge=1 << 20)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enforce_eager: bool = False
-    hash_seed: str = "0"
-    max_queued_requests: int = Field(256, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    dtype: str = "auto"
-    watch_interval_s: float = Field(1.0, gt=0)  # how often replicas are checked for death
-    restart_backoff_s: float = Field(1.0, ge=0)  # first restart delay of a dead replica
-    restart_backoff_cap_s: float = Field(60.0, ge=0)  # doubling up to this
-    # vLLM's tool-call parser for the model's chat template (hermes, llama3_json, mistral,
-    # qwen3_coder, ...): reads tool calls out of answers to `tool_choice: auto`
-    tool_parser: str = "hermes"
-    # requests in each replica's engine at once (vLLM's max_num_seqs); the rest wait in
-    # the gateway and go in fair order across tenants (gateway/local/fairness.py).
-    # None: vLLM's default, no gateway queue.
-    max_num_seqs: int | None = Field(None, ge=1)
-    # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
-    # "fcfs" arrival order whatever the priority
-    scheduling_policy: Literal["priority", "fcfs"] = "priority"
-    # how much of max_queued_requests each priority may fill (interactive a reserve beyond
-    # it): when the queue fills, batch is refused first and interactive last
-    admission_shares: dict[Priority, float] = Field(default_factory=lambda: dict(_SHARES))
-
-    @field_validator("admission_shares")
-    @classmethod
-    def _shares(cls, v: dict[Priority, float]) -> dict[Priority, float]:
-        if any(not 0 < x <= 2 for x in v.values()):
-            raise ValueError("admission shares are in (0, 2]")
-        return v
-
-    def admission_room(self) -> dict[Priority, int]:
-        """Per priority, the requests in flight beside which one more is still admitted."""
-        limit = self.max_queued_requests
-        return {p: max(1, math.ceil(limit * self.admission_shares.get(p, 1.0))) for p in PRIORITIES}
-
-
-class RemoteReplicaConfig(BaseModel):
-    """A vLLM replica served by ``python -m vllm.entrypoints.openai.api_server``.
-
-    It runs the vcache plugins (``VLLM_PLUGINS=vcache,vcache-control``) with
-    ``VCACHE_CONTROL_SECRET`` set, publishes KV events on ZMQ, and uses this
-    gateway's ``engine.hash_seed`` as its ``PYTHONHASHSEED``.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    url: str  # http://host:port of the API server (its control endpoint is there too)
-    kv_events: str  # its KV events PUB endpoint, e.g. tcp://host:5557
-    kv_events_replay: str | None = None  # its replay ROUTER endpoint, e.g. tcp://host:5558
-    # the replicas' VCACHE_CONTROL_SECRET; unset: the gateway's own VCACHE_CONTROL_SECRET
-    control_secret: SecretStr
-    api_key: SecretStr | None = None
-    served_model_name: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _secret_from_env(cls, data: Any) -> Any:
-        secret = os.environ.get("VCACHE_CONTROL_SECRET")
-        if isinstance(data, dict) and "control_secret" not in data and secret:
-            return {**data, "control_secret": secret}
-        return data
-
-
-class RetentionSettings(BaseModel):
-    """A session's KV kept on its replica across tool-call pauses (gateway/local/pauses.py)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = True
-    quantile: float = Field(0.9, gt=0, lt=1)  # of the session's (else tenant's) gaps
-    margin: float = Field(1.5, ge=1)  # the lease is the quantile times this
-    min_lease_s: float = Field(5.0, gt=0)
-    max_lease_s: float = Field(120.0, gt=0)
-    default_gap_s: float = Field(30.0, gt=0)  # before any gap has been seen
-    min_blocks: int = Field(2, ge=1)  # a shorter prompt is cheaper to prefill again
-    max_sessions: int = Field(4096, ge=1)  # sessions remembered (least recent forgotten)
-
-
-class CacheSettings(BaseModel):
-    """Exact KV spans on the local replicas (KV events, pins, routing)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kv_events: bool = True  # subscribe to the engines' KV events; predictions need them
-    routing: Literal["kv", "round_robin", "least_loaded"] = "kv"
-    load_imbalance: int = Field(4, ge=0)  # kv routing falls back to least loaded beyond it
-    pin_max_share: float = Field(0.5, gt=0, le=1)  # most of the KV blocks pins may hold
-    default_lease_s: float = Field(300, gt=0)
-    retention: RetentionSettings = Field(default_factory=RetentionSettings)
 
 
 class ControlSettings(BaseModel):

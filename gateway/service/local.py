@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import Engine, GenerateRequest, SamplingOptions, Structured
+from engines.base import Engine, GenerateRequest, Structured
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
 from gateway.core.config import LOCAL_TARGET, RetentionSettings
@@ -35,18 +35,17 @@ from gateway.core.shaping import Piece, Pieces
 from gateway.core.target import Call, Sent
 from gateway.core.tracing import RequestTrace
 from gateway.core.types import (
-    ENGINE_PRIORITY,
     Placement,
     Principal,
     RouteOverride,
     Served,
-    tenant_salt,
 )
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
 from gateway.service.breakpoints import PrefixLengths, retained
+from gateway.service.engine_request import Room, check_token_ids, generate_request, vocab_size
 from gateway.service.tools import ToolPlan
 from gateway.sessions.render import (
     local_messages,
@@ -157,37 +156,12 @@ class LocalChat:
     def text_tokens(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
 
-    def _bias(self, req: SamplingFields) -> tuple[tuple[int, float], ...]:
-        """``logit_bias`` checked against the vocabulary, as vLLM checks it."""
-        bias = req.bias()
-        vocab = self._vocab()
-        for t, _ in bias:
-            if t >= vocab:
-                raise InvalidRequest(
-                    f"Invalid value for 'logit_bias': token id {t} is outside the model's "
-                    f"vocabulary (0 to {vocab - 1})",
-                    param="logit_bias",
-                    code="invalid_value",
-                )
-        return bias
-
     def _vocab(self) -> int:
-        """The larger of the tokenizer's and the model's vocabulary, as vLLM's own check."""
-        engine = self.engine
-        return max(engine.tokenizer.vocab_size, engine.capabilities.vocab_size or 0)
+        return vocab_size(self.engine)
 
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
         """Client-given token ids, each inside the model's vocabulary (else a 400)."""
-        vocab = self._vocab()
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise InvalidRequest(
-                    f"Invalid value for '{param}[{i}]': token id {t} is outside the model's "
-                    f"vocabulary (0 to {vocab - 1})",
-                    param=f"{param}[{i}]",
-                    code="invalid_value",
-                )
-        return ids
+        return check_token_ids(ids, param, self._vocab())
 
     # ------------------------------------------------------------ chat
 
@@ -379,46 +353,9 @@ class LocalChat:
         clamp: bool = False,
         top_k: int | None = None,
     ) -> GenerateRequest:
-        prompt_param, limit_param = params
-        max_len = self.engine.capabilities.max_model_len
-        if len(ids) >= max_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {max_len} tokens; "
-                f"the prompt has {len(ids)} tokens",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        room = max_len - len(ids)
-        if clamp and limit is not None:  # coding agents ask for far more than fits
-            limit = min(limit, room)
-        if limit is not None and limit > room:
-            raise InvalidRequest(
-                f"max_tokens is {limit}, but the prompt has {len(ids)} tokens and the "
-                f"model's maximum context length is {max_len}: at most {room} can be generated",
-                param=limit_param,
-                code="context_length_exceeded",
-            )
-        sampling = SamplingOptions(
-            max_tokens=room if limit is None else limit,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=top_k or 0,
-            stop=req.stop_list(),
-            seed=req.seed,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            ignore_eos=req.ignore_eos,
-            n=req.n,
-            logprobs=logprobs,
-            structured=structured,
-            logit_bias=self._bias(req),
-        )
-        return GenerateRequest(
-            request_id=rid,
-            prompt_token_ids=tuple(ids),
-            sampling=sampling,
-            cache_salt=tenant_salt(who.tenant),
-            priority=ENGINE_PRIORITY[who.priority],
+        room = Room(self.engine.capabilities.max_model_len, self._vocab(), clamp)
+        return generate_request(
+            rid, ids, req, limit, params, who, room, logprobs, structured, top_k
         )
 
 

@@ -1,0 +1,111 @@
+"""A request as the local engine takes it: checked against the model's context and
+vocabulary as vLLM checks it, sampling options from the API's fields, the tenant's
+cache salt and the request's priority."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.base import Engine, GenerateRequest, SamplingOptions, Structured
+from gateway.core.errors import InvalidRequest
+from gateway.core.schemas import SamplingFields
+from gateway.core.types import ENGINE_PRIORITY, Principal, tenant_salt
+
+
+@dataclass(frozen=True)
+class Room:
+    """What the model leaves a request: its context length, its vocabulary, and whether
+    an output limit past the context is clamped (agents ask for more than fits)."""
+
+    max_len: int
+    vocab: int
+    clamp: bool = False
+
+
+def vocab_size(engine: Engine) -> int:
+    """The larger of the tokenizer's and the model's vocabulary, as vLLM's own check."""
+    return max(engine.tokenizer.vocab_size, engine.capabilities.vocab_size or 0)
+
+
+def check_token_ids(ids: list[int], param: str, vocab: int) -> list[int]:
+    """Client-given token ids, each inside the vocabulary (else a 400 naming it)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            raise InvalidRequest(
+                f"Invalid value for '{param}[{i}]': token id {t} is outside the model's "
+                f"vocabulary (0 to {vocab - 1})",
+                param=f"{param}[{i}]",
+                code="invalid_value",
+            )
+    return ids
+
+
+def logit_bias(req: SamplingFields, vocab: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` checked against the vocabulary, as vLLM checks it."""
+    bias = req.bias()
+    for t, _ in bias:
+        if t >= vocab:
+            raise InvalidRequest(
+                f"Invalid value for 'logit_bias': token id {t} is outside the model's "
+                f"vocabulary (0 to {vocab - 1})",
+                param="logit_bias",
+                code="invalid_value",
+            )
+    return bias
+
+
+def generate_request(
+    rid: str,
+    ids: list[int],
+    req: SamplingFields,
+    limit: int | None,
+    params: tuple[str, str],
+    who: Principal,
+    room: Room,
+    logprobs: int | None = None,
+    structured: Structured | None = None,
+    top_k: int | None = None,
+) -> GenerateRequest:
+    """``ids`` and the request's sampling fields as the engine's request; a prompt or an
+    output limit that does not fit the context is a 400 naming ``params`` (prompt, limit)."""
+    prompt_param, limit_param = params
+    max_len = room.max_len
+    if len(ids) >= max_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_len} tokens; "
+            f"the prompt has {len(ids)} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    left = max_len - len(ids)
+    if room.clamp and limit is not None:
+        limit = min(limit, left)
+    if limit is not None and limit > left:
+        raise InvalidRequest(
+            f"max_tokens is {limit}, but the prompt has {len(ids)} tokens and the "
+            f"model's maximum context length is {max_len}: at most {left} can be generated",
+            param=limit_param,
+            code="context_length_exceeded",
+        )
+    sampling = SamplingOptions(
+        max_tokens=left if limit is None else limit,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k or 0,
+        stop=req.stop_list(),
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        ignore_eos=req.ignore_eos,
+        n=req.n,
+        logprobs=logprobs,
+        structured=structured,
+        logit_bias=logit_bias(req, room.vocab),
+    )
+    return GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=tuple(ids),
+        sampling=sampling,
+        cache_salt=tenant_salt(who.tenant),
+        priority=ENGINE_PRIORITY[who.priority],
+    )
