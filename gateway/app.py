@@ -246,7 +246,10 @@ def create_app(
         )
         app.state.service.local.governor = local_governor
     app.state.local_governor = local_governor
-    app.state.cache = CacheService(app.state.service)
+    svc = app.state.service
+    app.state.cache = CacheService(
+        svc.local, svc.model_name, svc.targets, svc.providers, svc.warm_provider
+    )
     app.state.health = Health(supervisor, app.state.service)
     install_error_handlers(app, metrics)
     install_openapi(app)

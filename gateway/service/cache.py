@@ -11,6 +11,7 @@ tenant's span, need a global admin key (``scope: global``).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,11 +23,14 @@ from gateway.core.errors import (
     Unavailable,
     maps_engine_errors,
 )
+from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage, RequestModel, TokenId
 from gateway.core.types import Principal, tenant_salt
 from gateway.local.routing import RouteContext
 from gateway.local.spans import KVSpans
-from gateway.service.chat import GatewayService
+from gateway.service.local import LocalChat
+from gateway.service.provider_chat import ProviderChat
+from gateway.service.targets import Targets
 from manifest.hashing import BlockHash, from_hex
 from manifest.index import LocationId
 
@@ -130,19 +134,22 @@ def check_scope(body: CacheRequest, who: Principal) -> None:
         )
 
 
+# a provider warm: (request, tenant, target, request id) to the usage it reported
+WarmProvider = Callable[[ChatCompletionRequest, str, str, str], Awaitable[Usage]]
+
+
 class _Spans:
     """A cache request resolved to tokens (when given), block hashes and replicas."""
 
-    def __init__(self, body: CacheRequest, who: Principal, svc: GatewayService, kv: KVSpans):
-        svc.check_model(body.model)
+    def __init__(self, body: CacheRequest, who: Principal, local: LocalChat, kv: KVSpans):
         self.salt = tenant_salt(body.tenant or who.tenant)
         self.tokens: list[int] | None = None
         if body.messages:
-            self.tokens = svc.chat_tokens(body.messages)
+            self.tokens = local.chat_tokens(body.messages)
         elif body.prompt:
-            self.tokens = svc.text_tokens(body.prompt)
+            self.tokens = local.text_tokens(body.prompt)
         elif body.token_ids:
-            self.tokens = svc.check_token_ids(list(body.token_ids), "token_ids")
+            self.tokens = local.check_token_ids(list(body.token_ids), "token_ids")
         self.hashes: list[BlockHash]
         if self.tokens is not None:
             self.hashes = kv.hashes(self.tokens, self.salt)
@@ -162,15 +169,28 @@ class _Spans:
 
 
 class CacheService:
-    """The admin operations; callers check that the principal is an admin."""
+    """The admin operations; callers check that the principal is an admin.  Spans are
+    the local model's (``local``, served as ``model``); a model whose targets are hosted
+    providers names their caches (``providers``, warmed through ``warm_provider``)."""
 
-    def __init__(self, svc: GatewayService) -> None:
-        self._svc = svc
+    def __init__(
+        self,
+        local: LocalChat,
+        model: str,
+        targets: Targets,
+        providers: ProviderChat | None,
+        warm_provider: WarmProvider,
+    ) -> None:
+        self._local = local
+        self._model = model
+        self._targets = targets
+        self._providers = providers
+        self._warm_provider = warm_provider
 
     @property
     def _kv(self) -> KVSpans | None:
         """The local replicas' span manager, once they are up (the supervisor sets it)."""
-        return self._svc.dispatcher.kv
+        return self._local.dispatcher.kv
 
     def _manager(self) -> KVSpans:
         if self._kv is None:
@@ -183,8 +203,9 @@ class CacheService:
 
     def _spans(self, body: CacheRequest, who: Principal) -> tuple[KVSpans, _Spans]:
         check_scope(body, who)
+        self._local.check_model(body.model, self._model)
         kv = self._manager()
-        return kv, _Spans(body, who, self._svc, kv)
+        return kv, _Spans(body, who, self._local, kv)
 
     @staticmethod
     def require_admin(who: Principal) -> None:
@@ -245,8 +266,8 @@ class CacheService:
 
     def _provider_target(self, body: CacheRequest) -> str | None:
         """The first provider target of ``body.model`` when it names no local target."""
-        targets = self._svc.targets.resolve(body.model)
-        if LOCAL_TARGET in targets or self._svc.providers is None:
+        targets = self._targets.resolve(body.model)
+        if LOCAL_TARGET in targets or self._providers is None:
             return None
         return targets[0]
 
@@ -254,8 +275,8 @@ class CacheService:
     async def evict(self, body: CacheRequest, who: Principal) -> EvictResponse:
         target = self._provider_target(body)
         if target is not None:  # Gemini cached contents; other providers cannot be told
-            assert self._svc.providers is not None
-            path = self._svc.providers.path
+            assert self._providers is not None
+            path = self._providers.path
             t = path.target(target)
             n = await path.cached_contents.evict(t.client, target)
             return EvictResponse(
@@ -281,7 +302,7 @@ class CacheService:
             )
         req = ChatCompletionRequest(model=body.model, messages=body.messages)
         rid = f"warm-{uuid.uuid4().hex}"
-        u = await self._svc.warm_provider(req, body.tenant or who.tenant, target, rid)
+        u = await self._warm_provider(req, body.tenant or who.tenant, target, rid)
         return ProviderWarmResponse(
             target=target,
             prompt_tokens=u.prompt_tokens,
@@ -301,7 +322,7 @@ class CacheService:
         await kv.sync(barrier=True)
         if body.replica is None:  # where the next request for this prompt would go
             predicted = kv.predict(spans.hashes, len(spans.tokens))
-            d = self._svc.dispatcher
+            d = self._local.dispatcher
             target = d.router.choose(d.replicas, RouteContext(predicted)).id
         else:
             target = spans.replicas[0]
@@ -312,7 +333,7 @@ class CacheService:
     async def stats(self) -> dict[str, object]:
         """The local replicas' KV accounting and, with providers, each provider target's
         hit rate, writes, reads, verified savings and false-warm count."""
-        providers = self._svc.providers
+        providers = self._providers
         out: dict[str, object] = {}
         if self._kv is not None or providers is None:
             out.update(await self._manager().stats())
@@ -322,7 +343,7 @@ class CacheService:
 
     def plan(self) -> dict[str, object]:
         """The control loop's view of the observed provider traffic (``/v1/cache/plan``)."""
-        providers = self._svc.providers
+        providers = self._providers
         control = providers.path.control if providers is not None else None
         if control is None:
             return {"mode": "off", "targets": {}, "note": "no hosted provider is configured"}

@@ -159,12 +159,8 @@ class GatewayService:
         return card
 
     def check_model(self, model: str) -> None:
-        """``model`` is the local model and it can serve now (the cache API's check)."""
-        self.local.check_ready()
-        if model != self._model or not self.dispatcher.replicas:
-            raise NotFound(
-                f"The model '{model}' does not exist", param="model", code="model_not_found"
-            )
+        """``model`` is the local model and it can serve now."""
+        self.local.check_model(model, self._model)
 
     def chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
         return self.local.chat_tokens(messages)

@@ -23,7 +23,7 @@ from engines.base import Engine, GenerateRequest, Structured
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
 from gateway.core.config import LOCAL_TARGET, RetentionSettings
-from gateway.core.errors import InvalidRequest, Unavailable
+from gateway.core.errors import InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import Usage
 from gateway.core.schemas import (
     ChatCompletionRequest,
@@ -138,6 +138,14 @@ class LocalChat:
             )
 
     # ------------------------------------------------------------ tokens
+
+    def check_model(self, model: str, served: str) -> None:
+        """``model`` is the local model (served as ``served``) and it can serve now."""
+        self.check_ready()
+        if model != served or not self.dispatcher.replicas:
+            raise NotFound(
+                f"The model '{model}' does not exist", param="model", code="model_not_found"
+            )
 
     def chat_tokens(
         self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
