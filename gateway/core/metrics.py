@@ -161,6 +161,14 @@ class Metrics:
             ["priority"],
             registry=r,
         )
+        self.sessions = Counter(
+            "vcache_session_requests",
+            "Requests appended to the session log, by how they found their session: named "
+            "(a header, an agent's session id, a previous response), found (by prefix "
+            "digests), new",
+            ["kind"],
+            registry=r,
+        )
         self.retention = Counter(
             "vcache_session_retention",
             "Turns of agent sessions that ended, by what was done with their KV: leased "

@@ -63,6 +63,7 @@ class Served:
     notes: dict[str, str] = field(default_factory=dict)  # headers of how it was prepared
     fallback_from: tuple[str, ...] = ()
     session: str | None = None  # the stored id of the session-log session it was appended to
+    session_kind: str | None = None  # named, found (by prefix digests) or new
     answer_seq: int | None = None  # the sequence number of its answer in that session
     limits: dict[str, str] = field(default_factory=dict)  # the key's x-ratelimit-* headers
 
@@ -73,6 +74,8 @@ class Served:
         h.update(self.notes)
         if self.session:
             h["x-vcache-session"] = session_name(self.session)
+            if self.session_kind:
+                h["x-vcache-session-kind"] = self.session_kind
         if self.fallback_from:
             h["x-vcache-fallback-from"] = ", ".join(self.fallback_from)
         h.update(self.limits)

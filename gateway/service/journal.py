@@ -46,7 +46,7 @@ class Journal:
             return
         await self.log.dispatch(op, request_id, target, render, directives, body)
         if served is not None:
-            served.session = op.session_id
+            served.session, served.session_kind = op.session_id, op.kind
 
     async def answered(
         self,

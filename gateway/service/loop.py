@@ -71,12 +71,16 @@ class ServiceLoop:
                 served.target, served.dispatch, served.notes = p.target, p.placement, dict(p.notes)
             op = self.journal.open(call.who.tenant, p.header, p.turns, call.session)
             answer, attempt = Sample(), 0
+            counted = False
             while True:
                 with call.trace.step("journal"):
                     s = p.sent
                     await self.journal.sent(
                         op, served, s.request_id, s.target, s.render, s.directives, s.body
                     )
+                if op is not None and op.kind is not None and not counted:
+                    self._metrics.sessions.labels(op.kind).inc()
+                    counted = True
                 yielded = False
                 try:
                     async with aclosing(target.send(p, op.session_id if op else None)) as out:

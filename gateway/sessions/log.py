@@ -74,6 +74,9 @@ class Open:
     answer_seq: int | None = None  # set when the answer is appended
     entries: list[bytes] = field(default_factory=list)
     digests: list[str] = field(default_factory=list)  # chain(root, entries)
+    # how the request found its session (set at dispatch): "named" (a header, an agent's
+    # id, a previous response), "found" (by its prefix digests), "new"
+    kind: str | None = None
 
 
 def _entries(header: Header, messages: tuple[MessageEvent, ...]) -> list[bytes]:
@@ -184,6 +187,7 @@ class SessionLog:
 
         def append() -> tuple[str, list[int]]:  # on the writer thread
             sid, events, new = self._place(op)
+            op.kind = "named" if op.explicit else ("new" if new else "found")
             events.append(event)
             request = (request_id, target, digest)
             seqs = self.store.append(sid, events, request, heads, op.tenant if new else None)

@@ -122,6 +122,9 @@ def test_whole_input_sent_back_continues_the_same_session(
     )
     session = first.headers["x-vcache-session"]
     assert session and second.headers["x-vcache-session"] == session
+    assert (first.headers["x-vcache-session-kind"], second.headers["x-vcache-session-kind"]) == (
+        "new", "found",
+    )  # fmt: skip
     assert _prompt(engine, tokenizer, -1).startswith(_prompt(engine, tokenizer, -2)[:200])
 
 
@@ -233,8 +236,10 @@ def test_an_agents_own_session_header_names_the_session(
         extra_headers={header: "agent-8"},
     )  # fmt: skip
     assert c.headers["x-vcache-session"] == "agent-8"
+    assert c.headers["x-vcache-session-kind"] == "named"
     bad = sdk.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
         extra_headers={header: "not a name!"},
     )  # fmt: skip
     assert bad.headers["x-vcache-session"] != "not a name!"  # ignored: found or started
+    assert bad.headers["x-vcache-session-kind"] in ("found", "new")
