@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from gateway.core.types import Principal
 from gateway.http.deps import service
@@ -36,7 +38,17 @@ async def detokenize_route(body: DetokenizeRequest, who: Who, svc: Svc) -> Detok
     return detokenize(svc, body)
 
 
-@router.api_route("/ping", methods=["GET", "POST"], include_in_schema=True)
-async def ping(svc: Svc) -> Response:
+class PingStatus(BaseModel):
+    status: Literal["ok", "unavailable"]
+
+
+@router.api_route(
+    "/ping",
+    methods=["GET", "POST"],
+    response_model=PingStatus,
+    responses={503: {"model": PingStatus, "description": "Not ready to serve a request"}},
+)
+async def ping(svc: Svc) -> JSONResponse:
     """200 when a request can be served now, 503 otherwise (as /readyz)."""
-    return Response(status_code=200 if svc.ready else 503)
+    ok = svc.ready
+    return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
