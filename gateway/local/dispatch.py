@@ -55,6 +55,8 @@ class Dispatch:
     replica_id: str
     predicted_cached_tokens: int | None  # None: no exact prediction for this replica
     hashes: Sequence[BlockHash] = ()  # the prompt's full blocks (empty without a KV index)
+    # its prompt as a running prefill, from routing to its first token (others may wait)
+    prefill: Prefill | None = field(default=None, compare=False, repr=False)
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-replica": self.replica_id}
@@ -85,7 +87,7 @@ class Dispatcher:
         self._room = {p: (room or {}).get(p, max_inflight) for p in PRIORITIES}
         self.model = model  # the served name: the ``model`` label of the local metrics
         self._inflight = 0
-        self.prefills = Prefills()  # prompts being prefilled, by replica
+        self.prefills = Prefills(prefill_wait_s)  # prompts being prefilled, by replica
         self._prefill_wait_s = prefill_wait_s
         # per replica, the requests its engine takes at once, the rest in fair order
         self._gates = {r.id: FairGate(slots) for r in self.replicas} if slots else {}
@@ -149,7 +151,9 @@ class Dispatcher:
             predicted = await self._join(greq, hashes, predicted, replica.id, pending[replica.id])
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p = predicted.get(replica.id) if predicted is not None and exact else None
-        return Dispatch(replica, replica.id, p, hashes)
+        # registered now, before any await: a sibling routed next waits for this prefill
+        prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)])
+        return Dispatch(replica, replica.id, p, hashes, prefill)
 
     def _cap(self, greq: GenerateRequest) -> int:
         """Full blocks vLLM can serve from cache for ``greq`` (never its last token)."""
@@ -212,8 +216,9 @@ class Dispatcher:
                 await self._enter(gate, greq, d, tenant)
             except BaseException:
                 d.replica.inflight -= 1
+                self.prefills.finish(d.prefill)
                 raise
-        prefill = self.prefills.start(d.replica.id, d.hashes[: self._cap(greq)])
+        prefill = d.prefill
         first = True
         cached_known = False
         m = self._metrics

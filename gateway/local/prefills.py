@@ -15,7 +15,8 @@ instead of computing them a second time.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from manifest.hashing import BlockHash
@@ -26,6 +27,7 @@ from manifest.index import LocationId
 class Prefill:
     replica: LocationId
     hashes: tuple[BlockHash, ...]
+    started: float = 0.0
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -43,13 +45,19 @@ def _common(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
 
 
 class Prefills:
-    def __init__(self) -> None:
+    """Registered when a request is routed, finished at its first token (or its end).
+    One older than ``max_age_s`` is forgotten: its request never reached the engine, or
+    waits in its queue longer than anyone should wait for it."""
+
+    def __init__(self, max_age_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self._running: dict[LocationId, list[Prefill]] = {}
+        self._max_age_s = max_age_s
+        self._clock = clock
 
     def start(self, replica: LocationId, hashes: Sequence[BlockHash]) -> Prefill | None:
         if not hashes:
             return None
-        p = Prefill(replica, tuple(hashes))
+        p = Prefill(replica, tuple(hashes), self._clock())
         self._running.setdefault(replica, []).append(p)
         return p
 
@@ -66,7 +74,9 @@ class Prefills:
         """Per replica, the running prefill sharing the most leading blocks with ``hashes``
         and how many it shares (replicas with none are left out)."""
         out: dict[LocationId, tuple[int, Prefill]] = {}
+        old = self._clock() - self._max_age_s
         for replica, running in self._running.items():
+            running[:] = [p for p in running if p.started >= old]
             best: tuple[int, Prefill] | None = None
             for p in running:
                 n = _common(hashes, p.hashes)

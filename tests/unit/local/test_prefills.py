@@ -35,3 +35,15 @@ def test_the_longest_overlap_per_replica_and_its_end() -> None:
         assert ps.start(A, []) is None  # a prompt shorter than a block is nobody's prefix
 
     asyncio.run(main())
+
+
+def test_a_prefill_that_never_ran_is_forgotten_after_its_age() -> None:
+    async def main() -> None:
+        now = [100.0]
+        ps = Prefills(max_age_s=30.0, clock=lambda: now[0])
+        ps.start(A, _hashes(1000))  # routed, then its request failed before the engine
+        assert A in ps.overlap(_hashes(1000))
+        now[0] += 31
+        assert ps.overlap(_hashes(1000)) == {} and len(ps) == 0
+
+    asyncio.run(main())
