@@ -45,7 +45,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from procs import free_port, get_ok, run_locust, serving  # noqa: E402
+from procs import free_port, get_ok, run_locust, serving, vllm_router  # noqa: E402
 from report import parse_metrics, percentile  # noqa: E402
 from run import token_counter  # noqa: E402
 from workloads import VOCAB  # noqa: E402
@@ -220,26 +220,10 @@ def gateway_arms(out: Path, args: argparse.Namespace, retention: bool) -> list[A
 
 
 def router_arm(out: Path, args: argparse.Namespace, model: str) -> Any:
-    ports = [free_port(), free_port()]
-    router_port = free_port()
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    servers = [
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-         "--served-model-name", "vcache-demo", "--port", str(p),
-         "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
-         str(args.kv_bytes), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-        for p in ports
-    ]  # fmt: skip
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    router = [args.vllm_router, "--port", str(router_port), "--policy", "cache_aware"]
-    router += ["--worker-urls", *urls]
-    host = f"http://127.0.0.1:{router_port}"
-    with (
-        serving(servers[0], lambda: get_ok(f"{urls[0]}/v1/models"), out / "vllm-0.log", env),
-        serving(servers[1], lambda: get_ok(f"{urls[1]}/v1/models"), out / "vllm-1.log", env),
-        serving(router, lambda: get_ok(f"{host}/v1/models"), out / "router.log", env),
-    ):
+    tools = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    with vllm_router(
+        out, args.vllm_router, model, args.kv_bytes, args.max_model_len, tools
+    ) as host:
         return arm("vllm_router", host, out, args, {})
 
 

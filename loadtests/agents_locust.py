@@ -29,6 +29,8 @@ from locust.exception import StopUser
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from fasthttp import lines  # noqa: E402
+
 from engines.sse import SSEDecoder  # noqa: E402
 
 BLOCK = 128
@@ -82,16 +84,6 @@ def _stop_when_done(environment: Any, **_: Any) -> None:
     gevent.spawn(watch)
 
 
-def _lines(resp: Any) -> Any:
-    """The body line by line, each as soon as it arrives (geventhttpclient's parser)."""
-    parser = resp._response
-    while True:
-        line = parser.readline(b"\n")
-        if not line:
-            return
-        yield line
-
-
 def _headers(key: str) -> dict[str, str]:
     value = os.environ.get(key)
     return {"Authorization": f"Bearer {value}"} if value else {}
@@ -111,7 +103,7 @@ def _stream(user: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[st
             resp.failure(f"HTTP {resp.status_code}")
             return None
         decoder = SSEDecoder()
-        for line in _lines(resp):
+        for line in lines(resp):
             for ev in decoder.feed(line):
                 if ev.data == "[DONE]":
                     continue

@@ -43,6 +43,7 @@ grpc_gevent.init_gevent()  # before any channel exists: gRPC's I/O then yields t
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from fasthttp import lines  # noqa: E402
 from workloads import Session, Turn, Workload  # noqa: E402
 
 from engines.sse import SSEDecoder  # noqa: E402
@@ -107,20 +108,6 @@ def _stop_when_done(environment: Any, **_: Any) -> None:
                 return
 
     gevent.spawn(watch)
-
-
-def _lines(resp: Any) -> Any:
-    """The body line by line, each as soon as it arrives.
-
-    ``iter_content(n)`` waits for n bytes, which would hold back the first
-    token; geventhttpclient's parser returns a line once it is complete.
-    """
-    parser = resp._response  # locust FastResponse -> geventhttpclient response parser
-    while True:
-        line = parser.readline(b"\n")
-        if not line:
-            return
-        yield line
 
 
 def _system(text: str) -> str:
@@ -209,7 +196,7 @@ class ChatUser(FastHttpUser):
                 plan.record({"label": turn.label, "ok": 0})
                 return None
             decoder = SSEDecoder()
-            for chunk in _lines(resp):
+            for chunk in lines(resp):
                 for ev in decoder.feed(chunk):
                     if ev.data == "[DONE]":
                         continue

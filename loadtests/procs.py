@@ -91,3 +91,33 @@ def run_locust(
     t0 = time.monotonic()
     subprocess.run(cmd, env=run_env, check=False, stdout=subprocess.DEVNULL)
     return time.monotonic() - t0
+
+
+@contextmanager
+def vllm_router(
+    out: Path, router: str, model: str, kv_bytes: int, max_model_len: int, extra: list[str]
+) -> Iterator[str]:
+    """vllm-router's ``cache_aware`` policy over two plain vLLM OpenAI servers of ``model``
+    with the same KV size (``extra``: more server flags); yields the router's URL."""
+    import os
+    import sys
+
+    ports = [free_port(), free_port()]
+    router_port = free_port()
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    servers = [
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+         "--served-model-name", "vcache-demo", "--port", str(p),
+         "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_bytes),
+         "--enable-prefix-caching", "--enable-prompt-tokens-details", *extra]
+        for p in ports
+    ]  # fmt: skip
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    cmd = [router, "--port", str(router_port), "--policy", "cache_aware", "--worker-urls", *urls]
+    host = f"http://127.0.0.1:{router_port}"
+    with (
+        serving(servers[0], lambda: get_ok(f"{urls[0]}/v1/models"), out / "vllm-0.log", env),
+        serving(servers[1], lambda: get_ok(f"{urls[1]}/v1/models"), out / "vllm-1.log", env),
+        serving(cmd, lambda: get_ok(f"{host}/v1/models"), out / "router.log", env),
+    ):
+        yield host
