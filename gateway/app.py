@@ -49,7 +49,7 @@ from gateway.providers.path import ProviderPath
 from gateway.service.auth import KeyRing
 from gateway.service.cache import CacheService
 from gateway.service.chat import GatewayService
-from gateway.service.health import Health
+from gateway.service.health import Health, StoreProbe
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
@@ -64,7 +64,7 @@ def _session_log(settings: Settings, replicas: Sequence[Replica]) -> SessionLog 
     cfg = settings.session_log
     if not cfg.enabled:
         return None
-    store = SessionStore(cfg.db_path(settings.data_dir), cfg.fsync)
+    store = SessionStore(cfg.db_path(settings.data_dir), cfg.fsync, url=cfg.url)
 
     def tokenizer() -> ChatTokenizer | None:
         ready = [r.engine for r in replicas if r.engine.ready]
@@ -250,7 +250,11 @@ def create_app(
     app.state.cache = CacheService(
         svc.local, svc.model_name, svc.targets, svc.providers, svc.warm_provider
     )
-    app.state.health = Health(supervisor, app.state.service)
+    probes = []
+    if session_log is not None:
+        grace = settings.session_log.unavailable_grace_s
+        probes.append(StoreProbe("session_log", lambda: session_log.writer.failing_since, grace))
+    app.state.health = Health(supervisor, app.state.service, probes)
     install_error_handlers(app, metrics)
     install_openapi(app)
     routers = (health, models, chat, completions, responses, messages, cache, tokenize)

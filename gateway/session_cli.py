@@ -15,10 +15,12 @@ from gateway.sessions.store import SessionStore
 
 
 def _store(settings: Settings, db: Path | None) -> SessionStore:
-    path = db or settings.session_log.db_path(settings.data_dir)
-    if not path.exists():
+    cfg = settings.session_log
+    path = db or cfg.db_path(settings.data_dir)
+    url = None if db else cfg.url  # --db names a SQLite file
+    if url is None and not path.exists():
         raise SystemExit(f"no session log at {path}")
-    return SessionStore(path, settings.session_log.fsync)
+    return SessionStore(path, cfg.fsync, url=url)
 
 
 def list_sessions(settings: Settings, db: Path | None, limit: int) -> int:

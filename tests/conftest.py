@@ -30,3 +30,6 @@ def _gateway_state(tmp_path_factory: pytest.TempPathFactory) -> None:
     rebuild every request from the log before sending it (verify_reconstruction)."""
     os.environ["VCACHE_DATA_DIR"] = str(tmp_path_factory.mktemp("vcache-data"))
     os.environ["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
+
+
+from tests.stores import postgres_url, redis_prefix  # noqa: E402,F401  (shared fixtures)

@@ -141,12 +141,17 @@ LOCAL_TARGET = "local"
 
 
 class SessionLogSettings(BaseModel):
-    """The session log: every request reconstructable from it (SQLite, WAL)."""
+    """The session log: every request reconstructable from it (SQLite in WAL mode, or
+    PostgreSQL shared by active-active gateways)."""
 
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
     path: Path | None = None  # default: <data_dir>/sessions.db
+    # postgresql://user@host/db: one log shared by every gateway (path is then unused)
+    url: str | None = Field(None, pattern=r"^(postgres(ql)?|sqlite)://")
+    # readiness fails once every commit has failed for this long (the store is down)
+    unavailable_grace_s: float = Field(10.0, ge=0)
     fsync: Literal["full", "normal", "off"] = "normal"
     verify_reconstruction: bool = False  # rebuild each request from the log before sending
     # Whole sessions older than this, or the oldest beyond the size cap, are deleted at

@@ -1,8 +1,17 @@
-"""Liveness and readiness of the gateway, from its replicas' states (the HTTP probes
-``/healthz``, ``/readyz`` and gRPC health read them)."""
+"""Liveness and readiness of the gateway, from its replicas' states and its shared
+stores' (the HTTP probes ``/healthz``, ``/readyz`` and gRPC health read them).
+
+A shared store (the session log's database, the Redis state) that fails for
+a moment leaves the gateway ready and ``degraded``; one that has failed for
+longer than its grace period makes readiness fail, so a load balancer sends
+the traffic to the gateways that can still log it.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel
@@ -10,7 +19,22 @@ from pydantic import BaseModel
 from gateway.local.supervisor import Supervisor
 from gateway.service.chat import GatewayService
 
-Status = Literal["ok", "ready", "degraded", "starting", "engine_dead", "failed"]
+Status = Literal[
+    "ok", "ready", "degraded", "starting", "engine_dead", "store_unavailable", "failed"
+]
+
+
+@dataclass(frozen=True)
+class StoreProbe:
+    name: str  # "session_log", "state"
+    failing_since: Callable[[], float | None]  # time.monotonic() of the first failure
+    grace_s: float
+
+    def state(self, now: float) -> Literal["ok", "degraded", "unavailable"]:
+        since = self.failing_since()
+        if since is None:
+            return "ok"
+        return "unavailable" if now - since > self.grace_s else "degraded"
 
 
 class ReplicaStatus(BaseModel):
@@ -23,12 +47,16 @@ class HealthStatus(BaseModel):
     status: Status
     error: str | None = None
     replicas: dict[str, ReplicaStatus] = {}
+    stores: dict[str, Literal["ok", "degraded", "unavailable"]] = {}
 
 
 class Health:
-    def __init__(self, supervisor: Supervisor, service: GatewayService) -> None:
+    def __init__(
+        self, supervisor: Supervisor, service: GatewayService, stores: Sequence[StoreProbe] = ()
+    ) -> None:
         self._supervisor = supervisor
         self._service = service
+        self._stores = stores
 
     def status(self, readiness: bool) -> tuple[int, HealthStatus]:
         """(HTTP status, body): liveness, or with ``readiness`` whether it can serve now."""
@@ -45,5 +73,17 @@ class Health:
             return 200, HealthStatus(status="ok", replicas=replicas)
         if not self._service.ready:
             return 503, HealthStatus(status="starting", replicas=replicas)
-        degraded = any(r.state != "ready" for r in replicas.values())
-        return 200, HealthStatus(status="degraded" if degraded else "ready", replicas=replicas)
+        now = time.monotonic()
+        stores = {p.name: p.state(now) for p in self._stores}
+        down = [name for name, state in stores.items() if state == "unavailable"]
+        if down:
+            error = f"unreachable beyond the grace period: {', '.join(down)}"
+            body = HealthStatus(
+                status="store_unavailable", error=error, replicas=replicas, stores=stores
+            )
+            return 503, body
+        degraded = any(r.state != "ready" for r in replicas.values()) or any(
+            state != "ok" for state in stores.values()
+        )
+        status: Status = "degraded" if degraded else "ready"
+        return 200, HealthStatus(status=status, replicas=replicas, stores=stores)

@@ -20,14 +20,15 @@ conversation from interleaving inside one session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.core.errors import APIError, NotFound
+from gateway.core.errors import APIError, NotFound, Unavailable
 from gateway.sessions.reconstruct import Reconstructor, sha256
 from gateway.sessions.store import SessionStore
 from gateway.sessions.writer import Writer
@@ -58,6 +59,24 @@ log = logging.getLogger(__name__)
 class ReconstructionMismatch(APIError):
     status = 500
     type = "server_error"
+
+
+@contextlib.asynccontextmanager
+async def _store_boundary(what: str) -> AsyncIterator[None]:
+    """The one place a failure of the store (its server restarting, the disk full)
+    becomes an answer: a 503 with Retry-After.  A request that is not in the log is
+    not sent (shared/seeds/000)."""
+    try:
+        yield
+    except APIError:
+        raise
+    except Exception as exc:
+        log.warning("session log: %s failed: %r", what, exc)
+        raise Unavailable(
+            f"the session log is unavailable ({what} failed); retry shortly",
+            code="session_log_unavailable",
+            retry_after_s=2,
+        ) from exc
 
 
 @dataclass
@@ -92,16 +111,18 @@ class SessionLog:
         self.store = store
         self._rebuild = rebuild
         self.verify = verify
-        # Folded states of the sessions this process touched last (LRU, at most ``cached``).
-        # A session that fell out is folded again from the store when it comes back, and its
-        # next request records a ``resume`` header snapshot, as after a restart.
-        self._states: OrderedDict[str, State] = OrderedDict()
+        # Folded states of the sessions this process touched last (LRU, at most ``cached``),
+        # each with the last event it folds.  A session that fell out is folded again from
+        # the store when it comes back, and its next request records a ``resume`` header
+        # snapshot, as after a restart.  Other gateways may append to a session too (a
+        # shared log): a cached state behind the store's last event folds the rest in.
+        self._states: OrderedDict[str, tuple[int, State]] = OrderedDict()
         self._cached = cached
         self.verified = 0
         self.writer = Writer(store, on_abort=self._states.clear)
 
-    def _remember(self, sid: str, state: State) -> None:
-        self._states[sid] = state
+    def _remember(self, sid: str, seq: int, state: State) -> None:
+        self._states[sid] = (seq, state)
         self._states.move_to_end(sid)
         while len(self._states) > self._cached:
             self._states.popitem(last=False)
@@ -133,10 +154,20 @@ class SessionLog:
         return op
 
     def _state(self, sid: str) -> State:
-        state = self._states.get(sid)
-        if state is None:
+        """The session folded through the store's last event (call it with the session
+        locked: inside the writer's transaction, after :meth:`SessionStore.lock_session`)."""
+        last = self.store.last_seq(sid)
+        cached = self._states.get(sid)
+        if cached is not None and cached[0] == last:
+            self._states.move_to_end(sid)
+            return cached[1]
+        if cached is not None and cached[0] < last:
+            seq, state = cached
+            rest = [e for _, e in self.store.events(sid, after_seq=seq)]
+            state = fold([_as_header(state), *state.messages, *rest])
+        else:
             state = fold(e for _, e in self.store.events(sid))
-            self._remember(sid, state)
+        self._remember(sid, last, state)
         return state
 
     def _place(self, op: Open) -> tuple[str, list[Event], bool]:
@@ -151,10 +182,12 @@ class SessionLog:
                     param="x-vcache-session",
                 )
             sid = self.store.create(op.tenant, op.session_id)
+            self.store.lock_session(sid)
             return sid, self._events_for(sid, op, resume=sid not in self._states), False
         found = self.store.find_head(op.tenant, op.digests)
         if found is not None:
             sid = found[0]
+            self.store.lock_session(sid)
             resume = sid not in self._states
             events = self._events_for(sid, op, resume)
             if not any(isinstance(e, ReplaceEvent | TruncateEvent) for e in events):
@@ -191,11 +224,12 @@ class SessionLog:
             events.append(event)
             request = (request_id, target, digest)
             seqs = self.store.append(sid, events, request, heads, op.tenant if new else None)
-            state = self._states.get(sid, State())
-            self._remember(sid, fold([_as_header(state), *state.messages, *events]))
+            state = self._states.get(sid, (-1, State()))[1]
+            self._remember(sid, seqs[-1], fold([_as_header(state), *state.messages, *events]))
             return sid, seqs
 
-        sid, seqs = await self.writer.run(append)
+        async with _store_boundary("recording the request"):
+            sid, seqs = await self.writer.run(append)
         op.session_id, op.dispatch_seq = sid, seqs[-1]
         if self.verify:
             await asyncio.to_thread(self._verify, sid, seqs[-1], event, sent)
@@ -246,13 +280,15 @@ class SessionLog:
         heads = [(op.tenant, head, len(op.entries) + 1)]
 
         def append() -> list[int]:  # on the writer thread
+            self.store.lock_session(sid)
             state = self._state(sid)
             events = [*changes(state, op.header, op.messages), *tail]
             seqs = self.store.append(sid, events, None, heads)
-            self._remember(sid, fold([_as_header(state), *state.messages, *events]))
+            self._remember(sid, seqs[-1], fold([_as_header(state), *state.messages, *events]))
             return seqs
 
-        seqs = await self.writer.run(append)
+        async with _store_boundary("recording the answer"):
+            seqs = await self.writer.run(append)
         op.answer_seq = seqs[-1]
 
     def close(self) -> None:

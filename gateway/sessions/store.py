@@ -1,4 +1,7 @@
-"""The session log on disk: SQLite in WAL mode, append-only events, content-addressed blobs.
+"""The session log's store: append-only events, content-addressed blobs.
+
+SQLite in WAL mode is the embedded default; PostgreSQL is the shared log of
+active-active gateways (:mod:`gateway.sessions.sql` holds what differs).
 
 One transaction per append: the events of a request (header snapshot,
 messages, dispatch), its request row and its conversation heads land
@@ -14,42 +17,20 @@ every blob no remaining session references.
 from __future__ import annotations
 
 import contextlib
-import os
-import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from gateway.sessions.sql import Dialect, FsyncPolicy, connect
 from manifest.sessionlog import Event, decode, encode
 
-FsyncPolicy = Literal["full", "normal", "off"]
-_LOOKUP_CHUNK = 500  # digests per IN (...) query, well under SQLite's variable limit
+__all__ = ["FsyncPolicy", "RequestRow", "ResponseRow", "SessionInfo", "SessionStore"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions(
-  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS events(
-  session_id TEXT NOT NULL, seq INTEGER NOT NULL, data BLOB NOT NULL, created REAL NOT NULL,
-  PRIMARY KEY(session_id, seq)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS blobs(digest TEXT PRIMARY KEY, data BLOB NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS blob_refs(
-  digest TEXT NOT NULL, session_id TEXT NOT NULL, PRIMARY KEY(digest, session_id)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS requests(
-  request_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq INTEGER NOT NULL,
-  target TEXT NOT NULL, sha256 TEXT NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS heads(
-  tenant TEXT NOT NULL, digest TEXT NOT NULL, session_id TEXT NOT NULL, length INTEGER NOT NULL,
-  PRIMARY KEY(tenant, digest)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS responses(
-  id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq INTEGER NOT NULL, tenant TEXT NOT NULL,
-  body TEXT NOT NULL, stored INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0,
-  created REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS requests_by_session ON requests(session_id);
-"""
+_LOOKUP_CHUNK = 500  # digests per IN (...) query, well under SQLite's variable limit
 
 
 @dataclass(frozen=True)
@@ -84,23 +65,33 @@ class SessionInfo:
 
 
 class SessionStore:
-    def __init__(self, path: Path, fsync: FsyncPolicy = "normal") -> None:
-        # Prompts live here: the folder (when created here) and the file are the owner's
-        # alone.  SQLite gives the -wal and -shm files the database file's mode.
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-        os.chmod(path, 0o600)
+    def __init__(self, path: Path, fsync: FsyncPolicy = "normal", url: str | None = None) -> None:
+        self._sql: Dialect = connect(url, path, fsync)
         self.path = path
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.backend = self._sql.name
         self._lock = threading.RLock()
         self._batch = False  # inside a group commit (:meth:`batch`): appends join it
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={fsync.upper()}")
-        self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            self._sql.close()
+
+    def retryable(self, exc: BaseException) -> bool:
+        """A transaction that lost a race with another process's (a deadlock, a lock
+        timeout): running it again may succeed."""
+        return self._sql.retryable(exc)
+
+    def lock_session(self, session_id: str) -> None:
+        """Inside a transaction: appends of other processes to this session wait."""
+        self._sql.lock_session(session_id)
+
+    def last_seq(self, session_id: str) -> int:
+        """The session's last event (-1: none)."""
+        with self._lock:
+            row = self._sql.execute(
+                "SELECT COALESCE(MAX(seq), -1) FROM events WHERE session_id = ?", (session_id,)
+            ).fetchone()
+        return int(row[0])
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
@@ -108,8 +99,8 @@ class SessionStore:
         a savepoint per writer (its failure rolls back its writes only).  Readers wait
         until the commit; a failed commit rolls everything back and raises."""
         with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
+            db = self._sql
+            db.begin()
             self._batch = True
             try:
                 yield self._savepoint
@@ -122,14 +113,14 @@ class SessionStore:
 
     @contextlib.contextmanager
     def _savepoint(self) -> Iterator[None]:
-        self._db.execute("SAVEPOINT item")
+        self._sql.execute("SAVEPOINT item")
         try:
             yield
         except BaseException:
-            self._db.execute("ROLLBACK TO item")
+            self._sql.execute("ROLLBACK TO item")
             raise
         finally:
-            self._db.execute("RELEASE item")
+            self._sql.execute("RELEASE item")
 
     # ----------------------------------------------------------------- writes
 
@@ -137,7 +128,7 @@ class SessionStore:
         sid = session_id or f"sess_{uuid.uuid4().hex}"
         now = time.time()
         with self._lock:
-            self._db.execute(
+            self._sql.execute(
                 "INSERT OR IGNORE INTO sessions VALUES (?, ?, ?, ?)", (sid, tenant, now, now)
             )
         return sid
@@ -159,10 +150,10 @@ class SessionStore:
         """
         now = time.time()
         with self._lock:
-            db = self._db
+            db = self._sql
             own = not self._batch  # alone: a transaction of its own
             if own:
-                db.execute("BEGIN IMMEDIATE")
+                db.begin()
             try:
                 if new_for is not None:
                     db.execute(
@@ -170,6 +161,7 @@ class SessionStore:
                     )
                     first = 0
                 else:
+                    db.lock_session(session_id)
                     row = db.execute(
                         "SELECT COALESCE(MAX(seq), -1) FROM events WHERE session_id = ?",
                         (session_id,),
@@ -182,7 +174,7 @@ class SessionStore:
                     blobs.update(enc.blobs)
                     rows.append((session_id, seq, enc.data, now))
                 if blobs:
-                    db.executemany("INSERT OR IGNORE INTO blobs VALUES (?, ?)", blobs.items())
+                    db.executemany("INSERT OR IGNORE INTO blobs VALUES (?, ?)", list(blobs.items()))
                     db.executemany(
                         "INSERT OR IGNORE INTO blob_refs VALUES (?, ?)",
                         [(digest, session_id) for digest in blobs],
@@ -216,14 +208,14 @@ class SessionStore:
         """A Responses API response at event ``seq`` of its session (its answer, whatever
         was appended to the session since), in one statement."""
         with self._lock:
-            self._db.execute(
+            self._sql.execute(
                 "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
                 (response_id, session_id, seq, tenant, body, int(stored), time.time()),
             )
 
     def delete_response(self, response_id: str) -> bool:
         with self._lock:
-            cur = self._db.execute(
+            cur = self._sql.execute(
                 "UPDATE responses SET deleted = 1 WHERE id = ? AND deleted = 0", (response_id,)
             )
             return cur.rowcount == 1
@@ -231,31 +223,33 @@ class SessionStore:
     # ------------------------------------------------------------------ reads
 
     def _blob(self, digest: str) -> bytes:
-        row = self._db.execute("SELECT data FROM blobs WHERE digest = ?", (digest,)).fetchone()
+        row = self._sql.execute("SELECT data FROM blobs WHERE digest = ?", (digest,)).fetchone()
         if row is None:
             raise KeyError(f"blob {digest} is missing")
-        data: bytes = row[0]
-        return data
+        return bytes(row[0])
 
-    def events(self, session_id: str, upto_seq: int | None = None) -> list[tuple[int, Event]]:
-        """Events in order, through ``upto_seq`` when given."""
+    def events(
+        self, session_id: str, upto_seq: int | None = None, after_seq: int = -1
+    ) -> list[tuple[int, Event]]:
+        """Events in order, after ``after_seq`` and through ``upto_seq`` when given."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT seq, data FROM events WHERE session_id = ? AND seq <= ? ORDER BY seq",
-                (session_id, upto_seq if upto_seq is not None else 1 << 62),
+            rows = self._sql.execute(
+                "SELECT seq, data FROM events WHERE session_id = ? AND seq > ? AND seq <= ? "
+                "ORDER BY seq",
+                (session_id, after_seq, upto_seq if upto_seq is not None else 1 << 62),
             ).fetchall()
-            return [(int(seq), decode(data, self._blob)) for seq, data in rows]
+            return [(int(seq), decode(bytes(data), self._blob)) for seq, data in rows]
 
     def tenant(self, session_id: str) -> str | None:
         with self._lock:
-            row = self._db.execute(
+            row = self._sql.execute(
                 "SELECT tenant FROM sessions WHERE id = ?", (session_id,)
             ).fetchone()
         return None if row is None else str(row[0])
 
     def request(self, request_id: str) -> RequestRow | None:
         with self._lock:
-            row = self._db.execute(
+            row = self._sql.execute(
                 "SELECT request_id, session_id, seq, target, sha256 FROM requests "
                 "WHERE request_id = ?",
                 (request_id,),
@@ -268,7 +262,7 @@ class SessionStore:
         if session_id is not None:
             q, args = q + " WHERE session_id = ?", (session_id,)
         with self._lock:
-            return [RequestRow(*r) for r in self._db.execute(q + " ORDER BY created", args)]
+            return [RequestRow(*r) for r in self._sql.execute(q + " ORDER BY created", args)]
 
     def find_head(self, tenant: str, digests: Sequence[str]) -> tuple[str, int] | None:
         """The conversation head among ``digests`` that comes last in the list (the
@@ -278,7 +272,7 @@ class SessionStore:
             for at in range(0, len(digests), _LOOKUP_CHUNK):
                 chunk = digests[at : at + _LOOKUP_CHUNK]
                 marks = ", ".join("?" * len(chunk))
-                for digest, sid, length in self._db.execute(
+                for digest, sid, length in self._sql.execute(
                     "SELECT digest, session_id, length FROM heads "
                     f"WHERE tenant = ? AND digest IN ({marks})",
                     (tenant, *chunk),
@@ -288,7 +282,7 @@ class SessionStore:
 
     def response(self, response_id: str) -> ResponseRow | None:
         with self._lock:
-            row = self._db.execute(
+            row = self._sql.execute(
                 "SELECT id, session_id, seq, tenant, body, stored, deleted FROM responses "
                 "WHERE id = ?",
                 (response_id,),
@@ -299,7 +293,7 @@ class SessionStore:
 
     def sessions(self) -> list[SessionInfo]:
         with self._lock:
-            rows = self._db.execute(
+            rows = self._sql.execute(
                 """
                 SELECT s.id, s.tenant,
                   (SELECT COUNT(*) FROM events e WHERE e.session_id = s.id),
@@ -316,13 +310,13 @@ class SessionStore:
 
     def size_bytes(self) -> int:
         with self._lock:
-            ev = self._db.execute("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM events").fetchone()
-            bl = self._db.execute("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM blobs").fetchone()
+            ev = self._sql.execute("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM events").fetchone()
+            bl = self._sql.execute("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM blobs").fetchone()
         return int(ev[0]) + int(bl[0])
 
     def integrity(self) -> str:
         with self._lock:
-            return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
+            return self._sql.integrity()
 
     # -------------------------------------------------------------- retention
 
@@ -343,8 +337,8 @@ class SessionStore:
                     doomed.append(s.id)
                 total -= s.bytes
         with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
+            db = self._sql
+            db.begin()
             try:
                 for sid in doomed:
                     for table, col in (

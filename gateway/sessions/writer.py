@@ -18,18 +18,22 @@ so the log holds whatever was handed over.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from gateway.core.errors import APIError
 from gateway.sessions.store import SessionStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_ATTEMPTS = 3
 
 
 @dataclass
@@ -71,6 +75,9 @@ class Writer:
         self._thread.start()
         self.commits = 0
         self.jobs = 0
+        # when the store began failing every write (None: the last one succeeded); the
+        # readiness probe reads it
+        self.failing_since: float | None = None
 
     async def run(self, fn: Callable[[], T], alone: bool = False) -> T:
         """Run ``fn`` on the writer thread; return once its writes are committed."""
@@ -116,18 +123,35 @@ class Writer:
         out: list[Outcome] = []
         try:
             with self._store.batch() as item:
-                for job in batch:
-                    try:
-                        with item():
-                            out.append((job.fn(), None))
-                    except Exception as exc:
-                        out.append((None, exc))
+                out = [self._attempt(job, item) for job in batch]
         except Exception as exc:  # the commit failed: nothing of the batch is in the log
             log.exception("session log: a group commit of %d requests failed", len(batch))
             self._on_abort()
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
             return [(None, exc) for _ in batch]
         self.commits += 1
+        if any(exc is None for _, exc in out):
+            self.failing_since = None
+        elif any(not isinstance(exc, APIError) for _, exc in out) and self.failing_since is None:
+            self.failing_since = time.monotonic()  # every job failed on the store itself
         return out
+
+    def _attempt(
+        self, job: _Job, item: Callable[[], contextlib.AbstractContextManager[None]]
+    ) -> Outcome:
+        """One job in its savepoint; again when it lost a race with another process's
+        transaction (a shared log: a deadlock, a lock timeout), which rolled back its
+        writes only."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                with item():
+                    return (job.fn(), None)
+            except Exception as exc:
+                if attempt == _ATTEMPTS or not self._store.retryable(exc):
+                    return (None, exc)
+                log.info("session log: job retried after %r", exc)
+        raise AssertionError("unreachable")
 
     def _settle(self, batch: list[_Job], results: list[Outcome]) -> None:
         self.jobs += len(batch)

@@ -361,6 +361,7 @@ def test_not_ready_is_503_and_readyz_says_starting(tokenizer: ChatTokenizer) -> 
             "status": "ok",
             "error": None,
             "replicas": {"replica-0": {"state": "starting", "restarts": 0, "last_error": None}},
+            "stores": {},
         }
         assert c.get("/readyz").status_code == 503
         assert c.get("/readyz").json()["status"] == "starting"
@@ -382,6 +383,7 @@ def test_failed_engine_fails_health(tokenizer: ChatTokenizer) -> None:
             "status": "failed",
             "error": "RuntimeError: no GPU memory",
             "replicas": {"replica-0": failed},
+            "stores": {},
         }
         r = c.post("/v1/chat/completions", json=chat())
         assert r.status_code == 503

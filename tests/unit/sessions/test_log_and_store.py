@@ -9,8 +9,10 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psycopg.errors
 import pytest
 
 from gateway.sessions.store import SessionStore
@@ -34,6 +36,7 @@ from manifest.sessionlog import (
     link,
 )
 
+MakeStore = Callable[..., SessionStore]
 LONG = "a system prompt long enough to be stored as a blob, shared by sessions. " * 5
 
 
@@ -110,10 +113,10 @@ def test_chain_digests_extend() -> None:
     assert link(a[-1], b"z") == b[-1]  # one step on from a known digest
 
 
-def test_find_head_is_the_latest_digest_listed_past_one_query(tmp_path: Path) -> None:
+def test_find_head_is_the_latest_digest_listed_past_one_query(make_store: MakeStore) -> None:
     """Heads found in one query per 500 digests; the one listed last wins, whatever its
     stored length, in whichever chunk it falls."""
-    store = SessionStore(tmp_path / "s.db")
+    store = make_store()
     digests = [f"d{i}" for i in range(1200)]
     early = store.append("t/early", [MessageEvent("user", "a")], None, [("t", "d3", 9)], "t")
     assert early == [0]
@@ -125,13 +128,13 @@ def test_find_head_is_the_latest_digest_listed_past_one_query(tmp_path: Path) ->
     assert store.find_head("t", ["nope"]) is None
 
 
-def test_a_new_session_is_created_by_its_first_append(tmp_path: Path) -> None:
-    store = SessionStore(tmp_path / "s.db")
+def test_a_new_session_is_created_by_its_first_append(make_store: MakeStore) -> None:
+    store = make_store()
     assert store.append("t/new", [MessageEvent("user", "a"), _dispatch(0)], None, (), "t") == [0, 1]
     assert store.tenant("t/new") == "t"
     assert store.append("t/new", [MessageEvent("assistant", "b")]) == [2]
     assert [e for _, e in store.events("t/new")][2] == MessageEvent("assistant", "b")
-    with pytest.raises(sqlite3.IntegrityError):  # never two sessions under one id
+    with pytest.raises((sqlite3.IntegrityError, psycopg.errors.UniqueViolation)):  # one id, one
         store.append("t/new", [MessageEvent("user", "c")], None, (), "t")
     assert [seq for seq, _ in store.events("t/new")] == [0, 1, 2]  # the failed one left none
 
@@ -140,8 +143,8 @@ def _dispatch(i: int) -> DispatchEvent:
     return DispatchEvent(f"req-{i}", "local", "vllm", (), f"{i:064x}")
 
 
-def test_store_shares_blobs_and_retention_drops_whole_sessions(tmp_path: Path) -> None:
-    store = SessionStore(tmp_path / "s.db", "full")
+def test_store_shares_blobs_and_retention_drops_whole_sessions(make_store: MakeStore) -> None:
+    store = make_store("full")
     h = Header.make("m", "local", [LONG])
     ids = []
     for i in range(3):
@@ -152,7 +155,7 @@ def test_store_shares_blobs_and_retention_drops_whole_sessions(tmp_path: Path) -
         )  # fmt: skip
         ids.append(sid)
         time.sleep(0.01)
-    blobs = store._db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]
+    blobs = store._sql.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]
     assert blobs == 1  # the shared system prompt is stored once
     assert store.find_head("t", ["nope", "head-1"]) == (ids[1], 2)
     assert store.request("req-2") is not None
@@ -161,9 +164,8 @@ def test_store_shares_blobs_and_retention_drops_whole_sessions(tmp_path: Path) -
     assert store.retain(max_bytes=store.size_bytes() - 1) == [ids[0]]  # the oldest goes first
     assert store.request("req-0") is None and store.request("req-1") is not None
     assert sorted(store.retain(max_age_s=0.0)) == sorted(ids[1:])
-    assert store._db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == 0
+    assert store._sql.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == 0
     assert store.integrity() == "ok"
-    store.close()
 
 
 def test_the_store_is_the_owners_alone(tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import sqlite3
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,9 +16,9 @@ from manifest.sessionlog import MessageEvent
 
 
 def test_concurrent_appends_share_commits_and_are_on_disk_when_acknowledged(
-    tmp_path: Path,
+    make_store: Callable[..., SessionStore],
 ) -> None:
-    store = SessionStore(tmp_path / "log.db", "full")
+    store = make_store("full")
     writer = Writer(store)
     gate = threading.Event()
 
@@ -40,19 +40,19 @@ def test_concurrent_appends_share_commits_and_are_on_disk_when_acknowledged(
         await first
         out = await asyncio.gather(*rest)
         # acknowledged: another connection sees every row already
-        other = sqlite3.connect(tmp_path / "log.db")
-        assert other.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 20
-        other.close()
+        other = make_store()
+        assert other._sql.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 20
         return out
 
     assert asyncio.run(main()) == [[0]] * 20
     assert writer.jobs == 21 and writer.commits <= 3  # 20 appends, one or two commits
     writer.close()
-    store.close()
 
 
-def test_a_failing_job_rolls_back_only_its_own_writes(tmp_path: Path) -> None:
-    store = SessionStore(tmp_path / "log.db")
+def test_a_failing_job_rolls_back_only_its_own_writes(
+    make_store: Callable[..., SessionStore],
+) -> None:
+    store = make_store()
     writer = Writer(store)
     gate = threading.Event()
 
@@ -79,7 +79,6 @@ def test_a_failing_job_rolls_back_only_its_own_writes(tmp_path: Path) -> None:
     assert [s.id for s in store.sessions()] == ["ok"]
     assert store.events("ok")[0][1] == MessageEvent("user", "x")
     writer.close()
-    store.close()
 
 
 def test_a_caller_that_stops_waiting_does_not_stop_the_writer(tmp_path: Path) -> None:

@@ -1,0 +1,70 @@
+"""Real PostgreSQL and Redis servers for the tests of shared state.
+
+Each test gets a database of its own (``CREATE DATABASE``, dropped after) and a
+Redis key prefix of its own (its keys deleted after).  Where a server is absent
+the test skips with a message naming it, except under ``CI=true``, where the
+servers are part of the machine and their absence is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+PG_ADMIN = os.environ.get("VCACHE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS = os.environ.get("VCACHE_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+def _absent(what: str, exc: BaseException) -> None:
+    msg = f"{what} is not reachable ({exc}); the shared-state tests need it"
+    if os.environ.get("CI") == "true":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def _with_db(url: str, name: str) -> str:
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{name}"
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database, dropped after the test."""
+    try:
+        import psycopg
+
+        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
+    except Exception as exc:
+        _absent(f"PostgreSQL at {PG_ADMIN}", exc)
+        raise
+    name = f"vcache_test_{uuid.uuid4().hex[:12]}"
+    admin.execute(f"CREATE DATABASE {name}")
+    try:
+        yield _with_db(PG_ADMIN, name)
+    finally:
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[tuple[str, str]]:
+    """(Redis URL, a key prefix of this test's own); its keys are deleted after."""
+    try:
+        import redis
+
+        client = redis.Redis.from_url(REDIS, socket_connect_timeout=3)
+        client.ping()
+    except Exception as exc:
+        _absent(f"Redis at {REDIS}", exc)
+        raise
+    prefix = f"vcache-test-{uuid.uuid4().hex[:12]}:"
+    try:
+        yield REDIS, prefix
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
