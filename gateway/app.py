@@ -151,6 +151,7 @@ def create_app(
         poll_s=settings.engine.watch_interval_s,
         backoff_base_s=settings.engine.restart_backoff_s,
         backoff_cap_s=settings.engine.restart_backoff_cap_s,
+        instance_id=settings.instance_id,
     )
 
     @contextlib.asynccontextmanager

@@ -32,6 +32,7 @@ METHODS = frozenset(
     {
         "vcache_pin",
         "vcache_unpin",
+        "vcache_sweep",
         "vcache_evict",
         "vcache_cache_stats",
         "vcache_resident",

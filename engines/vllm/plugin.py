@@ -5,13 +5,17 @@ pyproject.toml); vLLM loads it in every process, and in the engine-core
 process it adds these utility methods to ``EngineCore``, which an engine
 client reaches with ``call_utility_async("vcache_pin", ...)``:
 
-``vcache_pin(hashes, max_share)``
+``vcache_pin(hashes, max_share, holder, ttl_s)``
     Take one reference on each resident block (once per hash: idempotent), so
-    LRU eviction cannot reuse it.  Refuses to pin beyond ``max_share`` of the
+    LRU eviction cannot reuse it, held by ``holder`` (a gateway) for ``ttl_s``
+    (renewed by pinning again).  Refuses to pin beyond ``max_share`` of the
     KV blocks.  Returns the hashes pinned by this call and those already pinned.
-``vcache_unpin(hashes)``
-    Drop the plugin's reference; the block becomes evictable again (most
-    recently used end of the free queue).
+``vcache_unpin(hashes, holder)``
+    Drop ``holder``'s hold; a block nobody holds loses the plugin's reference
+    and becomes evictable again (most recently used end of the free queue).
+``vcache_sweep()``
+    Release the blocks whose holds have all run out (a gateway died holding
+    them); every pin and unpin sweeps first.
 ``vcache_evict(hashes)``
     Remove blocks from the prefix cache if no running request and no pin holds
     them; ``BlockRemoved`` events are published at once.
@@ -75,8 +79,46 @@ def _publish_pending(core: Any) -> None:
         publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
 
-def vcache_pin(core: Any, hashes: list[bytes], max_share: float) -> dict[str, Any]:
-    pool, pins = _pool(core), _pins(core)
+def _holds(core: Any) -> dict[bytes, dict[str, float]]:
+    """Per pinned block, who holds it (a gateway's id) until when (this process's
+    monotonic clock; ``inf``: until released).  A block stays pinned while any hold is
+    live, so gateways sharing a replica never release each other's pins, and a gateway
+    that died without releasing its own leaks nothing: its holds run out."""
+    holds: dict[bytes, dict[str, float]] | None = getattr(core, "_vcache_holds", None)
+    if holds is None:
+        holds = {}
+        core._vcache_holds = holds
+    return holds
+
+
+def _free(core: Any, h: bytes) -> bool:
+    _holds(core).pop(h, None)
+    block = _pins(core).pop(h, None)
+    if block is None:
+        return False
+    _pool(core).free_blocks([block])
+    return True
+
+
+def vcache_sweep(core: Any) -> dict[str, Any]:
+    """Release every block whose holds have all run out."""
+    now = time.monotonic()
+    released = []
+    for h, by in list(_holds(core).items()):
+        for holder in [k for k, until in by.items() if until <= now]:
+            del by[holder]
+        if not by and _free(core, h):
+            released.append(h)
+    return {"unpinned": released}
+
+
+def vcache_pin(
+    core: Any, hashes: list[bytes], max_share: float, holder: str = "", ttl_s: float | None = None
+) -> dict[str, Any]:
+    """Pin (or, for ``holder``, hold again until ``ttl_s`` from now) each resident block."""
+    vcache_sweep(core)
+    pool, pins, holds = _pool(core), _pins(core), _holds(core)
+    until = float("inf") if ttl_s is None else time.monotonic() + ttl_s
     limit = int(pool.num_gpu_blocks * max_share)
     pinned: list[bytes] = []
     already: list[bytes] = []
@@ -85,26 +127,31 @@ def vcache_pin(core: Any, hashes: list[bytes], max_share: float) -> dict[str, An
     for h in hashes:
         if h in pins:
             already.append(h)
-            continue
-        block = _lookup(pool, h)
-        if block is None:
+        elif (block := _lookup(pool, h)) is None:
             missing.append(h)
+            continue
         elif len(pins) >= limit:
             refused.append(h)
+            continue
         else:
             pool.touch([block])
             pins[h] = block
             pinned.append(h)
+        by = holds.setdefault(h, {})
+        by[holder] = max(by.get(holder, until), until)
     return {"pinned": pinned, "already": already, "missing": missing, "refused": refused}
 
 
-def vcache_unpin(core: Any, hashes: list[bytes]) -> dict[str, Any]:
-    pool, pins = _pool(core), _pins(core)
-    released = []
+def vcache_unpin(core: Any, hashes: list[bytes], holder: str | None = None) -> dict[str, Any]:
+    """Drop ``holder``'s hold (every hold when None); release the blocks nobody holds
+    any more, which become evictable (most recently used end of the free queue)."""
+    released = vcache_sweep(core)["unpinned"]
+    holds = _holds(core)
     for h in hashes:
-        block = pins.pop(h, None)
-        if block is not None:
-            pool.free_blocks([block])
+        by = holds.get(h, {})
+        if holder is not None:
+            by.pop(holder, None)
+        if (holder is None or not by) and _free(core, h):
             released.append(h)
     return {"unpinned": released}
 
@@ -133,6 +180,7 @@ def vcache_cache_stats(core: Any) -> dict[str, Any]:
         "free_blocks": int(pool.get_num_free_blocks()),
         "cached_blocks": len(pool.cached_block_hash_to_block),
         "pinned_blocks": len(_pins(core)),
+        "holders": len({k for by in _holds(core).values() for k in by}),
         "usage": float(pool.get_usage()),
     }
 
@@ -180,6 +228,7 @@ def vcache_resident(core: Any) -> list[bytes]:
 _METHODS = {
     "vcache_pin": vcache_pin,
     "vcache_unpin": vcache_unpin,
+    "vcache_sweep": vcache_sweep,
     "vcache_evict": vcache_evict,
     "vcache_cache_stats": vcache_cache_stats,
     "vcache_resident": vcache_resident,

@@ -52,17 +52,30 @@ class SpanControl:
             raise EngineUnavailable(f"engine core call {method} answered {type(res).__name__}")
         return res
 
-    async def pin(self, hashes: Sequence[bytes], max_share: float) -> PinReply:
-        """Pin resident blocks, at most ``max_share`` of the pool pinned in all."""
-        res = await self._reply("vcache_pin", [bytes(h) for h in hashes], max_share)
+    async def pin(
+        self,
+        hashes: Sequence[bytes],
+        max_share: float,
+        holder: str = "",
+        hold_s: float | None = None,
+    ) -> PinReply:
+        """Pin resident blocks, at most ``max_share`` of the pool pinned in all, held by
+        ``holder`` for ``hold_s`` (None: until released); pinning again renews the hold."""
+        res = await self._reply("vcache_pin", [bytes(h) for h in hashes], max_share, holder, hold_s)
         try:
             return PinReply(*(_hashes(res[k]) for k in ("pinned", "already", "missing", "refused")))
         except (KeyError, TypeError) as exc:
             raise EngineUnavailable(f"engine core call vcache_pin answered {res!r}") from exc
 
-    async def unpin(self, hashes: Sequence[bytes]) -> tuple[bytes, ...]:
-        res = await self._reply("vcache_unpin", [bytes(h) for h in hashes])
+    async def unpin(self, hashes: Sequence[bytes], holder: str | None = None) -> tuple[bytes, ...]:
+        """Drop ``holder``'s hold (every hold when None); the blocks released (nobody
+        holds them any more)."""
+        res = await self._reply("vcache_unpin", [bytes(h) for h in hashes], holder)
         return _hashes(res.get("unpinned", ()))
+
+    async def sweep(self) -> tuple[bytes, ...]:
+        """Release the blocks whose holds have all run out; which."""
+        return _hashes((await self._reply("vcache_sweep")).get("unpinned", ()))
 
     async def evict(self, hashes: Sequence[bytes]) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
         """Evict blocks no request or pin holds: (evicted, busy)."""

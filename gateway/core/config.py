@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import socket
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -182,6 +184,10 @@ def _default_data_dir() -> Path:
     return Path(base) / "vcache"
 
 
+def _default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="VCACHE_", env_nested_delimiter="__", extra="forbid"
@@ -194,6 +200,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     grpc_port: int | None = Field(50051, ge=0, le=65535)  # None: no gRPC server
     data_dir: Path = Field(default_factory=_default_data_dir)
+    # this gateway among several in front of the same replicas and stores (the engines'
+    # pin holds, the shared state's leader); unique per process by default
+    instance_id: str = Field(default_factory=_default_instance_id, min_length=1, max_length=128)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
     control: ControlSettings = Field(default_factory=ControlSettings)

@@ -4,6 +4,13 @@ The engine holds one reference per pinned block while any owner's lease on it
 is live (the :class:`LeaseBook` says who holds what, until when); pinning past
 the engine's pin budget is refused block by block, and a reaper releases
 expired leases.  Evicting drops blocks nobody holds, request or pin.
+
+Several gateways may pin on one replica (active-active): the engine records
+each gateway's *hold* on a block (its ``holder`` id) for the gateway's longest
+lease plus :data:`HOLD_SLACK_S`, renewed when a lease outgrows it.  A gateway
+releases only its own hold, so it never unpins another's blocks, and one that
+dies leaks nothing: its holds run out, and every gateway's reaper asks each
+replica to sweep them every :data:`SWEEP_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from engines.errors import EngineError
 from gateway.local.kv_sync import KVSync
 from gateway.local.leases import Lease, LeaseBook
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
+HOLD_SLACK_S = 10.0  # an engine hold outlives its lease by this (the owner releases first)
+SWEEP_EVERY_S = 5.0
 
 
 @dataclass
@@ -38,12 +48,16 @@ class SpanPins:
         pin_max_share: float,
         default_lease_s: float,
         clock: Callable[[], float] = time.monotonic,
+        holder: str = "",
     ) -> None:
         self._kv = kv
         self.leases = leases
         self._pin_max_share = pin_max_share
         self.default_lease_s = default_lease_s
         self._clock = clock
+        self.holder = holder  # this gateway, as the engines know it
+        self._hold_until: dict[tuple[LocationId, BlockHash], float] = {}
+        self._swept_at = clock()
 
     async def pin(
         self,
@@ -52,17 +66,28 @@ class SpanPins:
         owner: str,
         lease_s: float | None = None,
     ) -> PinResult:
-        lease = Lease(owner, self._clock() + (lease_s or self.default_lease_s))
-        fresh = [h for h in hashes if not self.leases.pinned(replica, h)]
+        now = self._clock()
+        lease = Lease(owner, now + (lease_s or self.default_lease_s))
+        # new blocks, and held ones whose engine hold would end before this lease
+        need = [
+            h
+            for h in hashes
+            if not self.leases.pinned(replica, h)
+            or self._hold_until.get((replica, h), 0.0) < lease.expires_at
+        ]
         out = PinResult(replica)
-        if fresh:
-            res = await self._kv.state(replica).control.pin(fresh, self._pin_max_share)
+        if need:
+            hold_s = lease.expires_at - now + HOLD_SLACK_S
+            control = self._kv.state(replica).control
+            res = await control.pin(need, self._pin_max_share, self.holder, hold_s)
             took = [BlockHash(h) for h in (*res.pinned, *res.already)]
             out.missing = [h.hex() for h in res.missing]
             out.refused = [h.hex() for h in res.refused]
             self._kv.index.pin(replica, took)
             self._kv.drain()
             self.leases.add(replica, took)
+            for h in took:
+                self._hold_until[(replica, h)] = now + hold_s
         out.pinned = [h.hex() for h in hashes if self.leases.grant(replica, h, lease)]
         return out
 
@@ -77,7 +102,11 @@ class SpanPins:
     async def _release(self, replica: LocationId, hashes: Sequence[BlockHash]) -> None:
         if not hashes:
             return
-        await self._kv.state(replica).control.unpin(hashes)
+        for h in hashes:
+            self._hold_until.pop((replica, h), None)
+        # blocks another gateway holds stay pinned in the engine; this gateway's index
+        # counts only its own pins (it would not learn when the other lets go)
+        await self._kv.state(replica).control.unpin(hashes, self.holder)
         self._kv.index.unpin(replica, hashes)
         self._kv.drain()
 
@@ -86,9 +115,22 @@ class SpanPins:
 
     async def reap(self) -> int:
         """Release every lease that has expired; returns how many blocks were unpinned."""
-        expired = self.leases.expire(self._clock())
+        now = self._clock()
+        expired = self.leases.expire(now)
         for replica, hs in expired.items():
             await self._release(replica, hs)
+        if now - self._swept_at >= SWEEP_EVERY_S:  # holds of gateways that died
+            self._swept_at = now
+            for replica in self._kv.replicas:
+                try:
+                    gone = await self._kv.state(replica).control.sweep()
+                except EngineError as exc:  # a replica down: swept when it is back
+                    log.debug("replica %s: no sweep (%s)", replica, exc)
+                    continue
+                if gone:
+                    log.info("replica %s: %d pinned blocks whose holds ran out", replica, len(gone))
+                    self._kv.index.unpin(replica, [BlockHash(h) for h in gone])
+                    self._kv.drain()
         return sum(len(hs) for hs in expired.values())
 
     async def reap_forever(self, every_s: float = 1.0) -> None:

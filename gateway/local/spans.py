@@ -43,13 +43,16 @@ class KVSpans:
         pin_max_share: float,
         default_lease_s: float,
         clock: Callable[[], float] = time.monotonic,
+        holder: str = "",
     ) -> None:
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.index = PrefixIndex()
         self.leases = LeaseBook()
         self.events = KVSync(self.index, self.leases)
-        self.pins = SpanPins(self.events, self.leases, pin_max_share, default_lease_s, clock)
+        self.pins = SpanPins(
+            self.events, self.leases, pin_max_share, default_lease_s, clock, holder
+        )
         self._clock = clock
         self._reaper: asyncio.Task[None] | None = None
 

@@ -70,10 +70,12 @@ class Supervisor:
         backoff_base_s: float = 1.0,
         backoff_cap_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        instance_id: str = "",
     ) -> None:
         self._dispatcher = dispatcher
         self._replicas = {r.id: r for r in dispatcher.replicas}
         self._kv_args = (pin_max_share, default_lease_s)
+        self._instance_id = instance_id  # this gateway's holds on the engines' pins
         self.on_change = on_change
         self._poll_s = poll_s
         self._backoff = (backoff_base_s, backoff_cap_s)
@@ -160,6 +162,7 @@ class Supervisor:
             hash_seed=first.hash_seed,
             pin_max_share=share,
             default_lease_s=lease,
+            holder=self._instance_id,
         )
         for r in tracked:
             assert r.events_endpoint is not None  # filtered above

@@ -14,6 +14,7 @@ class FakeCore:
     def __init__(self, resident: list[BlockHash], capacity: int) -> None:
         self.resident = {bytes(h) for h in resident}
         self.pins: set[bytes] = set()
+        self.holds: dict[bytes, set[str]] = {}  # who holds each pinned block (no expiry)
         self.capacity = capacity
         self.calls: list[str] = []
 
@@ -26,23 +27,36 @@ class FakeCore:
                 "missing": [],
                 "refused": [],
             }
+            holder = args[2] if len(args) > 2 else ""
             for h in args[0]:
                 if h in self.pins:
                     out["already"].append(h)
                 elif h not in self.resident:
                     out["missing"].append(h)
+                    continue
                 elif len(self.pins) >= self.capacity:
                     out["refused"].append(h)
+                    continue
                 else:
                     self.pins.add(h)
                     out["pinned"].append(h)
+                self.holds.setdefault(h, set()).add(holder)
             return out
         if method == "vcache_resident":
             return sorted(self.resident)
         if method == "vcache_unpin":
-            done = [h for h in args[0] if h in self.pins]
-            self.pins -= set(done)
+            holder = args[1] if len(args) > 1 else None
+            done = []
+            for h in args[0]:
+                held = self.holds.get(h, set())
+                held.discard(holder) if holder is not None else held.clear()
+                if not held and h in self.pins:
+                    self.pins.discard(h)
+                    self.holds.pop(h, None)
+                    done.append(h)
             return {"unpinned": done}
+        if method == "vcache_sweep":
+            return {"unpinned": []}
         raise AssertionError(method)
 
     def generate(self, request: Any) -> Any:

@@ -91,7 +91,7 @@ def test_typed_calls_name_the_plugin_methods() -> None:
         core = Core({"pinned": [b"a"], "already": [], "missing": [b"b"], "refused": []})
         reply = await SpanControl(core).pin([b"a", b"b"], 0.5)
         assert reply == PinReply((b"a",), (), (b"b",), ())
-        assert core.calls == [("vcache_pin", ([b"a", b"b"], 0.5))]
+        assert core.calls == [("vcache_pin", ([b"a", b"b"], 0.5, "", None))]
         core.answer = {"evicted": [b"a"], "busy": [b"b"]}
         assert await SpanControl(core).evict([b"a", b"b"]) == ((b"a",), (b"b",))
         core.answer = 7

@@ -155,3 +155,46 @@ def test_a_detached_replica_forgets_its_blocks_and_pins(make: Callable[[int], Se
         assert stats["replicas"][R]["live"] is False and stats["replicas"][R]["engine"] is None
 
     asyncio.run(main())
+
+
+def test_two_gateways_on_one_replica_release_only_their_own_holds(tmp_path: Path) -> None:
+    """Active-active: two gateways pin the same blocks on one engine; one releasing (or
+    its leases running out) leaves the other's pins in place."""
+
+    async def main() -> None:
+        hashes = block_hashes(list(range(64)), 16, "0")
+        core = FakeCore(hashes[:3], 10)
+        clock = Clock()
+        gateways = []
+        for name in ("gw-a", "gw-b"):
+            kv = KVSpans(16, "0", 0.5, default_lease_s=60, clock=clock, holder=name)
+            kv.attach(R, core, f"ipc://{tmp_path}/{name}", None)
+            kv.index.apply_stored(R, hashes[:3])
+            gateways.append(kv)
+        a, b = gateways
+        await a.pin(R, hashes[:2], "session-1", lease_s=30)
+        await b.pin(R, hashes[:2], "session-1", lease_s=90)
+        assert core.holds == {bytes(h): {"gw-a", "gw-b"} for h in hashes[:2]}
+        clock.now += 31
+        assert await a.reap() == 2  # a's leases ran out: a lets go of its holds ...
+        assert core.pins == {bytes(h) for h in hashes[:2]}  # ... b's keep the blocks
+        assert a.index.counts(R).pinned == 0  # a's index counts its own pins only
+        assert await b.unpin(R, hashes[:2], "session-1") == [h.hex() for h in hashes[:2]]
+        assert core.pins == set() and b.index.counts(R).pinned == 0
+        for kv in gateways:
+            await kv.close()
+
+    asyncio.run(main())
+
+
+def test_a_lease_past_the_engine_hold_renews_it(make: Callable[[int], Setup]) -> None:
+    async def main() -> None:
+        kv, core, clock, hashes = make(10)
+        await kv.pin(R, hashes[:1], "alice", lease_s=30)  # held for 30 s + slack
+        await kv.pin(R, hashes[:1], "bob", lease_s=30)  # within the hold: no call
+        assert core.calls == ["vcache_pin"]
+        clock.now += 20
+        await kv.pin(R, hashes[:1], "alice", lease_s=30)  # 50 s: past 30 + 10 slack
+        assert core.calls == ["vcache_pin", "vcache_pin"]
+
+    asyncio.run(main())

@@ -1,0 +1,86 @@
+"""The engine plugin's pin holds: several gateways on one replica, and holds that run out
+(a gateway that died holding pins leaks nothing)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engines.vllm import plugin
+
+
+class Pool:
+    """The parts of vLLM's BlockPool the plugin uses: one reference per pin."""
+
+    def __init__(self, resident: list[bytes], blocks: int = 10) -> None:
+        self.num_gpu_blocks = blocks
+        self.refs = {h: 0 for h in resident}
+
+    def get_cached_block(self, h: bytes, groups: list[int]) -> list[Any] | None:
+        return [bytes(h)] if bytes(h) in self.refs else None
+
+    def touch(self, blocks: list[bytes]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def free_blocks(self, blocks: list[bytes]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+
+
+def _core(pool: Pool) -> Any:
+    return SimpleNamespace(
+        scheduler=SimpleNamespace(
+            kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(block_pool=pool))
+        )
+    )
+
+
+def test_a_block_stays_pinned_while_any_gateway_holds_it() -> None:
+    pool = Pool([b"a", b"b"])
+    core = _core(pool)
+    assert plugin.vcache_pin(core, [b"a", b"b", b"z"], 0.5, "gw-1", 60)["missing"] == [b"z"]
+    assert plugin.vcache_pin(core, [b"a"], 0.5, "gw-2", 60)["already"] == [b"a"]
+    assert pool.refs == {b"a": 1, b"b": 1}  # one reference per block, however many holders
+    assert plugin.vcache_unpin(core, [b"a", b"b"], "gw-1")["unpinned"] == [b"b"]
+    assert pool.refs == {b"a": 1, b"b": 0}  # gw-2 still holds a
+    assert plugin.vcache_unpin(core, [b"a"], "gw-2")["unpinned"] == [b"a"]
+    assert pool.refs == {b"a": 0, b"b": 0}
+
+
+def test_holds_run_out_and_a_sweep_releases_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = Pool([b"a", b"b"])
+    core = _core(pool)
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    plugin.vcache_pin(core, [b"a", b"b"], 0.5, "gw-dead", 30)
+    plugin.vcache_pin(core, [b"b"], 0.5, "gw-live", 60)
+    now[0] += 29
+    assert plugin.vcache_sweep(core)["unpinned"] == []
+    now[0] += 2  # gw-dead's holds ran out: a is free, b is still gw-live's
+    assert plugin.vcache_sweep(core)["unpinned"] == [b"a"]
+    assert pool.refs == {b"a": 0, b"b": 1}
+    plugin.vcache_pin(core, [b"b"], 0.5, "gw-live", 60)  # renewed: 60 s from now
+    now[0] += 59
+    assert plugin.vcache_sweep(core)["unpinned"] == []
+    now[0] += 2
+    assert plugin.vcache_sweep(core)["unpinned"] == [b"b"] and pool.refs[b"b"] == 0
+
+
+def test_a_pin_without_holder_holds_until_released_by_anyone() -> None:
+    pool = Pool([b"a"])
+    core = _core(pool)
+    plugin.vcache_pin(core, [b"a"], 0.5)
+    assert plugin.vcache_sweep(core)["unpinned"] == []
+    assert plugin.vcache_unpin(core, [b"a"])["unpinned"] == [b"a"]  # None: every hold
+
+
+def test_the_pin_budget_counts_blocks_not_holds() -> None:
+    pool = Pool([b"a", b"b", b"c"], blocks=4)  # max_share 0.5: two blocks
+    core = _core(pool)
+    plugin.vcache_pin(core, [b"a", b"b"], 0.5, "gw-1", 60)
+    assert plugin.vcache_pin(core, [b"a", b"b"], 0.5, "gw-2", 60)["already"] == [b"a", b"b"]
+    assert plugin.vcache_pin(core, [b"c"], 0.5, "gw-2", 60)["refused"] == [b"c"]
