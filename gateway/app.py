@@ -51,10 +51,13 @@ from gateway.service.cache import CacheService
 from gateway.service.chat import GatewayService
 from gateway.service.health import Health, StoreProbe
 from gateway.service.provider_chat import ProviderChat
+from gateway.service.shared_state import share_provider_state
 from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
 from gateway.sessions.reconstruct import Reconstructor
 from gateway.sessions.store import SessionStore
+from gateway.state.bus import LocalBus, StateBus
+from gateway.state.redis_bus import RedisBus
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
@@ -108,6 +111,13 @@ def banner(settings: Settings, service: GatewayService, grpc_port: int | None = 
     return "\n".join(lines)
 
 
+def _state_bus(settings: Settings) -> StateBus:
+    cfg = settings.state
+    if cfg.url is None:
+        return LocalBus(settings.instance_id)
+    return RedisBus(cfg.url, settings.instance_id, cfg.prefix, cfg.role_ttl_s)
+
+
 def _scaled(clock: Callable[[], float], scale: float) -> Callable[[], float]:
     start = clock()
     return lambda: start + (clock() - start) * scale
@@ -127,8 +137,10 @@ def create_app(
         provider_clock = _scaled(provider_clock, settings.control.clock_scale)
     providers = ProviderPath(settings, metrics, provider_clock) if settings.providers else None
     control = Control(settings.control, provider_clock)
+    bus = _state_bus(settings)
     if providers is not None:
         providers.control = control
+        share_provider_state(bus, providers, control, settings.control.clock_scale)
     replicas = [
         b if isinstance(b, Replica) else Replica(LocationId(f"replica-{i}"), b)
         for i, b in enumerate(built)
@@ -178,6 +190,7 @@ def create_app(
                 port = grpc_server.port if grpc_server is not None else None
                 log.info("%s", banner(settings, app.state.service, port))
 
+        await bus.start()
         starting = asyncio.create_task(boot(), name="engine-start")
         steering = []
         if providers is not None and control.enabled:
@@ -205,6 +218,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
             await supervisor.close()
+            await bus.close()
             if providers is not None:
                 await providers.close()
             if session_log is not None:
@@ -213,6 +227,7 @@ def create_app(
 
     app = FastAPI(title="vcache", version=str(version_info()["version"]), lifespan=lifespan)
     app.state.settings = settings
+    app.state.bus = bus
     app.state.metrics = metrics
     app.state.supervisor = supervisor
     app.state.keyring = KeyRing(settings.api_keys)
@@ -255,6 +270,10 @@ def create_app(
     if session_log is not None:
         grace = settings.session_log.unavailable_grace_s
         probes.append(StoreProbe("session_log", lambda: session_log.writer.failing_since, grace))
+    if settings.state.url is not None:
+        probes.append(
+            StoreProbe("state", lambda: bus.failing_since, settings.state.unavailable_grace_s)
+        )
     app.state.health = Health(supervisor, app.state.service, probes)
     install_error_handlers(app, metrics)
     install_openapi(app)

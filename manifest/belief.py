@@ -121,6 +121,14 @@ class WarmthBelief:
         self._put((target, prefix), entry)
         return entry
 
+    def entries(self) -> list[WarmthEntry]:
+        """Every entry, least recently warmed first."""
+        return list(self._entries.values())
+
+    def forget(self, target: str, prefix: ContentDigest) -> bool:
+        """Drop an entry (another gateway read it cold); whether there was one."""
+        return self._entries.pop((target, prefix), None) is not None
+
     def get(self, target: str, prefix: ContentDigest) -> WarmthEntry | None:
         return self._entries.get((target, prefix))
 
@@ -133,7 +141,9 @@ class WarmthBelief:
         believed = entry is not None and entry.probability(t.now) >= self._threshold
         confirmed = t.cached_tokens >= t.prefix_tokens > 0
         if entry is not None and believed and not confirmed:
-            offset = first_difference(entry.sent, t.sent)
+            # an entry learnt from another gateway carries no bytes; its digest matched,
+            # so its bytes did: the provider evicted it
+            offset = first_difference(entry.sent, t.sent) if len(entry.sent) else None
             self._entries[(t.target, t.prefix)] = replace(
                 entry, broken_at=offset if offset is not None else len(t.sent)
             )

@@ -30,6 +30,7 @@ refreshes the TTL), and each miss the latency value ``L`` on top.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,10 +168,15 @@ class ArrivalRate:
         return cls(horizon_s, floor_s, [])
 
     def add(self, now: float) -> None:
-        if self.first_seen is None:
+        """One arrival at ``now``; one that comes late (another gateway's, as it reached
+        this one) takes its place in time."""
+        if self.first_seen is None or now < self.first_seen:
             self.first_seen = now
-        self.times.append(now)
-        self._trim(now)
+        if self.times and now < self.times[-1]:
+            bisect.insort(self.times, now)
+        else:
+            self.times.append(now)
+        self._trim(self.times[-1])
 
     def _trim(self, now: float) -> None:
         cut = now - self.horizon_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -68,3 +69,59 @@ def redis_prefix() -> Iterator[tuple[str, str]]:
         if keys:
             client.delete(*keys)
         client.close()
+
+
+class ThrowawayRedis:
+    """A Redis server of the test's own (the installed binary, another port, nothing
+    kept on disk), to stop and start again: never the machine's."""
+
+    def __init__(self, workdir: str) -> None:
+        import shutil
+        import socket
+
+        self.binary = shutil.which("redis-server") or ""
+        if not self.binary:
+            _absent("redis-server (the binary)", FileNotFoundError("not on PATH"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.workdir = workdir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._proc: Any = None
+
+    def start(self) -> None:
+        import subprocess
+        import time
+
+        import redis
+
+        self._proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.workdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_connect_timeout=0.2).ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(10)
+            self._proc = None
+
+
+@pytest.fixture
+def throwaway_redis(tmp_path: Any) -> Iterator[ThrowawayRedis]:
+    server = ThrowawayRedis(str(tmp_path))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import random
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -66,6 +67,7 @@ class ProviderClient:
         self.retries = 0
         self.waits: list[float] = []  # each backoff, in seconds (the last 64)
         self.limits: RateLimits | None = None  # the headroom the last response reported
+        self.limits_at = 0.0  # when (wall clock): another gateway's newer report wins
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -80,7 +82,9 @@ class ProviderClient:
         return self._base + path
 
     def _saw(self, resp: aiohttp.ClientResponse) -> None:
-        self.limits = parse_ratelimits(resp.headers) or self.limits
+        seen = parse_ratelimits(resp.headers)
+        if seen is not None:
+            self.limits, self.limits_at = seen, time.time()
 
     @property
     def provider(self) -> str:

@@ -167,6 +167,18 @@ class SessionLogSettings(BaseModel):
         return self.path or data_dir / "sessions.db"
 
 
+class StateSettings(BaseModel):
+    """Soft state shared by active-active gateways (gateway/state/): in-process by default;
+    ``url: redis://host:6379/0`` shares provider belief, anchors, headroom and roles."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = Field(None, pattern=r"^rediss?://")
+    prefix: str = Field("vcache:", min_length=1, max_length=64)  # every key starts with it
+    role_ttl_s: float = Field(10.0, gt=0)  # a dead holder's role passes on after this
+    unavailable_grace_s: float = Field(30.0, ge=0)  # readiness fails past it
+
+
 class HttpSettings(BaseModel):
     """Limits of the HTTP server (see gateway/http/server.py)."""
 
@@ -213,6 +225,7 @@ class Settings(BaseSettings):
     aliases: dict[str, list[str]] = Field(default_factory=dict)
     prompt_layout: Literal["canonical", "passthrough"] = "canonical"  # providers only
     session_log: SessionLogSettings = Field(default_factory=SessionLogSettings)
+    state: StateSettings = Field(default_factory=StateSettings)
     max_request_body_bytes: int = Field(4 << 20, ge=1024)
     http: HttpSettings = Field(default_factory=HttpSettings)
     log_level: str = "info"

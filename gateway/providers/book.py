@@ -30,7 +30,14 @@ from manifest.canonical import SegmentKind
 from manifest.identity import ContentDigest, prefix_digests
 from manifest.ledger import PriceTable, SavingsLedger
 from manifest.planner import Boundary, CapabilityProfile, PromptLayout, Regime
-from manifest.records import MarkerAt, RenderRecord, Verified, make_record, verify
+from manifest.records import (
+    MarkerAt,
+    MarkerRecord,
+    RenderRecord,
+    Verified,
+    make_record,
+    verify,
+)
 
 
 def _kind(key: str) -> SegmentKind:
@@ -124,9 +131,26 @@ class Believed:
     probability: float
 
 
+Publish = Callable[[str, dict[str, Any]], None]
+
+
+def _no_one(kind: str, body: dict[str, Any]) -> None:
+    """One gateway: nobody to tell."""
+
+
 class ProviderCacheBook:
-    def __init__(self, clock: Callable[[], float]) -> None:
+    """Belief, records, ledger and stats of the hosted-provider targets.
+
+    Active-active: what this gateway learns goes out through ``publish`` as facts
+    (``warm``: the prefixes an answer left warm with their render record; ``cold``: a
+    believed prefix read cold), and :meth:`learn_warm` / :meth:`learn_cold` take the
+    other gateways'.  The ledger is not shared: each gateway credits the answers it
+    settled, so a warm written through one and read through another is credited once.
+    """
+
+    def __init__(self, clock: Callable[[], float], publish: Publish = _no_one) -> None:
         self._clock = clock
+        self.publish = publish
         self.belief = WarmthBelief()
         self.ledger = SavingsLedger()
         self._records: dict[tuple[str, ContentDigest], RenderRecord] = {}
@@ -182,6 +206,7 @@ class ProviderCacheBook:
             )
             false_warm, broken_at = result.false_warm, result.broken_at
             if false_warm:
+                self.publish("cold", {"target": target, "digest": view.digests[i]})
                 st.false_warm += 1
                 st.last_false_warm_offset = broken_at  # None: the bytes matched (evicted)
             record = self._records.get((target, view.digests[i]))
@@ -241,6 +266,7 @@ class ProviderCacheBook:
         record = make_record(request_id, view.target, view.prompt, [view.marker(i) for i in warm])
         exact = profile.regime is Regime.EXPLICIT
         shared = memoryview(view.prompt)  # every boundary's bytes are a view of one buffer
+        entries = []
         for i in warm:
             d = view.digests[i]
             ttl = ttls.get(view.keys[i], ttl_s)
@@ -248,8 +274,53 @@ class ProviderCacheBook:
                 view.target, d, view.tokens[i], shared[: view.ends[i]], now, ttl, exact
             )
             self._records[(view.target, d)] = record
+            entries.append([d, view.tokens[i], ttl, 0.0])
+        self._forget_evicted()
+        self.publish("warm", _warm_body(record, exact, entries))
+
+    def _forget_evicted(self) -> None:
         for key in self.belief.take_evicted():  # the belief keeps at most max_entries
             self._records.pop(key, None)
+
+    # -------------------------------------------------- facts of other gateways
+
+    def learn_warm(self, body: dict[str, Any], elapsed: float) -> None:
+        """Prefixes another gateway's answer left warm, ``elapsed`` seconds ago (on this
+        book's clock), with the render record that lets this gateway verify and credit
+        its own later reads of them."""
+        target = str(body["target"])
+        markers = tuple(
+            MarkerRecord(str(a), int(b), int(c), str(d)) for a, b, c, d in body["markers"]
+        )
+        record = RenderRecord(str(body["request_id"]), target, markers)
+        now = self._clock()
+        for digest, tokens, ttl, age in body["entries"]:
+            d = ContentDigest(str(digest))
+            written = now - elapsed - float(age)
+            self.belief.record_warm(
+                target, d, int(tokens), b"", written, float(ttl), bool(body["exact"])
+            )
+            self._records[(target, d)] = record
+        self._forget_evicted()
+
+    def learn_cold(self, body: dict[str, Any]) -> None:
+        """Another gateway read a believed prefix cold: stop believing it."""
+        key = (str(body["target"]), ContentDigest(str(body["digest"])))
+        if self.belief.forget(*key):
+            self._records.pop(key, None)
+
+    def warm_facts(self) -> list[tuple[str, dict[str, Any]]]:
+        """What this gateway believes warm, as facts (republished after the store of
+        shared state came back empty)."""
+        now = self._clock()
+        out: list[tuple[str, dict[str, Any]]] = []
+        for e in self.belief.entries():
+            record = self._records.get((e.target, e.prefix))
+            if record is None or e.probability(now) < 0.01:
+                continue
+            entry = [e.prefix, e.prefix_tokens, e.ttl_s, now - e.last_warmed]
+            out.append(("warm", _warm_body(record, e.exact_ttl, [entry])))
+        return out
 
     def _collect(self, now: float) -> None:
         self.belief.expire(now)
@@ -272,3 +343,16 @@ class ProviderCacheBook:
                 "saved_token_equivalents": round(acc.saved, 2) if acc else 0.0,
             }
         return out
+
+
+def _warm_body(record: RenderRecord, exact: bool, entries: list[list[Any]]) -> dict[str, Any]:
+    """A ``warm`` fact: entries are [digest, tokens, ttl_s, age_s] each."""
+    return {
+        "target": record.target,
+        "request_id": record.request_id,
+        "exact": exact,
+        "markers": [
+            [m.identity, m.prefix_bytes, m.prefix_tokens, m.prefix_sha256] for m in record.markers
+        ],
+        "entries": entries,
+    }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -98,18 +99,52 @@ def economics(t: ProviderTarget, latency_value: float) -> Economics:
     return Economics(p.read_mult, (TtlOption(t.ttl_s, p.write_mult),), latency_value, billed)
 
 
+def anchor_body(a: Anchor) -> dict[str, Any]:
+    """An ``anchor`` fact: what another gateway needs to heartbeat it."""
+    return {
+        "target": a.target,
+        "tenant": a.tenant,
+        "digest": a.digest,
+        "tokens": a.tokens,
+        "template": a.template.model_dump(mode="json", exclude_none=True),
+    }
+
+
 def shadow_price(share_left: float) -> float:
     """μ: nothing while half the headroom is left, rising to 2 as it runs out."""
     return max(0.0, 0.5 - share_left) * 4.0
 
 
+Publish = Callable[[str, dict[str, Any]], None]
+
+
+def _no_one(kind: str, body: dict[str, Any]) -> None:
+    """One gateway: nobody to tell."""
+
+
 class Control:
-    def __init__(self, cfg: ControlSettings, clock: Callable[[], float]) -> None:
+    """Active-active: every gateway observes its own traffic and publishes it
+    (``anchor`` when one is first seen, with its heartbeat template; ``arrival`` per
+    request; ``touch`` per heartbeat; ``limits`` when a target's headroom changed), so
+    every gateway's anchors count every gateway's arrivals; the heartbeats go out from
+    the one that ``leads`` (the bus's ``provider-control`` role), so two gateways
+    never warm one anchor twice or spend the headroom twice."""
+
+    def __init__(
+        self,
+        cfg: ControlSettings,
+        clock: Callable[[], float],
+        publish: Publish = _no_one,
+        leads: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.cfg = cfg
         self.clock = clock
+        self.publish = publish
+        self.leads = leads
         self.anchors: dict[Key, Anchor] = {}
         self.targets: dict[str, ProviderTarget] = {}
         self.counts = {"heartbeats": 0, "held": 0, "deferred": 0, "evicted": 0, "failed": 0}
+        self.shared_limits: dict[str, object] = {}  # the limits last published per target
 
     @property
     def enabled(self) -> bool:
@@ -139,10 +174,19 @@ class Control:
             a = Anchor(t.name, tenant, key[2], view.tokens[i], warm_template(req), rate, now)
             self.anchors[key] = a
             self.targets[t.name] = t
+            self.publish("anchor", anchor_body(a))
         if arrival:
             a.arrivals.add(now)
             a.touched = now
+            self.publish("arrival", {"key": list(key)})
         return a
+
+    def _share_limits(self) -> None:
+        for name, t in self.targets.items():
+            lim = t.client.limits
+            if lim is not None and self.shared_limits.get(name) is not lim:
+                self.shared_limits[name] = lim
+                self.publish("limits", {"target": name, **dataclasses.asdict(lim)})
 
     def long_ttl(self, a: Anchor | None) -> bool:
         """Whether the anchor's breakpoint takes the long tier (the governor chose it)."""
@@ -243,7 +287,11 @@ class Control:
 
     async def tick(self, send: WarmFn) -> list[Anchor]:
         """Decide, then hand over: the due heartbeats sent through ``send`` (the service's
-        provider warm, journaled like any request); returns the anchors heartbeated."""
+        provider warm, journaled like any request); returns the anchors heartbeated.
+        A gateway that does not lead only shares its targets' headroom."""
+        self._share_limits()
+        if not self.leads():
+            return []
         return [a for a in self.decide() if await self._heartbeat(a, send)]
 
     async def _heartbeat(self, a: Anchor, send: WarmFn) -> bool:
@@ -254,6 +302,7 @@ class Control:
             log.warning("%s: heartbeat failed (%s)", a.target, exc)
             return False
         a.touched = self.clock()
+        self.publish("touch", {"key": [a.target, a.tenant, a.digest]})
         a.heartbeats += 1
         self.counts["heartbeats"] += 1
         return True

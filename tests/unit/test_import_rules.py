@@ -2,7 +2,7 @@
 
 ::
 
-    http, grpc ──▶ service ──▶ local, providers, sessions ──▶ core ──▶ engines, manifest
+    http, grpc ──▶ service ──▶ local, providers, sessions, state ──▶ core ──▶ engines, manifest
 
 A stage may import itself and the stages below it, never one beside or above
 it (``sessions`` never sees ``providers`` or ``local``; the edges reach the
@@ -28,10 +28,11 @@ ALLOWED = {
 }  # fmt: skip
 STAGES: dict[str, set[str]] = {
     "core": set(),
+    "state": {"core"},
     "local": {"core"},
     "providers": {"core"},
     "sessions": {"core"},
-    "service": {"core", "local", "providers", "sessions"},
+    "service": {"core", "local", "providers", "sessions", "state"},
     "http": {"core", "service"},
     "grpc": {"core", "service"},
 }

@@ -1,0 +1,50 @@
+"""The hosted-provider state that active-active gateways share, wired to the state bus.
+
+The book's belief and render records, and the control loop's anchors,
+arrivals and headroom, go out as facts and come back from the other gateways
+(:mod:`gateway.state.bus`); the control loop's heartbeats are sent only by the
+gateway that holds the ``provider-control`` role.  Facts carry wall-clock
+ages; a load test's time-scaled provider clock (``control.clock_scale``) turns
+them into its own seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gateway.core.errors import APIError
+from gateway.providers.control import Control
+from gateway.providers.control_facts import anchor_facts, learn_anchor, learn_arrival, learn_limits
+from gateway.providers.path import ProviderPath
+from gateway.providers.targets import ProviderTarget
+from gateway.state.bus import Fact, StateBus
+
+log = logging.getLogger(__name__)
+CONTROL_ROLE = "provider-control"
+
+
+def share_provider_state(
+    bus: StateBus, providers: ProviderPath, control: Control, scale: float = 1.0
+) -> None:
+    book = providers.book
+    book.publish = bus.publish
+    control.publish = bus.publish
+    control.leads = lambda: bus.holds(CONTROL_ROLE)
+
+    def target(name: str) -> ProviderTarget | None:
+        try:
+            return providers.target(name)
+        except APIError:  # a target this gateway is not configured for
+            log.debug("state bus: no target %s here", name)
+            return None
+
+    def anchor(f: Fact) -> None:
+        learn_anchor(control, f.body, target(str(f.body["target"])))
+
+    bus.on("warm", lambda f: book.learn_warm(f.body, f.elapsed(scale)))
+    bus.on("cold", lambda f: book.learn_cold(f.body))
+    bus.on("anchor", anchor)
+    bus.on("arrival", lambda f: learn_arrival(control, f.body, f.elapsed(scale), True))
+    bus.on("touch", lambda f: learn_arrival(control, f.body, f.elapsed(scale), False))
+    bus.on("limits", lambda f: learn_limits(control, f.body, f.at))
+    bus.snapshot(lambda: [*book.warm_facts(), *anchor_facts(control)])

@@ -1,0 +1,138 @@
+"""Two gateways in front of one provider (the emulator), sharing state through a real
+Redis: a warm written through one is believed, verified and credited once through the
+other; both count each other's arrivals; one heartbeats; the headroom either sees is
+the other's."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from engines.tokenizer import ChatTokenizer
+from gateway.providers.control import Control
+from gateway.service.shared_state import CONTROL_ROLE
+from gateway.state.redis_bus import RedisBus
+from tests.providers.conftest import KEY, MODELS, Emulator, Gw, make_gateway
+
+SYSTEM = "You answer questions about the vcache manual, section by section.\n" * 100
+ANTHROPIC = f"anthropic/{MODELS['anthropic']}"
+OPENAI = f"openai/{MODELS['openai']}"
+
+
+@pytest.fixture
+def pair(
+    emulator: Emulator, tokenizer: ChatTokenizer, redis_prefix: tuple[str, str]
+) -> Iterator[tuple[Gw, Gw]]:
+    url, prefix = redis_prefix
+    emulator.admin("reset")
+    state = {"url": url, "prefix": prefix, "role_ttl_s": 1.0}
+    control = {"mode": "heartbeat_all", "tick_s": 3600, "fan_wait_s": 0}
+    with contextlib.ExitStack() as stack:
+        gws = [
+            stack.enter_context(
+                contextlib.contextmanager(make_gateway)(
+                    emulator, tokenizer, state=state, control=control
+                )
+            )
+            for _ in range(2)
+        ]
+        yield gws[0], gws[1]
+
+
+def _ask(gw: Gw, model: str, question: str) -> Any:
+    r = gw.http.post(
+        "/v1/chat/completions",
+        headers={"authorization": f"Bearer {KEY}"},
+        json={
+            "model": model,
+            "max_tokens": 4,
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": question},
+            ],
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def _bus(gw: Gw) -> RedisBus:
+    bus = gw.http.app.state.bus  # type: ignore[attr-defined]
+    assert isinstance(bus, RedisBus)
+    return bus
+
+
+def _control(gw: Gw) -> Control:
+    c: Control = gw.http.app.state.control  # type: ignore[attr-defined]
+    return c
+
+
+def _arrivals(gw: Gw) -> int:
+    return sum(len(x.arrivals.times) for x in _control(gw).anchors.values())
+
+
+def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_warm_written_through_one_gateway_is_believed_and_credited_once_by_the_other(
+    pair: tuple[Gw, Gw],
+) -> None:
+    a, b = pair
+    first = _ask(a, ANTHROPIC, "what is a block?")
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0  # A writes the cache
+    _until(lambda: _bus(b).applied >= 2)  # the anchor and the warm
+    assert len(b.path.book.belief) > 0
+    second = _ask(b, ANTHROPIC, "what is a span?")
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 1000
+    sa, sb = a.stats()[ANTHROPIC], b.stats()[ANTHROPIC]
+    # B planned it warm and verified the hit against the record A published: credited,
+    # by B alone (A settled no answer that read it)
+    assert sb["false_warm"] == 0 and sb["credited_tokens"] > 1000
+    assert sb["unverified_tokens"] == 0
+    assert sa["credited_tokens"] == 0 and sa["requests"] == 1
+
+
+def test_both_count_every_arrival_and_only_one_heartbeats(pair: tuple[Gw, Gw]) -> None:
+    a, b = pair
+    _ask(a, ANTHROPIC, "q1")
+    _ask(b, ANTHROPIC, "q2")
+    _ask(a, ANTHROPIC, "q3")
+    for gw in (a, b):  # every gateway's anchor counts all three
+        _until(lambda gw=gw: _arrivals(gw) == 3)  # type: ignore[misc]
+    _until(lambda: _bus(a).holds(CONTROL_ROLE) or _bus(b).holds(CONTROL_ROLE))
+    for gw in (a, b):
+        gw.clock.now += 250  # 250 s idle of a 5-minute TTL: a heartbeat is due
+    a.emulator.admin("clock/advance", seconds=250)
+    before = len(a.emulator.received())
+    sent = 0
+    for gw in (a, b):
+        send = gw.http.app.state.service.warm_provider  # type: ignore[attr-defined]
+        sent += len(gw.http.portal.call(_control(gw).tick, send))  # type: ignore[union-attr]
+    assert sent == 1 and len(a.emulator.received()) == before + 1  # one gateway warmed it
+    leader, other = (a, b) if _bus(a).holds(CONTROL_ROLE) else (b, a)
+    assert _control(leader).counts["heartbeats"] == 1
+    assert _control(other).counts["heartbeats"] == 0
+    # the heartbeat refreshed the anchor on the other gateway too
+    anchors = _control(other).anchors.values()
+    _until(lambda: all(other.clock.now - x.touched < 1 for x in anchors))
+
+
+def test_the_headroom_one_gateway_saw_is_the_others(pair: tuple[Gw, Gw]) -> None:
+    a, b = pair
+    a.emulator.admin("limits", provider="openai", rpm=100, tpm=100000)
+    _ask(b, OPENAI, "q0")  # B knows the target
+    _ask(a, OPENAI, "q1")
+    seen = a.path.target(OPENAI).client.limits
+    assert seen is not None and seen.requests_remaining is not None
+    send = a.http.app.state.service.warm_provider  # type: ignore[attr-defined]
+    a.http.portal.call(_control(a).tick, send)  # type: ignore[union-attr]  # shares it
+    _until(lambda: b.path.target(OPENAI).client.limits == seen)
