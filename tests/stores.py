@@ -8,6 +8,7 @@ servers are part of the machine and their absence is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -31,9 +32,9 @@ def _with_db(url: str, name: str) -> str:
     return f"{base}/{name}"
 
 
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
-    """A fresh PostgreSQL database, dropped after the test."""
+@contextlib.contextmanager
+def postgres_database() -> Iterator[str]:
+    """A fresh PostgreSQL database (its URL), dropped at the end."""
     try:
         import psycopg
 
@@ -50,9 +51,9 @@ def postgres_url() -> Iterator[str]:
         admin.close()
 
 
-@pytest.fixture
-def redis_prefix() -> Iterator[tuple[str, str]]:
-    """(Redis URL, a key prefix of this test's own); its keys are deleted after."""
+@contextlib.contextmanager
+def redis_keys() -> Iterator[tuple[str, str]]:
+    """(Redis URL, a key prefix of its own); its keys are deleted at the end."""
     try:
         import redis
 
@@ -69,6 +70,20 @@ def redis_prefix() -> Iterator[tuple[str, str]]:
         if keys:
             client.delete(*keys)
         client.close()
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database, dropped after the test."""
+    with postgres_database() as url:
+        yield url
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[tuple[str, str]]:
+    """(Redis URL, a key prefix of this test's own); its keys are deleted after."""
+    with redis_keys() as found:
+        yield found
 
 
 class ThrowawayRedis:

@@ -102,16 +102,62 @@ def gateway(
         pytest.fail(f"requests that do not rebuild from the session log: {failed}")
 
 
-def rebuild_all(sessions_db: Path, model: Path) -> tuple[int, list[str]]:
-    """Rebuild every request of a session log offline (a tokenizer of its own, no
-    gateway): how many rebuilt byte for byte, and the ids of those that did not."""
+SECRET = "s3cret-control"  # the remote replica's control endpoint
+
+
+@dataclass(frozen=True)
+class RemoteVllm:
+    """vLLM's own OpenAI server with the vcache plugins: a remote replica."""
+
+    url: str
+    events: str
+    replay: str
+
+    def replica(self) -> dict[str, str]:
+        """Its entry in a gateway's ``remote_replicas``."""
+        return {
+            "url": self.url,
+            "kv_events": self.events,
+            "kv_events_replay": self.replay,
+            "control_secret": SECRET,
+        }
+
+
+@pytest.fixture(scope="session")
+def remote_vllm(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteVllm]:
+    """One remote replica for the session, shared by every gateway that needs one."""
+    tmp = tmp_path_factory.mktemp("remote-vllm")
+    port = _free_port()
+    events, replay = f"ipc://{tmp}/events", f"ipc://{tmp}/replay"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
+    env |= {"PYTHONHASHSEED": "0", "VLLM_PLUGINS": "vcache,vcache-control",
+            "VCACHE_CONTROL_SECRET": SECRET}  # fmt: skip
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                 "replay_endpoint": replay}  # fmt: skip
+    server = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(demo_model), "--served-model-name", "vcache-demo",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
+        "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
+        "--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "2048", "--enforce-eager",
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with running(server, env, f"{url}/v1/models", tmp / "vllm.log", "vllm server"):
+        yield RemoteVllm(url, events, replay)
+
+
+def rebuild_all(sessions_db: Path, model: Path, url: str | None = None) -> tuple[int, list[str]]:
+    """Rebuild every request of a session log (a SQLite file, or the PostgreSQL database
+    at ``url``) offline (a tokenizer of its own, no gateway): how many rebuilt byte for
+    byte, and the ids of those that did not."""
     from engines.providers.specs import adapter_for
     from engines.tokenizer import ChatTokenizer
     from gateway.sessions.log import SessionLog
     from gateway.sessions.reconstruct import Reconstructor
     from gateway.sessions.store import SessionStore
 
-    store = SessionStore(sessions_db)
+    store = SessionStore(sessions_db, url=url)
     tokenizer = ChatTokenizer.from_pretrained(str(model))
     log = SessionLog(store, Reconstructor(adapter_for, lambda: tokenizer), verify=False)
     failed = []

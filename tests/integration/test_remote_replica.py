@@ -12,11 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import _free_port, running, wait_for
+from tests.integration.conftest import SECRET, RemoteVllm, _free_port, running, wait_for
 
 pytestmark = pytest.mark.integration
 
-SECRET = "s3cret-control"
 BLOCK = 128
 
 
@@ -28,52 +27,19 @@ class Remote:
 
 @pytest.fixture(scope="module")
 def remote(
-    data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+    data_dir: Path, remote_vllm: RemoteVllm, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Remote]:
     tmp = tmp_path_factory.mktemp("remote")
-    vllm_port, gw_port = _free_port(), _free_port()
-    events, replay = f"ipc://{tmp}/events", f"ipc://{tmp}/replay"
+    gw_port = _free_port()
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
-    server_env = {
-        **base_env,
-        "PYTHONHASHSEED": "0",
-        "VLLM_PLUGINS": "vcache,vcache-control",
-        "VCACHE_CONTROL_SECRET": SECRET,
-    }
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
-                 "replay_endpoint": replay}  # fmt: skip
-    server = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(demo_model), "--served-model-name", "vcache-demo",
-        "--host", "127.0.0.1", "--port", str(vllm_port),
-        "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
-        "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
-        "--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "2048", "--enforce-eager",
-    ]  # fmt: skip
-    vllm_url = f"http://127.0.0.1:{vllm_port}"
-    gw_env = {
-        **base_env,
-        "VCACHE_REMOTE_REPLICAS": json.dumps(
-            [
-                {
-                    "url": vllm_url,
-                    "kv_events": events,
-                    "kv_events_replay": replay,
-                    "control_secret": SECRET,
-                }
-            ]
-        ),
-    }
+    gw_env = {**base_env, "VCACHE_REMOTE_REPLICAS": json.dumps([remote_vllm.replica()])}
     gateway = [
         sys.executable, "-m", "gateway.cli", "serve", "--replicas", "0",
         "--port", str(gw_port), "--grpc-port", str(_free_port()), "--data-dir", str(data_dir),
     ]  # fmt: skip
     gw_url = f"http://127.0.0.1:{gw_port}"
-    with (
-        running(server, server_env, f"{vllm_url}/v1/models", tmp / "vllm.log", "vllm server"),
-        running(gateway, gw_env, f"{gw_url}/readyz", tmp / "gateway.log", "gateway"),
-    ):
-        yield Remote(vllm_url, gw_url)
+    with running(gateway, gw_env, f"{gw_url}/readyz", tmp / "gateway.log", "gateway"):
+        yield Remote(remote_vllm.url, gw_url)
 
 
 def test_remote_replica_agrees_and_predicts_exactly(remote: Remote) -> None:
