@@ -32,4 +32,9 @@ def _gateway_state(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
 
 
-from tests.stores import postgres_url, redis_prefix, throwaway_redis  # noqa: E402,F401
+from tests.stores import (  # noqa: E402,F401  (shared fixtures)
+    postgres_url,
+    redis_prefix,
+    throwaway_postgres,
+    throwaway_redis,
+)

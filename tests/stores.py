@@ -140,3 +140,59 @@ def throwaway_redis(tmp_path: Any) -> Iterator[ThrowawayRedis]:
         yield server
     finally:
         server.stop()
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL server of the test's own (the installed binaries, another port and
+    data directory), to restart under load: never the machine's.  As root, the server
+    runs as the ``postgres`` user (PostgreSQL refuses root)."""
+
+    def __init__(self, workdir: str) -> None:
+        import glob
+        import shutil
+        import socket
+
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl")) or [shutil.which("pg_ctl")]
+        if not found or not found[-1]:
+            _absent("pg_ctl (the PostgreSQL server binaries)", FileNotFoundError("not found"))
+        self.bindir = os.path.dirname(str(found[-1]))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.workdir = workdir
+        self.data = os.path.join(workdir, "pgdata")
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        self._as: list[str] = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self._as:
+            shutil.chown(workdir, "postgres")
+        self._run("initdb", "-D", self.data, "-A", "trust", "-U", "postgres")
+
+    def _run(self, tool: str, *args: str) -> None:
+        import subprocess
+
+        cmd = [*self._as, os.path.join(self.bindir, tool), *args]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.workdir} -c listen_addresses=127.0.0.1"
+        log = os.path.join(self.workdir, "server.log")
+        self._run("pg_ctl", "-D", self.data, "-o", opts, "-l", log, "-w", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run("pg_ctl", "-D", self.data, "-m", mode, "-w", "stop")
+
+
+@pytest.fixture
+def throwaway_postgres() -> Iterator[ThrowawayPostgres]:
+    import shutil
+    import tempfile
+
+    workdir = tempfile.mkdtemp(prefix="vcache-pg-")  # not under pytest's root-only folder
+    server = ThrowawayPostgres(workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(Exception):
+            server.stop("immediate")
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -232,7 +232,8 @@ class SessionLog:
             sid, seqs = await self.writer.run(append)
         op.session_id, op.dispatch_seq = sid, seqs[-1]
         if self.verify:
-            await asyncio.to_thread(self._verify, sid, seqs[-1], event, sent)
+            async with _store_boundary("verifying the request"):
+                await asyncio.to_thread(self._verify, sid, seqs[-1], event, sent)
 
     def rebuild(self, session_id: str, dispatch_seq: int) -> tuple[DispatchEvent, bytes]:
         """The request a dispatch event sent, rebuilt from the store alone."""
