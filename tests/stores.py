@@ -152,10 +152,12 @@ class ThrowawayPostgres:
         import shutil
         import socket
 
-        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl")) or [shutil.which("pg_ctl")]
-        if not found or not found[-1]:
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl")) or [
+            shutil.which("pg_ctl") or ""
+        ]
+        if not found[-1]:
             _absent("pg_ctl (the PostgreSQL server binaries)", FileNotFoundError("not found"))
-        self.bindir = os.path.dirname(str(found[-1]))
+        self.bindir = os.path.dirname(found[-1])
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
