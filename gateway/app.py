@@ -113,8 +113,8 @@ def banner(settings: Settings, service: GatewayService, grpc_port: int | None = 
 
 def _state_bus(settings: Settings) -> StateBus:
     cfg = settings.state
-    if cfg.url is None:
-        return LocalBus(settings.instance_id)
+    if cfg.url is None:  # workers without a shared store: worker 0 holds every role
+        return LocalBus(settings.instance_id, leader=settings.worker_index == 0)
     return RedisBus(cfg.url, settings.instance_id, cfg.prefix, cfg.role_ttl_s)
 
 
@@ -173,7 +173,11 @@ def create_app(
         if settings.grpc_port is not None:
             servicer = GatewayServicer(app.state.service, app.state.keyring, app.state.cache)
             grpc_server = GrpcServer(
-                servicer, settings.host, settings.grpc_port, settings.max_request_body_bytes
+                servicer,
+                settings.host,
+                settings.grpc_port,
+                settings.max_request_body_bytes,
+                reuse_port=settings.workers > 1,
             )
             await grpc_server.start()
         app.state.grpc = grpc_server
@@ -199,7 +203,7 @@ def create_app(
         if local_governor is not None:
             steering.append(asyncio.create_task(local_governor.run(), name="local-governor"))
         retention = None
-        if session_log is not None:
+        if session_log is not None and settings.worker_index == 0:  # one worker retains
             retention = asyncio.create_task(
                 _retain_forever(settings, session_log), name="session-retention"
             )

@@ -40,6 +40,7 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-queued-requests", "engine.max_queued_requests", int, "admission limit"),
     ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per engine"),
     ("--replicas", "engine.replicas", int, "embedded vLLM engines"),
+    ("--workers", "workers", int, "gateway processes on one port (engines outside them)"),
     ("--routing", "cache.routing", str, "kv, round_robin or least_loaded"),
     ("--pin-max-share", "cache.pin_max_share", float, "most of the KV blocks pins may hold"),
 ]
@@ -110,21 +111,28 @@ def overrides_from_flags(ns: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, argv: list[str]) -> int:
     import uvicorn
 
     from gateway.app import create_app
     from gateway.http.server import guarded_protocol
     from gateway.local.build import build_replicas
+    from gateway.workers import WORKER_ENV, reuse_port_socket, run_workers
 
     setup_logging(settings.log_level, settings.log_format)
+    if settings.workers > 1 and WORKER_ENV not in os.environ:  # the parent of the workers
+        return run_workers(settings.workers, settings.host, settings.port, argv)
+    if settings.workers > 1:
+        settings = settings.model_copy(
+            update={"instance_id": f"{settings.instance_id}-w{settings.worker_index}"}
+        )
     # A lost terminal (SIGHUP) shuts down gracefully like SIGTERM: engines are closed.
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:
         replicas = build_replicas(settings, Path(runtime))
         app = create_app(settings, replicas)
         h = settings.http
-        uvicorn.run(
+        config = uvicorn.Config(
             app,
             host=settings.host,
             port=settings.port,
@@ -135,6 +143,11 @@ def serve(settings: Settings) -> None:
             timeout_keep_alive=int(max(1, h.keep_alive_s)),
             limit_concurrency=h.max_connections,
         )
+        sockets = (
+            [reuse_port_socket(settings.host, settings.port)] if settings.workers > 1 else None
+        )
+        uvicorn.Server(config).run(sockets=sockets)
+    return 0
 
 
 def _settings(ns: argparse.Namespace) -> Settings:
@@ -186,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_demo_model(settings.data_dir))
         return 0
-    serve(settings)
-    return 0
+    return serve(settings, list(argv if argv is not None else sys.argv[1:]))
 
 
 if __name__ == "__main__":

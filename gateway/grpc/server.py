@@ -279,10 +279,18 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 class GrpcServer:
     """A ``grpc.aio`` server in the gateway's own event loop, with health and reflection."""
 
-    def __init__(self, servicer: GatewayServicer, host: str, port: int, max_message_bytes: int):
+    def __init__(
+        self,
+        servicer: GatewayServicer,
+        host: str,
+        port: int,
+        max_message_bytes: int,
+        reuse_port: bool = False,
+    ):
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            # one gateway alone must find its port free; workers share theirs
+            ("grpc.so_reuseport", int(reuse_port)),
         ]
         self._server = grpc.aio.server(options=options)
         add_servicer(servicer, self._server, SERVICE_NAME)

@@ -67,11 +67,13 @@ class StateBus(Protocol):
 
 
 class LocalBus:
-    """One gateway: its own facts are already applied, every role is its own."""
+    """One gateway: its own facts are already applied, every role is its own (of the
+    workers of one host without a shared store, worker 0's)."""
 
-    def __init__(self, origin: str = "local") -> None:
+    def __init__(self, origin: str = "local", leader: bool = True) -> None:
         self.origin = origin
         self.published = 0
+        self._leader = leader  # False: another worker of this host holds the roles
 
     def publish(self, kind: str, body: dict[str, Any]) -> None:
         self.published += 1
@@ -83,7 +85,7 @@ class LocalBus:
         """Nothing to rebuild."""
 
     def holds(self, role: str) -> bool:
-        return True
+        return self._leader
 
     @property
     def failing_since(self) -> float | None:

@@ -36,7 +36,7 @@ STAGES: dict[str, set[str]] = {
     "http": {"core", "service"},
     "grpc": {"core", "service"},
 }
-ROOTS = {"app", "cli", "session_cli", "plan_cli", "__init__"}
+ROOTS = {"app", "cli", "session_cli", "plan_cli", "workers", "__init__"}
 
 
 def _modules(path: Path) -> set[str]:
