@@ -58,7 +58,7 @@ def _ask(url: str, i: int) -> httpx.Response:
 
 def _cpu(p: psutil.Process) -> float:
     t = p.cpu_times()
-    return t.user + t.system
+    return float(t.user + t.system)
 
 
 def test_two_workers_share_the_port_and_the_log(

@@ -1,0 +1,264 @@
+"""The gateway's frontend over processes: ``--workers 1`` against ``--workers 2``, and
+the frontend ceiling beside vLLM's own server's, in one run.
+
+    .venv/bin/python loadtests/bench_workers.py            # both parts
+    .venv/bin/python loadtests/bench_workers.py --part workers
+
+``workers``: one upstream that is never the bottleneck (the provider emulator,
+its OpenAI route), ``vcache serve`` in front of it provider-only with the
+session log on (as deployed), once with one worker and once with two, taking
+turns slice by slice at ``--concurrency`` clients.  Per arm: requests/s,
+gateway CPU ms per request (the parent and every worker, from ``/proc``
+through psutil), p50/p90 latency, and how the requests spread over the
+workers (each worker's share of the gateway CPU).
+
+``frontend``: vLLM's own OpenAI server on the demo model (CPU engine) and
+``vcache serve`` in front of the same server as a remote replica, the same
+requests in turns.  Per frontend: CPU ms per request and µs per output token of
+the frontend process alone (vLLM's API server without its engine-core child;
+the gateway process), and the ceiling that implies for one core:
+requests/s = 1000 / CPU ms, output tokens/s = 1e6 / CPU µs per token.
+
+Prints a table and writes JSON (``--out``).  On a 2-core machine the load
+generator and the upstream share the cores with the gateway: the rise from a
+second worker is bounded by what they leave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE)]
+
+from procs import free_port, get_ok, serving  # noqa: E402
+from report import percentile  # noqa: E402
+
+SYSTEM = "You answer questions about the vcache manual, one section at a time.\n" * 20
+
+
+def _cpu(p: psutil.Process) -> float:
+    try:
+        t = p.cpu_times()
+        return float(t.user + t.system)
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def cpu_by_process(pid: int, children: bool) -> dict[int, float]:
+    """CPU seconds of ``pid`` and, with ``children``, of each of its descendants."""
+    p = psutil.Process(pid)
+    out = {pid: _cpu(p)}
+    if children:
+        for c in p.children(recursive=True):
+            out[c.pid] = _cpu(c)
+    return out
+
+
+def body(i: int, model: str, words: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "max_tokens": words,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"question {i}: what does section {i % 50} say?"},
+        ],
+    }
+
+
+class Arm:
+    def __init__(self, url: str, model: str, pid: int, children: bool) -> None:
+        self.url, self.model, self.pid, self.children = url, model, pid, children
+        self.latencies: list[float] = []
+        self.wall = 0.0
+        self.cpu: dict[int, float] = {}
+        self.tokens = 0
+
+    def row(self) -> dict[str, Any]:
+        n = len(self.latencies)
+        cpu = sum(self.cpu.values())
+        xs = [x * 1e3 for x in self.latencies]
+        shares = sorted((v / cpu for pid, v in self.cpu.items() if pid != self.pid), reverse=True)
+        return {
+            "requests": n,
+            "requests_per_s": n / self.wall if self.wall else 0.0,
+            "cpu_ms_per_request": cpu / n * 1e3 if n else 0.0,
+            "cpu_us_per_output_token": cpu / self.tokens * 1e6 if self.tokens else None,
+            "latency_p50_ms": percentile(xs, 50),
+            "latency_p90_ms": percentile(xs, 90),
+            "worker_cpu_shares": [round(s, 3) for s in shares] if self.children else None,
+        }
+
+
+async def _slice(arm: Arm, start: int, size: int, concurrency: int, words: int) -> None:
+    todo = iter(range(start, start + size))
+    limit = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    async with aiohttp.ClientSession(connector=limit) as session:
+
+        async def client() -> None:
+            for i in todo:
+                t0 = time.perf_counter()
+                async with session.post(arm.url, json=body(i, arm.model, words)) as r:
+                    data = await r.json()
+                    if r.status != 200:
+                        raise SystemExit(f"{arm.url}: HTTP {r.status}: {str(data)[:300]}")
+                arm.latencies.append(time.perf_counter() - t0)
+                arm.tokens += int(data["usage"]["completion_tokens"])
+
+        before = cpu_by_process(arm.pid, arm.children)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        arm.wall += time.perf_counter() - t0
+        after = cpu_by_process(arm.pid, arm.children)
+        for pid, v in after.items():
+            arm.cpu[pid] = arm.cpu.get(pid, 0.0) + v - before.get(pid, 0.0)
+
+
+def turns(arms: dict[str, Arm], args: argparse.Namespace, words: int) -> None:
+    n = 0
+    for arm in arms.values():  # warm-up, not counted
+        asyncio.run(_slice(arm, n, 40, 4, words))
+        arm.latencies, arm.wall, arm.cpu, arm.tokens = [], 0.0, {}, 0
+        n += 40
+    for _ in range(args.rounds):
+        for arm in arms.values():
+            asyncio.run(_slice(arm, n, args.slice, args.concurrency, words))
+            n += args.slice
+
+
+def _gateway(port: int, workers: int, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--replicas", "0"]
+    return [*cmd, "--grpc-port", str(free_port()), "--workers", str(workers), *extra]
+
+
+def part_workers(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    emu_port = free_port()
+    emu = f"http://127.0.0.1:{emu_port}"
+    emulator = [sys.executable, "-m", "loadtests.emulator", "--port", str(emu_port)]
+    providers = {"openai": {"base_url": f"{emu}/v1", "api_key": "k"}}
+    vc_env = {**env, "VCACHE_LOG_LEVEL": "warning", "VCACHE_PROVIDERS": json.dumps(providers)}
+    arms: dict[str, Arm] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            serving(emulator, partial(get_ok, f"{emu}/admin/requests"), work / "emu.log", env)
+        )
+        for n in (1, 2):
+            port = free_port()
+            own = {**vc_env, "VCACHE_DATA_DIR": str(work / f"w{n}")}
+            ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
+            proc = stack.enter_context(
+                serving(_gateway(port, n, []), ready, work / f"w{n}.log", own)
+            )
+            if n > 1:  # every worker up, not just the first to answer
+                while len(psutil.Process(proc.pid).children()) < n:
+                    time.sleep(0.2)
+                time.sleep(3)
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            arms[f"vcache --workers {n}"] = Arm(url, "openai/gpt-5", proc.pid, children=True)
+        turns(arms, args, words=8)
+    return {name: arm.row() for name, arm in arms.items()}
+
+
+def part_frontend(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    from engines.vllm.demo_model import ensure_demo_model
+
+    model = ensure_demo_model(Path(args.data_dir))
+    vport, gport = free_port(), free_port()
+    events = f"ipc://{work}/events"
+    kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
+    vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "vcache-demo", "--port", str(vport),
+            "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
+            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
+            "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "2048",
+            "--enforce-eager"]  # fmt: skip
+    v_env = {**env, "PYTHONHASHSEED": "0", "VLLM_PLUGINS": "vcache,vcache-control",
+             "VCACHE_CONTROL_SECRET": "bench"}  # fmt: skip
+    replica = {"url": f"http://127.0.0.1:{vport}", "kv_events": events, "control_secret": "bench"}
+    g_env = {**env, "VCACHE_LOG_LEVEL": "warning", "VCACHE_DATA_DIR": str(work / "front"),
+             "VCACHE_REMOTE_REPLICAS": json.dumps([replica])}  # fmt: skip
+    arms: dict[str, Arm] = {}
+    with contextlib.ExitStack() as stack:
+        vready = partial(get_ok, f"http://127.0.0.1:{vport}/v1/models")
+        vproc = stack.enter_context(serving(vllm, vready, work / "vllm.log", v_env))
+        gready = partial(get_ok, f"http://127.0.0.1:{gport}/readyz")
+        gproc = stack.enter_context(
+            serving(_gateway(gport, 1, []), gready, work / "front.log", g_env)
+        )
+        arms["vllm api server"] = Arm(
+            f"http://127.0.0.1:{vport}/v1/chat/completions", "vcache-demo", vproc.pid, False
+        )
+        arms["vcache (remote replica)"] = Arm(
+            f"http://127.0.0.1:{gport}/v1/chat/completions", "vcache-demo", gproc.pid, False
+        )
+        turns(arms, args, words=args.words)
+    out = {}
+    for name, arm in arms.items():
+        r = arm.row()
+        r["ceiling_requests_per_s_per_core"] = 1000 / r["cpu_ms_per_request"]
+        per_token = r["cpu_us_per_output_token"]
+        r["ceiling_output_tokens_per_s_per_core"] = 1e6 / per_token if per_token else None
+        out[name] = r
+    return out
+
+
+def table(out: dict[str, Any]) -> str:
+    lines = [f"{'part':<10}{'arm':<26}{'req/s':>7}{'CPU ms/req':>11}{'p50 ms':>8}{'p90 ms':>8}"
+             f"  extra"]  # fmt: skip
+    for part, arms in out["parts"].items():
+        for name, r in arms.items():
+            extra = ""
+            if r.get("worker_cpu_shares"):
+                extra = f"worker CPU shares {r['worker_cpu_shares']}"
+            if "ceiling_requests_per_s_per_core" in r:
+                extra = (f"{r['cpu_us_per_output_token']:.0f} us/token; ceiling per core "
+                         f"{r['ceiling_requests_per_s_per_core']:.0f} req/s, "
+                         f"{r['ceiling_output_tokens_per_s_per_core']:.0f} tok/s")  # fmt: skip
+            lines.append(
+                f"{part:<10}{name:<26}{r['requests_per_s']:>7.0f}{r['cpu_ms_per_request']:>11.2f}"
+                f"{r['latency_p50_ms']:>8.1f}{r['latency_p90_ms']:>8.1f}  {extra}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--part", choices=("workers", "frontend", "both"), default="both")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--slice", type=int, default=600, help="requests per arm per turn")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--words", type=int, default=32, help="output tokens, frontend part")
+    ap.add_argument("--data-dir", default=str(HERE.parent / ".vcache-test-data"))
+    ap.add_argument("--out", type=Path, default=Path("reports/bench_workers.json"))
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-workers-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
+    env["PYTHONPATH"] = str(HERE.parent)
+    out: dict[str, Any] = {"concurrency": args.concurrency, "slice": args.slice,
+                           "rounds": args.rounds, "cpus": os.cpu_count(), "parts": {}}  # fmt: skip
+    if args.part in ("workers", "both"):
+        out["parts"]["workers"] = part_workers(args, work, env)
+    if args.part in ("frontend", "both"):
+        out["parts"]["frontend"] = part_frontend(args, work, env)
+    print(table(out))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
