@@ -90,7 +90,7 @@ def test_the_compose_file_follows_the_compose_specification() -> None:
 
 def test_the_compose_stack_mounts_files_that_exist() -> None:
     compose = _yaml(DEPLOY / "compose.yaml")
-    assert set(compose["services"]) == {"vcache", "prometheus", "grafana"}
+    assert set(compose["services"]) == {"vcache", "prometheus", "grafana", "postgres", "redis"}
     build = compose["services"]["vcache"]["build"]
     assert (DEPLOY / build["context"] / build["dockerfile"]).exists()
     for svc in compose["services"].values():
@@ -102,7 +102,17 @@ def test_the_compose_stack_mounts_files_that_exist() -> None:
     target = prom["scrape_configs"][0]["static_configs"][0]["targets"][0]
     assert target == "vcache:8000" and "8000:8000" in compose["services"]["vcache"]["ports"]
     env = compose["services"]["vcache"]["environment"]
-    Settings(**{k.removeprefix("VCACHE_").lower(): v for k, v in env.items()})
+    nested: dict[str, Any] = {}
+    for k, v in env.items():
+        *parents, leaf = k.removeprefix("VCACHE_").lower().split("__")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = v
+    settings = Settings(**nested)
+    assert settings.session_log.url and settings.state.url  # the stores of the stack
+    assert settings.session_log.url.endswith("@postgres:5432/vcache")
+    assert settings.state.url == "redis://redis:6379/0"
 
 
 def test_the_dashboard_queries_metrics_the_gateway_exposes(
@@ -149,3 +159,18 @@ def test_the_chart_configures_the_gateway_with_real_settings() -> None:
         "enable_kv_cache_events",
     ):
         assert needed in replicas
+
+
+def test_the_chart_runs_gateways_active_active_on_shared_stores() -> None:
+    values = _yaml(CHART / "values.yaml")
+    gateway = (CHART / "templates" / "gateway.yaml").read_text()
+    secrets = (CHART / "templates" / "secret.yaml").read_text()
+    assert values["gateway"]["replicas"] > 1
+    assert "kind: PodDisruptionBudget" in gateway and "minAvailable" in gateway
+    # more than one gateway without a shared log is refused at render time, by name
+    assert re.search(r"fail \"gateway.replicas > 1 needs sharedState.postgresUrl", gateway)
+    for env, key in (("VCACHE_SESSION_LOG__URL", "postgresUrl"), ("VCACHE_STATE__URL", "redisUrl")):
+        assert re.search(rf"{env}\n.*secretKeyRef: {{name: .*-stores, key: {key}}}", gateway)
+        assert f"{key}: {{{{ .Values.sharedState.{key} | quote }}}}" in secrets
+    assert "VCACHE_INSTANCE_ID" in gateway and "metadata.name" in gateway
+    assert "--workers={{ .Values.gateway.workers }}" in gateway
