@@ -103,9 +103,14 @@ class Arm:
         }
 
 
-async def _slice(arm: Arm, start: int, size: int, concurrency: int, words: int) -> None:
+async def _slice(
+    arm: Arm, start: int, size: int, concurrency: int, words: int, fresh: bool = False
+) -> None:
+    """``size`` requests from ``concurrency`` clients, on kept-alive connections (one per
+    client: the kernel spreads connections, not requests, over the workers) or, with
+    ``fresh``, a new connection per request."""
     todo = iter(range(start, start + size))
-    limit = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    limit = aiohttp.TCPConnector(limit=concurrency, force_close=fresh)
     async with aiohttp.ClientSession(connector=limit) as session:
 
         async def client() -> None:
@@ -135,7 +140,7 @@ def turns(arms: dict[str, Arm], args: argparse.Namespace, words: int) -> None:
         n += 40
     for _ in range(args.rounds):
         for arm in arms.values():
-            asyncio.run(_slice(arm, n, args.slice, args.concurrency, words))
+            asyncio.run(_slice(arm, n, args.slice, args.concurrency, words, args.new_connections))
             n += args.slice
 
 
@@ -241,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slice", type=int, default=600, help="requests per arm per turn")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--words", type=int, default=32, help="output tokens, frontend part")
+    ap.add_argument("--new-connections", action="store_true", help="one per request")
     ap.add_argument("--data-dir", default=str(HERE.parent / ".vcache-test-data"))
     ap.add_argument("--out", type=Path, default=Path("reports/bench_workers.json"))
     args = ap.parse_args(argv)
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     env["PYTHONPATH"] = str(HERE.parent)
     out: dict[str, Any] = {"concurrency": args.concurrency, "slice": args.slice,
-                           "rounds": args.rounds, "cpus": os.cpu_count(), "parts": {}}  # fmt: skip
+                           "rounds": args.rounds, "cpus": os.cpu_count(),
+                           "new_connections": args.new_connections, "parts": {}}  # fmt: skip
     if args.part in ("workers", "both"):
         out["parts"]["workers"] = part_workers(args, work, env)
     if args.part in ("frontend", "both"):

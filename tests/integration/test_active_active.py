@@ -204,7 +204,7 @@ class Load:
                 except httpx.ConnectError:
                     with self.lock:  # never reached the gateway: go to the other one
                         self.urls = {k: v for k, v in self.urls.items() if k != name}
-                except httpx.TransportError as exc:
+                except Exception as exc:  # cut off, or an answer that is not one
                     with self.lock:
                         self.errors.append((name, repr(exc)))
                 finally:
