@@ -51,7 +51,7 @@ from gateway.service.cache import CacheService
 from gateway.service.chat import GatewayService
 from gateway.service.health import Health, StoreProbe
 from gateway.service.provider_chat import ProviderChat
-from gateway.service.shared_state import share_provider_state
+from gateway.service.shared_state import share_key_limits, share_provider_state
 from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
 from gateway.sessions.reconstruct import Reconstructor
@@ -279,6 +279,7 @@ def create_app(
             StoreProbe("state", lambda: bus.failing_since, settings.state.unavailable_grace_s)
         )
     app.state.health = Health(supervisor, app.state.service, probes)
+    share_key_limits(bus, app.state.service.limits)
     install_error_handlers(app, metrics)
     install_openapi(app)
     routers = (health, models, chat, completions, responses, messages, cache, tokenize)

@@ -9,6 +9,13 @@ each answer ends) used in the last minute; otherwise it is a 429 with
 ``x-ratelimit-*`` headers OpenAI sends (the Messages routes rename them to
 Anthropic's ``anthropic-ratelimit-*``).  Windows slide: a minute is the last
 60 seconds, not a calendar minute.  The clock is injected.
+
+Active-active gateways share the per-minute windows: each publishes what it
+admitted and what each answer used (``usage`` facts on the state bus) and adds
+the others' to its own windows, so a key's requests and tokens per minute hold
+across gateways, within the bus's delay (milliseconds: a burst that reaches two
+gateways at once may pass a limit by what arrives meanwhile).  ``max_concurrent``
+stays per gateway: a gateway that died would hold the others' count forever.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.core.config import KeyLimits
 from gateway.core.errors import RateLimited
@@ -79,10 +87,28 @@ class Grant:
         return self._limiter.headers(self._key, self._limits)
 
 
+Publish = Callable[[str, dict[str, Any]], None]
+
+
+def _no_one(kind: str, body: dict[str, Any]) -> None:
+    """One gateway: nobody to tell."""
+
+
 class RateLimits:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, publish: Publish = _no_one
+    ) -> None:
         self._clock = clock
         self._usage: dict[tuple[str, str], _Usage] = {}
+        self.publish = publish
+
+    def learn(self, body: dict[str, Any], elapsed: float) -> None:
+        """Another gateway's admission or answer of a key, ``elapsed`` seconds ago."""
+        tenant, name = body["key"]
+        u = self._usage.setdefault((str(tenant), str(name)), _Usage())
+        when = self._clock() - elapsed
+        u.requests.add(when, int(body.get("requests", 0)))
+        u.tokens.add(when, int(body.get("tokens", 0)))
 
     def admit(self, who: Principal) -> Grant | None:
         """Admit one request of ``who`` or raise 429; None when its key has no limits."""
@@ -113,12 +139,16 @@ class RateLimits:
             )
         u.requests.add(now, 1)
         u.inflight += 1
+        if lim.requests_per_minute is not None:
+            self.publish("usage", {"key": list(key), "requests": 1})
         return Grant(self, key, lim)
 
     def finish(self, key: tuple[str, str], tokens: int) -> None:
         u = self._usage[key]
         u.inflight -= 1
         u.tokens.add(self._clock(), tokens)
+        if tokens > 0:
+            self.publish("usage", {"key": list(key), "tokens": tokens})
 
     def headers(self, key: tuple[str, str], lim: KeyLimits) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for the key's request and token limits."""

@@ -1,4 +1,5 @@
-"""The hosted-provider state that active-active gateways share, wired to the state bus.
+"""The state active-active gateways share, wired to the state bus: the hosted-provider
+belief and control loop, and the per-key rate-limit windows.
 
 The book's belief and render records, and the control loop's anchors,
 arrivals and headroom, go out as facts and come back from the other gateways
@@ -17,6 +18,7 @@ from gateway.providers.control import Control
 from gateway.providers.control_facts import anchor_facts, learn_anchor, learn_arrival, learn_limits
 from gateway.providers.path import ProviderPath
 from gateway.providers.targets import ProviderTarget
+from gateway.service.limits import RateLimits
 from gateway.state.bus import Fact, StateBus
 
 log = logging.getLogger(__name__)
@@ -48,3 +50,9 @@ def share_provider_state(
     bus.on("touch", lambda f: learn_arrival(control, f.body, f.elapsed(scale), False))
     bus.on("limits", lambda f: learn_limits(control, f.body, f.at))
     bus.snapshot(lambda: [*book.warm_facts(), *anchor_facts(control)])
+
+
+def share_key_limits(bus: StateBus, limits: RateLimits) -> None:
+    """Every gateway's admissions and answers count in every gateway's windows."""
+    limits.publish = bus.publish
+    bus.on("usage", lambda f: limits.learn(f.body, f.elapsed()))

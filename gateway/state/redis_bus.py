@@ -66,6 +66,7 @@ class RedisBus:
         self._failing: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_id = "0"
+        self._closing = False
         self.applied = 0
         self.sent = 0
 
@@ -92,7 +93,8 @@ class RedisBus:
     async def start(self) -> None:
         """Read what the others published before this gateway came, then keep up."""
         with contextlib.suppress(Exception):  # unreachable: the reader retries
-            await self._read(block_ms=None)
+            async with asyncio.timeout(10):
+                await self._read(block_ms=None)
         self._tasks = [
             asyncio.create_task(self._forever(self._write_once), name="state-bus-writer"),
             asyncio.create_task(self._forever(self._read_once), name="state-bus-reader"),
@@ -100,12 +102,16 @@ class RedisBus:
         ]
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):  # a last flush, if the store is there
-            await asyncio.wait_for(self._write_once(), 2)
+        self._closing = True
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._tasks = []
+        if self._queue:
+            with contextlib.suppress(Exception):  # a last flush, if the store is there
+                async with asyncio.timeout(2):
+                    await self._write_once()
         for role in [r for r in self._roles if self._roles[r] > time.monotonic()]:
             with contextlib.suppress(Exception):  # let another gateway take it at once
                 key = self._role_prefix + role
@@ -116,7 +122,7 @@ class RedisBus:
     # ---------------------------------------------------------------- the tasks
 
     async def _forever(self, step: Any) -> None:
-        while True:
+        while not self._closing:
             try:
                 await step()
                 if self._failing is not None:
@@ -135,17 +141,22 @@ class RedisBus:
     async def _write_once(self) -> None:
         if not self._queue:
             self._wake.clear()
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+            # that races the event, and close() would wait on this task forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
             return
-        batch = list(self._queue)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for kind, body, at in batch:
-                data = json.dumps({"k": kind, "o": self.origin, "t": at, "b": body})
-                pipe.xadd(self._stream, {"f": data}, maxlen=self._max_facts, approximate=True)
-            await pipe.execute()
-        for _ in batch:  # sent: only now off the queue (a failed send keeps them)
-            self._queue.popleft()
+        batch, self._queue = self._queue, deque(maxlen=self._queue.maxlen)
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for kind, body, at in batch:
+                    data = json.dumps({"k": kind, "o": self.origin, "t": at, "b": body})
+                    pipe.xadd(self._stream, {"f": data}, maxlen=self._max_facts, approximate=True)
+                await pipe.execute()
+        except BaseException:  # not sent: back in front of what came meanwhile (the
+            self._queue = deque([*batch, *self._queue], maxlen=batch.maxlen)  # oldest drop)
+            raise
         self.sent += len(batch)
 
     async def _read_once(self) -> None:

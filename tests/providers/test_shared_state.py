@@ -88,8 +88,7 @@ def test_a_warm_written_through_one_gateway_is_believed_and_credited_once_by_the
     a, b = pair
     first = _ask(a, ANTHROPIC, "what is a block?")
     assert first["prompt_tokens_details"]["cached_tokens"] == 0  # A writes the cache
-    _until(lambda: _bus(b).applied >= 2)  # the anchor and the warm
-    assert len(b.path.book.belief) > 0
+    _until(lambda: len(b.path.book.belief) > 0)  # A's warm fact reached B
     second = _ask(b, ANTHROPIC, "what is a span?")
     cached = second["prompt_tokens_details"]["cached_tokens"]
     assert cached > 1000

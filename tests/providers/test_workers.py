@@ -25,6 +25,7 @@ MODEL = f"openai/{MODELS['openai']}"
 
 @pytest.fixture
 def workers(emulator: Emulator, tmp_path: Path) -> Iterator[tuple[str, psutil.Process, Path]]:
+    emulator.admin("reset")  # no limits or faults left by other tests
     config = {
         "providers": {"openai": {"base_url": emulator.base_url("openai"), "api_key": PROVIDER_KEY}},
         "session_log": {"path": str(tmp_path / "sessions.db")},
