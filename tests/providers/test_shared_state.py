@@ -6,6 +6,7 @@ the other's."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -135,3 +136,39 @@ def test_the_headroom_one_gateway_saw_is_the_others(pair: tuple[Gw, Gw]) -> None
     send = a.http.app.state.service.warm_provider  # type: ignore[attr-defined]
     a.http.portal.call(_control(a).tick, send)  # type: ignore[union-attr]  # shares it
     _until(lambda: b.path.target(OPENAI).client.limits == seen)
+
+
+def test_a_redis_restarted_under_load_costs_no_request_and_is_rebuilt(
+    emulator: Emulator, tokenizer: ChatTokenizer, throwaway_redis: Any
+) -> None:
+    """Redis killed while a gateway serves provider traffic: every request still
+    succeeds (soft state), readiness says degraded; Redis back empty: the gateway's
+    belief is republished into it, so a gateway that starts then believes it."""
+    import redis
+
+    emulator.admin("reset")
+    state = {"url": throwaway_redis.url, "prefix": "rb:", "unavailable_grace_s": 60}
+    make = contextlib.contextmanager(make_gateway)
+    with make(emulator, tokenizer, state=state) as a:
+        statuses = []
+        for i in range(5):
+            statuses.append(a.http.post(
+                "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                json={"model": ANTHROPIC, "max_tokens": 4, "messages": [
+                    {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"q{i}"}]},
+            ).status_code)  # fmt: skip
+            if i == 1:
+                throwaway_redis.stop()
+                _until(lambda: _bus(a).failing_since is not None)
+                assert a.http.get("/readyz").json()["stores"]["state"] == "degraded"
+        assert statuses == [200] * 5  # no request depended on Redis
+        throwaway_redis.start()  # empty
+        _until(lambda: _bus(a).failing_since is None, timeout_s=15)
+        client = redis.Redis.from_url(throwaway_redis.url)
+        _until(lambda: client.xlen("rb:facts") > 0)  # republished
+        entries: Any = client.xrange("rb:facts")
+        kinds = {json.loads(f[b"f"])["k"] for _, f in entries}
+        assert "warm" in kinds
+        with make(emulator, tokenizer, state=state) as late:
+            _until(lambda: len(late.path.book.belief) > 0)  # learnt from the rebuilt store
+        assert a.http.get("/readyz").json()["stores"]["state"] == "ok"
