@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -20,7 +21,7 @@ from engines.base import Engine
 from engines.providers.specs import adapter_for
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import Settings
-from gateway.core.metrics import Metrics
+from gateway.core.metrics import MULTIPROC_ENV, Metrics
 from gateway.core.tracing import Tracing
 from gateway.core.version import version_info
 from gateway.grpc.server import GatewayServicer, GrpcServer
@@ -131,7 +132,7 @@ def create_app(
 ) -> FastAPI:
     """An app over ``built`` replicas (bare engines become replicas without KV events) and,
     when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``)."""
-    metrics = Metrics()
+    metrics = Metrics(os.environ.get(MULTIPROC_ENV) if settings.workers > 1 else None)
     tracing = tracing or Tracing(settings.otlp_endpoint)
     if settings.control.clock_scale != 1.0:  # a load test against a time-scaled emulator
         provider_clock = _scaled(provider_clock, settings.control.clock_scale)

@@ -9,6 +9,8 @@ nothing shared), and all of them share the session log (SQLite in WAL mode
 across processes, or PostgreSQL) and, with ``state.url``, the soft state.
 Without ``state.url`` each worker keeps its own provider belief and only
 worker 0 runs the provider control loop's heartbeats and the log's retention.
+``/metrics``, whichever worker answers, sums every worker's counters (one
+``PROMETHEUS_MULTIPROC_DIR`` for all, made and removed by the parent).
 
 A worker that dies is started again (after 1 s, doubling to 30 s while it
 keeps dying young); its engine pin holds run out on their own.  SIGTERM or
@@ -20,13 +22,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from gateway.core.metrics import MULTIPROC_ENV
 
 log = logging.getLogger(__name__)
 WORKER_ENV = "VCACHE_WORKER_INDEX"
@@ -77,9 +83,17 @@ def run_workers(n: int, host: str, port: int, argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, stop)
     cmd = [sys.executable, "-m", "gateway.cli", *argv]
+    metrics = tempfile.mkdtemp(prefix="vcache-metrics-")  # every worker's counters
+    try:
+        return _supervise(n, cmd, metrics, lambda: stopping)
+    finally:
+        shutil.rmtree(metrics, ignore_errors=True)
+
+
+def _supervise(n: int, cmd: list[str], metrics: str, stopping: Callable[[], bool]) -> int:
     workers = [_Worker(i) for i in range(n)]
-    log.info("vcache: %d workers on %s:%d", n, host, port)
-    while not stopping:
+    log.info("vcache: %d workers", n)
+    while not stopping():
         now = time.monotonic()
         for w in workers:
             if w.proc is not None and w.proc.poll() is not None:
@@ -89,7 +103,7 @@ def run_workers(n: int, host: str, port: int, argv: Sequence[str]) -> int:
                 log.warning("worker %d exited (%s) after %.0f s; again in %.0f s",
                             w.index, code, lived, w.backoff_s)  # fmt: skip
             if w.proc is None and now >= w.due:
-                env = {**os.environ, WORKER_ENV: str(w.index)}
+                env = {**os.environ, WORKER_ENV: str(w.index), MULTIPROC_ENV: metrics}
                 w.proc, w.started = subprocess.Popen(cmd, env=env), now
         time.sleep(0.2)
     return _stop(workers)

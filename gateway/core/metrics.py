@@ -1,4 +1,10 @@
-"""Prometheus metrics, one registry per app (no process-global state)."""
+"""Prometheus metrics, one registry per app (no process-global state).
+
+Under ``--workers`` the parent gives every worker one ``PROMETHEUS_MULTIPROC_DIR``
+(prometheus_client's multiprocess mode: each process writes its counters and
+histograms to files there), and a scrape, whichever worker takes it, sums every
+worker's, the dead ones' included (counters stay monotonic across a restart).
+The engine gauges read at scrape time are the scraping worker's view."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from engines.base import EngineStats
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set by the parent of --workers
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _QUEUE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
@@ -60,8 +67,10 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._multiprocess_dir = multiprocess_dir
+        self._scraped: list[Collector] = []  # read at scrape time (multiprocess: added)
         r = self.registry
         self.requests = Counter(
             "vcache_requests", "HTTP requests by route and status", ["route", "status"], registry=r
@@ -200,7 +209,17 @@ class Metrics:
         self.routing_decisions.labels(policy, reason).inc()
 
     def watch_engines(self, stats: Callable[[], Mapping[str, EngineStats]]) -> None:
-        self.registry.register(_EngineCollector(stats))
+        collector = _EngineCollector(stats)
+        self.registry.register(collector)
+        self._scraped.append(collector)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self._multiprocess_dir)  # type: ignore[no-untyped-call]
+        for c in self._scraped:
+            merged.register(c)
+        return generate_latest(merged)

@@ -79,6 +79,17 @@ def test_two_workers_share_the_port_and_the_log(
     with sqlite3.connect(db) as con:
         logged = {r[0] for r in con.execute("SELECT request_id FROM requests")}
     assert set(ids) <= logged  # one log, written by both
+    # /metrics, whichever worker answers, counts both workers' requests
+    for _ in range(4):
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        served = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vcache_requests_total{")
+            and 'route="/v1/chat/completions"' in line
+            and 'status="200"' in line
+        )
+        assert served == 100
 
 
 def test_a_killed_worker_is_started_again_while_the_other_serves(
