@@ -169,9 +169,9 @@ def test_pins_of_two_gateways_live_side_by_side(pair: tuple[str, str]) -> None:
 
 @dataclass
 class Load:
-    """Users sending short chats to two gateways; a user whose gateway refuses the
-    connection goes to the other (as a load balancer does); an answer cut off is an
-    error."""
+    """Users sending short chats to two gateways, a new connection per request (as a
+    load balancer opens them); a user whose gateway refuses the connection goes to the
+    other; an answer cut off is an error."""
 
     urls: dict[str, str]
     stop: threading.Event = field(default_factory=threading.Event)
@@ -182,7 +182,8 @@ class Load:
 
     def user(self, n: int) -> None:
         i = 0
-        with httpx.Client(timeout=60) as c:
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(timeout=60, limits=fresh) as c:
             while not self.stop.is_set():
                 with self.lock:
                     names = sorted(self.urls)

@@ -351,10 +351,10 @@ def test_health_endpoints(gateway: Gateway) -> None:
     ready = {"state": "ready", "restarts": 0, "last_error": None}
     replicas = {"replica-0": ready, "replica-1": ready}
     healthz = httpx.get(f"{gateway.base_url}/healthz").json()
-    assert healthz == {"status": "ok", "error": None, "replicas": replicas}
+    assert healthz == {"status": "ok", "error": None, "replicas": replicas, "stores": {}}
     assert httpx.get(f"{gateway.base_url}/health").json() == healthz
     readyz = httpx.get(f"{gateway.base_url}/readyz").json()
-    assert readyz == {"status": "ready", "error": None, "replicas": replicas}
+    assert readyz == {"status": "ready", "error": None, "replicas": replicas, "stores": {}}
     version = httpx.get(f"{gateway.base_url}/version").json()
     assert version["vllm"].startswith("0.32")
     body = httpx.get(f"{gateway.base_url}/metrics").text
