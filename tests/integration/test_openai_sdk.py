@@ -354,7 +354,8 @@ def test_health_endpoints(gateway: Gateway) -> None:
     assert healthz == {"status": "ok", "error": None, "replicas": replicas, "stores": {}}
     assert httpx.get(f"{gateway.base_url}/health").json() == healthz
     readyz = httpx.get(f"{gateway.base_url}/readyz").json()
-    assert readyz == {"status": "ready", "error": None, "replicas": replicas, "stores": {}}
+    stores = {"session_log": "ok"}  # readiness checks the log's store
+    assert readyz == {"status": "ready", "error": None, "replicas": replicas, "stores": stores}
     version = httpx.get(f"{gateway.base_url}/version").json()
     assert version["vllm"].startswith("0.32")
     body = httpx.get(f"{gateway.base_url}/metrics").text
