@@ -288,11 +288,14 @@ class Control:
     async def tick(self, send: WarmFn) -> list[Anchor]:
         """Decide, then hand over: the due heartbeats sent through ``send`` (the service's
         provider warm, journaled like any request); returns the anchors heartbeated.
-        A gateway that does not lead only shares its targets' headroom."""
+        A gateway that does not lead decides too (every gateway counts every arrival, so
+        they reach the same verdicts: the TTL tier its own requests write at) and shares
+        its targets' headroom, but sends no heartbeat."""
         self._share_limits()
+        due = self.decide()
         if not self.leads():
             return []
-        return [a for a in self.decide() if await self._heartbeat(a, send)]
+        return [a for a in due if await self._heartbeat(a, send)]
 
     async def _heartbeat(self, a: Anchor, send: WarmFn) -> bool:
         try:
