@@ -29,6 +29,7 @@ from tests.stores import postgres_database, redis_keys
 pytestmark = pytest.mark.integration
 
 BLOCK = 128
+LEASE = 20.0  # the victim's pin lease: longer than it lives under the load
 SYSTEM = "Active-active gateways share one log and one replica. " * 30
 
 
@@ -169,45 +170,48 @@ def test_pins_of_two_gateways_live_side_by_side(pair: tuple[str, str]) -> None:
 
 @dataclass
 class Load:
-    """Users sending short chats to two gateways, a new connection per request (as a
-    load balancer opens them); a user whose gateway refuses the connection goes to the
-    other; an answer cut off is an error."""
+    """Users sending short chats to two gateways, a new connection per request, as a
+    load balancer opens them.  A request that fails without an answer after its gateway
+    was killed never reached a live process: the user, as a load balancer would, drops
+    that gateway and sends it to the other.  Any other failure is an error."""
 
     urls: dict[str, str]
     stop: threading.Event = field(default_factory=threading.Event)
     acked: list[tuple[str, str]] = field(default_factory=list)  # (gateway, response id)
     errors: list[tuple[str, str]] = field(default_factory=list)
+    retried: int = 0  # sent after the kill to the dead gateway, then to the other
     inflight: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    killed: str | None = None  # the gateway killed, once it is
 
     def user(self, n: int) -> None:
         i = 0
         fresh = httpx.Limits(max_keepalive_connections=0)
         with httpx.Client(timeout=60, limits=fresh) as c:
             while not self.stop.is_set():
-                with self.lock:
-                    names = sorted(self.urls)
-                name = names[(n + i) % len(names)]
                 i += 1
                 ask = [{"role": "user", "content": f"user {n} asks {i}"}]
                 body = {"model": "vcache-demo", "max_tokens": 2, "messages": ask}
-                with self.lock:
+                with self.lock:  # one choice, one count, one URL: all before or after a kill
+                    names = sorted(self.urls)
+                    name = names[(n + i) % len(names)]
+                    url = self.urls[name]
                     self.inflight[name] = self.inflight.get(name, 0) + 1
-                    urls = self.urls
+                    after_kill = self.killed == name
                 try:
-                    r = c.post(f"{urls[name]}/v1/chat/completions", json=body)
-                    ok = r.status_code == 200
+                    r = c.post(f"{url}/v1/chat/completions", json=body)
                     with self.lock:
-                        if ok:
+                        if r.status_code == 200:
                             self.acked.append((name, r.json()["id"]))
                         else:
                             self.errors.append((name, f"{r.status_code} {r.text[:200]}"))
-                except httpx.ConnectError:
-                    with self.lock:  # never reached the gateway: go to the other one
-                        self.urls = {k: v for k, v in self.urls.items() if k != name}
-                except Exception as exc:  # cut off, or an answer that is not one
+                except Exception as exc:
                     with self.lock:
-                        self.errors.append((name, repr(exc)))
+                        if after_kill and isinstance(exc, httpx.TransportError):
+                            self.retried += 1  # to the other gateway from now on
+                            self.urls = {k: v for k, v in self.urls.items() if k != name}
+                        else:  # cut off in flight, or an answer that is not one
+                            self.errors.append((name, repr(exc)))
                 finally:
                     with self.lock:
                         self.inflight[name] -= 1
@@ -219,7 +223,8 @@ def test_a_gateway_killed_under_load_loses_nothing_it_acknowledged(
     a, _ = pair
     base = _engine_pins(a)
     with shared.gateway("gw-victim") as (victim, proc):
-        body = {"model": "vcache-demo", "prompt": "held by the victim " * 60, "lease_s": 3}
+        # a lease that outlives the victim: it dies holding it (held LEASE + 10 s)
+        body = {"model": "vcache-demo", "prompt": "held by the victim " * 60, "lease_s": LEASE}
         httpx.post(f"{victim}/v1/cache/warm", json=body, timeout=60).raise_for_status()
         held = len(httpx.post(f"{victim}/v1/cache/pin", json=body, timeout=60).json()
                    ["replicas"][0]["pinned"])  # fmt: skip
@@ -234,6 +239,8 @@ def test_a_gateway_killed_under_load_loses_nothing_it_acknowledged(
             in_flight = load.inflight.get("victim", 0)
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
+            load.killed = "victim"
+        died_after = time.monotonic() - pinned_at
         killed = len(load.acked)
         wait_for(lambda: len(load.acked) >= killed + 40, timeout_s=60)  # the survivor serves
         load.stop.set()
@@ -241,15 +248,18 @@ def test_a_gateway_killed_under_load_loses_nothing_it_acknowledged(
             u.join(60)
     on_victim = [rid for g, rid in load.acked if g == "victim"]
     print(f"\nkill -9 under load: {len(load.acked)} acknowledged ({len(on_victim)} by the "
-          f"victim), {len(load.errors)} errors, {in_flight} in flight on the victim")  # fmt: skip
+          f"victim), {len(load.errors)} errors, {in_flight} in flight on the victim, "
+          f"{load.retried} sent to it after its death and then to the survivor")  # fmt: skip
     assert all(g == "victim" for g, _ in load.errors), load.errors  # the survivor: none
     assert len(load.errors) <= in_flight
     with psycopg.connect(shared.pg) as db:
         logged = {r[0] for r in db.execute("SELECT request_id FROM requests").fetchall()}
     missing = [rid for _, rid in load.acked if rid not in logged]
     assert missing == []  # every acknowledged request is in the shared log
-    # its lease (3 s, held 3 + 10 s in the engine) runs out; the survivor's sweep frees it
-    wait_for(lambda: _engine_pins(a) == base, timeout_s=40, interval_s=0.5)
+    # its hold (the lease + 10 s) runs out in the engine; the survivor's sweep frees it
+    assert died_after < LEASE, "the victim outlived its lease: nothing was left to leak"
+    wait_for(lambda: _engine_pins(a) == base, timeout_s=LEASE + 40, interval_s=0.5)
     released_after = time.monotonic() - pinned_at
-    print(f"the victim's pins were released {released_after:.1f} s after they were taken")
-    assert released_after >= 13 - 1  # not before the hold ran out
+    print(f"the victim died {died_after:.1f} s after pinning; its pins were released "
+          f"{released_after:.1f} s after they were taken")  # fmt: skip
+    assert released_after >= LEASE + 10 - 1  # not before the hold ran out
