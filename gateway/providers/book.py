@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engines.providers.base import ProviderUsage
+from gateway.core.facts import Publish, no_one
 from manifest.belief import Telemetry, WarmthBelief
 from manifest.canonical import SegmentKind
 from manifest.identity import ContentDigest, prefix_digests
@@ -131,13 +132,6 @@ class Believed:
     probability: float
 
 
-Publish = Callable[[str, dict[str, Any]], None]
-
-
-def _no_one(kind: str, body: dict[str, Any]) -> None:
-    """One gateway: nobody to tell."""
-
-
 class ProviderCacheBook:
     """Belief, records, ledger and stats of the hosted-provider targets.
 
@@ -148,7 +142,7 @@ class ProviderCacheBook:
     settled, so a warm written through one and read through another is credited once.
     """
 
-    def __init__(self, clock: Callable[[], float], publish: Publish = _no_one) -> None:
+    def __init__(self, clock: Callable[[], float], publish: Publish = no_one) -> None:
         self._clock = clock
         self.publish = publish
         self.belief = WarmthBelief()

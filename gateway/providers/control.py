@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.core.config import ControlSettings
+from gateway.core.facts import Publish, no_one
 from gateway.core.loops import every
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.providers.book import PromptView
@@ -115,13 +116,6 @@ def shadow_price(share_left: float) -> float:
     return max(0.0, 0.5 - share_left) * 4.0
 
 
-Publish = Callable[[str, dict[str, Any]], None]
-
-
-def _no_one(kind: str, body: dict[str, Any]) -> None:
-    """One gateway: nobody to tell."""
-
-
 class Control:
     """Active-active: every gateway observes its own traffic and publishes it
     (``anchor`` when one is first seen, with its heartbeat template; ``arrival`` per
@@ -134,7 +128,7 @@ class Control:
         self,
         cfg: ControlSettings,
         clock: Callable[[], float],
-        publish: Publish = _no_one,
+        publish: Publish = no_one,
         leads: Callable[[], bool] = lambda: True,
     ) -> None:
         self.cfg = cfg

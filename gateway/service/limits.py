@@ -29,6 +29,7 @@ from typing import Any
 
 from gateway.core.config import KeyLimits
 from gateway.core.errors import RateLimited
+from gateway.core.facts import Publish, no_one
 from gateway.core.types import Principal
 
 WINDOW_S = 60.0
@@ -87,16 +88,9 @@ class Grant:
         return self._limiter.headers(self._key, self._limits)
 
 
-Publish = Callable[[str, dict[str, Any]], None]
-
-
-def _no_one(kind: str, body: dict[str, Any]) -> None:
-    """One gateway: nobody to tell."""
-
-
 class RateLimits:
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, publish: Publish = _no_one
+        self, clock: Callable[[], float] = time.monotonic, publish: Publish = no_one
     ) -> None:
         self._clock = clock
         self._usage: dict[tuple[str, str], _Usage] = {}
