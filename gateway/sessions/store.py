@@ -162,11 +162,7 @@ class SessionStore:
                     first = 0
                 else:
                     db.lock_session(session_id)
-                    row = db.execute(
-                        "SELECT COALESCE(MAX(seq), -1) FROM events WHERE session_id = ?",
-                        (session_id,),
-                    ).fetchone()
-                    first = int(row[0]) + 1
+                    first = self.last_seq(session_id) + 1
                 seqs = list(range(first, first + len(events)))
                 rows, blobs = [], {}
                 for seq, e in zip(seqs, events, strict=True):
