@@ -24,6 +24,7 @@ from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.providers.control import Control
 from gateway.providers.path import ProviderPath
 from gateway.sessions.log import SessionLog
 from tests.integration.conftest import _free_port, running
@@ -37,6 +38,10 @@ MODELS = {
     "gemini": "gemini-2.5-flash",
     "deepseek": "deepseek-chat",
 }
+
+
+# a system prompt long enough for every provider's minimum cacheable prefix
+MANUAL = "You answer questions about the vcache manual, section by section.\n" * 100
 
 
 class FakeClock:
@@ -107,6 +112,28 @@ class Gw:
         """The gateway's session log."""
         log: SessionLog = self.http.app.state.session_log  # type: ignore[attr-defined]
         return log
+
+    def control(self) -> Control:
+        """The gateway's provider control loop."""
+        c: Control = self.http.app.state.control  # type: ignore[attr-defined]
+        return c
+
+    def ask(self, model: str, question: str = "what is a block?", system: str = MANUAL) -> Any:
+        """A short chat on ``model`` under ``system``; its usage (a 200 or the test fails)."""
+        r = self.http.post(
+            "/v1/chat/completions",
+            headers={"authorization": f"Bearer {KEY}"},
+            json={
+                "model": model,
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ],
+            },
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
 
     def stats(self) -> dict[str, Any]:
         r = self.http.get("/v1/cache/stats", headers={"authorization": f"Bearer {KEY}"})

@@ -13,11 +13,9 @@ import pytest
 from engines.tokenizer import ChatTokenizer
 from gateway.plan_cli import main as plan_main
 from gateway.plan_cli import render
-from gateway.providers.control import Control
 from manifest.governor import Decision
-from tests.providers.conftest import KEY, MODELS, Emulator, Gw, make_gateway
+from tests.providers.conftest import KEY, MANUAL, MODELS, Emulator, Gw, make_gateway
 
-SYSTEM = "You answer questions about the vcache manual, section by section.\n" * 100
 ANTHROPIC = f"anthropic/{MODELS['anthropic']}"
 OPENAI = f"openai/{MODELS['openai']}"
 
@@ -38,11 +36,6 @@ def heartbeating(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
     yield from _gateway(emulator, tokenizer, "heartbeat_all")
 
 
-def _control(gw: Gw) -> Control:
-    c: Control = gw.http.app.state.control  # type: ignore[attr-defined]
-    return c
-
-
 def _advance(gw: Gw, seconds: float) -> None:
     gw.clock.now += seconds
     gw.emulator.admin("clock/advance", seconds=seconds)
@@ -50,46 +43,29 @@ def _advance(gw: Gw, seconds: float) -> None:
 
 def _tick(gw: Gw) -> int:
     send = gw.http.app.state.service.warm_provider  # type: ignore[attr-defined]
-    return len(gw.http.portal.call(_control(gw).tick, send))  # type: ignore[union-attr]
-
-
-def _ask(gw: Gw, model: str, question: str = "what is a block?", system: str = SYSTEM) -> Any:
-    r = gw.http.post(
-        "/v1/chat/completions",
-        headers={"authorization": f"Bearer {KEY}"},
-        json={
-            "model": model,
-            "max_tokens": 4,
-            "messages": [
-                {"role": "system", "content": system},
-                {"role": "user", "content": question},
-            ],
-        },
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["usage"]
+    return len(gw.http.portal.call(gw.control().tick, send))  # type: ignore[union-attr]
 
 
 def test_heartbeats_keep_an_anchor_warm_across_a_gap_longer_than_its_ttl(
     heartbeating: Gw,
 ) -> None:
     gw = heartbeating
-    assert _ask(gw, ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] == 0
+    assert gw.ask(ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] == 0
     for _ in range(3):  # 3 x 250 s idle: twice the 5-minute TTL
         _advance(gw, 250)
         assert _tick(gw) == 1
     warm = gw.emulator.last_body()
     assert warm["max_tokens"] == 0 and warm["system"][0]["cache_control"]["ttl"] == "5m"
-    assert _ask(gw, ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] > 1000
-    assert _control(gw).counts["heartbeats"] == 3
+    assert gw.ask(ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] > 1000
+    assert gw.control().counts["heartbeats"] == 3
 
 
 def test_without_heartbeats_the_same_gap_is_a_miss(governed: Gw) -> None:
     gw = governed
-    _ask(gw, ANTHROPIC)
+    gw.ask(ANTHROPIC)
     _advance(gw, 750)
     _tick(gw)
-    assert _ask(gw, ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] == 0
+    assert gw.ask(ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_the_governor_takes_the_hour_tier_for_traffic_with_gaps_past_five_minutes(
@@ -97,29 +73,29 @@ def test_the_governor_takes_the_hour_tier_for_traffic_with_gaps_past_five_minute
 ) -> None:
     gw = governed
     for _ in range(3):
-        _ask(gw, ANTHROPIC)
+        gw.ask(ANTHROPIC)
         _advance(gw, 400)
     _tick(gw)
-    a = next(iter(_control(gw).anchors.values()))
+    a = next(iter(gw.control().anchors.values()))
     assert a.verdict is not None and a.verdict.ttl_s == 3600
-    _ask(gw, ANTHROPIC)
+    gw.ask(ANTHROPIC)
     assert gw.emulator.last_body()["system"][0]["cache_control"]["ttl"] == "1h"
     _advance(gw, 1200)  # past 5 minutes, inside the hour: still read
-    assert _ask(gw, ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] > 1000
+    assert gw.ask(ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] > 1000
 
 
 def _sparse_openai(gw: Gw) -> None:
     for _ in range(3):  # λT ≈ 0.9 on a 300 s implicit cache: the rule says heartbeat
-        _ask(gw, OPENAI)
+        gw.ask(OPENAI)
         _advance(gw, 330)
-    _ask(gw, OPENAI)
+    gw.ask(OPENAI)
     _advance(gw, 250)
 
 
 def test_heartbeats_go_out_inside_the_headroom(governed: Gw) -> None:
     _sparse_openai(governed)
     assert _tick(governed) == 1
-    a = next(iter(_control(governed).anchors.values()))
+    a = next(iter(governed.control().anchors.values()))
     assert a.verdict is not None and a.verdict.decision is Decision.HEARTBEAT
 
 
@@ -129,7 +105,7 @@ def test_without_headroom_the_governor_warms_fewer_never_a_429(
     governed.emulator.admin("limits", provider="openai", rpm=100, tpm=2600)
     _sparse_openai(governed)
     assert _tick(governed) == 0
-    c = _control(governed)
+    c = governed.control()
     assert c.counts["deferred"] == 1 and c.counts["heartbeats"] == 0
     assert governed.emulator.admin_get("billing")["openai"]["rejected_429"] == 0
 
@@ -140,7 +116,7 @@ def test_siblings_of_a_cold_anchor_wait_for_the_first_to_write_it(governed: Gw) 
     usages: dict[str, Any] = {}
 
     def ask(name: str) -> None:
-        usages[name] = _ask(gw, ANTHROPIC, question=f"question from {name}")
+        usages[name] = gw.ask(ANTHROPIC, question=f"question from {name}")
 
     first = threading.Thread(target=ask, args=("first",))
     first.start()
@@ -149,14 +125,14 @@ def test_siblings_of_a_cold_anchor_wait_for_the_first_to_write_it(governed: Gw) 
     first.join()
     assert usages["first"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert usages["second"]["prompt_tokens_details"]["cached_tokens"] > 1000
-    assert _control(gw).counts["held"] == 1
+    assert gw.control().counts["held"] == 1
 
 
 def test_the_plan_reports_skew_coverage_and_decisions(governed: Gw) -> None:
     gw = governed
     for i, n in enumerate((8, 3, 1)):
         for _ in range(n):
-            _ask(gw, ANTHROPIC, system=f"Anchor {i}. " + SYSTEM)
+            gw.ask(ANTHROPIC, system=f"Anchor {i}. " + MANUAL)
             _advance(gw, 20)
     _tick(gw)
     r = gw.http.get("/v1/cache/plan", headers={"authorization": f"Bearer {KEY}"})

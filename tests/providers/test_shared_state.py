@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from engines.tokenizer import ChatTokenizer
-from gateway.providers.control import Control
 from gateway.service.shared_state import CONTROL_ROLE
 from gateway.state.redis_bus import RedisBus
-from tests.providers.conftest import KEY, MODELS, Emulator, Gw, make_gateway
+from tests.integration.conftest import wait_for
+from tests.providers.conftest import KEY, MANUAL, MODELS, Emulator, Gw, make_gateway
 
-SYSTEM = "You answer questions about the vcache manual, section by section.\n" * 100
 ANTHROPIC = f"anthropic/{MODELS['anthropic']}"
 OPENAI = f"openai/{MODELS['openai']}"
 
@@ -44,53 +42,24 @@ def pair(
         yield gws[0], gws[1]
 
 
-def _ask(gw: Gw, model: str, question: str) -> Any:
-    r = gw.http.post(
-        "/v1/chat/completions",
-        headers={"authorization": f"Bearer {KEY}"},
-        json={
-            "model": model,
-            "max_tokens": 4,
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": question},
-            ],
-        },
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["usage"]
-
-
 def _bus(gw: Gw) -> RedisBus:
     bus = gw.http.app.state.bus  # type: ignore[attr-defined]
     assert isinstance(bus, RedisBus)
     return bus
 
 
-def _control(gw: Gw) -> Control:
-    c: Control = gw.http.app.state.control  # type: ignore[attr-defined]
-    return c
-
-
 def _arrivals(gw: Gw) -> int:
-    return sum(len(x.arrivals.times) for x in _control(gw).anchors.values())
-
-
-def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+    return sum(len(x.arrivals.times) for x in gw.control().anchors.values())
 
 
 def test_a_warm_written_through_one_gateway_is_believed_and_credited_once_by_the_other(
     pair: tuple[Gw, Gw],
 ) -> None:
     a, b = pair
-    first = _ask(a, ANTHROPIC, "what is a block?")
+    first = a.ask(ANTHROPIC, "what is a block?")
     assert first["prompt_tokens_details"]["cached_tokens"] == 0  # A writes the cache
-    _until(lambda: len(b.path.book.belief) > 0)  # A's warm fact reached B
-    second = _ask(b, ANTHROPIC, "what is a span?")
+    wait_for(lambda: len(b.path.book.belief) > 0, timeout_s=10)  # A's warm fact reached B
+    second = b.ask(ANTHROPIC, "what is a span?")
     cached = second["prompt_tokens_details"]["cached_tokens"]
     assert cached > 1000
     sa, sb = a.stats()[ANTHROPIC], b.stats()[ANTHROPIC]
@@ -103,12 +72,12 @@ def test_a_warm_written_through_one_gateway_is_believed_and_credited_once_by_the
 
 def test_both_count_every_arrival_and_only_one_heartbeats(pair: tuple[Gw, Gw]) -> None:
     a, b = pair
-    _ask(a, ANTHROPIC, "q1")
-    _ask(b, ANTHROPIC, "q2")
-    _ask(a, ANTHROPIC, "q3")
+    a.ask(ANTHROPIC, "q1")
+    b.ask(ANTHROPIC, "q2")
+    a.ask(ANTHROPIC, "q3")
     for gw in (a, b):  # every gateway's anchor counts all three
-        _until(lambda gw=gw: _arrivals(gw) == 3)  # type: ignore[misc]
-    _until(lambda: _bus(a).holds(CONTROL_ROLE) or _bus(b).holds(CONTROL_ROLE))
+        wait_for(lambda gw=gw: _arrivals(gw) == 3, timeout_s=10)
+    wait_for(lambda: _bus(a).holds(CONTROL_ROLE) or _bus(b).holds(CONTROL_ROLE), timeout_s=10)
     for gw in (a, b):
         gw.clock.now += 250  # 250 s idle of a 5-minute TTL: a heartbeat is due
     a.emulator.admin("clock/advance", seconds=250)
@@ -116,26 +85,26 @@ def test_both_count_every_arrival_and_only_one_heartbeats(pair: tuple[Gw, Gw]) -
     sent = 0
     for gw in (a, b):
         send = gw.http.app.state.service.warm_provider  # type: ignore[attr-defined]
-        sent += len(gw.http.portal.call(_control(gw).tick, send))  # type: ignore[union-attr]
+        sent += len(gw.http.portal.call(gw.control().tick, send))  # type: ignore[union-attr]
     assert sent == 1 and len(a.emulator.received()) == before + 1  # one gateway warmed it
     leader, other = (a, b) if _bus(a).holds(CONTROL_ROLE) else (b, a)
-    assert _control(leader).counts["heartbeats"] == 1
-    assert _control(other).counts["heartbeats"] == 0
+    assert leader.control().counts["heartbeats"] == 1
+    assert other.control().counts["heartbeats"] == 0
     # the heartbeat refreshed the anchor on the other gateway too
-    anchors = _control(other).anchors.values()
-    _until(lambda: all(other.clock.now - x.touched < 1 for x in anchors))
+    anchors = other.control().anchors.values()
+    wait_for(lambda: all(other.clock.now - x.touched < 1 for x in anchors), timeout_s=10)
 
 
 def test_the_headroom_one_gateway_saw_is_the_others(pair: tuple[Gw, Gw]) -> None:
     a, b = pair
     a.emulator.admin("limits", provider="openai", rpm=100, tpm=100000)
-    _ask(b, OPENAI, "q0")  # B knows the target
-    _ask(a, OPENAI, "q1")
+    b.ask(OPENAI, "q0")  # B knows the target
+    a.ask(OPENAI, "q1")
     seen = a.path.target(OPENAI).client.limits
     assert seen is not None and seen.requests_remaining is not None
     send = a.http.app.state.service.warm_provider  # type: ignore[attr-defined]
-    a.http.portal.call(_control(a).tick, send)  # type: ignore[union-attr]  # shares it
-    _until(lambda: b.path.target(OPENAI).client.limits == seen)
+    a.http.portal.call(a.control().tick, send)  # type: ignore[union-attr]  # shares it
+    wait_for(lambda: b.path.target(OPENAI).client.limits == seen, timeout_s=10)
 
 
 def test_a_redis_restarted_under_load_costs_no_request_and_is_rebuilt(
@@ -155,20 +124,22 @@ def test_a_redis_restarted_under_load_costs_no_request_and_is_rebuilt(
             statuses.append(a.http.post(
                 "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
                 json={"model": ANTHROPIC, "max_tokens": 4, "messages": [
-                    {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"q{i}"}]},
+                    {"role": "system", "content": MANUAL}, {"role": "user", "content": f"q{i}"}]},
             ).status_code)  # fmt: skip
             if i == 1:
                 throwaway_redis.stop()
-                _until(lambda: _bus(a).failing_since is not None)
+                wait_for(lambda: _bus(a).failing_since is not None, timeout_s=10)
                 assert a.http.get("/readyz").json()["stores"]["state"] == "degraded"
         assert statuses == [200] * 5  # no request depended on Redis
         throwaway_redis.start()  # empty
-        _until(lambda: _bus(a).failing_since is None, timeout_s=15)
+        wait_for(lambda: _bus(a).failing_since is None, timeout_s=15)
         client = redis.Redis.from_url(throwaway_redis.url)
-        _until(lambda: client.xlen("rb:facts") > 0)  # republished
+        wait_for(lambda: client.xlen("rb:facts") > 0, timeout_s=10)  # republished
         entries: Any = client.xrange("rb:facts")
         kinds = {json.loads(f[b"f"])["k"] for _, f in entries}
         assert "warm" in kinds
         with make(emulator, tokenizer, state=state) as late:
-            _until(lambda: len(late.path.book.belief) > 0)  # learnt from the rebuilt store
+            wait_for(
+                lambda: len(late.path.book.belief) > 0, timeout_s=10
+            )  # learnt from the rebuilt store
         assert a.http.get("/readyz").json()["stores"]["state"] == "ok"
