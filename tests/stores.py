@@ -8,16 +8,35 @@ servers are part of the machine and their absence is a failure.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 PG_ADMIN = os.environ.get("VCACHE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS = os.environ.get("VCACHE_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Await ``cond()`` (the other gateways' facts arriving), failing at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 def _absent(what: str, exc: BaseException) -> None:
@@ -92,14 +111,11 @@ class ThrowawayRedis:
 
     def __init__(self, workdir: str) -> None:
         import shutil
-        import socket
 
         self.binary = shutil.which("redis-server") or ""
         if not self.binary:
             _absent("redis-server (the binary)", FileNotFoundError("not on PATH"))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.workdir = workdir
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._proc: Any = None
@@ -150,7 +166,6 @@ class ThrowawayPostgres:
     def __init__(self, workdir: str) -> None:
         import glob
         import shutil
-        import socket
 
         found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl")) or [
             shutil.which("pg_ctl") or ""
@@ -158,9 +173,7 @@ class ThrowawayPostgres:
         if not found[-1]:
             _absent("pg_ctl (the PostgreSQL server binaries)", FileNotFoundError("not found"))
         self.bindir = os.path.dirname(found[-1])
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.workdir = workdir
         self.data = os.path.join(workdir, "pgdata")
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"

@@ -5,21 +5,12 @@ cannot be reached leaves the gateway serving and republishing once it is back.""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.state.bus import Fact, LocalBus
 from gateway.state.redis_bus import RedisBus
-from tests.stores import ThrowawayRedis
-
-
-async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
+from tests.stores import ThrowawayRedis, free_port, until
 
 
 def _run(main: Callable[[], Awaitable[None]]) -> None:
@@ -40,7 +31,7 @@ def test_facts_reach_the_other_gateways_and_a_late_one_catches_up(
         await b.start()
         a.publish("warm", {"digest": "d1"})
         a.publish("cold", {"digest": "d0"})  # nobody listens for cold here
-        await _until(lambda: len(seen["b"]) == 1)
+        await until(lambda: len(seen["b"]) == 1)
         fact = seen["b"][0]
         assert (fact.kind, fact.origin, fact.body) == ("warm", "gw-a", {"digest": "d1"})
         assert 0 <= fact.elapsed() < 5
@@ -65,12 +56,12 @@ def test_a_role_has_one_holder_and_passes_on_when_it_goes(
         b = RedisBus(url, "gw-b", prefix, role_ttl_s=0.6)
         await a.start()
         await b.start()
-        await _until(lambda: a.holds("lead") or b.holds("lead"))
+        await until(lambda: a.holds("lead") or b.holds("lead"))
         await asyncio.sleep(0.5)  # both asked, several renewals
         assert [a.holds("lead"), b.holds("lead")].count(True) == 1
         holder, other = (a, b) if a.holds("lead") else (b, a)
         await holder.close()  # gone: the other takes it
-        await _until(lambda: other.holds("lead"), timeout_s=3)
+        await until(lambda: other.holds("lead"), timeout_s=3)
         await other.close()
 
     _run(main)
@@ -88,21 +79,21 @@ def test_a_redis_restarted_empty_is_rebuilt_from_the_gateways(
         bus = RedisBus(server.url, "gw-a", "t:", role_ttl_s=0.6)
         bus.snapshot(lambda: [("warm", {"digest": "held"})])
         await bus.start()
-        await _until(lambda: bus.holds("lead"))
+        await until(lambda: bus.holds("lead"))
         server.stop()
         bus.publish("warm", {"digest": "queued"})
-        await _until(lambda: bus.failing_since is not None)
+        await until(lambda: bus.failing_since is not None)
         assert not bus.holds("lead")  # a lease it cannot renew is not held
         server.start()  # empty: nothing was kept
-        await _until(lambda: bus.failing_since is None, timeout_s=15)
+        await until(lambda: bus.failing_since is None, timeout_s=15)
         late = RedisBus(server.url, "gw-b", "t:")
         got: list[Any] = []
         late.on("warm", lambda f: got.append(f.body["digest"]))
-        await _until(lambda: bus.sent >= 2)  # the queued fact and the snapshot
+        await until(lambda: bus.sent >= 2)  # the queued fact and the snapshot
         await late.start()
         # each at least once (a fact applied twice changes nothing: the newer replaces)
         assert set(got) == {"held", "queued"}
-        await _until(lambda: bus.holds("lead"))
+        await until(lambda: bus.holds("lead"))
         await bus.close()
         await late.close()
 
@@ -110,15 +101,13 @@ def test_a_redis_restarted_empty_is_rebuilt_from_the_gateways(
 
 
 def test_a_gateway_starts_with_redis_unreachable_and_serves() -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # a port nothing listens on
 
     async def main() -> None:
         bus = RedisBus(dead, "gw-a", "t:")
         await bus.start()  # does not raise
         bus.publish("warm", {"digest": "d"})
-        await _until(lambda: bus.failing_since is not None)
+        await until(lambda: bus.failing_since is not None)
         await bus.close()
 
     _run(main)

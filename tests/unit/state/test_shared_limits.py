@@ -13,19 +13,11 @@ from gateway.core.types import Principal
 from gateway.service.limits import RateLimits
 from gateway.service.shared_state import share_key_limits
 from gateway.state.redis_bus import RedisBus
+from tests.stores import until
 
 
 def _who(limits: KeyLimits) -> Principal:
     return Principal(tenant="t", key_name="ci", limits=limits)
-
-
-async def _until(cond: object, timeout_s: float = 10.0) -> None:
-    assert callable(cond)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 def test_requests_and_tokens_per_minute_hold_across_two_gateways(
@@ -51,7 +43,7 @@ def test_requests_and_tokens_per_minute_hold_across_two_gateways(
             grant = a.admit(who)
             assert grant is not None
             grant.done(0)
-        await _until(lambda: buses[1].applied >= 6)
+        await until(lambda: buses[1].applied >= 6)
         for _ in range(4):
             grant = b.admit(who)
             assert grant is not None
@@ -59,7 +51,7 @@ def test_requests_and_tokens_per_minute_hold_across_two_gateways(
         with pytest.raises(RateLimited) as err:  # 6 through A and 4 through B: 10
             b.admit(who)
         assert err.value.headers()["x-ratelimit-remaining-requests"] == "0"
-        await _until(lambda: buses[0].applied >= 4)
+        await until(lambda: buses[0].applied >= 4)
         with pytest.raises(RateLimited):
             a.admit(who)
 
@@ -67,7 +59,7 @@ def test_requests_and_tokens_per_minute_hold_across_two_gateways(
         grant = a.admit(t)
         assert grant is not None
         grant.done(1200)  # an answer through A used the minute's tokens
-        await _until(lambda: buses[1].applied >= 7)  # 6 requests and these tokens
+        await until(lambda: buses[1].applied >= 7)  # 6 requests and these tokens
         with pytest.raises(RateLimited, match="tokens per minute"):
             b.admit(t)
 
