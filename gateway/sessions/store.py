@@ -68,7 +68,6 @@ class SessionStore:
     def __init__(self, path: Path, fsync: FsyncPolicy = "normal", url: str | None = None) -> None:
         self._sql: Dialect = connect(url, path, fsync)
         self.path = path
-        self.backend = self._sql.name
         self._lock = threading.RLock()
         self._batch = False  # inside a group commit (:meth:`batch`): appends join it
 
