@@ -13,10 +13,14 @@ client went away.  HTTP and transport errors map onto ``engines.errors``.  The
 transport is an ``aiohttp`` session, made in the engine's event loop on first use:
 every token of every request is relayed through it, and ``httpx`` spent about
 twice its CPU per streamed chunk (measured with ``loadtests/bench_workers.py``).
+Idle connections are dropped before the replica's keep-alive ends, and a request
+whose pooled connection turns out closed before any answer is sent again once,
+on a new connection (the replica never read it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -53,6 +57,10 @@ class RemoteVllmConfig:
     api_key: str | None = None
     hash_seed: str = "0"
     timeout_s: float = 600.0
+    # How long an idle connection is kept for reuse: shorter than the replica's own
+    # keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), or a request may be
+    # written to a connection the replica is closing.
+    keepalive_s: float = 4.0
 
 
 def _error(status: int, body: bytes) -> EngineError:
@@ -80,6 +88,7 @@ class RemoteVllmEngine:
         self._model = config.served_model_name or ""
         self._running = 0
         self._closed = False
+        self.stale_retries = 0  # requests sent again after a pooled connection closed
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -88,8 +97,26 @@ class RemoteVllmEngine:
                 headers=self._headers,
                 timeout=self._timeout,
                 cookie_jar=aiohttp.DummyCookieJar(),
+                connector=aiohttp.TCPConnector(keepalive_timeout=self._config.keepalive_s),
             )
         return self._session
+
+    async def _post(
+        self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> aiohttp.ClientResponse:
+        """POST ``body``; once more on a new connection if the pooled one was closed under
+        it before an answer came (a refused connection is not retried: the replica is down)."""
+        try:
+            return await self._http().post(path, json=body, headers=headers)
+        except aiohttp.ClientConnectorError:
+            raise
+        except (
+            aiohttp.ServerDisconnectedError,
+            aiohttp.ClientOSError,
+            aiohttp.ClientConnectionResetError,
+        ):
+            self.stale_retries += 1
+            return await self._http().post(path, json=body, headers=headers)
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -117,7 +144,10 @@ class RemoteVllmEngine:
         card = next((m for m in models if m["id"] == self._model), models[0])
         self._model = card["id"]
         stats = await self.call_core("vcache_cache_stats")
-        self._tokenizer = ChatTokenizer.from_pretrained(self._config.tokenizer)
+        # off the event loop: loading blocks for seconds, and the loop keeps serving
+        self._tokenizer = await asyncio.to_thread(
+            ChatTokenizer.from_pretrained, self._config.tokenizer
+        )
         self._caps = EngineCapabilities(
             name="vllm-remote",
             max_model_len=int(card.get("max_model_len") or 0),
@@ -135,10 +165,10 @@ class RemoteVllmEngine:
     async def call_core(self, method: str, *args: Any) -> Any:
         """Run an engine-core plugin method through the replica's control endpoint."""
         try:
-            async with self._http().post(
+            async with await self._post(
                 CONTROL_PATH.format(method=method),
-                json={"args": to_wire(list(args))},
-                headers={SECRET_HEADER: self._config.control_secret},
+                {"args": to_wire(list(args))},
+                {SECRET_HEADER: self._config.control_secret},
             ) as r:
                 if r.status != 200:
                     text = await r.text()
@@ -187,7 +217,7 @@ class RemoteVllmEngine:
             body["priority"] = request.priority
         self._running += 1
         try:
-            async with self._http().post("/v1/completions", json=body) as resp:
+            async with await self._post("/v1/completions", body) as resp:
                 if resp.status != 200:
                     raise _error(resp.status, await resp.read())
                 async with aclosing(self._chunks(resp, request.num_prompt_tokens)) as chunks:

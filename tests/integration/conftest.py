@@ -170,6 +170,12 @@ def rebuild_all(sessions_db: Path, model: Path, url: str | None = None) -> tuple
     return len(rows) - len(failed), failed
 
 
+def _log_tail(path: Path, chars: int = 6000) -> str:
+    """A process's log without its access-log lines (a readiness poll writes one a try)."""
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if '"GET /' not in ln]
+    return "\n".join(lines)[-chars:]
+
+
 @contextlib.contextmanager
 def running(
     cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, what: str
@@ -179,19 +185,21 @@ def running(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        last = "no answer"
         while True:
             if proc.poll() is not None:
-                pytest.fail(
-                    f"{what} exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
-                )
+                pytest.fail(f"{what} exited with {proc.returncode}:\n{_log_tail(log_path)}")
             try:
-                if httpx.get(ready_url, timeout=2).status_code == 200:
+                r = httpx.get(ready_url, timeout=2)
+                if r.status_code == 200:
                     break
-            except httpx.TransportError:
-                pass
+                last = f"{r.status_code} {r.text[:500]}"
+            except httpx.TransportError as exc:
+                last = repr(exc)
             if time.monotonic() > deadline:
                 pytest.fail(
-                    f"{what} not ready in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}"
+                    f"{what} not ready in {STARTUP_TIMEOUT_S}s; its readiness said {last}; "
+                    f"its log:\n{_log_tail(log_path)}"
                 )
             time.sleep(0.5)
         yield proc
