@@ -10,6 +10,13 @@
 #
 # Idempotent: a stamp keyed on the dependency spec skips all of this when
 # nothing changed.  VCACHE_ENGINE_BUILD=cpu|cuda overrides the detection.
+#
+#   setup.sh --resolve-only REPORT.json
+#
+# resolves this build's install against the registry in a throwaway venv
+# (pip --dry-run: nothing is installed, and wheels whose metadata the index
+# serves apart are not downloaded) and writes pip's installation report, so
+# a CPU machine can check that a GPU host's install still resolves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +30,18 @@ if [ -z "$build" ]; then
   else
     build=cpu
   fi
+fi
+
+if [ "${1:-}" = --resolve-only ]; then
+  report=$(realpath -m "${2:?usage: setup.sh --resolve-only REPORT.json}")
+  scratch=$(mktemp -d)
+  trap 'rm -rf "$scratch"' EXIT
+  "$PYTHON" -m venv "$scratch/venv"
+  "$scratch/venv/bin/python" -m pip install --quiet --upgrade pip
+  "$scratch/venv/bin/python" -m pip install --dry-run --ignore-installed --quiet \
+    --report "$report" ".[$build,dev]"
+  echo "setup: the $build build resolves; pip's report is in $report" >&2
+  exit 0
 fi
 
 stamp_key=$( { cat pyproject.toml scripts/setup.sh scripts/gen_protos.sh protos/vcache/v1/*.proto;
