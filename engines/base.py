@@ -12,18 +12,48 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from engines.tokenizer import ChatTokenizer
 
 
 @dataclass(frozen=True)
 class Structured:
-    """Constrain the output (vLLM structured outputs): a JSON schema (canonical JSON text),
-    or any JSON object."""
+    """Constrain the output (vLLM structured outputs): one of a JSON schema (canonical JSON
+    text), any JSON object, a regex, a choice of strings, a grammar (EBNF/Lark/GBNF) or a
+    structural tag (JSON text); JSON allows no free whitespace unless ``any_whitespace``."""
 
     json_schema: str | None = None
     json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    no_additional_properties: bool = False
+
+    def vllm(self) -> dict[str, Any]:
+        """As vLLM's ``structured_outputs`` (its StructuredOutputsParams fields)."""
+        kind: dict[str, Any]
+        if self.json_schema is not None:
+            kind = {"json": self.json_schema}
+        elif self.regex is not None:
+            kind = {"regex": self.regex}
+        elif self.choice is not None:
+            kind = {"choice": list(self.choice)}
+        elif self.grammar is not None:
+            kind = {"grammar": self.grammar}
+        elif self.structural_tag is not None:
+            kind = {"structural_tag": self.structural_tag}
+        else:
+            kind = {"json_object": True}
+        kind["disable_any_whitespace"] = not self.any_whitespace
+        if self.whitespace_pattern is not None:
+            kind["whitespace_pattern"] = self.whitespace_pattern
+        if self.no_additional_properties:
+            kind["disable_additional_properties"] = True
+        return kind
 
 
 @dataclass(frozen=True)
@@ -41,6 +71,16 @@ class SamplingOptions:
     logprobs: int | None = None  # the sampled token's logprob and this many top ones
     structured: Structured | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # vLLM's own sampling extensions (their defaults mean "not asked")
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

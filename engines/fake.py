@@ -31,6 +31,7 @@ class FakeEngine:
         max_queued_requests: int | None = None,
         step_delay_s: float = 0.0,
         reply: str = "hello from the fake engine",
+        structured_reply: str = '{"answer": "fake"}',  # what it writes under a constraint
         vocab_size: int | None = None,
     ) -> None:
         self._tokenizer = tokenizer
@@ -44,7 +45,7 @@ class FakeEngine:
         self._max_queued = max_queued_requests
         self._delay = step_delay_s
         self._reply_ids = tokenizer.encode(reply)
-        self._structured_ids = tokenizer.encode('{"answer": "fake"}')
+        self._structured_ids = tokenizer.encode(structured_reply)
         self._cached: set[tuple[str | None, tuple[int, ...]]] = set()
         self._running: set[str] = set()
         self._started = False

@@ -50,12 +50,25 @@ class ChatTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        generation_prompt: bool = True,
+        continue_final: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` (and the ``tools`` the model may call) through the chat
-        template, ready for the assistant."""
-        extra = {"tools": list(tools)} if tools else {}
+        template: ready for the assistant (``generation_prompt``), or going on with the last
+        assistant message (``continue_final``); ``template_kwargs`` are the template's own
+        variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
+        extra: dict[str, Any] = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = list(tools)
         out = self._tok.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False, **extra
+            list(messages),
+            add_generation_prompt=generation_prompt,
+            continue_final_message=continue_final,
+            tokenize=True,
+            return_dict=False,
+            **extra,
         )
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding on some versions
             out = out["input_ids"]

@@ -24,6 +24,8 @@ from pathlib import Path
 # ChatML; with ``tools``, the Hermes convention (Qwen-style) that vLLM's ``hermes`` tool
 # parser reads: the tools listed in the system turn, calls as <tool_call> JSON, results in
 # <tool_response>.  Without tools the rendering is plain ChatML, byte for byte.
+# ``enable_thinking: false`` (a chat_template_kwargs variable) opens the answer with an
+# empty think block, as Qwen3's template does.
 CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
@@ -47,11 +49,13 @@ CHAT_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 # Bump when the build recipe changes, so cached models built by older code are not reused.
-BUILD_VERSION = 3  # 3: tools in the chat template
+BUILD_VERSION = 4  # 3: tools in the chat template; 4: enable_thinking
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 

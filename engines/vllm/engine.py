@@ -277,6 +277,15 @@ def _sampling_params(request: GenerateRequest) -> Any:
         logprobs=s.logprobs,
         structured_outputs=_structured(s.structured),
         logit_bias=dict(s.logit_bias) or None,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        min_tokens=s.min_tokens,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens,
+        bad_words=list(s.bad_words) or None,
+        allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -295,9 +304,7 @@ def _structured(s: Structured | None) -> Any:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
-    if s.json_schema is not None:
-        return StructuredOutputsParams(json=s.json_schema, disable_any_whitespace=True)
-    return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    return StructuredOutputsParams(**s.vllm())
 
 
 LOGPROB_FLOOR = -9999.0  # what vLLM's own server sends for -inf (JSON has no infinity)

@@ -34,6 +34,7 @@ from engines.base import (
     EngineStats,
     GenerateChunk,
     GenerateRequest,
+    SamplingOptions,
     TokenLogprob,
 )
 from engines.errors import (
@@ -203,10 +204,9 @@ class RemoteVllmEngine:
             body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
         if s.logprobs is not None:
             body["logprobs"] = s.logprobs
+        body.update(_extensions(s))
         if s.structured is not None:
-            st = s.structured
-            kind = {"json": json.loads(st.json_schema)} if st.json_schema else {"json_object": True}
-            body["structured_outputs"] = {**kind, "disable_any_whitespace": True}
+            body["structured_outputs"] = s.structured.vllm()
         if s.stop:
             body["stop"] = list(s.stop)
         if s.seed is not None:
@@ -269,6 +269,30 @@ class RemoteVllmEngine:
             self._closed = True
             if self._session is not None:
                 await self._session.close()
+
+
+def _extensions(s: SamplingOptions) -> dict[str, Any]:
+    """vLLM's sampling extensions the request sets (the replica's defaults otherwise)."""
+    out: dict[str, Any] = {}
+    if s.min_p:
+        out["min_p"] = s.min_p
+    if s.repetition_penalty != 1.0:
+        out["repetition_penalty"] = s.repetition_penalty
+    if s.min_tokens:
+        out["min_tokens"] = s.min_tokens
+    if s.stop_token_ids:
+        out["stop_token_ids"] = list(s.stop_token_ids)
+    if s.include_stop_str_in_output:
+        out["include_stop_str_in_output"] = True
+    if not s.skip_special_tokens:
+        out["skip_special_tokens"] = False
+    if not s.spaces_between_special_tokens:
+        out["spaces_between_special_tokens"] = False
+    if s.bad_words:
+        out["bad_words"] = list(s.bad_words)
+    if s.allowed_token_ids is not None:
+        out["allowed_token_ids"] = list(s.allowed_token_ids)
+    return out
 
 
 def _stop_string(reason: Any) -> str | None:

@@ -226,8 +226,12 @@ def invalid_request_from(errors: Sequence[Any]) -> InvalidRequest:
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None and first.get("type") == "missing":
         return InvalidRequest("The request body is missing", code="invalid_json")
-    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
-    text = f"Invalid value for '{param}': {msg}" if param else msg
+    code = {
+        "missing": "missing_required_parameter",
+        "unsupported_parameter": "unsupported_parameter",
+    }.get(str(first.get("type")), "invalid_value")
+    named = param and code == "invalid_value"  # an unsupported one's message names it
+    text = f"Invalid value for '{param}': {msg}" if named else msg
     if code == "missing_required_parameter":
         text = f"Missing required parameter: '{param}'"
     return InvalidRequest(text, param=param, code=code)

@@ -22,6 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from gateway.core.vllm_params import VllmSampling
 from manifest.canonical import canonical_json
 
 # ---------------------------------------------------------------- requests
@@ -29,6 +30,20 @@ from manifest.canonical import canonical_json
 SEED_MAX = 2**63 - 1  # seeds are 64-bit signed integers, as in OpenAI's API
 MAX_N = 128  # choices per request, as OpenAI's API
 MAX_TOP_LOGPROBS = 20  # chat; text completions allow 5
+MAX_PROMPTS = 128  # prompts in one text completion request
+# what the render passes the chat template itself (not a chat_template_kwargs key)
+RENDER_VARIABLES = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "chat_template",
+    }
+)
 
 
 def lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -173,8 +188,8 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class SamplingFields(RequestModel):
-    """Fields shared by chat and text completions."""
+class SamplingFields(RequestModel, VllmSampling):
+    """Fields shared by chat and text completions (vLLM's sampling extensions too)."""
 
     model: str = Field(min_length=1)
     stream: bool = False
@@ -286,6 +301,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's prompt shaping, through vcache's own rendering (so predictions stay exact)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -326,6 +345,48 @@ class ChatCompletionRequest(SamplingFields):
             )
         return self
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_variables_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & RENDER_VARIABLES)
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)} cannot be set through chat_template_kwargs (the "
+                "request's own fields render them)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _continue_an_assistant_message(self) -> ChatCompletionRequest:
+        if not self.continue_final_message:
+            return self
+        if self.add_generation_prompt:
+            raise PydanticCustomError(
+                "value_error",
+                "continue_final_message needs add_generation_prompt: false (vLLM's rule: "
+                "the answer either starts a new message or continues the last)",
+                {"param": "continue_final_message"},
+            )
+        if self.messages[-1].role != "assistant":
+            raise PydanticCustomError(
+                "value_error",
+                "continue_final_message needs the last message to be the assistant's",
+                {"param": "continue_final_message"},
+            )
+        return self
+
+    def template(self) -> dict[str, Any]:
+        """The prompt shaping this request asks for, where it is not the default (what the
+        session log keeps to render it again)."""
+        out: dict[str, Any] = {}
+        if self.chat_template_kwargs:
+            out["chat_template_kwargs"] = self.chat_template_kwargs
+        if not self.add_generation_prompt:
+            out["add_generation_prompt"] = False
+        if self.continue_final_message:
+            out["continue_final_message"] = True
+        return out
+
     @property
     def hints(self) -> EdgeHints:
         return self._hints
@@ -359,23 +420,51 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    best_of: int | None = None
+    return_token_ids: bool | None = None  # vLLM's: each choice's prompt and output ids
+
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(
+    def _prompts(
         cls, v: str | list[str] | list[TokenId] | list[list[TokenId]]
     ) -> str | list[str] | list[TokenId] | list[list[TokenId]]:
-        if isinstance(v, list) and v and isinstance(v[0], str | list) and len(v) != 1:
-            raise ValueError("only one prompt per request is supported")
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and isinstance(v[0], str | list) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return v
 
-    @field_validator("echo")
+    @field_validator("best_of")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v > 1:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "best_of is not supported (nor by vLLM 0.32): ask for n samples",
+                {"param": "best_of"},
+            )
         return v
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "echo with logprobs needs the prompt's logprobs, which this gateway does "
+                "not return yet",
+                {"param": "echo"},
+            )
+        if self.n * self.prompt_count() > MAX_N * 8:
+            raise PydanticCustomError(
+                "value_error",
+                "n times the number of prompts is at most {most}",
+                {"param": "n", "most": MAX_N * 8},
+            )
+        return self
+
+    def prompt_count(self) -> int:
+        p = self.prompt
+        return len(p) if isinstance(p, list) and isinstance(p[0], str | list) else 1
 
     @field_validator("suffix")
     @classmethod

@@ -71,6 +71,8 @@ class Piece:
     cached_tokens: int | None = None
     thinking: tuple[ThinkingPart, ...] = ()  # a provider's thinking blocks, relayed as written
     stop_sequence: str | None = None  # with finish "stop": the stop string that ended it
+    token_ids: tuple[int, ...] = ()  # the output tokens of this piece (the engine's)
+    prompt_token_ids: tuple[int, ...] | None = None  # on a choice's first, where asked
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Shape:
     n: int = 1
     logprobs: bool = False
     include_usage: bool = False
+    token_ids: bool = False  # vLLM's return_token_ids
 
 
 class _Primed(AsyncGenerator[T, None]):
@@ -179,10 +182,15 @@ class Sample:
     calls: dict[int, _Call] = field(default_factory=dict)
     thoughts: dict[int, _Thought] = field(default_factory=dict)
     stop_sequence: str | None = None
+    token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] | None = None
 
     def add(self, p: Piece) -> None:
         self.stop_sequence = p.stop_sequence or self.stop_sequence
         self.text.append(p.text)
+        self.token_ids += p.token_ids
+        if p.prompt_token_ids is not None:
+            self.prompt_token_ids = p.prompt_token_ids
         self.logprobs += p.logprobs
         self.finish_reason = p.finish_reason or self.finish_reason
         for t in p.thinking:
@@ -283,6 +291,16 @@ def _call_delta(d: ToolCallDelta) -> ToolCallDeltaOut:
     )
 
 
+def _ids(shape: Shape, prompt: tuple[int, ...] | None, out: tuple[int, ...]) -> dict[str, Any]:
+    """vLLM's ``return_token_ids`` fields of a completion choice, where asked."""
+    if not shape.token_ids:
+        return {}
+    ids: dict[str, Any] = {"token_ids": list(out)}
+    if prompt is not None:
+        ids["prompt_token_ids"] = list(prompt)
+    return ids
+
+
 async def completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> Completion:
     samples, usage = await collect(pieces, shape.n)
     choices = [
@@ -291,6 +309,7 @@ async def completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> Comp
             text="".join(s.text),
             finish_reason=s.finish_reason,
             logprobs=completion_logprobs(s.logprobs, 0) if shape.logprobs else None,
+            **_ids(shape, s.prompt_token_ids, s.token_ids),
         )
         for i, s in enumerate(samples)
     ]
@@ -311,8 +330,9 @@ async def completion_chunks(
                     lps = completion_logprobs(p.logprobs, offsets[p.index])
                 offsets[p.index] += len(p.text)
                 choice = CompletionChoice(
-                    index=p.index, text=p.text, finish_reason=p.finish_reason, logprobs=lps
-                )
+                    index=p.index, text=p.text, finish_reason=p.finish_reason, logprobs=lps,
+                    **_ids(shape, p.prompt_token_ids, p.token_ids),
+                )  # fmt: skip
                 yield Completion(id=rid, model=model, choices=[choice])
             elif shape.include_usage:
                 yield Completion(id=rid, model=model, choices=[], usage=p.usage)

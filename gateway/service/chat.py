@@ -70,7 +70,12 @@ def chat_shape(req: ChatCompletionRequest) -> Shape:
 
 
 def completion_shape(req: CompletionRequest) -> Shape:
-    return Shape(n=req.n, logprobs=req.logprobs is not None, include_usage=_include_usage(req))
+    return Shape(
+        n=req.n * req.prompt_count(),
+        logprobs=req.logprobs is not None,
+        include_usage=_include_usage(req),
+        token_ids=bool(req.return_token_ids),
+    )
 
 
 def _usage_attrs(u: Usage) -> dict[str, int]:

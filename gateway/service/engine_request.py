@@ -87,11 +87,31 @@ def generate_request(
             param=limit_param,
             code="context_length_exceeded",
         )
+    max_tokens = left if limit is None else limit
+    if req.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+            f"got {req.min_tokens}",
+            param="min_tokens",
+            code="invalid_value",
+        )
+    if req.structured_outputs is not None:
+        if structured is not None:  # from response_format, or a tool_choice that forces
+            raise InvalidRequest(
+                "structured_outputs cannot be combined with response_format or a "
+                "tool_choice that forces a call (each constrains the output)",
+                param="structured_outputs",
+                code="invalid_value",
+            )
+        structured = req.structured_outputs.structured()
+    allowed = req.allowed_token_ids
+    if allowed is not None:
+        check_token_ids(allowed, "allowed_token_ids", room.vocab)
     sampling = SamplingOptions(
-        max_tokens=left if limit is None else limit,
+        max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=top_k or 0,
+        top_k=max(req.top_k or top_k or 0, 0),  # vLLM's -1 is its 0: no limit
         stop=req.stop_list(),
         seed=req.seed,
         presence_penalty=req.presence_penalty,
@@ -101,6 +121,15 @@ def generate_request(
         logprobs=logprobs,
         structured=structured,
         logit_bias=logit_bias(req, room.vocab),
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        bad_words=tuple(req.bad_words or ()),
+        allowed_token_ids=tuple(allowed) if allowed is not None else None,
     )
     return GenerateRequest(
         request_id=rid,

@@ -45,13 +45,16 @@ from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
 from gateway.service.breakpoints import PrefixLengths, retained
+from gateway.service.completions import Prompt, echoed, merged, prompt_list, with_prompt_ids
 from gateway.service.engine_request import Room, check_token_ids, generate_request, vocab_size
+from gateway.service.json_text import escaped_json
 from gateway.service.tools import ToolPlan
 from gateway.sessions.render import (
     local_messages,
     request_config,
     request_parts,
     split_messages,
+    template_args,
     vllm_payload,
 )
 from manifest.canonical import canonical_json
@@ -88,7 +91,10 @@ class LocalPrepared:
         g = self.greq
         sampling = dataclasses.asdict(g.sampling)
         body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling)
-        directives = {"cache_salt": g.cache_salt, "sampling": sampling}
+        directives: dict[str, Any] = {"cache_salt": g.cache_salt, "sampling": sampling}
+        template = self.call.request.template()
+        if template:  # logs written before it have no such key
+            directives["template"] = template
         return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
 
 
@@ -155,11 +161,16 @@ class LocalChat:
         return self._render(*split_messages(messages), tools)
 
     def _render(
-        self, system: SystemPrompts, turns: Turns, tools: list[dict[str, Any]] | None
+        self,
+        system: SystemPrompts,
+        turns: Turns,
+        tools: list[dict[str, Any]] | None,
+        template: dict[str, Any] | None = None,
     ) -> list[int]:
         # the tools as the log keeps them (canonical JSON), so a rebuilt prompt is the same
         kept = json.loads(canonical_json(tools)) if tools else None
-        return self.engine.tokenizer.render_chat(local_messages(system, turns), kept)
+        messages = local_messages(system, turns)
+        return self.engine.tokenizer.render_chat(messages, kept, **template_args(template))
 
     def text_tokens(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
@@ -184,7 +195,7 @@ class LocalChat:
     ) -> tuple[GenerateRequest, ToolPlan | None]:
         self.check_ready()
         plan = self._tool_plan(req)
-        ids = self._render(system, turns, tools)
+        ids = self._render(system, turns, tools, req.template())
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         fmt = req.structured()
         structured = plan.structured() if plan is not None else None
@@ -231,6 +242,8 @@ class LocalChat:
         pieces = self._generate(p.greq, p.dispatch, "chat", p.t0, p.call.trace)
         if p.plan is not None:
             pieces = p.plan.stream(pieces)
+        elif _json_answer(p.greq):
+            pieces = escaped_json(pieces)
         req = p.call.request
         if req.hints.breakpoints:
             ids = p.greq.prompt_token_ids
@@ -297,7 +310,7 @@ class LocalChat:
                     first = False
                 yield Piece(
                     c.text, c.finish_reason, index=c.index, logprobs=c.logprobs,
-                    stop_sequence=c.stop_sequence,
+                    stop_sequence=c.stop_sequence, token_ids=c.token_ids,
                     prompt_tokens=c.num_prompt_tokens if head else None,  # known at the first
                     cached_tokens=c.num_cached_tokens if head else None,
                 )  # fmt: skip
@@ -307,22 +320,19 @@ class LocalChat:
     # ------------------------------------------------------- completions
 
     def _completion_request(
-        self, req: CompletionRequest, who: Principal, rid: str
+        self, req: CompletionRequest, who: Principal, rid: str, prompt: Prompt, param: str
     ) -> GenerateRequest:
         self.check_ready()
-        p, param = req.prompt, "prompt"
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-            p, param = p[0], "prompt[0]"
         tok = self.engine.tokenizer
-        ids = tok.encode(p) if isinstance(p, str) else self.check_token_ids(p, param)  # type: ignore[arg-type]
+        ids = tok.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt, param)
         if not ids:
-            raise InvalidRequest("prompt must not be empty", param="prompt", code="invalid_value")
+            raise InvalidRequest("prompt must not be empty", param=param, code="invalid_value")
         return self._generate_request(
             rid,
             ids,
             req,
             COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
-            ("prompt", "max_tokens"),
+            (param, "max_tokens"),
             who,
             logprobs=req.logprobs,
             clamp=req.max_tokens is None,  # the default fits what the context leaves
@@ -337,14 +347,31 @@ class LocalChat:
         rid: str,
         trace: RequestTrace,
     ) -> Pieces:
+        """One engine request per prompt (see completions.py), generated together."""
         with self.dispatcher.admit(who.priority):
             t0 = time.perf_counter()
+            prompts = prompt_list(req)
             with trace.step("tokenize"):
-                greq = self._completion_request(req, who, rid)
-            served.dispatch = d = await self._route(greq, route, trace)
-            async with aclosing(self._generate(greq, d, "completions", t0, trace)) as pieces:
-                async for p in pieces:
-                    yield p
+                greqs = [
+                    self._completion_request(req, who, f"{rid}-{i}" if i else rid, p, param)
+                    for i, (p, param) in enumerate(prompts)
+                ]
+            streams = []
+            for greq in greqs:
+                d = await self._route(greq, route, trace)
+                served.dispatch = served.dispatch or d  # the headers name the first's
+                pieces = self._generate(greq, d, "completions", t0, trace)
+                streams.append(escaped_json(pieces) if _json_answer(greq) else pieces)
+            pieces = streams[0] if len(streams) == 1 else merged(streams, req.n)
+            if req.return_token_ids:
+                pieces = with_prompt_ids(pieces, [g.prompt_token_ids for g in greqs], req.n)
+            if req.echo:
+                tok = self.engine.tokenizer
+                texts = [p if isinstance(p, str) else tok.decode(p) for p, _ in prompts]
+                pieces = echoed(pieces, texts, req.n)
+            async with aclosing(pieces):
+                async for piece in pieces:
+                    yield piece
 
     # ---------------------------------------------------------- limits
 
@@ -365,6 +392,13 @@ class LocalChat:
         return generate_request(
             rid, ids, req, limit, params, who, room, logprobs, structured, top_k
         )
+
+
+def _json_answer(greq: GenerateRequest) -> bool:
+    """Whether the answer is constrained to JSON (its strings are escaped for strict
+    parsers: see json_text.py)."""
+    st = greq.sampling.structured
+    return st is not None and (st.json_schema is not None or st.json_object)
 
 
 def _session_key(call: Call) -> str | None:

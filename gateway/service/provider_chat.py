@@ -52,6 +52,8 @@ def _local_only_parameters(req: ChatCompletionRequest) -> None:
         "logprobs": bool(req.logprobs),
         "response_format": req.structured() is not None,
         "logit_bias": bool(req.logit_bias),
+        **req.vllm_asked(),
+        **{k: True for k in req.template()},  # prompt shaping: the local template's
     }
     for param, on in asked.items():
         if on:

@@ -7,7 +7,8 @@ model answers depends on ``tool_choice``:
   function's parameters schema; the answer *is* the call's arguments, streamed
   as argument deltas;
 - ``required``: structured outputs constrain it to a JSON array of
-  ``{name, parameters}`` (vLLM's schema); read when the sample ends;
+  ``{name, parameters}`` (vLLM's schema), read as it is decoded
+  (``required_calls.py``): each call streams its name, then its arguments;
 - ``auto``: the model writes freely and vLLM's tool-call parser for its
   template (``engine.tool_parser``, ``hermes`` by default) reads the calls out
   of the text.  Text before the parser's start marker streams as content; from
@@ -19,7 +20,6 @@ A sample that called tools ends with ``finish_reason: "tool_calls"``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -29,6 +29,8 @@ from engines.base import Structured, call_id
 from engines.vllm.tool_calls import ParsedCalls
 from gateway.core.schemas import ChatCompletionRequest, NamedToolChoice
 from gateway.core.shaping import Piece, Pieces, ToolCallDelta
+from gateway.service.json_text import JsonEscaper
+from gateway.service.required_calls import RequiredCalls
 from manifest.canonical import canonical_json
 
 Mode = Literal["auto", "required", "named"]
@@ -59,6 +61,8 @@ class _Sample:
     text: list[str] = field(default_factory=list)
     held: bool = False  # auto: the start marker was seen, the rest is a call
     sent_name: bool = False  # named: the call's first delta went out
+    escaper: JsonEscaper = field(default_factory=JsonEscaper)  # named: its arguments
+    required: RequiredCalls = field(default_factory=RequiredCalls)
 
 
 class ToolPlan:
@@ -93,18 +97,6 @@ class ToolPlan:
 
     def _calls(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
         """(content, [(name, arguments)]) of a finished sample."""
-        if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:  # cut short by max_tokens: no complete call
-                return text, []
-            ok = isinstance(items, list) and all(
-                isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i
-                for i in items
-            )
-            if not ok:
-                return text, []
-            return None, [(i["name"], json.dumps(i["parameters"])) for i in items]
         parsed = self._parse(text, self.tools)
         return parsed.content, list(parsed.calls)
 
@@ -130,17 +122,30 @@ class ToolPlan:
         if self.mode == "named":
             first = not s.sent_name
             s.sent_name = True
+            args = s.escaper.feed(p.text)
             delta = ToolCallDelta(
-                0, call_id() if first else None, self.name if first else None, p.text
+                0, call_id() if first else None, self.name if first else None, args
             )
             finish = "tool_calls" if p.finish_reason == "stop" else p.finish_reason
             return [Piece("", finish, None, p.index, p.logprobs, (delta,))]
         s.text.append(p.text)
+        if self.mode == "required":
+            return self._step_required(s, p)
         if p.finish_reason is None:
             if self.mode == "auto" and not s.held:
                 return self._stream_content(s, p)
             return []
         return self._finish(s, p)
+
+    def _step_required(self, s: _Sample, p: Piece) -> list[Piece]:
+        """``required``: each call goes out as it is decoded (its name, then arguments)."""
+        deltas = tuple(s.required.feed(p.text))
+        if p.finish_reason is None:
+            return [Piece("", None, None, p.index, p.logprobs, deltas)] if deltas else []
+        if s.required.calls == 0:  # cut short before a call was named: the text as is
+            return [Piece("".join(s.text), p.finish_reason, None, p.index, p.logprobs)]
+        finish = "tool_calls" if p.finish_reason == "stop" else p.finish_reason
+        return [Piece("", finish, None, p.index, p.logprobs, deltas)]
 
     def _stream_content(self, s: _Sample, p: Piece) -> list[Piece]:
         """``auto``: text goes out as content until the parser's start marker shows up."""

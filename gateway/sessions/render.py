@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,9 @@ def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, 
     }
     if req.hints.thinking is not None:  # logs written before it have no such key
         out["thinking"] = req.hints.thinking
+    extensions = req.vllm_config()
+    if extensions:  # vLLM's sampling extensions, only where a request sets them
+        out["vllm"] = extensions
     return out
 
 
@@ -206,6 +209,17 @@ def _templated_call(call: dict[str, Any]) -> dict[str, Any]:
         "id": call["id"],
         "type": "function",
         "function": {"name": fn["name"], "arguments": args},
+    }
+
+
+def template_args(template: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's prompt shaping (``ChatCompletionRequest.template``, as the log keeps
+    it) as the chat render's arguments."""
+    t = template or {}
+    return {
+        "generation_prompt": bool(t.get("add_generation_prompt", True)),
+        "continue_final": bool(t.get("continue_final_message", False)),
+        "template_kwargs": t.get("chat_template_kwargs"),
     }
 
 

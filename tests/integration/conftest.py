@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -220,3 +221,30 @@ def wait_for(cond: object, timeout_s: float = 30.0, interval_s: float = 0.1) -> 
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout_s}s")
         time.sleep(interval_s)
+
+
+def check_vllm_sampling(base_url: str, model: str, headers: dict[str, str]) -> None:
+    """vLLM's sampling extensions steer the engine behind ``base_url`` (embedded or a
+    remote replica): allowed_token_ids, a logit bias, stop_token_ids, min_tokens."""
+    with httpx.Client(base_url=base_url, headers=headers, timeout=120) as c:
+        ids = c.post("/tokenize", json={"model": model, "prompt": "apple orange"}).json()
+        t, u = ids["tokens"][0], ids["tokens"][-1]
+        assert t != u
+
+        def complete(**extra: object) -> dict[str, Any]:
+            body = {"model": model, "prompt": "probe 5", "max_tokens": 6, "temperature": 0}
+            r = c.post("/v1/completions", json={**body, **extra})
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        only = complete(allowed_token_ids=[u])  # nothing else may be sampled
+        want = c.post("/detokenize", json={"model": model, "tokens": [u] * 6}).json()
+        assert only["choices"][0]["text"] == want["prompt"]
+        # t is the only stop token, and a +100 bias makes it the greedy pick every step
+        favoured = {"allowed_token_ids": [t, u], "logit_bias": {str(t): 100}}
+        stopped = complete(**favoured, stop_token_ids=[t])
+        assert stopped["usage"]["completion_tokens"] == 1
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        held = complete(**favoured, stop_token_ids=[t], min_tokens=3)  # no stop before 3
+        assert held["usage"]["completion_tokens"] == 4
+        assert held["choices"][0]["finish_reason"] == "stop"

@@ -5,12 +5,14 @@ prediction stays exact for all of them."""
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 
 import httpx
 import jsonschema
 import pytest
 
-from tests.integration.conftest import KEY_A, Gateway
+from tests.integration.conftest import KEY_A, Gateway, check_vllm_sampling
 
 pytestmark = pytest.mark.integration
 
@@ -109,6 +111,53 @@ def test_json_object_output_parses(gateway: Gateway) -> None:
     assert (c.choices[0].message.content or "").lstrip().startswith("{")
 
 
+@pytest.mark.parametrize(
+    ("constraint", "holds"),
+    [
+        ({"choice": ["alpha", "beta", "gamma"]}, lambda t: t in ("alpha", "beta", "gamma")),
+        ({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+        ({"grammar": 'root ::= ("yes" | "no") "!"'}, lambda t: t in ("yes!", "no!")),
+    ],
+    ids=["choice", "regex", "grammar"],
+)
+def test_vllm_structured_outputs_constrain_the_real_engine(
+    gateway: Gateway, constraint: dict[str, object], holds: Callable[[str], object]
+) -> None:
+    """vLLM's own ``structured_outputs`` (not OpenAI's response_format), on chat and text."""
+    client = gateway.client()
+    chat = client.chat.completions.create(
+        model=gateway.model, messages=_messages("pick"), max_tokens=20, temperature=0,  # type: ignore[arg-type]
+        extra_body={"structured_outputs": constraint},
+    )  # fmt: skip
+    text = client.completions.create(
+        model=gateway.model, prompt="pick one:", max_tokens=20, temperature=0,
+        extra_body={"structured_outputs": constraint},
+    )  # fmt: skip
+    for answer, finish in (
+        (chat.choices[0].message.content or "", chat.choices[0].finish_reason),
+        (text.choices[0].text, text.choices[0].finish_reason),
+    ):
+        assert finish == "stop" and holds(answer), answer
+
+
+def test_prompt_shaping_keeps_the_prediction_exact_on_the_real_engine(gateway: Gateway) -> None:
+    """chat_template_kwargs and continue_final_message are rendered by vcache's template
+    path: vLLM counts the same prompt tokens and the predicted cached tokens are its own."""
+    partial = [*_messages("shape"), {"role": "assistant", "content": "It is"}]
+    asks: list[dict[str, object]] = [
+        {"messages": _messages("shape"), "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": _messages("shape"), "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": partial, "add_generation_prompt": False, "continue_final_message": True},
+    ]
+    seen = []
+    for body in asks:
+        r = _raw(gateway, {**body, "max_tokens": 2, "temperature": 0})
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        seen.append((int(r.headers["x-vcache-predicted-cached-tokens"]), cached))
+    assert all(p == c for p, c in seen), seen
+    assert seen[1][1] > 0  # the shaped prompt was cached as shaped
+
+
 def test_retrieve_the_model(gateway: Gateway) -> None:
     m = gateway.client().models.retrieve(gateway.model)
     assert m.id == gateway.model
@@ -130,6 +179,10 @@ def test_logit_bias_steers_the_real_engine(gateway: Gateway) -> None:
     assert len(set(lp.tokens)) == 1 and lp.tokens != other.tokens
     assert lp.top_logprobs is not None
     assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs, strict=True))
+
+
+def test_vllm_sampling_extensions_steer_the_real_engine(gateway: Gateway) -> None:
+    check_vllm_sampling(gateway.base_url, gateway.model, {"authorization": f"Bearer {KEY_A}"})
 
 
 def test_tokenize_gives_the_ids_and_block_hashes_the_request_path_uses(gateway: Gateway) -> None:

@@ -12,7 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import SECRET, RemoteVllm, _free_port, running, wait_for
+from tests.integration.conftest import (
+    SECRET,
+    RemoteVllm,
+    _free_port,
+    check_vllm_sampling,
+    running,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +71,10 @@ def test_remote_replica_agrees_and_predicts_exactly(remote: Remote) -> None:
     print(f"\nremote replica (predicted, actual): {outcomes}")
     assert all(p == a for p, a in outcomes)
     assert outcomes[0][1] == 0 and outcomes[1][1] >= 3 * BLOCK
+
+
+def test_vllm_sampling_extensions_reach_the_remote_replica(remote: Remote) -> None:
+    check_vllm_sampling(remote.gateway_url, "vcache-demo", {})
 
 
 def test_pin_and_unpin_through_the_control_endpoint(remote: Remote) -> None:

@@ -298,10 +298,10 @@ def test_queue_full_is_503_with_retry_after(
     render, encode = tokenizer.render_chat, tokenizer.encode
 
     def counted(fn):
-        def call(*a):
+        def call(*a, **kw):
             nonlocal tokenized
             tokenized += 1
-            return fn(*a)
+            return fn(*a, **kw)
 
         return call
 
