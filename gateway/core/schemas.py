@@ -30,7 +30,6 @@ from manifest.canonical import canonical_json
 SEED_MAX = 2**63 - 1  # seeds are 64-bit signed integers, as in OpenAI's API
 MAX_N = 128  # choices per request, as OpenAI's API
 MAX_TOP_LOGPROBS = 20  # chat; text completions allow 5
-MAX_PROMPTS = 128  # prompts in one text completion request
 # what the render passes the chat template itself (not a chat_template_kwargs key)
 RENDER_VARIABLES = frozenset(
     {
@@ -412,63 +411,3 @@ class ChatCompletionRequest(SamplingFields):
             if self.max_completion_tokens is not None
             else (self.max_tokens)
         )
-
-
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: bool = False
-    suffix: str | None = None
-
-    best_of: int | None = None
-    return_token_ids: bool | None = None  # vLLM's: each choice's prompt and output ids
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompts(
-        cls, v: str | list[str] | list[TokenId] | list[list[TokenId]]
-    ) -> str | list[str] | list[TokenId] | list[list[TokenId]]:
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and isinstance(v[0], str | list) and len(v) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v is not None and v > 1:
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "best_of is not supported (nor by vLLM 0.32): ask for n samples",
-                {"param": "best_of"},
-            )
-        return v
-
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "echo with logprobs needs the prompt's logprobs, which this gateway does "
-                "not return yet",
-                {"param": "echo"},
-            )
-        if self.n * self.prompt_count() > MAX_N * 8:
-            raise PydanticCustomError(
-                "value_error",
-                "n times the number of prompts is at most {most}",
-                {"param": "n", "most": MAX_N * 8},
-            )
-        return self
-
-    def prompt_count(self) -> int:
-        p = self.prompt
-        return len(p) if isinstance(p, list) and isinstance(p[0], str | list) else 1
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
-        return v

@@ -22,9 +22,10 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 from pydantic import BaseModel, ValidationError
 
+from gateway.core.completion_request import CompletionRequest
 from gateway.core.errors import APIError, invalid_request_from
 from gateway.core.outputs import Usage
-from gateway.core.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.types import Principal, Served
 from gateway.grpc.api import gateway_pb2 as pb
 from gateway.grpc.api import gateway_pb2_grpc as pb_grpc

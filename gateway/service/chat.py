@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
+from gateway.core.completion_request import CompletionRequest
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest, NotFound, RateLimited, Unavailable
 from gateway.core.metrics import Metrics
@@ -31,7 +32,6 @@ from gateway.core.outputs import (
 from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
-    CompletionRequest,
     SamplingFields,
 )
 from gateway.core.shaping import (

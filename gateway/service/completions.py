@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 
+from gateway.core.completion_request import CompletionRequest
 from gateway.core.outputs import Usage
-from gateway.core.schemas import CompletionRequest
 from gateway.core.shaping import Piece, Pieces
 
 Prompt = str | list[int]

@@ -22,13 +22,13 @@ from typing import Any
 from engines.base import Engine, GenerateRequest, Structured
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
+from gateway.core.completion_request import CompletionRequest
 from gateway.core.config import LOCAL_TARGET, RetentionSettings
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import Usage
 from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
-    CompletionRequest,
     SamplingFields,
 )
 from gateway.core.shaping import Piece, Pieces

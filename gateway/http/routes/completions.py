@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
 
+from gateway.core.completion_request import CompletionRequest
 from gateway.core.outputs import Completion
-from gateway.core.schemas import CompletionRequest
 from gateway.http.deps import Caller, caller, whole
 from gateway.http.openapi import GENERATION, streamed
 from gateway.http.sse import open_stream
