@@ -96,6 +96,7 @@ class GenerateRequest:
     sampling: SamplingOptions
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: lower is served first (under its "priority" scheduling)
+    tenant: str | None = None  # whose request (admission fairness); None: the cache salt's
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -304,6 +304,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's stable session identity: the session, where no header names one
+    session_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None

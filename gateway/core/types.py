@@ -33,6 +33,13 @@ def tenant_salt(tenant: str) -> str:
     return f"tenant:{tenant}"
 
 
+def request_salt(tenant: str, client_salt: str | None) -> str:
+    """The cache salt of a request: its tenant's, and within it the client's own
+    (vLLM's ``cache_salt``) where given; a client salt never replaces the tenant's."""
+    salt = tenant_salt(tenant)
+    return salt if client_salt is None else f"{salt}|salt:{client_salt}"
+
+
 @dataclass(frozen=True)
 class RouteOverride:
     """An admin's choice for one request: a policy, or one replica (load-test oracles)."""

@@ -45,14 +45,14 @@ _NOT_DONE: dict[str, tuple[Any, ...]] = {
     "thinking_token_budget": (),
     "kv_transfer_params": ({},),
     "vllm_xargs": ({},),
-    "cache_salt": (),
     "continue_final_message": (False,),
     "add_generation_prompt": (True,),
     "priority": (0,),
+    "echo": (False,),
+    "session_id": (),  # chat's names the session; text completions keep none  # chat's: the last message repeated (text completions do echo)
 }
 _WHY = {
     "priority": "; vcache takes the x-vcache-priority header (interactive, default, batch)",
-    "cache_salt": "; vcache salts each tenant's cache itself",
 }
 
 
@@ -79,7 +79,7 @@ def refuse_not_done(
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: exactly one constraint, and its whitespace options."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: Annotated[str, Field(min_length=1)] | None = None
@@ -153,6 +153,8 @@ class VllmSampling(BaseModel):
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's per-request cache isolation, inside the tenant's own (never instead of it)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -175,6 +177,7 @@ class VllmSampling(BaseModel):
             "bad_words": bool(self.bad_words),
             "allowed_token_ids": self.allowed_token_ids is not None,
             "structured_outputs": self.structured_outputs is not None,
+            "cache_salt": self.cache_salt is not None,
         }
 
     def vllm_config(self) -> dict[str, Any]:

@@ -210,7 +210,7 @@ class Dispatcher:
         Until its first token, its prompt is a running prefill others may wait for."""
         d.replica.inflight += 1
         gate = self._gates.get(d.replica.id)
-        tenant = greq.cache_salt or ""
+        tenant = greq.tenant or greq.cache_salt or ""  # a client's own salt is not a tenant
         if gate is not None:
             try:
                 await self._enter(gate, greq, d, tenant)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from engines.base import Engine, GenerateRequest, SamplingOptions, Structured
 from gateway.core.errors import InvalidRequest
 from gateway.core.schemas import SamplingFields
-from gateway.core.types import ENGINE_PRIORITY, Principal, tenant_salt
+from gateway.core.types import ENGINE_PRIORITY, Principal, request_salt
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,7 @@ def generate_request(
         request_id=rid,
         prompt_token_ids=tuple(ids),
         sampling=sampling,
-        cache_salt=tenant_salt(who.tenant),
+        cache_salt=request_salt(who.tenant, req.cache_salt),
+        tenant=who.tenant,
         priority=ENGINE_PRIORITY[who.priority],
     )

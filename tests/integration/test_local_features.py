@@ -158,6 +158,19 @@ def test_prompt_shaping_keeps_the_prediction_exact_on_the_real_engine(gateway: G
     assert seen[1][1] > 0  # the shaped prompt was cached as shaped
 
 
+def test_a_cache_salt_isolates_within_the_tenant_and_stays_predicted(gateway: Gateway) -> None:
+    """vLLM's cache_salt: the same prompt under another salt shares no cached span, and
+    the prediction knows it."""
+    seen = []
+    for salt in ("user-1", "user-1", "user-2"):
+        body = {"messages": _messages("salted"), "max_tokens": 2, "cache_salt": salt}
+        r = _raw(gateway, body)
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        seen.append((int(r.headers["x-vcache-predicted-cached-tokens"]), cached))
+    assert all(p == c for p, c in seen), seen
+    assert seen[1][1] > 0 and seen[2][1] == 0  # shared under one salt, not across two
+
+
 def test_retrieve_the_model(gateway: Gateway) -> None:
     m = gateway.client().models.retrieve(gateway.model)
     assert m.id == gateway.model

@@ -36,6 +36,7 @@ HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
         ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
         ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
         ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"cache_salt": "user-1"}, "cache_salt"),
     ],
 )
 def test_a_provider_target_refuses_them_by_name(

@@ -25,6 +25,7 @@ async def create_chat_completion(
     call: Annotated[Caller, Depends(caller)],
     session: Annotated[str | None, Depends(session_header)],
 ) -> Response:
+    session = session or body.session_id  # a header wins over vLLM's body field
     if body.stream:
         routed = await call.svc.chat_stream(body, call.who, call.route, session)
         return await open_stream(routed.body, routed.headers())

@@ -89,3 +89,16 @@ def test_text_completions_have_no_template_to_shape(gw: tuple[FakeEngine, TestCl
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_vllms_session_id_names_the_session_where_no_header_does(
+    gw: tuple[FakeEngine, TestClient],
+) -> None:
+    _, http = gw
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 2, "session_id": "agent-run-7"}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["x-vcache-session"] == "agent-run-7"
+    r = http.post("/v1/chat/completions", json=body, headers={"x-vcache-session": "mine"})
+    assert r.headers["x-vcache-session"] == "mine"  # the header wins
+    r = http.post("/v1/chat/completions", json={**body, "session_id": "no spaces"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"

@@ -102,8 +102,8 @@ def test_bounds_as_vllm_checks_them(
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"documents": [{"text": "d"}]}, "documents"),
         ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
         ({"priority": 3}, "priority"),
-        ({"cache_salt": "mine"}, "cache_salt"),
         ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
     ],
 )
@@ -195,3 +195,23 @@ def test_structured_outputs_take_one_constraint(
     r = http.post("/v1/chat/completions", json={**CHAT, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_clients_cache_salt_is_kept_inside_its_tenants(gw: tuple[FakeEngine, TestClient]) -> None:
+    engine, http = gw
+    salts = []
+    for extra in ({}, {"cache_salt": "user-1"}, {"cache_salt": "user-2"}):
+        assert http.post("/v1/chat/completions", json={**CHAT, **extra}).status_code == 200
+        salts.append(engine.received[-1].cache_salt)
+    assert salts[0] == "tenant:default" and len(set(salts)) == 3
+    assert all(s is not None and s.startswith(salts[0]) for s in salts)  # never replaced
+    assert engine.received[-1].tenant == "default"  # fairness still counts the tenant
+    r = http.post("/v1/chat/completions", json={**CHAT, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_chat_echo_is_refused_by_name(gw: tuple[FakeEngine, TestClient]) -> None:
+    _, http = gw
+    r = http.post("/v1/chat/completions", json={**CHAT, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    assert http.post("/v1/chat/completions", json={**CHAT, "echo": False}).status_code == 200
