@@ -48,8 +48,8 @@ _NOT_DONE: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (False,),
     "add_generation_prompt": (True,),
     "priority": (0,),
-    "echo": (False,),
-    "session_id": (),  # chat's names the session; text completions keep none  # chat's: the last message repeated (text completions do echo)
+    "echo": (False,),  # chat's: the last message repeated (text completions do echo)
+    "session_id": (),  # chat's names the session; text completions keep none
 }
 _WHY = {
     "priority": "; vcache takes the x-vcache-priority header (interactive, default, batch)",
