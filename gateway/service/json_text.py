@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import aclosing
+from typing import Literal
 
 from gateway.core.shaping import Pieces
 
@@ -22,32 +23,50 @@ def _escape(ch: str) -> str:
     )
 
 
+Where = Literal["out", "open", "text", "escape", "close"]
+
+
+class JsonStrings:
+    """Where each character of a JSON text falls, fed one at a time: outside strings,
+    a string's opening quote, its text, a backslash escape (the backslash and the
+    character it escapes), or its closing quote."""
+
+    def __init__(self) -> None:
+        self.in_string = False
+        self._escaped = False  # the last character was a backslash inside a string
+
+    def step(self, ch: str) -> Where:
+        if not self.in_string:
+            if ch == '"':
+                self.in_string = True
+                return "open"
+            return "out"
+        if self._escaped:
+            self._escaped = False
+            return "escape"
+        if ch == "\\":
+            self._escaped = True
+            return "escape"
+        if ch == '"':
+            self.in_string = False
+            return "close"
+        return "text"
+
+
 class JsonEscaper:
     """Feed JSON text in pieces; each piece comes back with the control characters
     inside its strings escaped (the string state carries over between pieces)."""
 
     def __init__(self) -> None:
-        self._in_string = False
-        self._escaped = False  # the last character was a backslash inside a string
+        self._strings = JsonStrings()
 
     def feed(self, text: str) -> str:
-        if not self._in_string and '"' not in text:
+        if not self._strings.in_string and '"' not in text:
             return text  # the common case outside strings: nothing to look at
         out: list[str] = []
         for ch in text:
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-                elif ch < " ":
-                    out.append(_escape(ch))
-                    continue
-            elif ch == '"':
-                self._in_string = True
-            out.append(ch)
+            where = self._strings.step(ch)
+            out.append(_escape(ch) if where == "text" and ch < " " else ch)
         return "".join(out)
 
 

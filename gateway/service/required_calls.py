@@ -15,7 +15,7 @@ from typing import Literal
 
 from engines.base import call_id
 from gateway.core.shaping import ToolCallDelta
-from gateway.service.json_text import JsonEscaper
+from gateway.service.json_text import JsonEscaper, JsonStrings
 
 ITEM_DEPTH = 2  # inside [ { ... } ]: where a call's keys are
 
@@ -23,8 +23,7 @@ ITEM_DEPTH = 2  # inside [ { ... } ]: where a call's keys are
 class RequiredCalls:
     def __init__(self) -> None:
         self._depth = 0
-        self._in_string = False
-        self._escaped = False
+        self._strings = JsonStrings()
         self._raw: list[str] = []  # the string being read (a key or a name)
         self._reading: Literal["key", "name", "other", "args"] | None = None
         self._key: str | None = None  # the last key read in the current call
@@ -51,18 +50,17 @@ class RequiredCalls:
     # ------------------------------------------------------------ scanning
 
     def _step(self, ch: str) -> None:
+        where = self._strings.step(ch)
         if self._reading == "args":
-            if self._args_end(ch):
-                self._flush_args()
-                self._reading = None  # and ch closes the call or separates keys
-            else:
+            if where != "out" or not (self._depth == ITEM_DEPTH and ch in ",}"):
+                if where == "out":
+                    self._nest(ch)
                 self._args.append(ch)
                 return
-        if self._in_string:
-            self._string_char(ch)
-            return
-        if ch == '"':
-            self._in_string, self._raw = True, []
+            self._flush_args()
+            self._reading = None  # and ch closes the call or separates keys
+        if where == "open":
+            self._raw = []
             at_item = self._depth == ITEM_DEPTH
             if at_item and self._value_of is None:
                 self._reading = "key"
@@ -70,14 +68,17 @@ class RequiredCalls:
                 self._reading = "name"
             else:
                 self._reading = "other"
-        elif ch in "[{":
-            if ch == "{" and self._depth == ITEM_DEPTH - 1:
-                self._flush_args()
-                self._item += 1
-                self._key = self._value_of = None
+        elif where == "close":
+            self._end_string(json.loads('"' + "".join(self._raw) + '"', strict=False))
+        elif where != "out":
+            self._raw.append(ch)
+        elif ch == "{" and self._depth == ITEM_DEPTH - 1:
+            self._flush_args()
+            self._item += 1
+            self._key = self._value_of = None
             self._depth += 1
-        elif ch in "]}":
-            self._depth -= 1
+        elif ch in "[{]}":
+            self._nest(ch)
         elif self._depth == ITEM_DEPTH and ch == ":":
             self._value_of = self._key
             if self._key == "parameters":
@@ -86,37 +87,12 @@ class RequiredCalls:
         elif self._depth == ITEM_DEPTH and ch == ",":
             self._key = self._value_of = None
 
-    def _args_end(self, ch: str) -> bool:
-        """Whether ``ch`` ends the ``parameters`` value (else it is a part of it, and its
-        strings and nesting are tracked)."""
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
-            return False
-        if self._depth == ITEM_DEPTH and ch in ",}":
-            return True
-        if ch == '"':
-            self._in_string = True
-        elif ch in "[{":
+    def _nest(self, ch: str) -> None:
+        """Track the nesting of ``ch`` (outside strings)."""
+        if ch in "[{":
             self._depth += 1
         elif ch in "]}":
             self._depth -= 1
-        return False
-
-    def _string_char(self, ch: str) -> None:
-        if self._escaped:
-            self._escaped = False
-        elif ch == "\\":
-            self._escaped = True
-        elif ch == '"':
-            self._in_string = False
-            self._end_string(json.loads('"' + "".join(self._raw) + '"', strict=False))
-            return
-        self._raw.append(ch)
 
     def _end_string(self, value: str) -> None:
         if self._reading == "key":
