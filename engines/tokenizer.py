@@ -40,8 +40,10 @@ class ChatTokenizer:
         """Token ids are ``0 <= id < vocab_size`` (added special tokens included)."""
         return len(self._tok)  # type: ignore[arg-type]
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``text``'s token ids; ``add_special_tokens``: with the tokenizer's own (a BOS,
+        say), as vLLM's text completions tokenize by default."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -54,22 +56,31 @@ class ChatTokenizer:
         generation_prompt: bool = True,
         continue_final: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Token ids of ``messages`` (and the ``tools`` the model may call) through the chat
         template: ready for the assistant (``generation_prompt``), or going on with the last
         assistant message (``continue_final``); ``template_kwargs`` are the template's own
-        variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
+        variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``);
+        ``chat_template``: a template of the request's own instead of the model's;
+        ``add_special_tokens``: the rendered text tokenized with the tokenizer's special
+        tokens added (vLLM's chat option; the template usually writes them itself)."""
         extra: dict[str, Any] = dict(template_kwargs or {})
         if tools:
             extra["tools"] = list(tools)
+        if chat_template is not None:
+            extra["chat_template"] = chat_template
         out = self._tok.apply_chat_template(
             list(messages),
             add_generation_prompt=generation_prompt,
             continue_final_message=continue_final,
-            tokenize=True,
+            tokenize=not add_special_tokens,
             return_dict=False,
             **extra,
         )
+        if add_special_tokens:  # as HF's own tokenize=True, but with the special tokens
+            return self.encode(str(out), add_special_tokens=True)
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding on some versions
             out = out["input_ids"]
         return [int(t) for t in out]

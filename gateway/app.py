@@ -253,6 +253,7 @@ def create_app(
         metrics=metrics,
         log=session_log,
         tool_parser=settings.engine.tool_parser,
+        trust_chat_template=settings.engine.trust_request_chat_template,
         tracing=tracing,
         turns=SessionTurns(
             settings.cache.retention,

@@ -21,6 +21,7 @@ class CompletionRequest(SamplingFields):
 
     best_of: int | None = None
     return_token_ids: bool | None = None  # vLLM's: each choice's prompt and output ids
+    add_special_tokens: bool = True  # vLLM's default for text: the tokenizer's BOS, say
 
     @field_validator("prompt")
     @classmethod

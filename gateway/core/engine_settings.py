@@ -33,6 +33,8 @@ class EngineSettings(BaseModel):
     # vLLM's tool-call parser for the model's chat template (hermes, llama3_json, mistral,
     # qwen3_coder, ...): reads tool calls out of answers to `tool_choice: auto`
     tool_parser: str = "hermes"
+    # vLLM's --trust-request-chat-template: a request may bring its own chat_template
+    trust_request_chat_template: bool = False
     # requests in each replica's engine at once (vLLM's max_num_seqs); the rest wait in
     # the gateway and go in fair order across tenants (gateway/local/fairness.py).
     # None: vLLM's default, no gateway queue.

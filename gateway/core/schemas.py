@@ -304,6 +304,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: Annotated[str, Field(min_length=1)] | None = None  # where trusted
+    add_special_tokens: bool = False  # vLLM's chat default: the template writes them
     # vLLM's stable session identity: the session, where no header names one
     session_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
     functions: Any = None
@@ -386,6 +388,14 @@ class ChatCompletionRequest(SamplingFields):
             out["add_generation_prompt"] = False
         if self.continue_final_message:
             out["continue_final_message"] = True
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template
+        if self.add_special_tokens:
+            out["add_special_tokens"] = True
+        if self.truncate_prompt_tokens is not None:  # resolved against the context later
+            out["truncate_prompt_tokens"] = self.truncate_prompt_tokens
+            if self.truncation_side is not None:
+                out["truncation_side"] = self.truncation_side
         return out
 
     @property

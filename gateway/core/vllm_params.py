@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Container
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from engines.base import Structured
+from gateway.core.errors import InvalidRequest
 from manifest.canonical import canonical_json
 
 TokenId = Annotated[int, Field(ge=0)]  # the upper bound (the vocabulary) is the model's
@@ -28,8 +29,6 @@ _NOT_DONE: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "watermarking": (False,),
-    "truncate_prompt_tokens": (),
-    "truncation_side": (),
     "prompt_logprobs": (),
     "logprob_token_ids": ([],),
     "prompt_embeds": (),
@@ -155,6 +154,34 @@ class VllmSampling(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     # vLLM's per-request cache isolation, inside the tenant's own (never instead of it)
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # keep at most this many prompt tokens (-1: what the context allows, one token left
+    # to generate), cut from the start ("left", vLLM's default) or the end ("right")
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1 (0 keeps nothing)")
+        return v
+
+    def prompt_keep(self, max_len: int) -> int | None:
+        """How many prompt tokens to keep at most (None: all), or a 400 when the
+        context cannot hold that many."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return None
+        if keep == -1:
+            return max_len - 1
+        if keep > max_len:
+            raise InvalidRequest(
+                f"truncate_prompt_tokens={keep} cannot be greater than the model's maximum "
+                f"context length ({max_len})",
+                param="truncate_prompt_tokens",
+                code="invalid_value",
+            )
+        return keep
 
     @model_validator(mode="before")
     @classmethod
@@ -178,6 +205,7 @@ class VllmSampling(BaseModel):
             "allowed_token_ids": self.allowed_token_ids is not None,
             "structured_outputs": self.structured_outputs is not None,
             "cache_salt": self.cache_salt is not None,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens is not None,
         }
 
     def vllm_config(self) -> dict[str, Any]:

@@ -147,7 +147,7 @@ class _Spans:
         if body.messages:
             self.tokens = local.chat_tokens(body.messages)
         elif body.prompt:
-            self.tokens = local.text_tokens(body.prompt)
+            self.tokens = local.text_tokens(body.prompt, add_special_tokens=True)  # as completions
         elif body.token_ids:
             self.tokens = local.check_token_ids(list(body.token_ids), "token_ids")
         self.hashes: list[BlockHash]

@@ -115,6 +115,7 @@ class GatewayService:
         tracing: Tracing | None = None,
         limits: RateLimits | None = None,
         turns: SessionTurns | None = None,
+        trust_chat_template: bool = False,
     ) -> None:
         self._model = model_name
         self.limits = limits or RateLimits()
@@ -123,7 +124,7 @@ class GatewayService:
         self.providers = providers
         self._metrics = metrics or Metrics()
         self.log = log
-        self.local = LocalChat(dispatcher, tool_parser, turns)
+        self.local = LocalChat(dispatcher, tool_parser, turns, trust_chat_template)
         self.loop = ServiceLoop(Journal(log), self._metrics, self._target)
 
     @property

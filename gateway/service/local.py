@@ -50,11 +50,12 @@ from gateway.service.engine_request import Room, check_token_ids, generate_reque
 from gateway.service.json_text import escaped_json
 from gateway.service.tools import ToolPlan
 from gateway.sessions.render import (
+    chat_prompt,
     local_messages,
     request_config,
     request_parts,
     split_messages,
-    template_args,
+    truncated,
     vllm_payload,
 )
 from manifest.canonical import canonical_json
@@ -80,6 +81,7 @@ class LocalPrepared:
     tools: list[dict[str, Any]]
     t0: float
     notes: Mapping[str, str] = field(default_factory=dict)
+    template: Mapping[str, Any] = field(default_factory=dict)  # the prompt shaping, resolved
     target: str = LOCAL_TARGET
 
     @property
@@ -92,9 +94,8 @@ class LocalPrepared:
         sampling = dataclasses.asdict(g.sampling)
         body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling)
         directives: dict[str, Any] = {"cache_salt": g.cache_salt, "sampling": sampling}
-        template = self.call.request.template()
-        if template:  # logs written before it have no such key
-            directives["template"] = template
+        if self.template:  # logs written before it have no such key
+            directives["template"] = dict(self.template)
         return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
 
 
@@ -104,8 +105,10 @@ class LocalChat:
         dispatcher: Dispatcher,
         tool_parser: str = "hermes",
         turns: SessionTurns | None = None,
+        trust_chat_template: bool = False,
     ) -> None:
         self.dispatcher = dispatcher
+        self.trust_chat_template = trust_chat_template  # a request's own chat_template
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
         self.governor: LocalGovernor | None = None  # pins anchors worth holding
@@ -154,26 +157,45 @@ class LocalChat:
             )
 
     def chat_tokens(
-        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]] | None = None,
+        template: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` through the model's chat template, rendered from the
         parts the session log keeps (so a rebuilt request renders the same)."""
-        return self._render(*split_messages(messages), tools)
+        return self._render(*split_messages(messages), tools, template)
 
     def _render(
         self,
         system: SystemPrompts,
         turns: Turns,
         tools: list[dict[str, Any]] | None,
-        template: dict[str, Any] | None = None,
+        template: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # the tools as the log keeps them (canonical JSON), so a rebuilt prompt is the same
         kept = json.loads(canonical_json(tools)) if tools else None
         messages = local_messages(system, turns)
-        return self.engine.tokenizer.render_chat(messages, kept, **template_args(template))
+        return chat_prompt(self.engine.tokenizer, messages, kept, template)
 
-    def text_tokens(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text)
+    def _shaping(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """The request's prompt shaping as rendered and journaled: a request's own chat
+        template only where trusted, truncation resolved against the context."""
+        template = req.template()
+        if "chat_template" in template and not self.trust_chat_template:
+            raise InvalidRequest(
+                "chat_template is passed with the request, but this gateway does not "
+                "trust request chat templates (engine.trust_request_chat_template)",
+                param="chat_template",
+                code="unsupported_parameter",
+            )
+        keep = req.prompt_keep(self.engine.capabilities.max_model_len)
+        if keep is not None:
+            template["truncate_prompt_tokens"] = keep
+        return template
+
+    def text_tokens(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens)
 
     def _vocab(self) -> int:
         return vocab_size(self.engine)
@@ -192,10 +214,11 @@ class LocalChat:
         system: SystemPrompts,
         turns: Turns,
         tools: list[dict[str, Any]],
+        template: Mapping[str, Any],
     ) -> tuple[GenerateRequest, ToolPlan | None]:
         self.check_ready()
         plan = self._tool_plan(req)
-        ids = self._render(system, turns, tools, req.template())
+        ids = self._render(system, turns, tools, template)
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         fmt = req.structured()
         structured = plan.structured() if plan is not None else None
@@ -223,7 +246,8 @@ class LocalChat:
         system, turns = request_parts(req)  # what is rendered is what is journaled
         tools = req.tool_dicts()  # dumped once: the render, the anchor, the header
         with trace.step("tokenize") as span:
-            greq, plan = self._chat_request(req, who, rid, system, turns, tools)
+            template = self._shaping(req)
+            greq, plan = self._chat_request(req, who, rid, system, turns, tools, template)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
         d = await self._route(greq, call.route, trace, self.turns.replica(_session_key(call)))
         kv = self.dispatcher.kv
@@ -236,7 +260,7 @@ class LocalChat:
             notes["x-vcache-max-tokens-clamped"] = str(greq.sampling.max_tokens)
         config = request_config(req, None)
         header = Header.make(req.model, LOCAL_TARGET, system, tools or None, config)
-        return LocalPrepared(call, greq, plan, d, header, turns, system, tools, t0, notes)
+        return LocalPrepared(call, greq, plan, d, header, turns, system, tools, t0, notes, template)
 
     def send(self, p: LocalPrepared, session: str | None) -> Pieces:
         pieces = self._generate(p.greq, p.dispatch, "chat", p.t0, p.call.trace)
@@ -324,7 +348,12 @@ class LocalChat:
     ) -> GenerateRequest:
         self.check_ready()
         tok = self.engine.tokenizer
-        ids = tok.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt, param)
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = self.check_token_ids(prompt, param)
+        ids = truncated(ids, req.prompt_keep(self.engine.capabilities.max_model_len),
+                        req.truncation_side)  # fmt: skip
         if not ids:
             raise InvalidRequest("prompt must not be empty", param=param, code="invalid_value")
         return self._generate_request(

@@ -10,7 +10,6 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from gateway.core.errors import InvalidRequest
 from gateway.core.schemas import ChatMessage, RequestModel, ToolSpec
 from gateway.core.types import Principal, tenant_salt
 from gateway.service.chat import GatewayService
@@ -51,34 +50,29 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def _refuse(req: TokenizeRequest) -> None:
-    """What would make the ids differ from the request path's is refused by name."""
-    if req.add_special_tokens:
-        raise InvalidRequest(
-            "add_special_tokens is not supported: ids are what the request path sends",
-            param="add_special_tokens",
-            code="unsupported_parameter",
-        )
+def _shaping(req: TokenizeRequest) -> dict[str, Any]:
+    """The chat prompt shaping asked for, as a chat request's ``template()`` has it."""
+    out: dict[str, Any] = {}
     if not req.add_generation_prompt:
-        raise InvalidRequest(
-            "add_generation_prompt false is not supported: chat prompts end ready for the "
-            "assistant, as /v1/chat/completions sends them",
-            param="add_generation_prompt",
-            code="unsupported_parameter",
-        )
+        out["add_generation_prompt"] = False
+    if req.add_special_tokens:
+        out["add_special_tokens"] = True
+    return out
 
 
 def tokenize(svc: GatewayService, req: TokenizeRequest, who: Principal) -> TokenizeResponse:
+    """The ids the request path would send; ``add_special_tokens`` defaults as vLLM's:
+    on for a prompt (as text completions tokenize it), off for messages."""
     svc.check_model(req.model or svc.model_name)
-    _refuse(req)
     local = svc.local
     if req.messages is not None:
         tools: list[dict[str, Any]] | None = (
             [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         )
-        ids = local.chat_tokens(req.messages, tools)
+        ids = local.chat_tokens(req.messages, tools, _shaping(req))
     else:
-        ids = local.text_tokens(req.prompt or "")
+        special = req.add_special_tokens is not False
+        ids = local.text_tokens(req.prompt or "", add_special_tokens=special)
     tok = local.engine.tokenizer
     kv = svc.dispatcher.kv
     return TokenizeResponse(

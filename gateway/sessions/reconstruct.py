@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from engines.providers.base import Adapter, CacheDirectives
 from engines.tokenizer import ChatTokenizer
-from gateway.sessions.render import local_messages, provider_call, template_args, vllm_payload
+from gateway.sessions.render import chat_prompt, local_messages, provider_call, vllm_payload
 from manifest.sessionlog import DispatchEvent, State
 
 
@@ -42,7 +42,7 @@ class Reconstructor:
                 raise ValueError("no local tokenizer to rebuild a vLLM request with")
             messages = local_messages(state.header.system, state.messages)
             tools = state.header.tool_list() or None
-            ids = tok.render_chat(messages, tools, **template_args(d.get("template")))
+            ids = chat_prompt(tok, messages, tools, d.get("template"))
             return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"))
         call, _ = provider_call(state.header, state.messages)
         directives = CacheDirectives(

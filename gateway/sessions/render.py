@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from engines.providers.base import CacheDirectives, ChatCall, ToolCall, Turn
+from engines.tokenizer import ChatTokenizer
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from manifest.canonical import canonical_json, canonicalize, lint, split_volatile
@@ -220,7 +221,31 @@ def template_args(template: Mapping[str, Any] | None) -> dict[str, Any]:
         "generation_prompt": bool(t.get("add_generation_prompt", True)),
         "continue_final": bool(t.get("continue_final_message", False)),
         "template_kwargs": t.get("chat_template_kwargs"),
+        "chat_template": t.get("chat_template"),
+        "add_special_tokens": bool(t.get("add_special_tokens", False)),
     }
+
+
+def truncated(ids: list[int], keep: int | None, side: str | None = None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: at most ``keep`` tokens of ``ids``, the last
+    ones (``side`` "left", the default: the start is cut) or the first ("right")."""
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[:keep] if side == "right" else ids[len(ids) - keep :]
+
+
+def chat_prompt(
+    tok: ChatTokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template: Mapping[str, Any] | None,
+) -> list[int]:
+    """The token ids vLLM is handed for a chat: the messages through the chat template
+    as the request shaped it, truncated where it asked (the live path and the rebuild
+    both come here)."""
+    t = template or {}
+    ids = tok.render_chat(messages, tools, **template_args(t))
+    return truncated(ids, t.get("truncate_prompt_tokens"), t.get("truncation_side"))
 
 
 def vllm_payload(token_ids: Sequence[int], cache_salt: str | None, sampling: Any) -> bytes:

@@ -51,12 +51,27 @@ def test_prompt_ids_are_what_completions_sends(gw: tuple[FakeEngine, TestClient]
     assert back.status_code == 200 and back.json() == {"prompt": "hello world"}
 
 
+def test_shaped_ids_are_what_the_shaped_request_sends(gw: tuple[FakeEngine, TestClient]) -> None:
+    """add_generation_prompt and add_special_tokens shape /tokenize as they shape chat
+    and completions (vLLM's defaults: special tokens for a prompt, none for messages)."""
+    engine, http = gw
+    shaped = {"add_generation_prompt": False, "add_special_tokens": True}
+    got = http.post("/tokenize", json={"messages": MESSAGES, **shaped})
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, **shaped}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    assert got.json()["tokens"] == list(engine.received[-1].prompt_token_ids)
+    bare = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert got.json()["tokens"] != bare  # no generation prompt
+    for special in (True, False):
+        got = http.post("/tokenize", json={"prompt": "hi there", "add_special_tokens": special})
+        text = {"model": MODEL, "prompt": "hi there", "max_tokens": 1}
+        http.post("/v1/completions", json={**text, "add_special_tokens": special})
+        assert got.json()["tokens"] == list(engine.received[-1].prompt_token_ids)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/tokenize", {"prompt": "x", "add_special_tokens": True}, "add_special_tokens"),
-        ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False},
-         "add_generation_prompt"),
         ("/tokenize", {"prompt": "x", "messages": MESSAGES}, None),
         ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
         ("/detokenize", {"tokens": [10**9]}, "tokens[0]"),

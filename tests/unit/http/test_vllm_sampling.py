@@ -99,9 +99,9 @@ def test_bounds_as_vllm_checks_them(
     [
         ({"use_beam_search": True}, "use_beam_search"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"logprob_token_ids": [3]}, "logprob_token_ids"),
         ({"documents": [{"text": "d"}]}, "documents"),
-        ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+        ({"thinking_token_budget": 10}, "thinking_token_budget"),
         ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
         ({"priority": 3}, "priority"),
         ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
