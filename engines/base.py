@@ -69,6 +69,7 @@ class SamplingOptions:
     ignore_eos: bool = False
     n: int = 1  # parallel samples of one prompt (its KV computed once)
     logprobs: int | None = None  # the sampled token's logprob and this many top ones
+    prompt_logprobs: int | None = None  # each prompt token's, and this many top ones
     structured: Structured | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     # vLLM's own sampling extensions (their defaults mean "not asked")
@@ -103,13 +104,19 @@ class GenerateRequest:
         return len(self.prompt_token_ids)
 
 
+LOGPROB_FLOOR = -9999.0  # what vLLM's own server sends for -inf (JSON has no infinity)
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log probability, and the most likely tokens at its step."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to score it)
     top: tuple[tuple[str, float], ...] = ()  # best first
+    token_id: int | None = None
+    top_ids: tuple[int, ...] = ()  # the ids of ``top``, where the engine gives them
+    rank: int | None = None  # the token's rank among the vocabulary at its step
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,8 @@ class GenerateChunk:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
     queue_time_s: float | None = None  # first chunk: queued → scheduled in the engine core
     stop_sequence: str | None = None  # the stop string that ended the sample, when one did
+    # first chunk, where asked: each prompt token's logprob (None for the first token)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,7 @@ class FakeEngine:
                         finish_reason=end if last else None,
                         index=index,
                         logprobs=self._logprobs(tok, index, s.logprobs),
+                        prompt_logprobs=self._prompt_logprobs(request) if i == 0 else None,
                     )
             if not ids:
                 yield GenerateChunk("", (), request.num_prompt_tokens, cached, "length")
@@ -137,7 +138,22 @@ class FakeEngine:
         text = self._tokenizer.decode([tok])
         lp = -0.25 * (index + 1)
         others = tuple((f"alt{k}", lp - k) for k in range(1, top))
-        return (TokenLogprob(text, lp, ((text, lp), *others)[:top]),)
+        ids = (tok, *range(1, top))[:top]
+        return (TokenLogprob(text, lp, ((text, lp), *others)[:top], tok, ids, 1),)
+
+    def _prompt_logprobs(self, request: GenerateRequest) -> tuple[TokenLogprob | None, ...] | None:
+        """Made-up but well-formed, as vLLM's: none for the first token, then each token
+        (rank 2, -1.5) after the ``top`` best (token id k, -0.5 k)."""
+        top = request.sampling.prompt_logprobs
+        if top is None:
+            return None
+        best = tuple((self._tokenizer.decode([k]), -0.5 * k) for k in range(1, top + 1))
+        ids = tuple(range(1, top + 1))
+        rest = request.prompt_token_ids[1:]
+        return (
+            None,
+            *(TokenLogprob(self._tokenizer.decode([t]), -1.5, best, t, ids, 2) for t in rest),
+        )
 
     async def close(self) -> None:
         self._closed = True

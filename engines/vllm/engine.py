@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from engines.base import (
+    LOGPROB_FLOOR,
     EngineCapabilities,
     EngineStats,
     GenerateChunk,
@@ -203,6 +204,7 @@ class VllmEngine:
             async for out in stream:
                 finished = out.finished
                 queue_time = _queue_time(out) if first else None  # on the first chunk only
+                prompt_lps = _prompt_logprobs(out, request) if first else None
                 first = False
                 for completion in out.outputs:
                     done = completion.finish_reason is not None or (
@@ -218,6 +220,7 @@ class VllmEngine:
                         index=completion.index,
                         logprobs=_logprobs(completion, request.sampling.logprobs),
                         queue_time_s=queue_time,
+                        prompt_logprobs=prompt_lps,
                     )
                     queue_time = None
         except EngineError:
@@ -275,6 +278,7 @@ def _sampling_params(request: GenerateRequest) -> Any:
         ignore_eos=s.ignore_eos,
         n=s.n,
         logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
         structured_outputs=_structured(s.structured),
         logit_bias=dict(s.logit_bias) or None,
         min_p=s.min_p,
@@ -307,27 +311,38 @@ def _structured(s: Structured | None) -> Any:
     return StructuredOutputsParams(**s.vllm())
 
 
-LOGPROB_FLOOR = -9999.0  # what vLLM's own server sends for -inf (JSON has no infinity)
+def _step(token_id: int, step: dict[int, Any], top: int) -> TokenLogprob:
+    """One step's vLLM {id: Logprob} map: the token's logprob and rank, the top ones."""
+    chosen = step.get(token_id)
+    ranked = sorted(step.items(), key=lambda kv: kv[1].rank or 0)[:top]
+    return TokenLogprob(
+        token=(chosen.decoded_token or "") if chosen else "",
+        logprob=max(chosen.logprob, LOGPROB_FLOOR) if chosen else LOGPROB_FLOOR,
+        top=tuple((lp.decoded_token or "", max(lp.logprob, LOGPROB_FLOOR)) for _, lp in ranked),
+        token_id=token_id,
+        top_ids=tuple(i for i, _ in ranked),
+        rank=chosen.rank if chosen else None,
+    )
 
 
 def _logprobs(completion: Any, top: int | None) -> tuple[TokenLogprob, ...]:
     """vLLM's per-token {id: Logprob} maps as (token, logprob, top alternatives)."""
     if top is None or not completion.logprobs:
         return ()
-    out = []
-    for token_id, step in zip(completion.token_ids, completion.logprobs, strict=False):
-        chosen = step.get(token_id)
-        ranked = sorted(step.values(), key=lambda lp: lp.rank or 0)[:top]
-        out.append(
-            TokenLogprob(
-                token=(chosen.decoded_token or "") if chosen else "",
-                logprob=max(chosen.logprob, LOGPROB_FLOOR) if chosen else LOGPROB_FLOOR,
-                top=tuple(
-                    (lp.decoded_token or "", max(lp.logprob, LOGPROB_FLOOR)) for lp in ranked
-                ),
-            )
-        )
-    return tuple(out)
+    steps = zip(completion.token_ids, completion.logprobs, strict=False)
+    return tuple(_step(t, step, top) for t, step in steps)
+
+
+def _prompt_logprobs(out: Any, request: GenerateRequest) -> tuple[TokenLogprob | None, ...] | None:
+    """The prompt's logprobs vLLM computed (its first token has none), where asked."""
+    top = request.sampling.prompt_logprobs
+    if top is None or not out.prompt_logprobs:
+        return None
+    ids = out.prompt_token_ids or request.prompt_token_ids
+    return tuple(
+        None if step is None else _step(t, step, top)
+        for t, step in zip(ids, out.prompt_logprobs, strict=False)
+    )
 
 
 def _queue_time(out: Any) -> float | None:

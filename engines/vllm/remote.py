@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 
 from engines.base import (
+    LOGPROB_FLOOR,
     EngineCapabilities,
     EngineStats,
     GenerateChunk,
@@ -204,6 +205,9 @@ class RemoteVllmEngine:
             body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
         if s.logprobs is not None:
             body["logprobs"] = s.logprobs
+        if s.prompt_logprobs is not None:  # vLLM gives them only to a whole answer
+            body.update(prompt_logprobs=s.prompt_logprobs, stream=False)
+            del body["stream_options"]
         body.update(_extensions(s))
         if s.structured is not None:
             body["structured_outputs"] = s.structured.vllm()
@@ -220,7 +224,8 @@ class RemoteVllmEngine:
             async with await self._post("/v1/completions", body) as resp:
                 if resp.status != 200:
                     raise _error(resp.status, await resp.read())
-                async with aclosing(self._chunks(resp, request.num_prompt_tokens)) as chunks:
+                read = self._chunks if body["stream"] else self._whole
+                async with aclosing(read(resp, request)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                     return
@@ -231,9 +236,22 @@ class RemoteVllmEngine:
         finally:
             self._running -= 1
 
-    async def _chunks(
-        self, resp: aiohttp.ClientResponse, num_prompt: int
+    async def _whole(
+        self, resp: aiohttp.ClientResponse, request: GenerateRequest
     ) -> AsyncGenerator[GenerateChunk, None]:
+        """A whole (non-streamed) answer as the chunks a stream would have given."""
+        data = json.loads(await resp.read())
+        top = request.sampling.prompt_logprobs or 0
+        for c in data.get("choices") or []:
+            chunk = _choice_chunk(c, request.num_prompt_tokens)
+            lps = _prompt_logprobs(c.get("prompt_logprobs"), request.prompt_token_ids, top)
+            yield replace(chunk, prompt_logprobs=lps)
+        yield _usage_chunk(data.get("usage") or {}, request.num_prompt_tokens)
+
+    async def _chunks(
+        self, resp: aiohttp.ClientResponse, request: GenerateRequest
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        num_prompt = request.num_prompt_tokens
         decoder = SSEDecoder()
         async for raw in resp.content.iter_any():
             for event in decoder.feed(raw):
@@ -245,24 +263,9 @@ class RemoteVllmEngine:
                 usage = data.get("usage")
                 if data.get("choices"):
                     for c in data["choices"]:
-                        yield GenerateChunk(
-                            text=c.get("text") or "",
-                            token_ids=tuple(c.get("token_ids") or ()),
-                            num_prompt_tokens=num_prompt,
-                            num_cached_tokens=None,  # reported with the final usage
-                            finish_reason=c.get("finish_reason"),
-                            index=int(c.get("index") or 0),
-                            logprobs=_logprobs(c.get("logprobs")),
-                            stop_sequence=_stop_string(c.get("stop_reason")),
-                        )
+                        yield _choice_chunk(c, num_prompt)
                 elif usage is not None:
-                    details = usage.get("prompt_tokens_details") or {}
-                    yield GenerateChunk(
-                        text="",
-                        token_ids=(),
-                        num_prompt_tokens=int(usage.get("prompt_tokens", num_prompt)),
-                        num_cached_tokens=int(details.get("cached_tokens") or 0),
-                    )
+                    yield _usage_chunk(usage, num_prompt)
 
     async def close(self) -> None:
         if not self._closed:
@@ -300,14 +303,68 @@ def _stop_string(reason: Any) -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-def _logprobs(lp: dict[str, Any] | None) -> tuple[TokenLogprob, ...]:
-    """A completions-API ``logprobs`` object (tokens, token_logprobs, top_logprobs)."""
+def _choice_chunk(c: dict[str, Any], num_prompt: int) -> GenerateChunk:
+    """A completions-API choice (a stream's or a whole answer's) as an engine chunk."""
+    ids = tuple(c.get("token_ids") or ())
+    return GenerateChunk(
+        text=c.get("text") or "",
+        token_ids=ids,
+        num_prompt_tokens=num_prompt,
+        num_cached_tokens=None,  # reported with the final usage
+        finish_reason=c.get("finish_reason"),
+        index=int(c.get("index") or 0),
+        logprobs=_logprobs(c.get("logprobs"), ids),
+        stop_sequence=_stop_string(c.get("stop_reason")),
+    )
+
+
+def _usage_chunk(usage: dict[str, Any], num_prompt: int) -> GenerateChunk:
+    details = usage.get("prompt_tokens_details") or {}
+    return GenerateChunk(
+        text="",
+        token_ids=(),
+        num_prompt_tokens=int(usage.get("prompt_tokens", num_prompt)),
+        num_cached_tokens=int(details.get("cached_tokens") or 0),
+    )
+
+
+def _logprobs(lp: dict[str, Any] | None, ids: Sequence[int]) -> tuple[TokenLogprob, ...]:
+    """A completions-API ``logprobs`` object (tokens, token_logprobs, top_logprobs); the
+    sampled tokens' ids are the choice's ``token_ids`` (the top ones' are not given)."""
     if not lp:
         return ()
     tops = lp.get("top_logprobs") or []
     out = []
     for i, (token, logprob) in enumerate(zip(lp["tokens"], lp["token_logprobs"], strict=False)):
         top = tops[i] if i < len(tops) and tops[i] else {}
-        ranked = sorted(top.items(), key=lambda kv: -kv[1])
-        out.append(TokenLogprob(token, float(logprob), tuple((t, float(v)) for t, v in ranked)))
+        ranked = tuple((t, float(v)) for t, v in sorted(top.items(), key=lambda kv: -kv[1]))
+        token_id = ids[i] if i < len(ids) else None
+        out.append(TokenLogprob(token, float(logprob), ranked, token_id=token_id))
+    return tuple(out)
+
+
+def _prompt_logprobs(
+    steps: list[dict[str, Any] | None] | None, ids: Sequence[int], top: int
+) -> tuple[TokenLogprob | None, ...] | None:
+    """vLLM's ``prompt_logprobs`` (per prompt token: None, or {id: {logprob, rank,
+    decoded_token}}) as the engine's entries."""
+    if steps is None:
+        return None
+    out: list[TokenLogprob | None] = []
+    for token_id, step in zip(ids, steps, strict=False):
+        if step is None:
+            out.append(None)
+            continue
+        chosen = step.get(str(token_id)) or {}
+        ranked = sorted(step.items(), key=lambda kv: kv[1].get("rank") or 0)[:top]
+        out.append(
+            TokenLogprob(
+                token=chosen.get("decoded_token") or "",
+                logprob=float(chosen.get("logprob", LOGPROB_FLOOR)),
+                top=tuple((e.get("decoded_token") or "", float(e["logprob"])) for _, e in ranked),
+                token_id=token_id,
+                top_ids=tuple(int(i) for i, _ in ranked),
+                rank=chosen.get("rank"),
+            )
+        )
     return tuple(out)

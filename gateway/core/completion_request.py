@@ -20,7 +20,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     best_of: int | None = None
-    return_token_ids: bool | None = None  # vLLM's: each choice's prompt and output ids
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: with echo, score the prompt
     add_special_tokens: bool = True  # vLLM's default for text: the tokenizer's BOS, say
 
     @field_validator("prompt")
@@ -46,13 +46,12 @@ class CompletionRequest(SamplingFields):
         return v
 
     @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
+    def _choices_fit(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError(
-                "unsupported_parameter",
-                "echo with logprobs needs the prompt's logprobs, which this gateway does "
-                "not return yet",
-                {"param": "echo"},
+                "value_error",
+                "max_tokens 0 needs echo (the prompt scored, nothing generated)",
+                {"param": "max_tokens"},
             )
         if self.n * self.prompt_count() > MAX_N * 8:
             raise PydanticCustomError(
@@ -65,6 +64,13 @@ class CompletionRequest(SamplingFields):
     def prompt_count(self) -> int:
         p = self.prompt
         return len(p) if isinstance(p, list) and isinstance(p[0], str | list) else 1
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """How many alternatives per prompt token the engine computes: as asked, or
+        (echo with logprobs) as many as the answer's own tokens get."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     @field_validator("suffix")
     @classmethod

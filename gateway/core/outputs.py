@@ -159,8 +159,8 @@ class CompletionLogprobs(_Out):
     """Text-completion logprobs (the legacy shape): parallel lists, one entry a token."""
 
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 

@@ -153,6 +153,7 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk
 
 
 _UNSUPPORTED = ("functions", "function_call", "audio", "modalities")

@@ -11,31 +11,29 @@ the gRPC edge and the Responses API read the same pieces.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engines.base import TokenLogprob
 from engines.providers.base import ThinkingPart
+from gateway.core.logprob_shapes import chat_logprobs, completion_logprobs, prompt_logprobs
 from gateway.core.outputs import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
     Completion,
     CompletionChoice,
-    CompletionLogprobs,
     FunctionCallOut,
     FunctionDeltaOut,
-    TokenLogprobOut,
     ToolCallDeltaOut,
     ToolCallOut,
-    TopLogprob,
     Usage,
 )
 
@@ -73,6 +71,7 @@ class Piece:
     stop_sequence: str | None = None  # with finish "stop": the stop string that ended it
     token_ids: tuple[int, ...] = ()  # the output tokens of this piece (the engine's)
     prompt_token_ids: tuple[int, ...] | None = None  # on a choice's first, where asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first, where asked
 
 
 @dataclass(frozen=True)
@@ -83,6 +82,30 @@ class Shape:
     logprobs: bool = False
     include_usage: bool = False
     token_ids: bool = False  # vLLM's return_token_ids
+    prompt_logprobs: bool = False  # vLLM's
+    as_token_ids: bool = False  # vLLM's return_tokens_as_token_ids
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+
+
+class _Running:
+    """Each choice's usage so far, for a stream's every chunk (vLLM's continuous usage
+    stats): its prompt (known at its first piece) and the tokens generated."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self._prompt: dict[int, tuple[int, int]] = {}
+        self._out: dict[int, int] = {}
+
+    def see(self, p: Piece) -> None:
+        if p.prompt_tokens is not None:
+            self._prompt[p.index] = (p.prompt_tokens, p.cached_tokens or 0)
+        self._out[p.index] = self._out.get(p.index, 0) + len(p.token_ids)
+
+    def now(self, index: int) -> Usage | None:
+        if not self.on:
+            return None
+        prompt, cached = self._prompt.get(index, (0, 0))
+        return Usage.of(prompt, self._out.get(index, 0), cached)
 
 
 class _Primed(AsyncGenerator[T, None]):
@@ -116,38 +139,6 @@ async def primed(gen: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
         await gen.aclose()
         raise
     return _Primed(first, gen)
-
-
-def _utf8(text: str) -> list[int]:
-    return list(text.encode("utf-8", "replace"))
-
-
-def chat_logprobs(lps: Sequence[TokenLogprob]) -> ChoiceLogprobs:
-    return ChoiceLogprobs(
-        content=[
-            TokenLogprobOut(
-                token=t.token,
-                logprob=t.logprob,
-                bytes=_utf8(t.token),
-                top_logprobs=[TopLogprob(token=a, logprob=b, bytes=_utf8(a)) for a, b in t.top],
-            )
-            for t in lps
-        ]
-    )
-
-
-def completion_logprobs(lps: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs:
-    """The legacy shape; ``offset``: where the first token starts in the choice's text."""
-    out = CompletionLogprobs()
-    for t in lps:
-        out.tokens.append(t.token)
-        out.token_logprobs.append(t.logprob)
-        top = dict(t.top)
-        top.setdefault(t.token, t.logprob)  # the sampled token is always among them
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(t.token)
-    return out
 
 
 @dataclass
@@ -184,6 +175,7 @@ class Sample:
     stop_sequence: str | None = None
     token_ids: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     def add(self, p: Piece) -> None:
         self.stop_sequence = p.stop_sequence or self.stop_sequence
@@ -191,6 +183,8 @@ class Sample:
         self.token_ids += p.token_ids
         if p.prompt_token_ids is not None:
             self.prompt_token_ids = p.prompt_token_ids
+        if p.prompt_logprobs is not None:
+            self.prompt_logprobs = p.prompt_logprobs
         self.logprobs += p.logprobs
         self.finish_reason = p.finish_reason or self.finish_reason
         for t in p.thinking:
@@ -230,6 +224,16 @@ async def collect(pieces: Pieces, n: int = 1) -> tuple[list[Sample], Usage]:
     return samples, usage
 
 
+def _prompt_extras(shape: Shape, s: Sample | Piece) -> dict[str, Any]:
+    """vLLM's prompt fields of an answer (chat) or a choice (text), where asked."""
+    out: dict[str, Any] = {}
+    if shape.token_ids and s.prompt_token_ids is not None:
+        out["prompt_token_ids"] = list(s.prompt_token_ids)
+    if shape.prompt_logprobs and s.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs(s.prompt_logprobs)
+    return out
+
+
 async def chat_completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> ChatCompletion:
     samples, usage = await collect(pieces, shape.n)
     choices = [
@@ -240,11 +244,13 @@ async def chat_completion(rid: str, model: str, pieces: Pieces, shape: Shape) ->
                 tool_calls=s.tool_calls(),
             ),
             finish_reason=s.finish_reason,
-            logprobs=chat_logprobs(s.logprobs) if shape.logprobs else None,
+            logprobs=chat_logprobs(s.logprobs, shape.as_token_ids) if shape.logprobs else None,
+            **({"token_ids": list(s.token_ids)} if shape.token_ids else {}),
         )
         for i, s in enumerate(samples)
     ]
-    return ChatCompletion(id=rid, model=model, choices=choices, usage=usage)
+    extras = _prompt_extras(shape, samples[0]) if samples else {}
+    return ChatCompletion(id=rid, model=model, choices=choices, usage=usage, **extras)
 
 
 async def chat_chunks(
@@ -254,20 +260,36 @@ async def chat_chunks(
     in last empty deltas, then (``include_usage``) a chunk with only the usage."""
     created = int(time.time())
 
+    running = _Running(shape.continuous_usage)
+
     def chunk(
-        index: int, delta: ChunkDelta, finish: str | None = None, lps: Any = None
+        index: int,
+        delta: ChunkDelta,
+        finish: str | None = None,
+        lps: Any = None,
+        ids: tuple[int, ...] | None = None,
+        **extras: Any,
     ) -> ChatCompletionChunk:
-        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps)
-        return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+        more = {"token_ids": list(ids)} if ids is not None and shape.token_ids else {}
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps, **more)
+        return ChatCompletionChunk(
+            id=rid, created=created, model=model, choices=[choice], usage=running.now(index),
+            **extras,
+        )  # fmt: skip
 
     finish: dict[int, str] = {}
     async with aclosing(pieces):  # closing the chunks closes the answer (and its request)
+        first = await anext(pieces, None)  # primed: what the engine knew at the start
+        if first is not None:
+            running.see(dataclasses.replace(first, token_ids=()))
+        head = _prompt_extras(shape, first) if first is not None else {}
         for i in range(shape.n):
-            yield chunk(i, ChunkDelta(role="assistant", content=""))
-        async for p in pieces:
-            if p.text or (shape.logprobs and p.logprobs):
-                lps = chat_logprobs(p.logprobs) if shape.logprobs else None
-                yield chunk(p.index, ChunkDelta(content=p.text), lps=lps)
+            yield chunk(i, ChunkDelta(role="assistant", content=""), **(head if i == 0 else {}))
+        async for p in _then(first, pieces):
+            running.see(dataclasses.replace(p, prompt_tokens=None))
+            if p.text or (shape.token_ids and p.token_ids) or (shape.logprobs and p.logprobs):
+                lps = chat_logprobs(p.logprobs, shape.as_token_ids) if shape.logprobs else None
+                yield chunk(p.index, ChunkDelta(content=p.text), lps=lps, ids=p.token_ids)
             if p.tool_calls:
                 yield chunk(p.index, ChunkDelta(tool_calls=[_call_delta(d) for d in p.tool_calls]))
             if p.finish_reason:
@@ -275,10 +297,18 @@ async def chat_chunks(
             if p.usage is not None:
                 for i in range(shape.n):
                     yield chunk(i, ChunkDelta(), finish.get(i, "stop"))
-                if shape.include_usage:
+                if shape.include_usage or shape.continuous_usage:
                     yield ChatCompletionChunk(
                         id=rid, created=created, model=model, choices=[], usage=p.usage
                     )
+
+
+async def _then(first: Piece | None, rest: Pieces) -> Pieces:
+    """``first`` (already read, where there was one), then ``rest``."""
+    if first is not None:
+        yield first
+    async for p in rest:
+        yield p
 
 
 def _call_delta(d: ToolCallDelta) -> ToolCallDeltaOut:
@@ -291,14 +321,13 @@ def _call_delta(d: ToolCallDelta) -> ToolCallDeltaOut:
     )
 
 
-def _ids(shape: Shape, prompt: tuple[int, ...] | None, out: tuple[int, ...]) -> dict[str, Any]:
-    """vLLM's ``return_token_ids`` fields of a completion choice, where asked."""
-    if not shape.token_ids:
-        return {}
-    ids: dict[str, Any] = {"token_ids": list(out)}
-    if prompt is not None:
-        ids["prompt_token_ids"] = list(prompt)
-    return ids
+def _ids(shape: Shape, s: Sample | Piece) -> dict[str, Any]:
+    """vLLM's fields of a completion choice, where asked: ``return_token_ids``' prompt and
+    output ids, the prompt's logprobs."""
+    extras = _prompt_extras(shape, s)
+    if shape.token_ids:
+        extras["token_ids"] = list(s.token_ids)
+    return extras
 
 
 async def completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> Completion:
@@ -308,8 +337,10 @@ async def completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> Comp
             index=i,
             text="".join(s.text),
             finish_reason=s.finish_reason,
-            logprobs=completion_logprobs(s.logprobs, 0) if shape.logprobs else None,
-            **_ids(shape, s.prompt_token_ids, s.token_ids),
+            logprobs=(
+                completion_logprobs(s.logprobs, 0, shape.as_token_ids) if shape.logprobs else None
+            ),
+            **_ids(shape, s),
         )
         for i, s in enumerate(samples)
     ]
@@ -322,19 +353,21 @@ async def completion_chunks(
     """OpenAI's text-completion stream: one chunk per piece of text (a sample's last with
     its finish reason), then (``include_usage``) a chunk with only the usage."""
     offsets = [0] * shape.n
+    running = _Running(shape.continuous_usage)
     async with aclosing(pieces):
         async for p in pieces:
             if p.usage is None:
+                running.see(p)
                 lps = None
                 if shape.logprobs:
-                    lps = completion_logprobs(p.logprobs, offsets[p.index])
+                    lps = completion_logprobs(p.logprobs, offsets[p.index], shape.as_token_ids)
                 offsets[p.index] += len(p.text)
                 choice = CompletionChoice(
                     index=p.index, text=p.text, finish_reason=p.finish_reason, logprobs=lps,
-                    **_ids(shape, p.prompt_token_ids, p.token_ids),
+                    **_ids(shape, p),
                 )  # fmt: skip
-                yield Completion(id=rid, model=model, choices=[choice])
-            elif shape.include_usage:
+                yield Completion(id=rid, model=model, choices=[choice], usage=running.now(p.index))
+            elif shape.include_usage or shape.continuous_usage:
                 yield Completion(id=rid, model=model, choices=[], usage=p.usage)
 
 

@@ -22,14 +22,16 @@ from engines.base import Structured
 from gateway.core.errors import InvalidRequest
 from manifest.canonical import canonical_json
 
-TokenId = Annotated[int, Field(ge=0)]  # the upper bound (the vocabulary) is the model's
+TokenId = Annotated[int, Field(ge=0)]
+MAX_PROMPT_LOGPROBS = (
+    20  # vLLM's default max_logprobs  # the upper bound (the vocabulary) is the model's
+)
 
 # Known to vLLM's server, not done by vcache: field -> the values that mean "not asked".
 _NOT_DONE: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "watermarking": (False,),
-    "prompt_logprobs": (),
     "logprob_token_ids": ([],),
     "prompt_embeds": (),
     "documents": ([],),
@@ -37,8 +39,6 @@ _NOT_DONE: dict[str, tuple[Any, ...]] = {
     "chat_template_kwargs": ({},),
     "media_io_kwargs": ({},),
     "mm_processor_kwargs": ({},),
-    "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,),
     "return_token_offsets": (False,),
     "return_prompt_text": (False,),
     "thinking_token_budget": (),
@@ -158,6 +158,10 @@ class VllmSampling(BaseModel):
     # to generate), cut from the start ("left", vLLM's default) or the end ("right")
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
+    # each prompt token's logprob and this many alternatives (a whole answer only)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_PROMPT_LOGPROBS)] | None = None
+    return_tokens_as_token_ids: bool = False  # logprob tokens written "token_id:<id>"
+    return_token_ids: bool | None = None  # the prompt's and each choice's token ids
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -187,6 +191,12 @@ class VllmSampling(BaseModel):
     @classmethod
     def _refuse_what_is_not_done(cls, data: Any) -> Any:
         refuse_not_done(data, _NOT_DONE, cls.model_fields)
+        if isinstance(data, dict) and data.get("stream") and data.get("prompt_logprobs"):
+            raise PydanticCustomError(
+                "value_error",
+                "prompt_logprobs are not available when stream is true (vLLM's rule)",
+                {"param": "prompt_logprobs"},
+            )
         return data
 
     def vllm_asked(self) -> dict[str, bool]:
@@ -206,6 +216,9 @@ class VllmSampling(BaseModel):
             "structured_outputs": self.structured_outputs is not None,
             "cache_salt": self.cache_salt is not None,
             "truncate_prompt_tokens": self.truncate_prompt_tokens is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "return_tokens_as_token_ids": self.return_tokens_as_token_ids,
+            "return_token_ids": bool(self.return_token_ids),
         }
 
     def vllm_config(self) -> dict[str, Any]:

@@ -53,6 +53,7 @@ from gateway.local.routing import POLICIES
 from gateway.service.journal import Journal
 from gateway.service.limits import Grant, RateLimits
 from gateway.service.local import LocalChat
+from gateway.service.local_completions import LocalCompletions
 from gateway.service.loop import ServiceLoop
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets
@@ -61,21 +62,26 @@ from gateway.sessions.log import SessionLog
 T = TypeVar("T")
 
 
-def _include_usage(req: SamplingFields) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+def _shape(req: SamplingFields, n: int, logprobs: bool, prompt_logprobs: bool) -> Shape:
+    options = req.stream_options
+    return Shape(
+        n=n,
+        logprobs=logprobs,
+        include_usage=bool(options and options.include_usage),
+        token_ids=bool(req.return_token_ids),
+        prompt_logprobs=prompt_logprobs,
+        as_token_ids=req.return_tokens_as_token_ids,
+        continuous_usage=bool(options and options.continuous_usage_stats),
+    )
 
 
 def chat_shape(req: ChatCompletionRequest) -> Shape:
-    return Shape(n=req.n, logprobs=bool(req.logprobs), include_usage=_include_usage(req))
+    return _shape(req, req.n, bool(req.logprobs), req.prompt_logprobs is not None)
 
 
 def completion_shape(req: CompletionRequest) -> Shape:
-    return Shape(
-        n=req.n * req.prompt_count(),
-        logprobs=req.logprobs is not None,
-        include_usage=_include_usage(req),
-        token_ids=bool(req.return_token_ids),
-    )
+    asked = req.prompt_logprobs_asked() is not None
+    return _shape(req, req.n * req.prompt_count(), req.logprobs is not None, asked)
 
 
 def _usage_attrs(u: Usage) -> dict[str, int]:
@@ -125,6 +131,7 @@ class GatewayService:
         self._metrics = metrics or Metrics()
         self.log = log
         self.local = LocalChat(dispatcher, tool_parser, turns, trust_chat_template)
+        self.completions = LocalCompletions(self.local)
         self.loop = ServiceLoop(Journal(log), self._metrics, self._target)
 
     @property
@@ -326,7 +333,7 @@ class GatewayService:
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
         grant = self._admit(who, served)
         trace = self.tracing.request("vcache.completion", model=req.model, stream=False)
-        local = self.local.completion(req, who, route, served, rid, trace)
+        local = self.completions.pieces(req, who, route, served, rid, trace)
         pieces = _limited(_ended(local, trace, served), grant)
         return Routed(await completion(rid, self._model, pieces, completion_shape(req)), served)
 
@@ -338,7 +345,7 @@ class GatewayService:
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
         grant = self._admit(who, served)
         trace = self.tracing.request("vcache.completion", model=req.model, stream=True)
-        local = self.local.completion(req, who, route, served, rid, trace)
+        local = self.completions.pieces(req, who, route, served, rid, trace)
         pieces = await primed(_limited(_ended(local, trace, served), grant))
         chunks = completion_chunks(rid, self._model, pieces, completion_shape(req))
         return Routed(chunks, served)

@@ -14,7 +14,9 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 
+from engines.base import TokenLogprob
 from gateway.core.completion_request import CompletionRequest
 from gateway.core.outputs import Usage
 from gateway.core.shaping import Piece, Pieces
@@ -75,25 +77,44 @@ async def merged(streams: Sequence[Pieces], n: int) -> Pieces:
                 await t
 
 
-async def _on_first(pieces: Pieces, change: Callable[[Piece], Piece]) -> Pieces:
-    """``pieces`` with each choice's first piece changed by ``change``."""
+@dataclass(frozen=True)
+class Echo:
+    """What an echoed answer starts with: each prompt's text and ids, whether its tokens'
+    logprobs lead the choice's (echo with logprobs), and whether anything generated
+    follows (``max_tokens: 0`` scores the prompt only)."""
+
+    texts: Sequence[str]
+    ids: Sequence[tuple[int, ...]]
+    decode: Callable[[Sequence[int]], str]
+    logprobs: bool = False
+    generated: bool = True
+
+
+async def echoed(pieces: Pieces, echo: Echo, n: int) -> Pieces:
+    """``pieces`` with each choice's text (and logprobs, where asked) starting with its
+    prompt's."""
     started: set[int] = set()
     async with aclosing(pieces):
         async for p in pieces:
-            if p.usage is None and p.index not in started:
+            if p.usage is not None:
+                yield p
+                continue
+            if not echo.generated:
+                p = dataclasses.replace(p, text="", logprobs=(), token_ids=())
+            if p.index not in started:
                 started.add(p.index)
-                p = change(p)
+                lps = p.logprobs
+                if echo.logprobs and p.prompt_logprobs is not None:
+                    lps = (*_prompt_entries(echo, p.index // n, p.prompt_logprobs), *lps)
+                p = dataclasses.replace(p, text=echo.texts[p.index // n] + p.text, logprobs=lps)
             yield p
 
 
-def echoed(pieces: Pieces, texts: Sequence[str], n: int) -> Pieces:
-    """``pieces`` with each choice's text starting with its prompt's."""
-    return _on_first(pieces, lambda p: dataclasses.replace(p, text=texts[p.index // n] + p.text))
-
-
-def with_prompt_ids(pieces: Pieces, prompts: Sequence[tuple[int, ...]], n: int) -> Pieces:
-    """``pieces`` with each choice's first carrying its prompt's token ids (vLLM's
-    ``return_token_ids``)."""
-    return _on_first(
-        pieces, lambda p: dataclasses.replace(p, prompt_token_ids=prompts[p.index // n])
-    )
+def _prompt_entries(
+    echo: Echo, i: int, entries: Sequence[TokenLogprob | None]
+) -> list[TokenLogprob]:
+    """Prompt ``i``'s tokens as logprob entries; the first has no logprob (None)."""
+    return [
+        e if e is not None else TokenLogprob(echo.decode([t]), None, token_id=t)
+        for t, e in zip(echo.ids[i], entries, strict=False)
+    ]

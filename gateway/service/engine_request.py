@@ -119,6 +119,7 @@ def generate_request(
         ignore_eos=req.ignore_eos,
         n=req.n,
         logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
         structured=structured,
         logit_bias=logit_bias(req, room.vocab),
         min_p=req.min_p or 0.0,

@@ -14,6 +14,7 @@ import dataclasses
 from contextlib import aclosing
 from typing import Literal
 
+from engines.base import GenerateRequest
 from gateway.core.shaping import Pieces
 
 
@@ -81,3 +82,10 @@ async def escaped_json(pieces: Pieces) -> Pieces:
                 if text != p.text:
                     p = dataclasses.replace(p, text=text)
             yield p
+
+
+def json_answer(greq: GenerateRequest) -> bool:
+    """Whether the answer is constrained to JSON (its strings are escaped for strict
+    parsers)."""
+    st = greq.sampling.structured
+    return st is not None and (st.json_schema is not None or st.json_object)

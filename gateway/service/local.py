@@ -22,7 +22,6 @@ from typing import Any
 from engines.base import Engine, GenerateRequest, Structured
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
-from gateway.core.completion_request import CompletionRequest
 from gateway.core.config import LOCAL_TARGET, RetentionSettings
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import Usage
@@ -38,16 +37,14 @@ from gateway.core.types import (
     Placement,
     Principal,
     RouteOverride,
-    Served,
 )
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
 from gateway.service.breakpoints import PrefixLengths, retained
-from gateway.service.completions import Prompt, echoed, merged, prompt_list, with_prompt_ids
 from gateway.service.engine_request import Room, check_token_ids, generate_request, vocab_size
-from gateway.service.json_text import escaped_json
+from gateway.service.json_text import escaped_json, json_answer
 from gateway.service.tools import ToolPlan
 from gateway.sessions.render import (
     chat_prompt,
@@ -55,7 +52,6 @@ from gateway.sessions.render import (
     request_config,
     request_parts,
     split_messages,
-    truncated,
     vllm_payload,
 )
 from manifest.canonical import canonical_json
@@ -64,7 +60,6 @@ from manifest.sessionlog import Header, MessageEvent
 
 SystemPrompts = tuple[str, ...]
 Turns = tuple[MessageEvent, ...]
-COMPLETION_MAX_TOKENS = 16  # text completions without max_tokens, as OpenAI's and vLLM's
 
 
 @dataclass(frozen=True)
@@ -226,7 +221,7 @@ class LocalChat:
             schema = fmt.json_schema
             text = canonical_json(schema.schema_).decode() if schema and schema.schema_ else None
             structured = Structured(json_schema=text, json_object=text is None)
-        greq = self._generate_request(
+        greq = self.engine_request(
             rid, ids, req, req.output_limit(), ("messages", limit_param), who,
             logprobs=req.top_logprobs_asked(), structured=structured,
             clamp=req.hints.clamp_output, top_k=req.hints.top_k,
@@ -249,7 +244,7 @@ class LocalChat:
             template = self._shaping(req)
             greq, plan = self._chat_request(req, who, rid, system, turns, tools, template)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
-        d = await self._route(greq, call.route, trace, self.turns.replica(_session_key(call)))
+        d = await self.route(greq, call.route, trace, self.turns.replica(_session_key(call)))
         kv = self.dispatcher.kv
         if self.governor is not None and kv is not None and d.hashes and system:
             n = self._prefix(system, (), tools, greq.prompt_token_ids)
@@ -263,10 +258,10 @@ class LocalChat:
         return LocalPrepared(call, greq, plan, d, header, turns, system, tools, t0, notes, template)
 
     def send(self, p: LocalPrepared, session: str | None) -> Pieces:
-        pieces = self._generate(p.greq, p.dispatch, "chat", p.t0, p.call.trace)
+        pieces = self.pieces(p.greq, p.dispatch, "chat", p.t0, p.call.trace)
         if p.plan is not None:
             pieces = p.plan.stream(pieces)
-        elif _json_answer(p.greq):
+        elif json_answer(p.greq):
             pieces = escaped_json(pieces)
         req = p.call.request
         if req.hints.breakpoints:
@@ -305,7 +300,7 @@ class LocalChat:
         parser = self._parser[1]
         return ToolPlan(req, parser.parse, parser.start_marker)
 
-    async def _route(
+    async def route(
         self,
         greq: GenerateRequest,
         route: RouteOverride | None,
@@ -319,15 +314,18 @@ class LocalChat:
                 span.set_attribute("vcache.predicted_cached_tokens", d.predicted_cached_tokens)
         return d
 
-    async def _generate(
+    async def pieces(
         self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, trace: RequestTrace
     ) -> Pieces:
         totals = Totals()
         trace.begin("dispatch", replica=d.replica_id)
         first = True
+        started: set[int] = set()  # the samples whose first piece went out
         async with aclosing(self.dispatcher.run(greq, d, endpoint, t0, totals)) as chunks:
             async for c in chunks:
                 head = first
+                new = c.index not in started
+                started.add(c.index)
                 if first:  # the first token: the engine scheduled and prefilled it
                     trace.finish("dispatch", cached_tokens=c.num_cached_tokens or 0)
                     trace.begin("generate")
@@ -337,74 +335,15 @@ class LocalChat:
                     stop_sequence=c.stop_sequence, token_ids=c.token_ids,
                     prompt_tokens=c.num_prompt_tokens if head else None,  # known at the first
                     cached_tokens=c.num_cached_tokens if head else None,
+                    prompt_token_ids=greq.prompt_token_ids if new else None,
+                    prompt_logprobs=c.prompt_logprobs,
                 )  # fmt: skip
         trace.finish("generate", completion_tokens=totals.completion)
         yield Piece(usage=totals.usage())
 
-    # ------------------------------------------------------- completions
-
-    def _completion_request(
-        self, req: CompletionRequest, who: Principal, rid: str, prompt: Prompt, param: str
-    ) -> GenerateRequest:
-        self.check_ready()
-        tok = self.engine.tokenizer
-        if isinstance(prompt, str):
-            ids = tok.encode(prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            ids = self.check_token_ids(prompt, param)
-        ids = truncated(ids, req.prompt_keep(self.engine.capabilities.max_model_len),
-                        req.truncation_side)  # fmt: skip
-        if not ids:
-            raise InvalidRequest("prompt must not be empty", param=param, code="invalid_value")
-        return self._generate_request(
-            rid,
-            ids,
-            req,
-            COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
-            (param, "max_tokens"),
-            who,
-            logprobs=req.logprobs,
-            clamp=req.max_tokens is None,  # the default fits what the context leaves
-        )
-
-    async def completion(
-        self,
-        req: CompletionRequest,
-        who: Principal,
-        route: RouteOverride | None,
-        served: Served,
-        rid: str,
-        trace: RequestTrace,
-    ) -> Pieces:
-        """One engine request per prompt (see completions.py), generated together."""
-        with self.dispatcher.admit(who.priority):
-            t0 = time.perf_counter()
-            prompts = prompt_list(req)
-            with trace.step("tokenize"):
-                greqs = [
-                    self._completion_request(req, who, f"{rid}-{i}" if i else rid, p, param)
-                    for i, (p, param) in enumerate(prompts)
-                ]
-            streams = []
-            for greq in greqs:
-                d = await self._route(greq, route, trace)
-                served.dispatch = served.dispatch or d  # the headers name the first's
-                pieces = self._generate(greq, d, "completions", t0, trace)
-                streams.append(escaped_json(pieces) if _json_answer(greq) else pieces)
-            pieces = streams[0] if len(streams) == 1 else merged(streams, req.n)
-            if req.return_token_ids:
-                pieces = with_prompt_ids(pieces, [g.prompt_token_ids for g in greqs], req.n)
-            if req.echo:
-                tok = self.engine.tokenizer
-                texts = [p if isinstance(p, str) else tok.decode(p) for p, _ in prompts]
-                pieces = echoed(pieces, texts, req.n)
-            async with aclosing(pieces):
-                async for piece in pieces:
-                    yield piece
-
     # ---------------------------------------------------------- limits
 
-    def _generate_request(
+    def engine_request(
         self,
         rid: str,
         ids: list[int],
@@ -421,13 +360,6 @@ class LocalChat:
         return generate_request(
             rid, ids, req, limit, params, who, room, logprobs, structured, top_k
         )
-
-
-def _json_answer(greq: GenerateRequest) -> bool:
-    """Whether the answer is constrained to JSON (its strings are escaped for strict
-    parsers: see json_text.py)."""
-    st = greq.sampling.structured
-    return st is not None and (st.json_schema is not None or st.json_object)
 
 
 def _session_key(call: Call) -> str | None:

@@ -52,6 +52,9 @@ def _local_only_parameters(req: ChatCompletionRequest) -> None:
         "logprobs": bool(req.logprobs),
         "response_format": req.structured() is not None,
         "logit_bias": bool(req.logit_bias),
+        "continuous_usage_stats": bool(
+            req.stream_options and req.stream_options.continuous_usage_stats
+        ),
         **req.vllm_asked(),
         **{k: True for k in req.template()},  # prompt shaping: the local template's
     }

@@ -63,6 +63,7 @@ class _Sample:
     sent_name: bool = False  # named: the call's first delta went out
     escaper: JsonEscaper = field(default_factory=JsonEscaper)  # named: its arguments
     required: RequiredCalls = field(default_factory=RequiredCalls)
+    ids: tuple[int, ...] = ()  # output token ids read but not passed on yet
 
 
 class ToolPlan:
@@ -111,10 +112,16 @@ class ToolPlan:
                     yield p
                     continue
                 s = samples.setdefault(p.index, _Sample())
+                s.ids += p.token_ids
                 for out in self._step(s, p):
+                    out = dataclasses.replace(out, token_ids=s.ids)  # with the next piece out
+                    s.ids = ()
                     if head is not None and head.prompt_tokens is not None:
-                        n, cached = head.prompt_tokens, head.cached_tokens
-                        out = dataclasses.replace(out, prompt_tokens=n, cached_tokens=cached)
+                        out = dataclasses.replace(
+                            out, prompt_tokens=head.prompt_tokens, cached_tokens=head.cached_tokens,
+                            prompt_token_ids=head.prompt_token_ids,
+                            prompt_logprobs=head.prompt_logprobs,
+                        )  # fmt: skip
                         head = Piece()  # passed on
                     yield out
 

@@ -37,6 +37,16 @@ HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
         ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
         ({"add_generation_prompt": False}, "add_generation_prompt"),
         ({"cache_salt": "user-1"}, "cache_salt"),
+        ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ({"return_token_ids": True}, "return_token_ids"),
+        ({"add_special_tokens": True}, "add_special_tokens"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "continuous_usage_stats",
+        ),
     ],
 )
 def test_a_provider_target_refuses_them_by_name(

@@ -92,7 +92,9 @@ def test_echo_puts_the_prompt_before_each_answer(gw: tuple[FakeEngine, TestClien
     ("extra", "param", "code"),
     [
         ({"best_of": 3}, "best_of", "unsupported_parameter"),
-        ({"echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
+        ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "invalid_value"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs", "invalid_value"),
         ({"prompt": ["a"] * 129}, "prompt", "invalid_value"),
         ({"prompt": [[1], [1, 10**9]]}, "prompt[1][1]", "invalid_value"),
         ({"prompt": ["fine", ""]}, "prompt[1]", "invalid_value"),

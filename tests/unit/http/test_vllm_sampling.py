@@ -98,11 +98,11 @@ def test_bounds_as_vllm_checks_them(
     ("extra", "param"),
     [
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"return_token_offsets": True}, "return_token_offsets"),
         ({"logprob_token_ids": [3]}, "logprob_token_ids"),
         ({"documents": [{"text": "d"}]}, "documents"),
         ({"thinking_token_budget": 10}, "thinking_token_budget"),
-        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ({"return_prompt_text": True}, "return_prompt_text"),
         ({"priority": 3}, "priority"),
         ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
     ],
