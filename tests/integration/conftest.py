@@ -248,3 +248,35 @@ def check_vllm_sampling(base_url: str, model: str, headers: dict[str, str]) -> N
         held = complete(**favoured, stop_token_ids=[t], min_tokens=3)  # no stop before 3
         assert held["usage"]["completion_tokens"] == 4
         assert held["choices"][0]["finish_reason"] == "stop"
+
+
+def check_vllm_logprobs(base_url: str, model: str, headers: dict[str, str]) -> None:
+    """vLLM's logprob fields from the engine behind ``base_url``: the prompt's logprobs
+    (the first token has none), echo with logprobs scoring a prompt (``max_tokens: 0``)
+    and logprob tokens written as token ids."""
+    with httpx.Client(base_url=base_url, headers=headers, timeout=120) as c:
+        prompt = "the quick brown fox jumps"
+        ids = c.post("/tokenize", json={"model": model, "prompt": prompt}).json()["tokens"]
+        base = {"model": model, "prompt": prompt, "temperature": 0}
+        r = c.post("/v1/completions", json={**base, "max_tokens": 2, "prompt_logprobs": 1})
+        assert r.status_code == 200, r.text
+        steps = r.json()["choices"][0]["prompt_logprobs"]
+        assert len(steps) == len(ids) and steps[0] is None
+        for t, step in zip(ids[1:], steps[1:], strict=True):
+            assert str(t) in step and step[str(t)]["logprob"] <= 0
+            assert any(e["rank"] == 1 for e in step.values())
+        scored = c.post(
+            "/v1/completions", json={**base, "max_tokens": 0, "echo": True, "logprobs": 0}
+        )
+        assert scored.status_code == 200, scored.text
+        choice = scored.json()["choices"][0]
+        assert choice["text"] == prompt
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == [steps[i][str(ids[i])]["logprob"] for i in
+                                            range(1, len(ids))]  # fmt: skip
+        as_ids = {"max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": True}
+        r = c.post("/v1/completions", json={**base, **as_ids, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.integration.conftest import KEY_A, Gateway, check_vllm_sampling
+from tests.integration.conftest import KEY_A, Gateway, check_vllm_logprobs, check_vllm_sampling
 
 pytestmark = pytest.mark.integration
 
@@ -196,6 +196,7 @@ def test_logit_bias_steers_the_real_engine(gateway: Gateway) -> None:
 
 def test_vllm_sampling_extensions_steer_the_real_engine(gateway: Gateway) -> None:
     check_vllm_sampling(gateway.base_url, gateway.model, {"authorization": f"Bearer {KEY_A}"})
+    check_vllm_logprobs(gateway.base_url, gateway.model, {"authorization": f"Bearer {KEY_A}"})
 
 
 def test_tokenize_gives_the_ids_and_block_hashes_the_request_path_uses(gateway: Gateway) -> None:

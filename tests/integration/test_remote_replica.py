@@ -16,6 +16,7 @@ from tests.integration.conftest import (
     SECRET,
     RemoteVllm,
     _free_port,
+    check_vllm_logprobs,
     check_vllm_sampling,
     running,
     wait_for,
@@ -75,6 +76,7 @@ def test_remote_replica_agrees_and_predicts_exactly(remote: Remote) -> None:
 
 def test_vllm_sampling_extensions_reach_the_remote_replica(remote: Remote) -> None:
     check_vllm_sampling(remote.gateway_url, "vcache-demo", {})
+    check_vllm_logprobs(remote.gateway_url, "vcache-demo", {})
 
 
 def test_pin_and_unpin_through_the_control_endpoint(remote: Remote) -> None:
