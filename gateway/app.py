@@ -26,7 +26,7 @@ from gateway.core.tracing import Tracing
 from gateway.core.version import version_info
 from gateway.grpc.server import GatewayServicer, GrpcServer
 from gateway.http.errors import install_error_handlers
-from gateway.http.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from gateway.http.middleware import BodyLimitMiddleware, RequestMetricsMiddleware, ServerLoad
 from gateway.http.openapi import install_openapi
 from gateway.http.routes import (
     cache,
@@ -36,6 +36,7 @@ from gateway.http.routes import (
     messages,
     models,
     responses,
+    sagemaker,
     tokenize,
 )
 from gateway.local.dispatch import Dispatcher
@@ -284,7 +285,7 @@ def create_app(
     share_key_limits(bus, app.state.service.limits)
     install_error_handlers(app, metrics)
     install_openapi(app)
-    routers = (health, models, chat, completions, responses, messages, cache, tokenize)
+    routers = (health, models, chat, completions, responses, messages, cache, tokenize, sagemaker)
     for r in (m.router for m in routers):
         app.include_router(r)
     app.add_middleware(
@@ -293,5 +294,6 @@ def create_app(
         metrics=metrics,
         chunk_timeout_s=settings.http.body_timeout_s,
     )
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.state.server_load = ServerLoad()
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, load=app.state.server_load)
     return app

@@ -105,15 +105,42 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+# the routes that put work on a model (vLLM's server load counts the same kind)
+GENERATION_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions",
+     "/v1/responses", "/v1/messages", "/invocations"}
+)  # fmt: skip
+
+
+class ServerLoad:
+    """Requests on the generation routes now, from arrival to the last byte of the answer
+    (vLLM's ``/load``, which routers poll to pick the least loaded server)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+
+
 class RequestMetricsMiddleware:
     """Count every /v1 request by route template and final status, and time it (to the
-    last byte of the response: a stream's whole length)."""
+    last byte of the response: a stream's whole length); keep the server load."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, load: ServerLoad | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.load = load or ServerLoad()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path in GENERATION_PATHS:
+            self.load.running += 1
+            try:
+                await self._measured(scope, receive, send)
+            finally:
+                self.load.running -= 1
+        else:
+            await self._measured(scope, receive, send)
+
+    async def _measured(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] != "http" or not path.startswith("/v1/"):
             await self.app(scope, receive, send)

@@ -1,4 +1,5 @@
-"""Probes and metadata: /healthz and /health (alive), /readyz (can serve), /version, /metrics.
+"""Probes and metadata: /healthz and /health (alive), /readyz (can serve), /load,
+/version, /metrics.
 
 ``/healthz`` (and ``/health``, the path vLLM, guidellm and most probes call)
 is 200 while the process can do its job, loading included, and 503 once the
@@ -55,6 +56,16 @@ async def readyz(request: Request) -> JSONResponse:
     health: Health = request.app.state.health
     code, body = health.status(readiness=True)
     return JSONResponse(body.model_dump(mode="json"), status_code=code)
+
+
+class LoadInfo(BaseModel):
+    server_load: int  # requests on the generation routes now
+
+
+@router.get("/load", response_model=LoadInfo)
+async def load(request: Request) -> LoadInfo:
+    """vLLM's server load: the requests being served now (what load-aware routers read)."""
+    return LoadInfo(server_load=request.app.state.server_load.running)
 
 
 @router.get("/version", response_model=VersionInfo)

@@ -1,13 +1,10 @@
-"""POST /tokenize, POST /detokenize (vLLM's; see gateway/service/tokenize.py) and the
-``/ping`` health check SageMaker-style deployments call."""
+"""POST /tokenize, POST /detokenize (vLLM's; see gateway/service/tokenize.py)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 
 from gateway.core.types import Principal
 from gateway.http.deps import service
@@ -36,19 +33,3 @@ async def tokenize_route(body: TokenizeRequest, who: Who, svc: Svc) -> TokenizeR
 @router.post("/detokenize", responses=errors(400, 401, 404, 503))
 async def detokenize_route(body: DetokenizeRequest, who: Who, svc: Svc) -> DetokenizeResponse:
     return detokenize(svc, body)
-
-
-class PingStatus(BaseModel):
-    status: Literal["ok", "unavailable"]
-
-
-@router.api_route(
-    "/ping",
-    methods=["GET", "POST"],
-    response_model=PingStatus,
-    responses={503: {"model": PingStatus, "description": "Not ready to serve a request"}},
-)
-async def ping(svc: Svc) -> JSONResponse:
-    """200 when a request can be served now, 503 otherwise (as /readyz)."""
-    ok = svc.ready
-    return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)

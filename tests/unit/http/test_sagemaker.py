@@ -1,0 +1,76 @@
+"""The routes vLLM's server offers beside the OpenAI API: ``/invocations`` (SageMaker:
+chat or text by the body's shape, through the same handlers and errors), ``/ping`` and
+``/load`` (the requests being served now, as load-aware routers read it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engines.fake import FakeEngine
+from engines.tokenizer import ChatTokenizer
+from gateway.app import create_app
+from gateway.core.config import Settings
+
+MODEL = "vcache-demo"
+ASK = [{"role": "user", "content": "say hello"}]
+
+Gateway = tuple[FakeEngine, TestClient]
+
+
+@pytest.fixture
+def gw(demo_model: Path) -> Iterator[Gateway]:
+    tok = ChatTokenizer.from_pretrained(str(demo_model))
+    engine = FakeEngine(tok, max_model_len=512, step_delay_s=0.05)
+    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
+        yield engine, http
+
+
+def test_invocations_answer_chat_and_text_by_the_bodys_shape(gw: Gateway) -> None:
+    engine, http = gw
+    chat = http.post("/invocations", json={"model": MODEL, "messages": ASK, "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    assert chat.headers["x-vcache-replica"]  # the same handler, its headers too
+    text = http.post("/invocations", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert text.status_code == 200 and text.json()["object"] == "text_completion"
+    assert engine.received[-1].prompt_token_ids == tuple(engine.tokenizer.encode("hi"))
+    streamed = {"model": MODEL, "messages": ASK, "max_tokens": 2, "stream": True}
+    with http.stream("POST", "/invocations", json=streamed) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert any(line == "data: [DONE]" for line in r.iter_lines())
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": ASK, "temperature": 9}, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
+        ([1, 2], None),
+    ],
+)
+def test_invocations_refuse_what_neither_api_takes(gw: Gateway, body: Any, param: str) -> None:
+    _, http = gw
+    r = http.post("/invocations", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    bad = http.post("/invocations", content=b"{not json", headers={"content-type": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+
+
+def test_load_counts_the_requests_being_served(gw: Gateway) -> None:
+    _, http = gw
+    assert http.get("/load").json() == {"server_load": 0}
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 20, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # under way
+        assert http.get("/load").json() == {"server_load": 1}
+        assert any(line == "data: [DONE]" for line in lines)
+    assert http.get("/load").json() == {"server_load": 0}
+    assert http.get("/ping").json() == {"status": "ok"}
