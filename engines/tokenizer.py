@@ -45,8 +45,8 @@ class ChatTokenizer:
         say), as vLLM's text completions tokenize by default."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(
         self,

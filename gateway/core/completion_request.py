@@ -3,7 +3,7 @@ what OpenAI and vLLM take with them (echo, return_token_ids; best_of refused).""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -22,6 +22,17 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: with echo, score the prompt
     add_special_tokens: bool = True  # vLLM's default for text: the tokenizer's BOS, say
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_prompt(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("prompt") in (None, "", []):
+            raise PydanticCustomError(
+                "value_error",
+                "Either prompt or prompt_embeds must be provided and non-empty.",
+                {"param": "prompt"},
+            )
+        return data
 
     @field_validator("prompt")
     @classmethod

@@ -56,8 +56,9 @@ def completion_logprobs(
         if t.logprob is None:
             out.top_logprobs.append(None)
         else:
-            top = dict(_tops(t, as_ids))
-            top.setdefault(token, t.logprob)  # the sampled token is always among them
+            top = {token: t.logprob}  # the sampled token first, always among them (vLLM's)
+            for name, lp in _tops(t, as_ids):
+                top.setdefault(name, lp)
             out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(t.token)

@@ -112,6 +112,7 @@ class ChatChoice(_Out):
     message: AssistantMessage
     finish_reason: str
     logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids (null when not asked)
 
 
 def _now() -> int:
@@ -125,6 +126,9 @@ class ChatCompletion(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's fields, null unless asked for (its clients read them as attributes)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ChunkDelta(_Out):
@@ -169,6 +173,10 @@ class CompletionChoice(_Out):
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    # vLLM's fields, null unless asked for (its clients read them as attributes)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(_Out):

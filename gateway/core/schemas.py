@@ -210,9 +210,11 @@ class SamplingFields(RequestModel, VllmSampling):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key in v or {}:
-            if not key.strip().lstrip("-").isdigit() or int(key) < 0:
-                raise ValueError(f"'{key}' is not a token id (logit_bias keys are token ids)")
+        bad = [k for k in v or {} if not k.strip().lstrip("-").isdigit() or int(k) < 0]
+        if bad:
+            names = ", ".join(f"'{k}'" for k in bad)
+            are = "is not a token id" if len(bad) == 1 else "are not token ids"
+            raise ValueError(f"{names} {are} (logit_bias keys are token ids)")
         return v
 
     def bias(self) -> tuple[tuple[int, float], ...]:
@@ -307,6 +309,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: Annotated[str, Field(min_length=1)] | None = None  # where trusted
     add_special_tokens: bool = False  # vLLM's chat default: the template writes them
+    echo: bool = False  # vLLM's: the answer starts with the last message, the assistant's
     # vLLM's stable session identity: the session, where no header names one
     session_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
     functions: Any = None
@@ -417,6 +420,14 @@ class ChatCompletionRequest(SamplingFields):
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def echoed(self) -> str:
+        """What an answer repeats first (vLLM's ``echo``): the last message's text where
+        it is the assistant's (the one being continued)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return ""
+        return last.text()
 
     def output_limit(self) -> int | None:
         return (

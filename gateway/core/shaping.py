@@ -85,6 +85,7 @@ class Shape:
     prompt_logprobs: bool = False  # vLLM's
     as_token_ids: bool = False  # vLLM's return_tokens_as_token_ids
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    echo: str = ""  # vLLM's chat echo: each choice's content starts with this
 
 
 class _Running:
@@ -234,13 +235,19 @@ def _prompt_extras(shape: Shape, s: Sample | Piece) -> dict[str, Any]:
     return out
 
 
+def _content(shape: Shape, s: Sample) -> str | None:
+    """A whole choice's content: what it echoes, then its text (None: only tool calls)."""
+    text = shape.echo + "".join(s.text)
+    return (text or None) if s.calls else text
+
+
 async def chat_completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> ChatCompletion:
     samples, usage = await collect(pieces, shape.n)
     choices = [
         ChatChoice(
             index=i,
             message=AssistantMessage(
-                content=("".join(s.text) or None) if s.calls else "".join(s.text),
+                content=_content(shape, s),
                 tool_calls=s.tool_calls(),
             ),
             finish_reason=s.finish_reason,
@@ -284,19 +291,26 @@ async def chat_chunks(
             running.see(dataclasses.replace(first, token_ids=()))
         head = _prompt_extras(shape, first) if first is not None else {}
         for i in range(shape.n):
-            yield chunk(i, ChunkDelta(role="assistant", content=""), **(head if i == 0 else {}))
+            role = ChunkDelta(role="assistant", content=shape.echo)
+            yield chunk(i, role, **(head if i == 0 else {}))
+        ended: set[int] = set()  # samples whose finish reason went out with their last text
         async for p in _then(first, pieces):
             running.see(dataclasses.replace(p, prompt_tokens=None))
-            if p.text or (shape.token_ids and p.token_ids) or (shape.logprobs and p.logprobs):
-                lps = chat_logprobs(p.logprobs, shape.as_token_ids) if shape.logprobs else None
-                yield chunk(p.index, ChunkDelta(content=p.text), lps=lps, ids=p.token_ids)
-            if p.tool_calls:
-                yield chunk(p.index, ChunkDelta(tool_calls=[_call_delta(d) for d in p.tool_calls]))
             if p.finish_reason:
                 finish[p.index] = p.finish_reason
+            if p.text or (shape.token_ids and p.token_ids) or (shape.logprobs and p.logprobs):
+                lps = chat_logprobs(p.logprobs, shape.as_token_ids) if shape.logprobs else None
+                last = p.finish_reason if not p.tool_calls else None  # vLLM's: with the text
+                if last:
+                    ended.add(p.index)
+                delta = ChunkDelta(content=p.text)
+                yield chunk(p.index, delta, last, lps=lps, ids=p.token_ids)
+            if p.tool_calls:
+                yield chunk(p.index, ChunkDelta(tool_calls=[_call_delta(d) for d in p.tool_calls]))
             if p.usage is not None:
                 for i in range(shape.n):
-                    yield chunk(i, ChunkDelta(), finish.get(i, "stop"))
+                    if i not in ended:
+                        yield chunk(i, ChunkDelta(), finish.get(i, "stop"))
                 if shape.include_usage or shape.continuous_usage:
                     yield ChatCompletionChunk(
                         id=rid, created=created, model=model, choices=[], usage=p.usage

@@ -33,7 +33,7 @@ _NOT_DONE: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1.0,),
     "watermarking": (False,),
     "logprob_token_ids": ([],),
-    "prompt_embeds": (),
+    "prompt_embeds": ([], ""),
     "documents": ([],),
     "chat_template": (),
     "chat_template_kwargs": ({},),
@@ -47,7 +47,6 @@ _NOT_DONE: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (False,),
     "add_generation_prompt": (True,),
     "priority": (0,),
-    "echo": (False,),  # chat's: the last message repeated (text completions do echo)
     "session_id": (),  # chat's names the session; text completions keep none
 }
 _WHY = {

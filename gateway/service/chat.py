@@ -12,6 +12,7 @@ before a response starts.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
@@ -71,12 +72,14 @@ def _shape(req: SamplingFields, n: int, logprobs: bool, prompt_logprobs: bool) -
         token_ids=bool(req.return_token_ids),
         prompt_logprobs=prompt_logprobs,
         as_token_ids=req.return_tokens_as_token_ids,
-        continuous_usage=bool(options and options.continuous_usage_stats),
+        # vLLM's: the running usage rides on the chunks only when a usage is asked for
+        continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
     )
 
 
 def chat_shape(req: ChatCompletionRequest) -> Shape:
-    return _shape(req, req.n, bool(req.logprobs), req.prompt_logprobs is not None)
+    shape = _shape(req, req.n, bool(req.logprobs), req.prompt_logprobs is not None)
+    return dataclasses.replace(shape, echo=req.echoed())
 
 
 def completion_shape(req: CompletionRequest) -> Shape:

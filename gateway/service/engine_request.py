@@ -32,8 +32,8 @@ def check_token_ids(ids: list[int], param: str, vocab: int) -> list[int]:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab:
             raise InvalidRequest(
-                f"Invalid value for '{param}[{i}]': token id {t} is outside the model's "
-                f"vocabulary (0 to {vocab - 1})",
+                f"Invalid value for '{param}[{i}]': token id {t} is out of vocabulary "
+                f"(the model's {vocab} ids are 0 to {vocab - 1})",
                 param=f"{param}[{i}]",
                 code="invalid_value",
             )
@@ -46,8 +46,8 @@ def logit_bias(req: SamplingFields, vocab: int) -> tuple[tuple[int, float], ...]
     for t, _ in bias:
         if t >= vocab:
             raise InvalidRequest(
-                f"Invalid value for 'logit_bias': token id {t} is outside the model's "
-                f"vocabulary (0 to {vocab - 1})",
+                f"Invalid value for 'logit_bias': token id {t} is out of vocabulary "
+                f"(the model's {vocab} ids are 0 to {vocab - 1})",
                 param="logit_bias",
                 code="invalid_value",
             )

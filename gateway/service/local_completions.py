@@ -83,8 +83,8 @@ class LocalCompletions:
             ids = [g.prompt_token_ids for g in greqs]
             if req.echo:
                 decode = local.engine.tokenizer.decode
-                echo = Echo(
-                    texts=[p if isinstance(p, str) else decode(p) for p, _ in prompts],
+                echo = Echo(  # token prompts echoed with their special tokens, as vLLM's
+                    texts=[p if isinstance(p, str) else decode(p, False) for p, _ in prompts],
                     ids=ids,
                     decode=decode,
                     logprobs=req.logprobs is not None,

@@ -52,6 +52,7 @@ def _local_only_parameters(req: ChatCompletionRequest) -> None:
         "logprobs": bool(req.logprobs),
         "response_format": req.structured() is not None,
         "logit_bias": bool(req.logit_bias),
+        "echo": req.echo,
         "continuous_usage_stats": bool(
             req.stream_options and req.stream_options.continuous_usage_stats
         ),

@@ -43,6 +43,7 @@ HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
         ({"return_token_ids": True}, "return_token_ids"),
         ({"add_special_tokens": True}, "add_special_tokens"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"echo": True}, "echo"),
         (
             {"stream": True, "stream_options": {"continuous_usage_stats": True}},
             "continuous_usage_stats",

@@ -58,7 +58,7 @@ def test_prompt_logprobs_one_per_prompt_token_the_first_none(gw: Gateway) -> Non
     chat = _post(http, "/v1/chat/completions", messages=ASK, prompt_logprobs=0)
     sent = engine.received[-1].prompt_token_ids
     assert len(chat["prompt_logprobs"]) == len(sent) and chat["prompt_logprobs"][0] is None
-    assert "prompt_logprobs" not in _post(http, "/v1/chat/completions", messages=ASK)
+    assert _post(http, "/v1/chat/completions", messages=ASK)["prompt_logprobs"] is None
 
 
 def test_echo_with_logprobs_scores_the_prompt_first(gw: Gateway) -> None:
@@ -106,7 +106,7 @@ def test_chat_token_ids_whole_and_streamed(gw: Gateway) -> None:
     text = out["choices"][0]["message"]["content"]
     assert engine.tokenizer.decode(out["choices"][0]["token_ids"]) == text
     plain = _post(http, "/v1/chat/completions", messages=ASK)
-    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    assert plain["prompt_token_ids"] is None is plain["choices"][0]["token_ids"]  # vLLM's nulls
     events = _events(http, "/v1/chat/completions", messages=ASK, return_token_ids=True)
     assert events[0]["prompt_token_ids"] == sent
     assert all("prompt_token_ids" not in e for e in events[1:])
@@ -119,6 +119,8 @@ def test_continuous_usage_on_every_chunk(gw: Gateway, path: str) -> None:
     engine, http = gw
     where: dict[str, Any] = {"messages": ASK} if "chat" in path else {"prompt": "say hello"}
     options = {"include_usage": True, "continuous_usage_stats": True}
+    alone = _events(http, path, stream_options={"continuous_usage_stats": True}, **where)
+    assert all(e.get("usage") is None for e in alone)  # vLLM's: only with include_usage
     events = _events(http, path, stream_options=options, **where)
     prompt = engine.received[-1].num_prompt_tokens
     assert all(e["usage"] is not None for e in events)

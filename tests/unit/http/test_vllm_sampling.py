@@ -4,6 +4,7 @@ unless they carry vLLM's default."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -210,8 +211,23 @@ def test_a_clients_cache_salt_is_kept_inside_its_tenants(gw: tuple[FakeEngine, T
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
-def test_chat_echo_is_refused_by_name(gw: tuple[FakeEngine, TestClient]) -> None:
+def test_chat_echo_repeats_the_assistant_message_being_continued(
+    gw: tuple[FakeEngine, TestClient],
+) -> None:
     _, http = gw
-    r = http.post("/v1/chat/completions", json={**CHAT, "echo": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
-    assert http.post("/v1/chat/completions", json={**CHAT, "echo": False}).status_code == 200
+    said = "An apple a day keeps"
+    going_on = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": said}]
+    body = {**CHAT, "messages": going_on, "add_generation_prompt": False,
+            "continue_final_message": True}  # fmt: skip
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()
+    plain = http.post("/v1/chat/completions", json=body).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == said + text
+    with http.stream(
+        "POST", "/v1/chat/completions", json={**body, "echo": True, "stream": True}
+    ) as r:
+        first = next(x for x in r.iter_lines() if x.startswith("data: {"))
+    assert json.loads(first[6:])["choices"][0]["delta"]["content"] == said
+    # nothing to repeat when the last message is not the assistant's
+    asked = http.post("/v1/chat/completions", json={**CHAT, "echo": True}).json()
+    assert asked["choices"][0]["message"]["content"] == text
