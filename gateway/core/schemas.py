@@ -191,7 +191,8 @@ class NamedToolChoice(BaseModel):
 class SamplingFields(RequestModel, VllmSampling):
     """Fields shared by chat and text completions (vLLM's sampling extensions too)."""
 
-    model: str = Field(min_length=1)
+    # left out (vLLM allows it): the gateway's local model (GatewayService.named)
+    model: Annotated[str, Field(min_length=1)] = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None

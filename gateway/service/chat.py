@@ -61,6 +61,7 @@ from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
 
 T = TypeVar("T")
+R = TypeVar("R", bound=SamplingFields)
 
 
 def _shape(req: SamplingFields, n: int, logprobs: bool, prompt_logprobs: bool) -> Shape:
@@ -189,6 +190,19 @@ class GatewayService:
 
     # ------------------------------------------------------------ chat
 
+    def named(self, req: R) -> R:
+        """``req`` naming a model: as sent, or (left out, as vLLM allows) the local one."""
+        if req.model:
+            return req
+        local = self._targets.local
+        if local is None:
+            raise InvalidRequest(
+                "Missing required parameter: 'model' (no local model to default to)",
+                param="model",
+                code="missing_required_parameter",
+            )
+        return req.model_copy(update={"model": local})
+
     def _admit(self, who: Principal, served: Served) -> Grant | None:
         """The key's limits, first: a request over one is a 429 before any work."""
         try:
@@ -249,6 +263,7 @@ class GatewayService:
         session: str | None = None,
     ) -> Routed[ChatCompletion]:
         """One whole answer; a target that fails at any point before it ends falls back."""
+        req = self.named(req)
 
         async def shape(rid: str, pieces: Pieces) -> ChatCompletion:
             return await chat_completion(rid, req.model, pieces, chat_shape(req))
@@ -312,6 +327,7 @@ class GatewayService:
         route: RouteOverride | None = None,
         session: str | None = None,
     ) -> Routed[AsyncGenerator[ChatCompletionChunk, None]]:
+        req = self.named(req)
         routed = await self.answer(req, who, route, session)
         a = routed.body
         return Routed(chat_chunks(a.id, req.model, a.pieces, chat_shape(req)), routed.served)
@@ -332,6 +348,7 @@ class GatewayService:
     async def complete(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[Completion]:
+        req = self.named(req)
         self.local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
         grant = self._admit(who, served)
@@ -344,6 +361,7 @@ class GatewayService:
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[AsyncGenerator[Completion, None]]:
         """A stream that has produced its first piece (errors before it are raised here)."""
+        req = self.named(req)
         self.local_only(req.model)
         served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
         grant = self._admit(who, served)

@@ -37,6 +37,11 @@ class Targets:
             return [model]
         raise NotFound(f"The model '{model}' does not exist", param="model", code="model_not_found")
 
+    @property
+    def local(self) -> str | None:
+        """The local model's served name (None: hosted providers only)."""
+        return self._local
+
     def names(self) -> list[str]:
         return [*([self._local] if self._local is not None else []), *self._aliases]
 

@@ -74,3 +74,21 @@ def test_load_counts_the_requests_being_served(gw: Gateway) -> None:
         assert any(line == "data: [DONE]" for line in lines)
     assert http.get("/load").json() == {"server_load": 0}
     assert http.get("/ping").json() == {"status": "ok"}
+
+
+def test_a_request_without_model_is_the_local_models(gw: Gateway) -> None:
+    """vLLM's server takes a request that names no model as its own model's."""
+    _, http = gw
+    chat = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == MODEL
+    text = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert text.status_code == 200 and text.json()["model"] == MODEL
+
+
+def test_without_a_local_model_the_model_must_be_named(demo_model: Path) -> None:
+    with TestClient(create_app(Settings(grpc_port=None), [])) as http:
+        r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "missing_required_parameter"
+    assert r.json()["error"]["param"] == "model"
