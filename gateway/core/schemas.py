@@ -22,6 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from gateway.core.chat_shaping import ChatShaping
 from gateway.core.vllm_params import VllmSampling
 from manifest.canonical import canonical_json
 
@@ -30,19 +31,6 @@ from manifest.canonical import canonical_json
 SEED_MAX = 2**63 - 1  # seeds are 64-bit signed integers, as in OpenAI's API
 MAX_N = 128  # choices per request, as OpenAI's API
 MAX_TOP_LOGPROBS = 20  # chat; text completions allow 5
-# what the render passes the chat template itself (not a chat_template_kwargs key)
-RENDER_VARIABLES = frozenset(
-    {
-        "messages",
-        "tools",
-        "documents",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "return_dict",
-        "chat_template",
-    }
-)
 
 
 def lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -292,7 +280,7 @@ class EdgeHints:
     thinking: dict[str, Any] | None = None  # Anthropic's extended thinking, for its targets
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatShaping):
     _hints: EdgeHints = PrivateAttr(default_factory=EdgeHints)
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -304,13 +292,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # vLLM's prompt shaping, through vcache's own rendering (so predictions stay exact)
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: Annotated[str, Field(min_length=1)] | None = None  # where trusted
-    add_special_tokens: bool = False  # vLLM's chat default: the template writes them
-    echo: bool = False  # vLLM's: the answer starts with the last message, the assistant's
     # vLLM's stable session identity: the session, where no header names one
     session_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
     functions: Any = None
@@ -353,17 +334,6 @@ class ChatCompletionRequest(SamplingFields):
             )
         return self
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _own_variables_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(set(v or {}) & RENDER_VARIABLES)
-        if taken:
-            raise ValueError(
-                f"{', '.join(taken)} cannot be set through chat_template_kwargs (the "
-                "request's own fields render them)"
-            )
-        return v
-
     @model_validator(mode="after")
     def _continue_an_assistant_message(self) -> ChatCompletionRequest:
         if not self.continue_final_message:
@@ -386,17 +356,7 @@ class ChatCompletionRequest(SamplingFields):
     def template(self) -> dict[str, Any]:
         """The prompt shaping this request asks for, where it is not the default (what the
         session log keeps to render it again)."""
-        out: dict[str, Any] = {}
-        if self.chat_template_kwargs:
-            out["chat_template_kwargs"] = self.chat_template_kwargs
-        if not self.add_generation_prompt:
-            out["add_generation_prompt"] = False
-        if self.continue_final_message:
-            out["continue_final_message"] = True
-        if self.chat_template is not None:
-            out["chat_template"] = self.chat_template
-        if self.add_special_tokens:
-            out["add_special_tokens"] = True
+        out = self.shaping()
         if self.truncate_prompt_tokens is not None:  # resolved against the context later
             out["truncate_prompt_tokens"] = self.truncate_prompt_tokens
             if self.truncation_side is not None:
