@@ -69,9 +69,21 @@ COMMON = (400, 401, 408, 413, 503)
 GENERATION = errors(*COMMON, 403, 404, 429, 502, 504)
 
 
+# one server-sent event, as contract testers read a stream (each event apart)
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
 def streamed(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """A 200 that is ``model`` as JSON, or server-sent events when ``stream`` is true."""
-    sse = {"text/event-stream": {"schema": {"type": "string"}}}
+    sse = {"text/event-stream": {"schema": SSE_EVENT}}
     return {200: {"model": model, "content": sse, "description": "JSON, or SSE with stream"}}
 
 
