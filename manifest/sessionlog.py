@@ -137,6 +137,9 @@ class DispatchEvent:
     directives: tuple[tuple[str, Any], ...]
     sha256: str
     kind: Literal["dispatch"] = "dispatch"
+    # how the request found its session: named, found (by prefix digests) or new (None:
+    # logs written before it was kept)
+    session_kind: str | None = None
 
     def settings(self) -> dict[str, Any]:
         return dict(self.directives)
@@ -263,6 +266,7 @@ def _as_dict(event: Event) -> dict[str, Any]:
             "render": event.render,
             "directives": [list(kv) for kv in event.directives],
             "sha256": event.sha256,
+            **({"session_kind": event.session_kind} if event.session_kind else {}),
         }
     return {
         "kind": "response",
@@ -320,8 +324,9 @@ def decode(data: bytes, get_blob: Callable[[str], bytes]) -> Event:
         return TruncateEvent(d["length"])
     if kind == "dispatch":
         return DispatchEvent(
-            d["request_id"], d["target"], d["render"], _pairs(d["directives"]), d["sha256"]
-        )
+            d["request_id"], d["target"], d["render"], _pairs(d["directives"]), d["sha256"],
+            session_kind=d.get("session_kind"),
+        )  # fmt: skip
     if kind == "response":
         return ResponseEvent(d["request_id"], _pairs(d["usage"]), d["response_id"])
     raise ValueError(f"unknown event kind {kind!r}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections import OrderedDict
@@ -221,7 +222,7 @@ class SessionLog:
         def append() -> tuple[str, list[int]]:  # on the writer thread
             sid, events, new = self._place(op)
             op.kind = "named" if op.explicit else ("new" if new else "found")
-            events.append(event)
+            events.append(dataclasses.replace(event, session_kind=op.kind))
             request = (request_id, target, digest)
             seqs = self.store.append(sid, events, request, heads, op.tenant if new else None)
             state = self._states.get(sid, (-1, State()))[1]

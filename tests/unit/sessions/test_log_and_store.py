@@ -91,6 +91,7 @@ def test_fold_refuses_impossible_edits_and_tracks_the_last_dispatch() -> None:
         DispatchEvent(
             "r", "openai/gpt-5", "provider", (("breakpoints", ("system",)), ("ttl_s", 300)), "ab"
         ),
+        DispatchEvent("r", "local", "vllm", (), "cd", session_kind="found"),
         ResponseEvent("r", (("cached_tokens", 5), ("prompt_tokens", 9)), "resp_1"),
     ],
 )
