@@ -11,7 +11,6 @@ the gRPC edge and the Responses API read the same pieces.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -84,7 +83,8 @@ class Shape:
     token_ids: bool = False  # vLLM's return_token_ids
     prompt_logprobs: bool = False  # vLLM's
     as_token_ids: bool = False  # vLLM's return_tokens_as_token_ids
-    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    # vLLM's stream_options.continuous_usage_stats (only ever with include_usage)
+    continuous_usage: bool = False
     echo: str = ""  # vLLM's chat echo: each choice's content starts with this
 
 
@@ -97,10 +97,15 @@ class _Running:
         self._prompt: dict[int, tuple[int, int]] = {}
         self._out: dict[int, int] = {}
 
-    def see(self, p: Piece) -> None:
-        if p.prompt_tokens is not None:
+    def start(self, p: Piece) -> None:
+        """``p``'s prompt counts, where it carries them (a choice's first piece)."""
+        if self.on and p.prompt_tokens is not None:
             self._prompt[p.index] = (p.prompt_tokens, p.cached_tokens or 0)
-        self._out[p.index] = self._out.get(p.index, 0) + len(p.token_ids)
+
+    def see(self, p: Piece) -> None:
+        if self.on:
+            self.start(p)
+            self._out[p.index] = self._out.get(p.index, 0) + len(p.token_ids)
 
     def now(self, index: int) -> Usage | None:
         if not self.on:
@@ -287,15 +292,16 @@ async def chat_chunks(
     finish: dict[int, str] = {}
     async with aclosing(pieces):  # closing the chunks closes the answer (and its request)
         first = await anext(pieces, None)  # primed: what the engine knew at the start
+        head: dict[str, Any] = {}
         if first is not None:
-            running.see(dataclasses.replace(first, token_ids=()))
-        head = _prompt_extras(shape, first) if first is not None else {}
+            running.start(first)
+            head = _prompt_extras(shape, first)
         for i in range(shape.n):
             role = ChunkDelta(role="assistant", content=shape.echo)
             yield chunk(i, role, **(head if i == 0 else {}))
         ended: set[int] = set()  # samples whose finish reason went out with their last text
         async for p in _then(first, pieces):
-            running.see(dataclasses.replace(p, prompt_tokens=None))
+            running.see(p)
             if p.finish_reason:
                 finish[p.index] = p.finish_reason
             if p.text or (shape.token_ids and p.token_ids) or (shape.logprobs and p.logprobs):
@@ -311,7 +317,7 @@ async def chat_chunks(
                 for i in range(shape.n):
                     if i not in ended:
                         yield chunk(i, ChunkDelta(), finish.get(i, "stop"))
-                if shape.include_usage or shape.continuous_usage:
+                if shape.include_usage:
                     yield ChatCompletionChunk(
                         id=rid, created=created, model=model, choices=[], usage=p.usage
                     )
@@ -381,7 +387,7 @@ async def completion_chunks(
                     **_ids(shape, p),
                 )  # fmt: skip
                 yield Completion(id=rid, model=model, choices=[choice], usage=running.now(p.index))
-            elif shape.include_usage or shape.continuous_usage:
+            elif shape.include_usage:
                 yield Completion(id=rid, model=model, choices=[], usage=p.usage)
 
 

@@ -1,10 +1,13 @@
 """FastAPI dependencies the routes share: the service, who calls, an admin's routing
-override, the session header, and whole answers serialized in one pass."""
+override, the session header, a body read by hand, and whole answers serialized in one
+pass."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request, Response
 from pydantic import BaseModel
@@ -13,6 +16,18 @@ from gateway.core.errors import InvalidRequest, PermissionDenied
 from gateway.core.types import Principal, RouteOverride
 from gateway.service.auth import require_principal
 from gateway.service.chat import GatewayService
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The body of a route that takes more than one model's shape: a JSON object (else a
+    400 in the API's error format)."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object", code="invalid_value")
+    return body
 
 
 async def service(request: Request) -> GatewayService:

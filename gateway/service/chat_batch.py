@@ -26,11 +26,9 @@ _ONE_AT_A_TIME = {
 }
 
 
-def batch_requests(body: Any) -> list[ChatCompletionRequest]:
+def batch_requests(body: dict[str, Any]) -> list[ChatCompletionRequest]:
     """The batch body as one chat request per conversation (a 400 naming what is wrong:
     ``messages[i]...`` for a bad message of conversation i)."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object", code="invalid_value")
     convs = body.get("messages")
     if not isinstance(convs, list) or not convs or not all(isinstance(c, list) for c in convs):
         raise InvalidRequest(

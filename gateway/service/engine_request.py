@@ -65,6 +65,7 @@ def generate_request(
     logprobs: int | None = None,
     structured: Structured | None = None,
     top_k: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> GenerateRequest:
     """``ids`` and the request's sampling fields as the engine's request; a prompt or an
     output limit that does not fit the context is a 400 naming ``params`` (prompt, limit)."""
@@ -119,7 +120,7 @@ def generate_request(
         ignore_eos=req.ignore_eos,
         n=req.n,
         logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         structured=structured,
         logit_bias=logit_bias(req, room.vocab),
         min_p=req.min_p or 0.0,

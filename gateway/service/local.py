@@ -225,6 +225,7 @@ class LocalChat:
             rid, ids, req, req.output_limit(), ("messages", limit_param), who,
             logprobs=req.top_logprobs_asked(), structured=structured,
             clamp=req.hints.clamp_output, top_k=req.hints.top_k,
+            prompt_logprobs=req.prompt_logprobs,
         )  # fmt: skip
         return greq, plan
 
@@ -355,10 +356,11 @@ class LocalChat:
         structured: Structured | None = None,
         clamp: bool = False,
         top_k: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> GenerateRequest:
         room = Room(self.engine.capabilities.max_model_len, self._vocab(), clamp)
         return generate_request(
-            rid, ids, req, limit, params, who, room, logprobs, structured, top_k
+            rid, ids, req, limit, params, who, room, logprobs, structured, top_k, prompt_logprobs
         )
 
 

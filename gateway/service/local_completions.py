@@ -4,7 +4,6 @@ them); echo, the prompt's logprobs and vLLM's token-id fields as asked."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from contextlib import aclosing
 
@@ -41,7 +40,7 @@ class LocalCompletions:
         if not ids:
             raise InvalidRequest("prompt must not be empty", param=param, code="invalid_value")
         limit = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        greq = local.engine_request(
+        return local.engine_request(
             rid,
             ids,
             req,
@@ -50,9 +49,8 @@ class LocalCompletions:
             who,
             logprobs=req.logprobs,
             clamp=req.max_tokens is None,  # the default fits what the context leaves
+            prompt_logprobs=req.prompt_logprobs_asked(),
         )
-        sampling = dataclasses.replace(greq.sampling, prompt_logprobs=req.prompt_logprobs_asked())
-        return dataclasses.replace(greq, sampling=sampling)
 
     async def pieces(
         self,

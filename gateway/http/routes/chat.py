@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Response
 
-from gateway.core.errors import InvalidRequest
 from gateway.core.outputs import ChatCompletion
 from gateway.core.schemas import ChatCompletionRequest
-from gateway.http.deps import Caller, caller, session_header, whole
+from gateway.http.deps import Caller, caller, json_object, session_header, whole
 from gateway.http.openapi import GENERATION, streamed
 from gateway.http.sse import open_stream
 from gateway.service.chat_batch import batch_requests, chat_batch
@@ -38,12 +36,9 @@ async def create_chat_completion(
 
 @router.post("/chat/completions/batch", response_model=ChatCompletion, responses=GENERATION)
 async def create_batch_chat_completion(
-    request: Request, call: Annotated[Caller, Depends(caller)]
+    body: Annotated[dict[str, Any], Depends(json_object)],
+    call: Annotated[Caller, Depends(caller)],
 ) -> Response:
     """Several conversations (``messages``: a list of them), one choice each."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
     done = await chat_batch(call.svc, batch_requests(body), call.who, call.route)
     return whole(done.body, done.headers())

@@ -5,10 +5,9 @@ body's shape, through the same handlers."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -16,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from gateway.core.completion_request import CompletionRequest
 from gateway.core.errors import InvalidRequest
 from gateway.core.schemas import ChatCompletionRequest
-from gateway.http.deps import Caller, caller, service, session_header
+from gateway.http.deps import Caller, caller, json_object, service, session_header
 from gateway.http.openapi import GENERATION
 from gateway.http.routes.chat import create_chat_completion
 from gateway.http.routes.completions import create_completion
@@ -41,23 +40,12 @@ async def ping(svc: Annotated[GatewayService, Depends(service)]) -> JSONResponse
     return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except ValueError as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object", code="invalid_value")
-    return body
-
-
 @router.post("/invocations", response_model=None, responses=GENERATION)
 async def invocations(
-    request: Request,
+    body: Annotated[dict[str, Any], Depends(json_object)],
     call: Annotated[Caller, Depends(caller)],
     session: Annotated[str | None, Depends(session_header)],
 ) -> Response:
-    body = await _body(request)
     try:
         if "messages" in body:
             chat = ChatCompletionRequest.model_validate(body)
