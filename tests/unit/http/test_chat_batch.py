@@ -4,17 +4,12 @@ does not take (a stream, tools, several samples) is a 400 naming it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from engines.fake import FakeEngine
-from engines.tokenizer import ChatTokenizer
-from gateway.app import create_app
-from gateway.core.config import Settings
 
 MODEL = "vcache-demo"
 CONVS = [
@@ -24,13 +19,6 @@ CONVS = [
 ]
 
 Gateway = tuple[FakeEngine, TestClient]
-
-
-@pytest.fixture
-def gw(demo_model: Path) -> Iterator[Gateway]:
-    engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512)
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
-        yield engine, http
 
 
 def test_one_choice_per_conversation_in_order(gw: Gateway) -> None:

@@ -4,27 +4,15 @@ token lists; choice i*n+j is prompt i's sample j), echo, and best_of refused by 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from engines.fake import FakeEngine
-from engines.tokenizer import ChatTokenizer
-from gateway.app import create_app
-from gateway.core.config import Settings
 
 MODEL = "vcache-demo"
 REPLY = "hello from the fake engine"
-
-
-@pytest.fixture
-def gw(demo_model: Path) -> Iterator[tuple[FakeEngine, TestClient]]:
-    engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512)
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
-        yield engine, http
 
 
 def _ask(http: TestClient, **body: Any) -> dict[str, Any]:

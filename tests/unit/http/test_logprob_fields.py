@@ -6,29 +6,17 @@ text), echo with logprobs (the prompt's tokens first, the first with none) and
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from engines.fake import FakeEngine
-from engines.tokenizer import ChatTokenizer
-from gateway.app import create_app
-from gateway.core.config import Settings
 
 MODEL = "vcache-demo"
 ASK = [{"role": "user", "content": "say hello"}]
 
 Gateway = tuple[FakeEngine, TestClient]
-
-
-@pytest.fixture
-def gw(demo_model: Path) -> Iterator[Gateway]:
-    engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512)
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
-        yield engine, http
 
 
 def _post(http: TestClient, path: str, **body: Any) -> dict[str, Any]:

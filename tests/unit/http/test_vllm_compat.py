@@ -4,26 +4,13 @@ text completions' default max_tokens and their top_logprobs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from fastapi.testclient import TestClient
 
 from engines.fake import FakeEngine
-from engines.tokenizer import ChatTokenizer
-from gateway.app import create_app
-from gateway.core.config import Settings
 
 MODEL = "vcache-demo"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-
-@pytest.fixture
-def gw(demo_model: Path) -> Iterator[tuple[FakeEngine, TestClient]]:
-    engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512)
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
-        yield engine, http
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])

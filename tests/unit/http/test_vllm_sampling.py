@@ -5,8 +5,6 @@ unless they carry vLLM's default."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +12,6 @@ from fastapi.testclient import TestClient
 
 from engines.base import Structured
 from engines.fake import FakeEngine
-from engines.tokenizer import ChatTokenizer
-from gateway.app import create_app
-from gateway.core.config import Settings
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.sessions.render import request_config
 
@@ -35,13 +30,6 @@ EXTENSIONS: dict[str, Any] = {
     "bad_words": ["never"],
     "allowed_token_ids": [10, 11, 12],
 }
-
-
-@pytest.fixture
-def gw(demo_model: Path) -> Iterator[tuple[FakeEngine, TestClient]]:
-    engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512)
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
-        yield engine, http
 
 
 @pytest.mark.parametrize(
