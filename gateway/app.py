@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from engines.base import Engine
 from engines.providers.specs import adapter_for
+from engines.providers.transport import Transport
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import Settings
 from gateway.core.metrics import MULTIPROC_ENV, Metrics
@@ -130,14 +131,20 @@ def create_app(
     built: Sequence[Replica | Engine],
     provider_clock: Callable[[], float] = time.monotonic,
     tracing: Tracing | None = None,
+    provider_transport: Transport | None = None,
 ) -> FastAPI:
     """An app over ``built`` replicas (bare engines become replicas without KV events) and,
-    when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``)."""
+    when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``;
+    ``provider_transport``: how requests reach them, aiohttp by default)."""
     metrics = Metrics(os.environ.get(MULTIPROC_ENV) if settings.workers > 1 else None)
     tracing = tracing or Tracing(settings.otlp_endpoint)
     if settings.control.clock_scale != 1.0:  # a load test against a time-scaled emulator
         provider_clock = _scaled(provider_clock, settings.control.clock_scale)
-    providers = ProviderPath(settings, metrics, provider_clock) if settings.providers else None
+    providers = (
+        ProviderPath(settings, metrics, provider_clock, transport=provider_transport)
+        if settings.providers
+        else None
+    )
     control = Control(settings.control, provider_clock)
     bus = _state_bus(settings)
     if providers is not None:
@@ -255,6 +262,7 @@ def create_app(
         log=session_log,
         tool_parser=settings.engine.tool_parser,
         trust_chat_template=settings.engine.trust_request_chat_template,
+        routing=settings.routing,
         tracing=tracing,
         turns=SessionTurns(
             settings.cache.retention,

@@ -1,4 +1,6 @@
-"""Shared fixtures: the demo model is built once and reused across runs."""
+"""Shared fixtures: the demo model is built once and reused across runs.  In-process
+gateways take their settings from :func:`tests.settings.gateway_settings` (a data
+directory of their own, the session log verified); no fixture changes the environment."""
 
 from __future__ import annotations
 
@@ -22,14 +24,6 @@ def demo_model(data_dir: Path) -> Path:
     from engines.vllm.demo_model import ensure_demo_model
 
     return ensure_demo_model(data_dir)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _gateway_state(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """In-process gateways keep their state (the session log) in a temporary directory and
-    rebuild every request from the log before sending it (verify_reconstruction)."""
-    os.environ["VCACHE_DATA_DIR"] = str(tmp_path_factory.mktemp("vcache-data"))
-    os.environ["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
 
 
 from tests.stores import (  # noqa: E402,F401  (shared fixtures)

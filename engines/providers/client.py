@@ -1,9 +1,8 @@
 """One HTTP client per provider: send a rendered request, retry what may be retried.
 
-The transport is an ``aiohttp`` session (a quarter of ``httpx``'s CPU per call,
-measured against the emulator): created on first use in the running loop,
-no cookie jar, a connect timeout and a per-read timeout (a long stream is
-fine as long as it keeps sending).
+The transport is a seam (:mod:`engines.providers.transport`): an ``aiohttp``
+session by default, an ASGI app in-process where one is given (the emulator
+in tests).
 
 Retries (``RetryPolicy``) cover HTTP 408/409/429/5xx/529 and transport
 errors, before any text reached the caller.  A stream that breaks after its
@@ -15,14 +14,13 @@ into headers only; it is never logged or put in an error message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
-
-import aiohttp
 
 from engines.providers.base import Adapter, Answer, Delta, Rendered, error_message
 from engines.providers.errors import (
@@ -36,6 +34,12 @@ from engines.providers.errors import (
 )
 from engines.providers.ratelimits import RateLimits, parse_ratelimits
 from engines.providers.retry import RetryPolicy, parse_retry_after
+from engines.providers.transport import (
+    AiohttpTransport,
+    Response,
+    Transport,
+    TransportError,
+)
 from engines.sse import SSEDecoder
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,7 @@ class ProviderClient:
         timeout_s: float = 60.0,
         sleep: Sleep = asyncio.sleep,
         rng: random.Random | None = None,
+        transport: Transport | None = None,
     ) -> None:
         self.adapter = adapter
         self._retry = retry or RetryPolicy()
@@ -60,28 +65,17 @@ class ProviderClient:
         self._rng = rng or random.Random()
         self._base = base_url.rstrip("/")
         self._headers = {"content-type": "application/json", **adapter.auth_headers(api_key)}
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=min(timeout_s, 10.0), sock_read=timeout_s
-        )
-        self._session: aiohttp.ClientSession | None = None
+        self._own = transport is None  # closed with the client (a given one: its giver's)
+        self._transport: Transport = transport or AiohttpTransport(timeout_s)
         self.retries = 0
         self.waits: list[float] = []  # each backoff, in seconds (the last 64)
         self.limits: RateLimits | None = None  # the headroom the last response reported
         self.limits_at = 0.0  # when (wall clock): another gateway's newer report wins
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                headers=self._headers,
-                timeout=self._timeout,
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        return self._session
+    def _post(self, r: Rendered) -> contextlib.AbstractAsyncContextManager[Response]:
+        return self._transport.request("POST", self._base + r.path, self._headers, r.body)
 
-    def _url(self, path: str) -> str:
-        return self._base + path
-
-    def _saw(self, resp: aiohttp.ClientResponse) -> None:
+    def _saw(self, resp: Response) -> None:
         seen = parse_ratelimits(resp.headers)
         if seen is not None:
             self.limits, self.limits_at = seen, time.time()
@@ -91,8 +85,8 @@ class ProviderClient:
         return self.adapter.provider
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._own:
+            await self._transport.aclose()
 
     def _error(self, status: int, headers: Mapping[str, str], raw: bytes) -> ProviderError:
         try:
@@ -101,10 +95,10 @@ class ProviderClient:
             message = raw[:200].decode(errors="replace")
         return from_status(self.provider, status, message, parse_retry_after(headers))
 
-    def _transport(self, exc: Exception) -> ProviderError:
-        if isinstance(exc, TimeoutError):
-            return ProviderTimeout(self.provider, f"timed out ({type(exc).__name__})")
-        return ProviderUnavailable(self.provider, f"transport error ({type(exc).__name__})")
+    def _unreached(self, exc: TransportError) -> ProviderError:
+        if exc.timeout:
+            return ProviderTimeout(self.provider, f"timed out ({exc})")
+        return ProviderUnavailable(self.provider, f"transport error ({exc})")
 
     async def _backoff(self, attempt: int, err: ProviderError) -> None:
         """Sleep before the next attempt, or raise ``err`` when it may not be retried."""
@@ -121,14 +115,14 @@ class ProviderClient:
         attempt = 0
         while True:
             try:
-                async with self._http().post(self._url(r.path), data=r.body) as resp:
+                async with self._post(r) as resp:
                     self._saw(resp)
                     raw = await resp.read()
                 if resp.status < 400:
                     return json.loads(raw)
                 err = self._error(resp.status, resp.headers, raw)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                err = self._transport(exc)
+            except TransportError as exc:
+                err = self._unreached(exc)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 err = ProviderUnavailable(self.provider, "the answer was not JSON")
             await self._backoff(attempt, err)
@@ -148,10 +142,10 @@ class ProviderClient:
 
     async def delete(self, path: str) -> None:
         try:
-            async with self._http().delete(self._url(path)) as resp:
+            async with self._transport.request("DELETE", self._base + path, self._headers) as resp:
                 raw = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._transport(exc) from exc
+        except TransportError as exc:
+            raise self._unreached(exc) from exc
         if resp.status >= 400 and resp.status != 404:
             raise self._error(resp.status, resp.headers, raw)
 
@@ -161,14 +155,14 @@ class ProviderClient:
         while True:
             started = finished = False
             try:
-                async with self._http().post(self._url(r.path), data=r.body) as resp:
+                async with self._post(r) as resp:
                     self._saw(resp)
                     if resp.status >= 400:
                         err = self._error(resp.status, resp.headers, await resp.read())
                     else:
                         decoder = SSEDecoder()
                         parser = self.adapter.stream_parser()
-                        async for raw in resp.content.iter_any():
+                        async for raw in resp.chunks():
                             for event in decoder.feed(raw):
                                 try:
                                     deltas = parser.feed(event)
@@ -183,12 +177,12 @@ class ProviderClient:
                                 self.provider, "the stream ended before the answer"
                             )
                         return
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except TransportError as exc:
                 if started:
                     raise ProviderStreamCut(
-                        self.provider, f"the stream broke mid-answer ({type(exc).__name__})"
+                        self.provider, f"the stream broke mid-answer ({exc})"
                     ) from exc
-                err = self._transport(exc)
+                err = self._unreached(exc)
             except ProviderError as exc:
                 if started or not exc.retryable:
                     raise

@@ -27,7 +27,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -47,6 +46,12 @@ from gateway.core.engine_settings import (
     RetentionSettings,
 )
 from gateway.core.keys import PRIORITIES, ApiKeyConfig, KeyLimits, Priority, hash_api_key
+from gateway.core.provider_settings import (
+    ControlSettings,
+    PriceConfig,
+    ProviderConfig,
+    RoutingSettings,
+)
 
 __all__ = [
     "DEMO_MODEL_NAME",
@@ -63,6 +68,7 @@ __all__ = [
     "ProviderConfig",
     "RemoteReplicaConfig",
     "RetentionSettings",
+    "RoutingSettings",
     "SessionLogSettings",
     "Settings",
     "explain",
@@ -71,72 +77,6 @@ __all__ = [
 ]
 
 DEMO_MODEL_NAME = "vcache-demo"
-
-
-class ControlSettings(BaseModel):
-    """The control loop over hosted-provider anchors (design note §5.4, §5.5; M3, M5).
-
-    ``mode``: ``off`` (warms only when asked through the cache API), ``govern`` (per
-    anchor: ride, heartbeat, lazy or evict, the TTL tier that costs less, warms inside
-    the rate-limit headroom, send-one-then-fan), ``heartbeat_all`` (every anchor kept
-    warm with heartbeats, no budget: the baseline a load test compares against)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    mode: Literal["off", "govern", "heartbeat_all"] = "off"
-    tick_s: float = Field(5.0, gt=0)  # real seconds between decisions
-    horizon_s: float = Field(3600.0, gt=0)  # arrivals older than this are forgotten
-    latency_value: float = Field(1.0, ge=0)  # L: a warm first token, per anchor token
-    heartbeat_at: float = Field(0.8, gt=0, lt=1)  # share of the TTL before a heartbeat
-    reserve: float = Field(0.25, ge=0, lt=1)  # headroom share kept for real traffic
-    max_warms_per_tick: int = Field(8, ge=0)
-    fan_wait_s: float = Field(10.0, ge=0)  # send-one-then-fan: longest hold of a sibling
-    max_anchors: int = Field(4096, ge=1)
-    # The provider clock runs this many times faster than real time: only for load
-    # tests against an emulator started with the same --time-scale.
-    clock_scale: float = Field(1.0, gt=0)
-
-
-class PriceConfig(BaseModel):
-    """Cache prices as multiples of the model's uncached input price."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    read_mult: float = Field(ge=0, le=1)
-    write_mult: float = Field(ge=0)
-
-
-class ProviderConfig(BaseModel):
-    """A hosted provider.  The key comes from ``api_key`` or the environment variable
-    ``api_key_env`` (default ``ANTHROPIC_API_KEY``, ``OPENAI_API_KEY``, ...); it is
-    never logged."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    base_url: str | None = None
-    api_key: SecretStr | None = None
-    api_key_env: str | None = None
-    timeout_s: float = Field(60, gt=0)
-    max_retries: int = Field(2, ge=0, le=10)
-    backoff_base_s: float = Field(0.5, ge=0)
-    backoff_cap_s: float = Field(8, ge=0)
-    max_retry_after_s: float = Field(30, ge=0)
-    cache_ttl_s: Literal[300, 3600] = 300  # Anthropic breakpoints: 5m or 1h
-    # OpenAI: "24h" asks for extended prompt caching (prefixes kept up to a day); set
-    # belief_ttl_s to match what the models in use honor (calibrate to find it)
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    belief_ttl_s: float = Field(300, gt=0)  # implicit caches: mean survival of a prefix
-    cached_content_ttl_s: int = Field(3600, ge=60)  # Gemini explicit caches
-    min_prefix_tokens: dict[str, int] = Field(default_factory=dict)  # model prefix → tokens
-    prices: dict[str, PriceConfig] = Field(default_factory=dict)  # model prefix → prices
-
-    def resolved_base_url(self, provider: str) -> str:
-        return self.base_url or PROVIDERS[provider].base_url
-
-    def resolved_key(self, provider: str) -> str | None:
-        if self.api_key is not None:
-            return self.api_key.get_secret_value()
-        return os.environ.get(self.api_key_env or PROVIDERS[provider].key_env) or None
 
 
 LOCAL_TARGET = "local"
@@ -227,6 +167,7 @@ class Settings(BaseSettings):
     providers: dict[str, ProviderConfig] = Field(default_factory=dict)
     # model alias → ordered targets: "local" (the vLLM replicas) or "provider/model"
     aliases: dict[str, list[str]] = Field(default_factory=dict)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
     prompt_layout: Literal["canonical", "passthrough"] = "canonical"  # providers only
     session_log: SessionLogSettings = Field(default_factory=SessionLogSettings)
     state: StateSettings = Field(default_factory=StateSettings)

@@ -158,6 +158,13 @@ class Metrics:
             ["policy", "reason"],
             registry=r,
         )
+        self.alias_routes = Counter(
+            "vcache_alias_routes",
+            "Requests on a model alias with several targets, by the target that went first "
+            "and why (cost: cheaper than the alias's first; order: the alias's first)",
+            ["target", "by"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "vcache_fallbacks",
             "Requests moved to the next target of a model alias, by the target that failed",

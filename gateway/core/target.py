@@ -3,7 +3,9 @@ journaled once, sent, settled.
 
 ::
 
-    edge ──Call──▶ service loop ──▶ target.prepare(name, call) ─▶ Prepared
+    edge ──Call──▶ service loop ──▶ target.quote(name, call) ─▶ Quote   (several targets:
+                       │                the cheapest goes first, alias order on ties)
+                       ├── target.prepare(name, call, quote) ─▶ Prepared
                        │                (plan, render: sends nothing)
                        ├── journal(prepared.sent)        the session log, before sending
                        ├── target.send(prepared) ─▶ pieces (first piece = first token)
@@ -65,6 +67,42 @@ class Sent:
     body: bytes = field(repr=False)
 
 
+@dataclass(frozen=True)
+class Quote:
+    """What serving a call on one target is expected to cost, known before anything is
+    planned or sent: the prompt's tokens, how many the target is expected to read from
+    cache (the exact index on the local replicas, the warmth belief on a provider), and
+    the target's prices (the uncached input price per million tokens, in the unit the
+    deployment chose, and the cache's read price as a multiple of it).
+
+    ``memo``: what the target computed to quote (token ids, a rendered prompt view),
+    handed back to its ``prepare`` so that nothing is rendered twice."""
+
+    target: str
+    prompt_tokens: int
+    cached_tokens: float  # expected: a belief's tokens weighed by its probability
+    input_price: float
+    read_mult: float = 1.0
+    memo: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def rate(self) -> float:
+        """The expected price per prompt token: the cached share read, the rest at the
+        uncached price (an explicit cache's write premium is left out: it buys the reads
+        after it, as every target's cache does, so a cold prefix costs the same
+        everywhere).  Targets are compared by it, not by their totals: each estimates the
+        prompt's tokens in its own format, and those differences say nothing of cost."""
+        if self.prompt_tokens <= 0:
+            return self.input_price / 1e6
+        share = min(self.cached_tokens / self.prompt_tokens, 1.0)
+        return self.input_price * (share * self.read_mult + 1.0 - share) / 1e6
+
+    @property
+    def cost(self) -> float:
+        """The prompt's expected price."""
+        return self.rate * self.prompt_tokens
+
+
 class Prepared(Protocol):
     """A call planned and rendered for one target; nothing sent yet."""
 
@@ -98,8 +136,15 @@ class Target(Protocol[P]):
         priority first)."""
         ...
 
-    async def prepare(self, name: str, call: Call) -> P:
-        """Plan and render ``call`` for target ``name``; errors in the API's terms."""
+    def quote(self, name: str, call: Call) -> Quote | None:
+        """What ``call`` would cost on target ``name`` now, from what is known (no I/O,
+        no side effects: a target not chosen is left as it was); None where it cannot
+        say (not ready, or the call is one it refuses: its prepare says why)."""
+        ...
+
+    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> P:
+        """Plan and render ``call`` for target ``name`` (``quote``: this target's, when
+        the call was quoted); errors in the API's terms."""
         ...
 
     def send(self, prepared: P, session: str | None) -> AsyncGenerator[Piece, None]:

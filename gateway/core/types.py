@@ -69,6 +69,9 @@ class Served:
     dispatch: Placement | None = None
     notes: dict[str, str] = field(default_factory=dict)  # headers of how it was prepared
     fallback_from: tuple[str, ...] = ()
+    # of an alias's targets: "cost" (a later one went first, cheaper) or "order" (the
+    # alias's first went first); None for a model with one target
+    routed_by: str | None = None
     session: str | None = None  # the stored id of the session-log session it was appended to
     session_kind: str | None = None  # named, found (by prefix digests) or new
     answer_seq: int | None = None  # the sequence number of its answer in that session
@@ -83,6 +86,8 @@ class Served:
             h["x-vcache-session"] = session_name(self.session)
             if self.session_kind:
                 h["x-vcache-session-kind"] = self.session_kind
+        if self.routed_by:
+            h["x-vcache-routed-by"] = self.routed_by
         if self.fallback_from:
             h["x-vcache-fallback-from"] = ", ".join(self.fallback_from)
         h.update(self.limits)

@@ -103,6 +103,15 @@ class Dispatcher:
         """What each replica's engine holds now (the metrics read it at scrape time)."""
         return {r.id: r.engine.stats() for r in self.replicas}
 
+    def held(self, prompt: Sequence[int], cache_salt: str | None) -> int:
+        """The most of ``prompt``'s tokens a serving replica holds in cache now, by the
+        exact index as it stands (no sync, nothing routed: a quote); 0 without one."""
+        if self.kv is None:
+            return 0
+        predicted = self.kv.predict(self.kv.hashes(prompt, cache_salt), len(prompt))
+        serving = {r.id for r in self.serving()}
+        return max((n for r, n in predicted.items() if r in serving), default=0)
+
     def replica(self, replica_id: str) -> Replica | None:
         return next((r for r in self.replicas if r.id == replica_id), None)
 

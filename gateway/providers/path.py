@@ -28,6 +28,7 @@ from engines.providers.base import (
     ToolCallPart,
 )
 from engines.providers.client import ProviderClient
+from engines.providers.transport import Transport
 from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest
@@ -87,8 +88,9 @@ class ProviderPath:
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
         client_factory: Callable[..., ProviderClient] = ProviderClient,
+        transport: Transport | None = None,
     ) -> None:
-        self.targets = ProviderTargets(settings, client_factory)
+        self.targets = ProviderTargets(settings, client_factory, transport)
         self._metrics = metrics
         self._clock = clock
         self.book = ProviderCacheBook(clock)
@@ -101,7 +103,9 @@ class ProviderPath:
         """``provider/model`` for a configured provider (404 / 503 otherwise)."""
         return self.targets.target(name)
 
-    def _view(self, t: ProviderTarget, call: ChatCall, tenant: str) -> PromptView:
+    def view(self, t: ProviderTarget, call: ChatCall, tenant: str) -> PromptView:
+        """The prompt rendered plainly (no cache directives): its boundaries' bytes,
+        token estimates and digests."""
         plain = t.client.adapter.render(call, CacheDirectives())
         return PromptView.of(
             t.name, tenant, plain.prompt, dict(plain.segment_ends), call.segment_keys()
@@ -120,12 +124,14 @@ class ProviderPath:
         tenant: str,
         warm: bool = False,
         req: ChatCompletionRequest | None = None,
+        view: PromptView | None = None,
     ) -> Prepared:
         """Plan the cache for ``call`` and render it, once, before anything is sent.
         ``warm``: prefill only, where the provider has a primitive for it.  With the
         control loop on, the request counts as an arrival on its anchor (``req`` is what
-        a heartbeat of a new anchor will send) and may wait for a sibling to write it."""
-        view = self._view(t, call, tenant)
+        a heartbeat of a new anchor will send) and may wait for a sibling to write it.
+        ``view``: the prompt's plain view, where the call was quoted on it."""
+        view = view or self.view(t, call, tenant)  # given: rendered to quote
         c, anchor, fan = self.control, None, None
         if c is not None and c.enabled:
             anchor = c.observe(t, tenant, view, req, arrival=not warm)

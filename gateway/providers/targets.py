@@ -18,6 +18,7 @@ from typing import Any
 from engines.providers.client import ProviderClient
 from engines.providers.retry import RetryPolicy
 from engines.providers.specs import PROVIDERS, ProviderSpec
+from engines.providers.transport import Transport
 from gateway.core.config import ProviderConfig, Settings
 from gateway.core.errors import NotFound, Unavailable
 from manifest.calibration import CalibratedProfile
@@ -67,6 +68,12 @@ class ProviderTarget:
         return PriceTable(self.profile.read_mult, self.profile.write_mult)
 
     @property
+    def input_price(self) -> float:
+        """The uncached input price per million tokens this deployment set (1.0 unset)."""
+        price = _by_prefix(self.config.input_prices, self.model)
+        return 1.0 if price is None else float(price)
+
+    @property
     def long_ttl_s(self) -> float:
         """The long tier's TTL (Anthropic 1h), fitted once calibrated."""
         cal = self.calibrated
@@ -92,10 +99,14 @@ class ProviderTargets:
     """The configured providers' targets, made on first use (clients shared per provider)."""
 
     def __init__(
-        self, settings: Settings, client_factory: Callable[..., ProviderClient] = ProviderClient
+        self,
+        settings: Settings,
+        client_factory: Callable[..., ProviderClient] = ProviderClient,
+        transport: Transport | None = None,
     ) -> None:
         self._settings = settings
         self._factory = client_factory
+        self._transport = transport  # None: each client its own aiohttp session
         self._clients: dict[str, ProviderClient] = {}
         self._targets: dict[str, ProviderTarget] = {}
 
@@ -125,8 +136,9 @@ class ProviderTargets:
             retry = RetryPolicy(
                 cfg.max_retries, cfg.backoff_base_s, cfg.backoff_cap_s, cfg.max_retry_after_s
             )
+            given = {} if self._transport is None else {"transport": self._transport}
             client = self._factory(
-                spec.adapter(), cfg.resolved_base_url(provider), key, retry, cfg.timeout_s
+                spec.adapter(), cfg.resolved_base_url(provider), key, retry, cfg.timeout_s, **given
             )
             self._clients[provider] = client
         profile = target_profile(spec, model, cfg)

@@ -19,7 +19,7 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from gateway.core.completion_request import CompletionRequest
-from gateway.core.config import LOCAL_TARGET
+from gateway.core.config import LOCAL_TARGET, RoutingSettings
 from gateway.core.errors import InvalidRequest, NotFound, RateLimited, Unavailable
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import (
@@ -126,7 +126,9 @@ class GatewayService:
         limits: RateLimits | None = None,
         turns: SessionTurns | None = None,
         trust_chat_template: bool = False,
+        routing: RoutingSettings | None = None,
     ) -> None:
+        routing = routing or RoutingSettings()
         self._model = model_name
         self.limits = limits or RateLimits()
         self.tracing = tracing or Tracing()
@@ -134,9 +136,11 @@ class GatewayService:
         self.providers = providers
         self._metrics = metrics or Metrics()
         self.log = log
-        self.local = LocalChat(dispatcher, tool_parser, turns, trust_chat_template)
+        self.local = LocalChat(
+            dispatcher, tool_parser, turns, trust_chat_template, routing.local_input_price
+        )
         self.completions = LocalCompletions(self.local)
-        self.loop = ServiceLoop(Journal(log), self._metrics, self._target)
+        self.loop = ServiceLoop(Journal(log), self._metrics, self._target, routing)
 
     @property
     def targets(self) -> Targets:

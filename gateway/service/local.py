@@ -23,7 +23,7 @@ from engines.base import Engine, GenerateRequest, Structured
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
 from gateway.core.config import LOCAL_TARGET, RetentionSettings
-from gateway.core.errors import InvalidRequest, NotFound, Unavailable
+from gateway.core.errors import APIError, InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import Usage
 from gateway.core.schemas import (
     ChatCompletionRequest,
@@ -31,12 +31,13 @@ from gateway.core.schemas import (
     SamplingFields,
 )
 from gateway.core.shaping import Piece, Pieces
-from gateway.core.target import Call, Sent
+from gateway.core.target import Call, Quote, Sent
 from gateway.core.tracing import RequestTrace
 from gateway.core.types import (
     Placement,
     Principal,
     RouteOverride,
+    request_salt,
 )
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
@@ -101,8 +102,10 @@ class LocalChat:
         tool_parser: str = "hermes",
         turns: SessionTurns | None = None,
         trust_chat_template: bool = False,
+        input_price: float = 0.0,
     ) -> None:
         self.dispatcher = dispatcher
+        self.input_price = input_price  # per million uncached prompt tokens (routing)
         self.trust_chat_template = trust_chat_template  # a request's own chat_template
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
@@ -210,10 +213,12 @@ class LocalChat:
         turns: Turns,
         tools: list[dict[str, Any]],
         template: Mapping[str, Any],
+        ids: list[int] | None = None,
     ) -> tuple[GenerateRequest, ToolPlan | None]:
         self.check_ready()
         plan = self._tool_plan(req)
-        ids = self._render(system, turns, tools, template)
+        if ids is None:  # else rendered already, to quote
+            ids = self._render(system, turns, tools, template)
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         fmt = req.structured()
         structured = plan.structured() if plan is not None else None
@@ -234,7 +239,21 @@ class LocalChat:
     def admission(self, call: Call) -> AbstractContextManager[None]:
         return self.dispatcher.admit(call.who.priority)
 
-    async def prepare(self, name: str, call: Call) -> LocalPrepared:
+    def quote(self, name: str, call: Call) -> Quote | None:
+        """The prompt's tokens and the most of them a serving replica holds now (the
+        exact index as it stands: no sync, nothing routed), at the local price."""
+        if not self.ready:
+            return None
+        req = call.request
+        try:
+            ids = self._render(*request_parts(req), req.tool_dicts(), self._shaping(req))
+        except APIError:
+            return None  # its prepare says what is wrong, in the API's terms
+        salt = request_salt(call.who.tenant, req.cache_salt)
+        cached = self.dispatcher.held(ids, salt)
+        return Quote(name, len(ids), cached, self.input_price, memo=ids)
+
+    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> LocalPrepared:
         """Tokenize with the model's template, check the context, route to a replica by
         the predicted cached prefix (the index sync before it is its own step)."""
         t0 = time.perf_counter()
@@ -243,7 +262,8 @@ class LocalChat:
         tools = req.tool_dicts()  # dumped once: the render, the anchor, the header
         with trace.step("tokenize") as span:
             template = self._shaping(req)
-            greq, plan = self._chat_request(req, who, rid, system, turns, tools, template)
+            ids = quote.memo if quote is not None else None
+            greq, plan = self._chat_request(req, who, rid, system, turns, tools, template, ids)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
         d = await self.route(greq, call.route, trace, self.turns.replica(_session_key(call)))
         kv = self.dispatcher.kv

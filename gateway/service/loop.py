@@ -1,6 +1,7 @@
 """The one loop every chat request goes through, whatever its target.
 
-For each target of the request's model, in order (:class:`Targets`): admit,
+For each target of the request's model, cheapest first (each quotes what the
+prompt would cost there; :func:`by_cost`), else in alias order: admit,
 prepare (plan and render; nothing sent), journal what will be sent, send,
 and journal the answer before its usage goes out; then settle.  A target
 that fails before the first token (unavailable, overloaded, a context too
@@ -17,15 +18,16 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
+from gateway.core.config import RoutingSettings
 from gateway.core.errors import APIError
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.schemas import tool_calls_json
 from gateway.core.shaping import Pieces, Sample, primed
-from gateway.core.target import Call, Target
+from gateway.core.target import Call, Quote, Target
 from gateway.core.types import Served
 from gateway.service.journal import Journal
-from gateway.service.targets import can_fall_back
+from gateway.service.targets import by_cost, can_fall_back
 from manifest.canonical import canonical_json
 
 log = logging.getLogger(__name__)
@@ -34,10 +36,45 @@ Resolve = Callable[[str], Target[Any]]
 
 
 class ServiceLoop:
-    def __init__(self, journal: Journal, metrics: Metrics, resolve: Resolve) -> None:
+    def __init__(
+        self,
+        journal: Journal,
+        metrics: Metrics,
+        resolve: Resolve,
+        routing: RoutingSettings | None = None,
+    ) -> None:
         self.journal = journal
         self._metrics = metrics
         self._resolve = resolve  # a target name → the Target that serves it
+        self.routing = routing or RoutingSettings()
+
+    def order(
+        self, names: Sequence[str], call: Call, served: Served
+    ) -> list[tuple[str, Quote | None]]:
+        """``names`` in the order they are tried, each with its quote: cheapest first when
+        every target can quote (else, and under ``routing.by: order``, the alias order).
+        A first target that quotes nothing to pay (the local replicas at price 0) cannot
+        be beaten: the rest are not quoted and follow in alias order."""
+        alias: list[tuple[str, Quote | None]] = [(n, None) for n in names]
+        if len(names) < 2 or self.routing.by == "order":
+            return alias
+        quotes: list[Quote] = []
+        with call.trace.step("quote"):
+            for n in names:
+                q = self._resolve(n).quote(n, call)
+                if q is None:
+                    return alias
+                quotes.append(q)
+                if len(quotes) == 1 and q.rate == 0:
+                    break
+        if len(quotes) < len(names):  # the first is free
+            order, quoted = list(names), {names[0]: quotes[0]}
+        else:
+            order = by_cost(names, quotes, self.routing.margin)
+            quoted = dict(zip(names, quotes, strict=True))
+        served.routed_by = "order" if order[0] == names[0] else "cost"
+        self._metrics.alias_routes.labels(order[0], served.routed_by).inc()
+        return [(n, quoted.get(n)) for n in order]
 
     async def first_answer(
         self, names: Sequence[str], call: Call, served: Served, whole: bool = False
@@ -46,27 +83,30 @@ class ServiceLoop:
         ``call``, its first piece produced (each fallback is a request of its own, with an
         id of its own).  ``whole``: the answer is read to its end here, so a target that
         fails at any point before it ends falls back too."""
-        for i, name in enumerate(names):
+        order = self.order(names, call, served)
+        for i, (name, quote) in enumerate(order):
             attempt = (
                 call if i == 0 else dataclasses.replace(call, request_id=f"{call.request_id}-{i}")
             )
             try:
-                pieces = await primed(self.serve(name, attempt, served))
+                pieces = await primed(self.serve(name, attempt, served, quote))
                 return attempt.request_id, (await _drained(pieces) if whole else pieces)
             except APIError as exc:
-                if i == len(names) - 1 or not can_fall_back(exc):
+                if i == len(order) - 1 or not can_fall_back(exc):
                     raise
                 reason = exc.code or exc.type
-                log.warning("%s failed (%s: %s); trying %s", name, reason, exc, names[i + 1])
+                log.warning("%s failed (%s: %s); trying %s", name, reason, exc, order[i + 1][0])
                 self._metrics.fallbacks.labels(name, reason).inc()
                 served.fallback_from += (name,)
         raise AssertionError("no targets")  # Targets.resolve never returns an empty list
 
-    async def serve(self, name: str, call: Call, served: Served | None) -> Pieces:
+    async def serve(
+        self, name: str, call: Call, served: Served | None, quote: Quote | None = None
+    ) -> Pieces:
         """One target's answer: admitted, prepared, journaled, sent, settled."""
         target = self._resolve(name)
         with target.admission(call):
-            p = await target.prepare(name, call)
+            p = await target.prepare(name, call, quote)
             if served is not None:
                 served.target, served.dispatch, served.notes = p.target, p.placement, dict(p.notes)
             op = self.journal.open(call.who.tenant, p.header, p.turns, call.session)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from engines.errors import EngineError
 from engines.providers.base import Delta, ProviderUsage
@@ -26,7 +27,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import Piece, Pieces, ToolCallDelta
-from gateway.core.target import Call, Sent
+from gateway.core.target import Call, Quote, Sent
 from gateway.providers.path import Outcome, Prepared, ProviderPath
 from gateway.providers.targets import ProviderTarget
 from gateway.sessions.render import (
@@ -151,20 +152,43 @@ class ProviderChat:
                 raise from_engine_error(exc) from exc
             raise
 
-    async def prepare(self, name: str, call: Call) -> ProviderPrepared:
-        """Plan the cache and render once: the header and turns the log keeps, the
-        provider-neutral call, the planner's breakpoints and directives."""
-        t0 = time.perf_counter()
-        t = self.path.target(name)  # 404 / 503 before anything else
+    def _call(
+        self, name: str, call: Call
+    ) -> tuple[Header, tuple[MessageEvent, ...], Any, list[str]]:
+        """The header and turns the log keeps, the provider-neutral call, its lint."""
         req = call.request
         _local_only_parameters(req)
         system, turns = request_parts(req)
         config = request_config(req, self.layout)
         header = Header.make(req.model, name, system, req.tool_dicts(), config)
         chat, lint = provider_call(header, turns, self.layouts)
+        return header, turns, chat, lint
+
+    def quote(self, name: str, call: Call) -> Quote | None:
+        """The prompt's estimated tokens and those believed warm (weighed by the belief's
+        probability), at the target's prices: nothing planned, nothing counted."""
+        try:
+            t = self.path.target(name)
+            _, _, chat, _ = self._call(name, call)
+        except APIError:
+            return None  # its prepare says what is wrong, in the API's terms
+        view = self.path.view(t, chat, call.who.tenant)
+        believed = self.path.book.believed(view)
+        cached = believed.tokens * believed.probability
+        read = t.profile.read_mult
+        return Quote(name, view.total_tokens, cached, t.input_price, read, memo=view)
+
+    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> ProviderPrepared:
+        """Plan the cache and render once: the header and turns the log keeps, the
+        provider-neutral call, the planner's breakpoints and directives."""
+        t0 = time.perf_counter()
+        t = self.path.target(name)  # 404 / 503 before anything else
+        req = call.request
+        header, turns, chat, lint = self._call(name, call)
         tenant = call.who.tenant
+        view = quote.memo if quote is not None else None
         with call.trace.step("plan", target=name) as span, self._failures(t):
-            planned = await self.path.prepare(t, chat, tenant, call.warm, req)
+            planned = await self.path.prepare(t, chat, tenant, call.warm, req, view)
             span.set_attribute("vcache.breakpoints", len(planned.marked))
         return ProviderPrepared(
             call, name, planned, header, turns, call.request_id, t0, tuple(lint)

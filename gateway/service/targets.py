@@ -1,11 +1,13 @@
-"""Model aliases: ordered targets, and when a request moves on to the next one.
+"""Model aliases: ordered targets, which goes first, and when a request moves on.
 
 A client's ``model`` names the local model, an alias from config (for
 example ``[local, anthropic/claude-sonnet-4-5]``), or ``provider/model`` for
-a configured provider.  A request moves to the next target when the current
-one is unavailable or overloaded, the prompt exceeds its context, or a
-provider still fails after its retries; never for the client's own mistakes,
-and a streamed answer only before its first token.
+a configured provider.  Of an alias's targets the cheapest for the prompt
+goes first (:func:`by_cost`; ``routing.by: order`` keeps the alias order).  A
+request moves to the next target when the current one is unavailable or
+overloaded, the prompt exceeds its context, or a provider still fails after
+its retries; never for the client's own mistakes, and a streamed answer only
+before its first token.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import APIError, InvalidRequest, NotFound, RateLimited, Unavailable
+from gateway.core.target import Quote
 
 
 class Targets:
@@ -50,3 +53,18 @@ def can_fall_back(exc: APIError) -> bool:
     if isinstance(exc, InvalidRequest):  # what this target cannot do, another may
         return exc.code in ("context_length_exceeded", "tools_unsupported", "unsupported_on_target")
     return isinstance(exc, Unavailable | RateLimited) or exc.status >= 500
+
+
+def by_cost(names: Sequence[str], quotes: Sequence[Quote], margin: float) -> list[str]:
+    """``names`` (in alias order) ordered by their quotes' price per prompt token: each
+    place goes to the earliest target left whose rate, less ``margin`` of it, is at most
+    the cheapest one's.  A later target moves ahead only when it is clearly cheaper (a
+    belief's probability is an estimate), and equal rates keep the alias order."""
+    left = list(range(len(names)))
+    order: list[str] = []
+    while left:
+        low = min(quotes[i].rate for i in left)
+        pick = next(i for i in left if quotes[i].rate * (1 - margin) <= low)
+        order.append(names[pick])
+        left.remove(pick)
+    return order

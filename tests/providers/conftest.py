@@ -1,9 +1,14 @@
-"""The provider emulator on loopback, and an in-process gateway whose providers point at it.
+"""The provider emulator, and an in-process gateway whose providers point at it.
 
-The emulator runs as its own process (``python -m loadtests.emulator``), as
-a user would run it; the gateway runs in-process over a fake local engine
-(these tests are about the provider path), driven through the official
-``openai`` client.  The gateway's provider clock is a :class:`FakeClock`.
+``emulator``: the emulator's app in this process, reached through the provider
+client's transport seam (:class:`~engines.providers.transport.AsgiTransport`:
+the same client, retries and stream parsing, no socket and no subprocess).
+``emulator_server``: the emulator as its own process on loopback
+(``python -m loadtests.emulator``, as a user runs it), for what runs in
+processes of its own (the CLI, worker gateways).  The gateway runs in-process
+over a fake local engine (these tests are about the provider path), driven
+through the official ``openai`` client.  Its provider clock is a
+:class:`FakeClock`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engines.fake import FakeEngine
+from engines.providers.transport import AsgiTransport, Transport
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
@@ -28,6 +34,11 @@ from gateway.providers.control import Control
 from gateway.providers.path import ProviderPath
 from gateway.sessions.log import SessionLog
 from tests.integration.conftest import _free_port, running
+from tests.settings import gateway_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
+from emulator.app import create_app as emulator_app
+from emulator.state import EmulatorState
 
 KEY = "sk-provider-tests"
 LOCAL = "vcache-demo"
@@ -55,23 +66,25 @@ class FakeClock:
 @dataclass
 class Emulator:
     url: str
+    http: httpx.Client | TestClient  # its admin API
+    transport: Transport | None = None  # in-process: how a gateway reaches it
 
     def admin(self, path: str, **body: Any) -> Any:
-        r = httpx.post(f"{self.url}/admin/{path}", json=body, timeout=10)
+        r = self.http.post(f"{self.url}/admin/{path}", json=body)
         r.raise_for_status()
         return r.json()
 
     def admin_get(self, path: str) -> Any:
-        r = httpx.get(f"{self.url}/admin/{path}", timeout=10)
+        r = self.http.get(f"{self.url}/admin/{path}")
         r.raise_for_status()
         return r.json()
 
     def received(self) -> list[dict[str, Any]]:
-        return list(httpx.get(f"{self.url}/admin/requests", timeout=10).json())
+        return list(self.admin_get("requests"))
 
     def last_body(self) -> Any:
         """The last request the emulator received, decoded."""
-        return httpx.get(f"{self.url}/admin/requests/last", timeout=10).json()
+        return self.admin_get("requests/last")
 
     def base_url(self, provider: str) -> str:
         return {
@@ -83,7 +96,17 @@ class Emulator:
 
 
 @pytest.fixture(scope="session")
-def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+def emulator() -> Iterator[Emulator]:
+    """The emulator's app in this process (its admin API through a test client)."""
+    app = emulator_app(EmulatorState(api_key=PROVIDER_KEY))
+    url = "http://emulator.test"
+    with TestClient(app, base_url=url) as admin:
+        yield Emulator(url, admin, AsgiTransport(app))
+
+
+@pytest.fixture(scope="session")
+def emulator_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    """The emulator as its own process on loopback."""
     port = _free_port()
     log = tmp_path_factory.mktemp("emulator") / "emulator.log"
     repo = Path(__file__).resolve().parents[2]
@@ -91,8 +114,11 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     cmd += ["--api-key", PROVIDER_KEY]
     url = f"http://127.0.0.1:{port}"
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo)}
-    with running(cmd, env, f"{url}/admin/requests", log, "emulator"):
-        yield Emulator(url)
+    with (
+        running(cmd, env, f"{url}/admin/requests", log, "emulator"),
+        httpx.Client(timeout=10) as admin,
+    ):
+        yield Emulator(url, admin)
 
 
 @dataclass
@@ -120,6 +146,10 @@ class Gw:
 
     def ask(self, model: str, question: str = "what is a block?", system: str = MANUAL) -> Any:
         """A short chat on ``model`` under ``system``; its usage (a 200 or the test fails)."""
+        return self.chat(model, question, system).json()["usage"]
+
+    def chat(self, model: str, question: str, system: str = MANUAL) -> Any:
+        """A short chat on ``model`` under ``system``, answered 200 (or the test fails)."""
         r = self.http.post(
             "/v1/chat/completions",
             headers={"authorization": f"Bearer {KEY}"},
@@ -133,7 +163,7 @@ class Gw:
             },
         )
         assert r.status_code == 200, r.text
-        return r.json()["usage"]
+        return r
 
     def stats(self) -> dict[str, Any]:
         r = self.http.get("/v1/cache/stats", headers={"authorization": f"Bearer {KEY}"})
@@ -164,7 +194,7 @@ def provider_settings(emulator: Emulator, **overrides: Any) -> Settings:
         "aliases": {"smart": ["local", "anthropic/claude-sonnet-4-5"]},
     }
     values.update(overrides)
-    return Settings(**values)
+    return gateway_settings(**values)
 
 
 @pytest.fixture
@@ -173,12 +203,16 @@ def gw(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
     yield from make_gateway(emulator, tokenizer)
 
 
-def make_gateway(emulator: Emulator, tokenizer: ChatTokenizer, **overrides: Any) -> Iterator[Gw]:
+def make_gateway(
+    emulator: Emulator, tokenizer: ChatTokenizer, max_model_len: int = 512, **overrides: Any
+) -> Iterator[Gw]:
     db = Path(tempfile.mkdtemp(prefix="vcache-sessions-")) / "sessions.db"
     overrides.setdefault("session_log", {"path": str(db), "verify_reconstruction": True})
     settings = provider_settings(emulator, **overrides)
     clock = FakeClock()
-    engine = FakeEngine(tokenizer, block_size=16, max_model_len=512)
-    app = create_app(settings, [engine], provider_clock=clock)
+    engine = FakeEngine(tokenizer, block_size=16, max_model_len=max_model_len)
+    app = create_app(
+        settings, [engine], provider_clock=clock, provider_transport=emulator.transport
+    )
     with TestClient(app) as http:
         yield Gw(http, clock, app.state.providers, engine, emulator)

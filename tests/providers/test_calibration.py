@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from gateway.core.metrics import Metrics
-from gateway.providers.calibrate import Calibrator, emulator_clock
+from gateway.providers.calibrate import Calibrator
 from gateway.providers.path import ProviderPath
 from manifest.calibration import CalibratedProfile
 from tests.providers.conftest import MODELS, PROVIDER_KEY, Emulator, provider_settings
@@ -34,11 +34,15 @@ RULES: dict[str, dict[str, Any]] = {
 
 
 def _calibrate(emulator: Emulator, target: str) -> CalibratedProfile:
-    path = ProviderPath(provider_settings(emulator), Metrics())
+    """Calibrate ``target`` on the in-process emulator, its clock moved instead of slept."""
+    path = ProviderPath(provider_settings(emulator), Metrics(), transport=emulator.transport)
+
+    async def wait(seconds: float) -> None:
+        emulator.admin("clock/advance", seconds=seconds)
 
     async def run() -> CalibratedProfile:
         try:
-            return await Calibrator(path.target(target), emulator_clock(emulator.url)).run()
+            return await Calibrator(path.target(target), wait).run()
         finally:
             await path.close()
 
@@ -60,8 +64,9 @@ def test_implicit_rules_are_recovered(emulator: Emulator, provider: str) -> None
 
 
 def test_vcache_calibrate_recovers_anthropics_rules_and_the_path_uses_them(
-    emulator: Emulator, tmp_path: Path
+    emulator_server: Emulator, tmp_path: Path
 ) -> None:
+    emulator = emulator_server  # the CLI runs as its own process
     emulator.admin("reset")
     emulator.admin("rules", provider="anthropic", min_prefix=2048, ttl_s=420, ttl_long_s=5400)
     target = f"anthropic/{MODELS['anthropic']}"

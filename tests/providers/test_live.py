@@ -18,8 +18,9 @@ from engines.fake import FakeEngine
 from engines.providers.specs import PROVIDERS
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import ApiKeyConfig, hash_api_key
 from tests.providers.conftest import KEY, MODELS
+from tests.settings import gateway_settings
 
 ANCHOR = "You answer questions about the vcache test manual.\n" * 150
 
@@ -29,7 +30,7 @@ def live_http(demo_model: Path) -> Iterator[TestClient]:
     configured: dict[str, Any] = {p: {} for p in MODELS if os.environ.get(PROVIDERS[p].key_env)}
     if not configured:
         pytest.skip("no provider API key is set")
-    settings = Settings(
+    settings = gateway_settings(
         grpc_port=None,
         api_keys=[ApiKeyConfig(sha256=hash_api_key(KEY), tenant="live", admin=True)],
         providers=configured,

@@ -10,6 +10,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from engines.tokenizer import ChatTokenizer
 from tests.providers.conftest import KEY, MODELS, Emulator, Gw, make_gateway
+from tests.settings import gateway_settings
 
 ANTHROPIC = f"anthropic/{MODELS['anthropic']}"
 OPENAI = f"openai/{MODELS['openai']}"
@@ -174,7 +175,7 @@ def test_a_provider_only_gateway_serves_aliases_and_refuses_the_local_model(
     settings = provider_settings(
         emulator, engine={"replicas": 0}, aliases={"fast": [OPENAI, ANTHROPIC]}
     )
-    with TestClient(create_app(settings, [])) as http:
+    with TestClient(create_app(settings, [], provider_transport=emulator.transport)) as http:
         auth = {"authorization": f"Bearer {KEY}"}
         assert http.get("/readyz").status_code == 200
         assert [m["id"] for m in http.get("/v1/models", headers=auth).json()["data"]] == ["fast"]
@@ -189,10 +190,9 @@ def test_a_provider_only_gateway_serves_aliases_and_refuses_the_local_model(
 
 
 def test_local_in_an_alias_needs_a_local_replica() -> None:
-    from gateway.core.config import Settings
 
     with pytest.raises(ValueError, match="needs a local replica"):
-        Settings(
+        gateway_settings(
             engine={"replicas": 0},
             providers={"openai": {"api_key": "x"}},
             aliases={"a": ["local", OPENAI]},

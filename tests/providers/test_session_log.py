@@ -125,9 +125,9 @@ def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
 
     real = pc.ProviderChat.prepare
 
-    async def corrupt(self: Any, name: str, call: Any) -> Any:
+    async def corrupt(self: Any, name: str, call: Any, quote: Any = None) -> Any:
         """What the log records differs from what the live call renders."""
-        p = await real(self, name, call)
+        p = await real(self, name, call, quote)
         turns = tuple(type(t)(t.role, t.content + "!", t.name) for t in p.turns)
         return dataclasses.replace(p, turns=turns)
 

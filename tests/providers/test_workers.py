@@ -24,7 +24,10 @@ MODEL = f"openai/{MODELS['openai']}"
 
 
 @pytest.fixture
-def workers(emulator: Emulator, tmp_path: Path) -> Iterator[tuple[str, psutil.Process, Path]]:
+def workers(
+    emulator_server: Emulator, tmp_path: Path
+) -> Iterator[tuple[str, psutil.Process, Path]]:
+    emulator = emulator_server  # the workers are processes of their own
     emulator.admin("reset")  # no limits or faults left by other tests
     config = {
         "providers": {"openai": {"base_url": emulator.base_url("openai"), "api_key": PROVIDER_KEY}},

@@ -24,6 +24,7 @@ from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from gateway.core.config import Settings, unknown_env
+from tests.settings import gateway_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -43,7 +44,7 @@ def _yaml(path: Path) -> Any:
 def exposed(demo_model: Path) -> tuple[set[str], set[str]]:
     """(metric families on /metrics, route paths) of a gateway with providers configured."""
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)))
-    settings = Settings(grpc_port=None, providers={"openai": {"api_key": "x"}})
+    settings = gateway_settings(grpc_port=None, providers={"openai": {"api_key": "x"}})
     app = create_app(settings, [engine])
     with TestClient(app) as http:
         text = http.get("/metrics").text
@@ -110,7 +111,7 @@ def test_the_compose_stack_mounts_files_that_exist() -> None:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = v
-    settings = Settings(**nested)
+    settings = gateway_settings(**nested)
     assert settings.session_log.url and settings.state.url  # the stores of the stack
     assert settings.session_log.url.endswith("@postgres:5432/vcache")
     assert settings.state.url == "redis://redis:6379/0"

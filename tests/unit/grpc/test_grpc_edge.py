@@ -14,9 +14,10 @@ from grpc_status import rpc_status
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import ApiKeyConfig, hash_api_key
 from gateway.grpc.api import gateway_pb2 as pb
 from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
+from tests.settings import gateway_settings
 
 KEY = "sk-grpc-admin"
 USER = "sk-grpc-user"
@@ -29,7 +30,7 @@ def channel(demo_model: Path) -> Iterator[grpc.Channel]:
         ApiKeyConfig(sha256=hash_api_key(KEY), tenant="a", name="admin", admin=True),
         ApiKeyConfig(sha256=hash_api_key(USER), tenant="u", name="user"),
     ]
-    app = create_app(Settings(api_keys=keys, grpc_port=0), [engine])
+    app = create_app(gateway_settings(api_keys=keys, grpc_port=0), [engine])
     with TestClient(app), grpc.insecure_channel(f"127.0.0.1:{app.state.grpc.port}") as ch:
         yield ch
 

@@ -12,11 +12,11 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
+from tests.settings import gateway_settings
 
 
 @pytest.fixture
 def gw(demo_model: Path) -> Iterator[tuple[FakeEngine, TestClient]]:
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512)
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
+    with TestClient(create_app(gateway_settings(grpc_port=None), [engine])) as http:
         yield engine, http

@@ -11,14 +11,14 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
+from tests.settings import gateway_settings
 
 
 def test_the_banner_names_the_urls_once_ready(
     demo_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)))
-    settings = Settings(grpc_port=None, port=8123)
+    settings = gateway_settings(grpc_port=None, port=8123)
     with (
         caplog.at_level(logging.INFO, logger="gateway"),
         TestClient(create_app(settings, [engine])) as http,

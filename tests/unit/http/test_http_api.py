@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import ApiKeyConfig, hash_api_key
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 KEY_A = "sk-tenant-a"
@@ -29,7 +30,7 @@ def tokenizer(demo_model: Path) -> ChatTokenizer:
 
 def _client(fake: FakeEngine, **settings: object) -> TestClient:
     settings.setdefault("grpc_port", None)  # the gRPC edge has its own tests
-    app = create_app(Settings(**settings), [fake])  # type: ignore[arg-type]
+    app = create_app(gateway_settings(**settings), [fake])
     return TestClient(app)
 
 

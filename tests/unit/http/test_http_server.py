@@ -16,8 +16,8 @@ import uvicorn
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
 from gateway.http.server import guarded_protocol
+from tests.settings import gateway_settings
 
 TIMEOUT_S = 0.5
 
@@ -25,7 +25,7 @@ TIMEOUT_S = 0.5
 @pytest.fixture(scope="module")
 def server(demo_model: Path) -> Iterator[tuple[str, int]]:
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)))
-    settings = Settings(grpc_port=None, http={"body_timeout_s": TIMEOUT_S})
+    settings = gateway_settings(grpc_port=None, http={"body_timeout_s": TIMEOUT_S})
     app = create_app(settings, [engine])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,7 +19,8 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import ApiKeyConfig, hash_api_key
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 ASK: Any = [{"role": "user", "content": "hi"}]
@@ -47,7 +48,7 @@ def _keys() -> list[ApiKeyConfig]:
 @pytest.fixture
 def gw(tokenizer: ChatTokenizer) -> Iterator[tuple[FakeEngine, TestClient]]:
     engine = FakeEngine(tokenizer, block_size=16, max_model_len=1024, max_queued_requests=None)
-    cfg = Settings(grpc_port=None, api_keys=_keys(), engine={"max_queued_requests": 4})
+    cfg = gateway_settings(grpc_port=None, api_keys=_keys(), engine={"max_queued_requests": 4})
     with TestClient(create_app(cfg, [engine])) as http:
         yield engine, http
 
@@ -157,7 +158,7 @@ def test_a_tenant_waits_its_turn_for_a_slot_in_the_engine(tokenizer: ChatTokeniz
     """engine.max_num_seqs 1: while one tenant's answer holds the replica's slot, the other
     tenant's request waits in the gateway (counted) and is served when the slot frees."""
     engine = FakeEngine(tokenizer, block_size=16, max_model_len=1024, step_delay_s=0.01)
-    cfg = Settings(grpc_port=None, api_keys=_keys(), engine={"max_num_seqs": 1})
+    cfg = gateway_settings(grpc_port=None, api_keys=_keys(), engine={"max_num_seqs": 1})
     body = {"model": MODEL, "messages": ASK, "max_tokens": 30, "stream": True}
     with TestClient(create_app(cfg, [engine])) as http:
         auth = {"authorization": "Bearer sk-free"}

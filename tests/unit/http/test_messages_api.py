@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import ApiKeyConfig, hash_api_key
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 KEY = "sk-messages"
@@ -46,7 +47,7 @@ def tokenizer(demo_model: Path) -> ChatTokenizer:
 def _app(engine: FakeEngine, tmp_path: Path, **settings: Any) -> TestClient:
     log = {"path": str(tmp_path / "s.db"), "verify_reconstruction": True}
     keys = [ApiKeyConfig(sha256=hash_api_key(KEY), tenant="t", name="agent")]
-    cfg = Settings(grpc_port=None, session_log=log, api_keys=keys, **settings)
+    cfg = gateway_settings(grpc_port=None, session_log=log, api_keys=keys, **settings)
     return TestClient(create_app(cfg, [engine]))
 
 

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 ASK: list[dict[str, Any]] = [
@@ -28,7 +28,9 @@ PARTIAL = [*ASK, {"role": "assistant", "content": "The answer is"}]
 def gw(demo_model: Path, tmp_path: Path) -> Iterator[tuple[FakeEngine, TestClient]]:
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=1024)
     log = {"path": str(tmp_path / "s.db"), "verify_reconstruction": True}
-    with TestClient(create_app(Settings(grpc_port=None, session_log=log), [engine])) as http:
+    with TestClient(
+        create_app(gateway_settings(grpc_port=None, session_log=log), [engine])
+    ) as http:
         yield engine, http
 
 

@@ -16,7 +16,7 @@ from tokenizers.processors import TemplateProcessing
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 ASK: list[dict[str, Any]] = [
@@ -32,7 +32,7 @@ Gateway = tuple[FakeEngine, TestClient]
 def _gateway(demo_model: Path, tmp_path: Path, trust: bool) -> Iterator[Gateway]:
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=MAX_LEN)
     log = {"path": str(tmp_path / "s.db"), "verify_reconstruction": True}
-    settings = Settings(
+    settings = gateway_settings(
         grpc_port=None, session_log=log, engine={"trust_request_chat_template": trust}
     )
     with TestClient(create_app(settings, [engine])) as http:

@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import ApiKeyConfig, hash_api_key
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 KEY = "sk-responses"
@@ -45,7 +46,7 @@ def _gw(tokenizer: ChatTokenizer, tmp_path: Path, reply: str) -> Iterator[tuple[
     engine = FakeEngine(tokenizer, block_size=16, max_model_len=4096, reply=reply)
     log = {"path": str(tmp_path / "s.db"), "verify_reconstruction": True}
     keys = [ApiKeyConfig(sha256=hash_api_key(KEY), tenant="t", name="agent")]
-    cfg = Settings(grpc_port=None, session_log=log, api_keys=keys)
+    cfg = gateway_settings(grpc_port=None, session_log=log, api_keys=keys)
     with TestClient(create_app(cfg, [engine])) as http:
         sdk = openai.OpenAI(
             base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0

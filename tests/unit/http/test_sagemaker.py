@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 ASK = [{"role": "user", "content": "say hello"}]
@@ -26,7 +26,7 @@ Gateway = tuple[FakeEngine, TestClient]
 def gw(demo_model: Path) -> Iterator[Gateway]:
     tok = ChatTokenizer.from_pretrained(str(demo_model))
     engine = FakeEngine(tok, max_model_len=512, step_delay_s=0.05)
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
+    with TestClient(create_app(gateway_settings(grpc_port=None), [engine])) as http:
         yield engine, http
 
 
@@ -87,7 +87,7 @@ def test_a_request_without_model_is_the_local_models(gw: Gateway) -> None:
 
 
 def test_without_a_local_model_the_model_must_be_named(demo_model: Path) -> None:
-    with TestClient(create_app(Settings(grpc_port=None), [])) as http:
+    with TestClient(create_app(gateway_settings(grpc_port=None), [])) as http:
         r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "missing_required_parameter"

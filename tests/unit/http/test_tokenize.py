@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 TOOLS: Any = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -24,7 +24,7 @@ MESSAGES: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "c
 @pytest.fixture
 def gw(demo_model: Path) -> Iterator[tuple[FakeEngine, TestClient]]:
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), block_size=16)
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
+    with TestClient(create_app(gateway_settings(grpc_port=None), [engine])) as http:
         yield engine, http
 
 

@@ -23,11 +23,12 @@ from engines.errors import EngineUnavailable
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.core.config import ApiKeyConfig, hash_api_key
 from gateway.grpc.api import gateway_pb2 as pb
 from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
 from gateway.local.spans import KVSpans
 from manifest.index import LocationId
+from tests.settings import gateway_settings
 
 KEY = "sk-sick-admin"
 R = LocationId("replica-0")
@@ -52,7 +53,7 @@ class SickCore:
 def sick(demo_model: Path, tmp_path: Path) -> Iterator[tuple[TestClient, SickCore, KVSpans, str]]:
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), block_size=16)
     keys = [ApiKeyConfig(sha256=hash_api_key(KEY), tenant="a", name="admin", admin=True)]
-    app = create_app(Settings(api_keys=keys, grpc_port=0), [engine])
+    app = create_app(gateway_settings(api_keys=keys, grpc_port=0), [engine])
     core = SickCore()
     with TestClient(app) as client:
         kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)

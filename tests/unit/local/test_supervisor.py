@@ -11,7 +11,6 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
 from gateway.core.errors import Unavailable
 from gateway.core.metrics import Metrics
 from gateway.local.dispatch import Dispatcher
@@ -19,6 +18,7 @@ from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.supervisor import Supervisor, backoff_s
 from manifest.index import LocationId
+from tests.settings import gateway_settings
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_http_reports_engine_dead_then_recovers(tokenizer: ChatTokenizer) -> Non
     """Over HTTP: healthz/readyz say engine_dead, chat is 503 with Retry-After, then back."""
     factory = Factory(tokenizer)
     built = [Replica(LocationId("replica-0"), factory(), factory=factory)]
-    settings = Settings(
+    settings = gateway_settings(
         grpc_port=None,
         engine={"watch_interval_s": 0.01, "restart_backoff_s": 3600, "restart_backoff_cap_s": 3600},
     )

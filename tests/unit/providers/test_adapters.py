@@ -25,12 +25,12 @@ from engines.providers.openai import DeepSeekAdapter, OpenAIAdapter
 from engines.providers.retry import RetryPolicy, parse_retry_after
 from engines.providers.specs import PROVIDERS
 from engines.sse import SSEDecoder
-from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
 from gateway.providers.book import PromptView
 from gateway.providers.path import ProviderPath
 from gateway.providers.targets import target_profile
 from manifest.planner import TargetState, plan
+from tests.settings import gateway_settings
 
 CALL = ChatCall(
     model="m",
@@ -180,7 +180,7 @@ def test_stream_parsers_normalize_usage() -> None:
 def test_never_more_than_four_anthropic_breakpoints_and_none_below_the_minimum(
     turns: int,
 ) -> None:
-    settings = Settings(providers={"anthropic": {"api_key": "x"}})
+    settings = gateway_settings(providers={"anthropic": {"api_key": "x"}})
     path = ProviderPath(settings, Metrics())
     t = path.target("anthropic/claude-sonnet-4-5")
     call = ChatCall(
@@ -199,7 +199,7 @@ def test_never_more_than_four_anthropic_breakpoints_and_none_below_the_minimum(
 
 
 def test_config_overrides_minimum_and_prices() -> None:
-    settings = Settings(
+    settings = gateway_settings(
         providers={
             "openai": {
                 "api_key": "x",
@@ -214,7 +214,7 @@ def test_config_overrides_minimum_and_prices() -> None:
 
 def test_aliases_must_name_configured_targets() -> None:
     with pytest.raises(ValueError, match="neither"):
-        Settings(aliases={"smart": ["local", "anthropic/claude"]})
+        gateway_settings(aliases={"smart": ["local", "anthropic/claude"]})
 
 
 def test_tools_render_first_in_each_providers_shape() -> None:

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 WEATHER: Any = {
@@ -37,7 +37,7 @@ ASK: list[Any] = [{"role": "user", "content": "weather in Paris?"}]
 
 def _gateway(engine: FakeEngine, tmp_path: Path) -> TestClient:
     log = {"path": str(tmp_path / "s.db"), "verify_reconstruction": True}
-    return TestClient(create_app(Settings(grpc_port=None, session_log=log), [engine]))
+    return TestClient(create_app(gateway_settings(grpc_port=None, session_log=log), [engine]))
 
 
 @pytest.fixture(scope="module")

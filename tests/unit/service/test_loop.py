@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
+from gateway.core.config import RoutingSettings
 from gateway.core.errors import BadGateway, InvalidRequest, Unavailable
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.core.shaping import Piece, Pieces
-from gateway.core.target import Call, Sent
+from gateway.core.target import Call, Quote, Sent
 from gateway.core.types import Principal, Served
 from gateway.service.journal import Journal
 from gateway.service.loop import ServiceLoop
@@ -41,8 +42,16 @@ class FakePrepared:
 class FakeTarget:
     """Records every stage; fails as told."""
 
-    def __init__(self, log: list[str], fail: Exception | None = None, retry: bool = False) -> None:
+    def __init__(
+        self,
+        log: list[str],
+        fail: Exception | None = None,
+        retry: bool = False,
+        cached: float | None = 0.0,
+        price: float = 1.0,
+    ) -> None:
         self.log, self.fail, self.can_retry = log, fail, retry
+        self.cached, self.price = cached, price  # cached None: it cannot quote
 
     @contextmanager
     def _admitted(self) -> Iterator[None]:
@@ -55,8 +64,15 @@ class FakeTarget:
     def admission(self, call: Call) -> AbstractContextManager[None]:
         return self._admitted()
 
-    async def prepare(self, name: str, call: Call) -> FakePrepared:
-        self.log.append(f"prepare {name} {call.request_id}")
+    def quote(self, name: str, call: Call) -> Quote | None:
+        self.log.append(f"quote {name}")
+        if self.cached is None:
+            return None
+        return Quote(name, 1000, self.cached, self.price, 0.1, memo=f"memo {name}")
+
+    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> FakePrepared:
+        memo = f" ({quote.memo})" if quote is not None else ""
+        self.log.append(f"prepare {name} {call.request_id}{memo}")
         return FakePrepared(name, call.request_id, notes={"x-vcache-note": name})
 
     async def send(self, p: FakePrepared, session: str | None) -> Pieces:
@@ -106,8 +122,13 @@ def _call() -> Call:
     return Call(req, Principal(tenant="t"), "chatcmpl-1")
 
 
-def _run(targets: dict[str, FakeTarget], log: list[str], names: list[str]) -> tuple[Any, ...]:
-    loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: targets[name])
+def _run(
+    targets: dict[str, FakeTarget],
+    log: list[str],
+    names: list[str],
+    routing: RoutingSettings | None = None,
+) -> tuple[Any, ...]:
+    loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: targets[name], routing)
     served = Served()
 
     async def main() -> tuple[str, list[Piece]]:
@@ -142,6 +163,7 @@ def test_a_target_that_fails_before_the_first_token_gives_way() -> None:
     rid, _, served = _run(targets, log, ["a", "b"])
     assert rid == "chatcmpl-1-1"  # the fallback is a request of its own
     assert served.target == "b" and served.fallback_from == ("a",)
+    assert served.routed_by == "order"  # equal quotes: the alias's first went first
     assert "journal chatcmpl-1" in log and "journal chatcmpl-1-1" in log
     assert log.count("release") == 2  # the failed target's admission was released
 
@@ -181,3 +203,70 @@ def test_settled_even_when_the_client_leaves_after_the_usage() -> None:
 
     asyncio.run(main())
     assert "settle chatcmpl-1 cached=4" in log and log[-1] == "release"
+
+
+# ------------------------------------------------------------ by cost
+
+
+def test_a_cheaper_later_target_goes_first_and_is_prepared_on_its_quote() -> None:
+    log: list[str] = []
+    # b holds 900 of the 1000 prompt tokens warm: 0.1·900 + 100 = 190 vs a's 1000
+    targets = {"a": FakeTarget(log), "b": FakeTarget(log, cached=900)}
+    rid, _, served = _run(targets, log, ["a", "b"])
+    assert log[:3] == ["quote a", "quote b", "admit"]
+    assert "prepare b chatcmpl-1 (memo b)" in log and not any("prepare a" in e for e in log)
+    assert rid == "chatcmpl-1" and served.target == "b"
+    assert served.routed_by == "cost" and served.headers()["x-vcache-routed-by"] == "cost"
+
+
+def test_the_fallback_after_the_cheapest_is_the_next_cheapest() -> None:
+    log: list[str] = []
+    targets = {
+        "a": FakeTarget(log),
+        "b": FakeTarget(log, price=0.5),
+        "c": FakeTarget(log, Unavailable("down"), cached=900),
+    }
+    rid, _, served = _run(targets, log, ["a", "b", "c"])
+    assert [e.split()[1] for e in log if e.startswith("prepare")] == ["c", "b"]
+    assert served.target == "b" and served.fallback_from == ("c",) and rid == "chatcmpl-1-1"
+
+
+def test_costs_within_the_margin_keep_the_alias_order() -> None:
+    log: list[str] = []
+    # b is 5% cheaper: inside the default 10% margin, so a (first in the alias) serves
+    targets = {"a": FakeTarget(log), "b": FakeTarget(log, price=0.95)}
+    _, _, served = _run(targets, log, ["a", "b"])
+    assert served.target == "a" and served.routed_by == "order"
+    log.clear()
+    _, _, served = _run(targets, log, ["a", "b"], RoutingSettings(margin=0.01))
+    assert served.target == "b" and served.routed_by == "cost"
+
+
+def test_a_target_that_cannot_quote_keeps_the_alias_order() -> None:
+    log: list[str] = []
+    targets = {"a": FakeTarget(log, cached=None), "b": FakeTarget(log, cached=900)}
+    _, _, served = _run(targets, log, ["a", "b"])
+    assert served.target == "a" and served.routed_by is None
+    assert "prepare a chatcmpl-1" in log  # prepared without a quote
+
+
+def test_routing_by_order_quotes_nothing() -> None:
+    log: list[str] = []
+    targets = {"a": FakeTarget(log), "b": FakeTarget(log, cached=900)}
+    _, _, served = _run(targets, log, ["a", "b"], RoutingSettings(by="order"))
+    assert served.target == "a" and not any(e.startswith("quote") for e in log)
+
+
+def test_a_single_target_is_not_quoted() -> None:
+    log: list[str] = []
+    _, _, served = _run({"a": FakeTarget(log, cached=900)}, log, ["a"])
+    assert not any(e.startswith("quote") for e in log) and served.routed_by is None
+
+
+def test_a_free_first_target_is_not_outbid_and_the_rest_are_not_quoted() -> None:
+    log: list[str] = []
+    targets = {"a": FakeTarget(log, price=0.0), "b": FakeTarget(log, cached=900)}
+    _, _, served = _run(targets, log, ["a", "b"])
+    assert [e for e in log if e.startswith("quote")] == ["quote a"]
+    assert served.target == "a" and served.routed_by == "order"
+    assert "prepare a chatcmpl-1 (memo a)" in log  # prepared on its quote

@@ -16,7 +16,7 @@ from engines.base import Structured
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 HELLO: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -30,7 +30,7 @@ def engine(demo_model: Path) -> FakeEngine:
 
 @pytest.fixture(scope="module")
 def http(engine: FakeEngine) -> Iterator[TestClient]:
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as c:
+    with TestClient(create_app(gateway_settings(grpc_port=None), [engine])) as c:
         yield c
 
 

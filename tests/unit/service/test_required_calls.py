@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
 from gateway.core.shaping import ToolCallDelta
 from gateway.service.json_text import JsonEscaper
 from gateway.service.required_calls import RequiredCalls
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 ASK: list[Any] = [{"role": "user", "content": "weather in Paris and Rome?"}]
@@ -83,7 +83,7 @@ def test_the_escaper_escapes_controls_inside_strings_only(size: int) -> None:
 def sdk(demo_model: Path) -> Iterator[openai.OpenAI]:
     tokenizer = ChatTokenizer.from_pretrained(str(demo_model))
     engine = FakeEngine(tokenizer, max_model_len=2048, structured_reply=ANSWER)
-    with TestClient(create_app(Settings(grpc_port=None), [engine])) as http:
+    with TestClient(create_app(gateway_settings(grpc_port=None), [engine])) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
 
 

@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
 from gateway.core.tracing import Tracing
+from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"
 
@@ -24,7 +24,7 @@ def test_a_chat_is_one_span_with_a_child_per_step(demo_model: Path) -> None:
     exporter = InMemorySpanExporter()
     tracing = Tracing(processor=SimpleSpanProcessor(exporter))
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512)
-    app = create_app(Settings(grpc_port=None), [engine], tracing=tracing)
+    app = create_app(gateway_settings(grpc_port=None), [engine], tracing=tracing)
     with TestClient(app) as http:
         sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
         sdk.chat.completions.create(

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import Settings
+from tests.settings import gateway_settings
 from tests.stores import ThrowawayPostgres
 
 
@@ -26,7 +26,7 @@ from tests.stores import ThrowawayPostgres
 def gateway(
     throwaway_postgres: ThrowawayPostgres, demo_model: Path
 ) -> Iterator[tuple[TestClient, ThrowawayPostgres]]:
-    settings = Settings(
+    settings = gateway_settings(
         grpc_port=None,
         session_log={"url": throwaway_postgres.url, "unavailable_grace_s": 60},
     )
