@@ -139,7 +139,9 @@ def serve(settings: Settings, argv: list[str]) -> int:
             log_level=settings.log_level,
             log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
             timeout_graceful_shutdown=10,
-            http=guarded_protocol(h.max_header_bytes, h.header_timeout_s),
+            http=guarded_protocol(
+                h.max_header_bytes, h.header_timeout_s, h.max_requests_per_connection
+            ),
             timeout_keep_alive=int(max(1, h.keep_alive_s)),
             limit_concurrency=h.max_connections,
         )

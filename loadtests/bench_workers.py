@@ -155,6 +155,8 @@ def part_workers(args: argparse.Namespace, work: Path, env: dict[str, str]) -> d
     emulator = [sys.executable, "-m", "loadtests.emulator", "--port", str(emu_port)]
     providers = {"openai": {"base_url": f"{emu}/v1", "api_key": "k"}}
     vc_env = {**env, "VCACHE_LOG_LEVEL": "warning", "VCACHE_PROVIDERS": json.dumps(providers)}
+    if args.per_connection is not None:
+        vc_env["VCACHE_HTTP__MAX_REQUESTS_PER_CONNECTION"] = str(args.per_connection)
     arms: dict[str, Arm] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(
@@ -247,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--words", type=int, default=32, help="output tokens, frontend part")
     ap.add_argument("--new-connections", action="store_true", help="one per request")
+    ap.add_argument(
+        "--per-connection",
+        type=int,
+        default=None,
+        help="the gateway's http.max_requests_per_connection (default: its own)",
+    )
     ap.add_argument("--data-dir", default=str(HERE.parent / ".vcache-test-data"))
     ap.add_argument("--out", type=Path, default=Path("reports/bench_workers.json"))
     args = ap.parse_args(argv)
@@ -255,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = str(HERE.parent)
     out: dict[str, Any] = {"concurrency": args.concurrency, "slice": args.slice,
                            "rounds": args.rounds, "cpus": os.cpu_count(),
-                           "new_connections": args.new_connections, "parts": {}}  # fmt: skip
+                           "new_connections": args.new_connections,
+                           "per_connection": args.per_connection, "parts": {}}  # fmt: skip
     if args.part in ("workers", "both"):
         out["parts"]["workers"] = part_workers(args, work, env)
     if args.part in ("frontend", "both"):

@@ -129,6 +129,9 @@ class HttpSettings(BaseModel):
     body_timeout_s: float = Field(30.0, gt=0)  # longest wait for the next body chunk, else 408
     keep_alive_s: float = Field(5.0, gt=0)  # idle kept-alive connections close after this
     max_connections: int = Field(2048, ge=1)  # served at once; beyond, 503
+    # a kept-alive connection's last request (then connection: close; 0: no limit), so
+    # clients that reconnect spread again over the --workers of one port
+    max_requests_per_connection: int = Field(100, ge=0)
 
 
 def _default_data_dir() -> Path:

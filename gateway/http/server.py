@@ -10,7 +10,13 @@ GPUs needs:
   connection closed, with at most one read chunk buffered past the limit;
 - a head that has not fully arrived ``header_timeout_s`` after the
   connection opened (or after the request's first byte, on a kept-alive
-  connection) is answered 408 and the connection closed.
+  connection) is answered 408 and the connection closed;
+- a kept-alive connection serves at most ``max_requests_per_connection``
+  requests; the last is answered with ``connection: close`` (nginx's
+  ``keepalive_requests``).  The kernel spreads connections over the
+  ``--workers`` sharing a port, not requests: a client that reconnects lands
+  on a worker drawn again, so long-lived clients spread over the workers
+  instead of staying where they first connected.
 
 Body reads are bounded in the ASGI layer (``gateway/http/middleware.py``): size,
 and the wait for each body chunk.  Idle kept-alive connections close after
@@ -52,6 +58,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     max_header_bytes = 64 * 1024
     header_timeout_s = 10.0
+    max_requests_per_connection = 0  # 0: no limit
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -59,6 +66,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._requests = 0  # begun on this connection
 
     def _arm(self) -> None:
         if self._head_timer is not None:
@@ -119,16 +127,23 @@ class GuardedProtocol(HttpToolsProtocol):
             self._too_large()
             raise _Refused  # stops the parser (uvicorn's 400 for it is suppressed below)
         super().on_headers_complete()
+        self._requests += 1
+        cap = self.max_requests_per_connection
+        if cap and self._requests >= cap and self.cycle is not None:
+            self.cycle.keep_alive = False  # answered with connection: close
 
     def send_400_response(self, msg: str) -> None:
         if not self._refused:
             super().send_400_response(msg)
 
 
-def guarded_protocol(max_header_bytes: int, header_timeout_s: float) -> type[GuardedProtocol]:
+def guarded_protocol(
+    max_header_bytes: int, header_timeout_s: float, max_requests_per_connection: int = 0
+) -> type[GuardedProtocol]:
     """A protocol class for ``uvicorn.run(http=...)`` with these limits."""
-    return type(
-        "GatewayHttpProtocol",
-        (GuardedProtocol,),
-        {"max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s},
-    )
+    limits = {
+        "max_header_bytes": max_header_bytes,
+        "header_timeout_s": header_timeout_s,
+        "max_requests_per_connection": max_requests_per_connection,
+    }
+    return type("GatewayHttpProtocol", (GuardedProtocol,), limits)

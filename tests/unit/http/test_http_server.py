@@ -1,5 +1,6 @@
 """The HTTP server's limits, over raw sockets against a real uvicorn on loopback:
-oversized heads (431), slow heads (408), slow bodies (408), and normal traffic untouched."""
+oversized heads (431), slow heads (408), slow bodies (408), the requests one kept-alive
+connection serves, and normal traffic untouched."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from gateway.http.server import guarded_protocol
 from tests.settings import gateway_settings
 
 TIMEOUT_S = 0.5
+PER_CONNECTION = 4  # requests a kept-alive connection serves
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def server(demo_model: Path) -> Iterator[tuple[str, int]]:
         host="127.0.0.1",
         port=port,
         log_level="warning",
-        http=guarded_protocol(8 * 1024, TIMEOUT_S),
+        http=guarded_protocol(8 * 1024, TIMEOUT_S, PER_CONNECTION),
         timeout_keep_alive=30,
     )
     srv = uvicorn.Server(config)
@@ -126,3 +128,18 @@ def test_many_slow_clients_are_all_shed_and_service_goes_on(server: tuple[str, i
     with socket.create_connection(server) as s:
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert _read_all(s).startswith(b"HTTP/1.1 200")
+
+
+def test_a_kept_alive_connection_is_closed_after_its_last_request(
+    server: tuple[str, int],
+) -> None:
+    with socket.create_connection(server) as s:
+        s.settimeout(10)
+        heads = []
+        for _ in range(PER_CONNECTION):
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = s.recv(65536)
+            assert got.startswith(b"HTTP/1.1 200")
+            heads.append(got.partition(b"\r\n\r\n")[0].lower())
+        assert s.recv(65536) == b""  # then the server closed it
+    assert [b"connection: close" in h for h in heads] == [False] * (PER_CONNECTION - 1) + [True]
