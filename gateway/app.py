@@ -145,7 +145,7 @@ def create_app(
         if settings.providers
         else None
     )
-    control = Control(settings.control, provider_clock)
+    control = Control(settings.control, provider_clock, retention=settings.cache.retention)
     bus = _state_bus(settings)
     if providers is not None:
         providers.control = control

@@ -30,6 +30,8 @@ class ControlSettings(BaseModel):
     max_warms_per_tick: int = Field(8, ge=0)
     fan_wait_s: float = Field(10.0, ge=0)  # send-one-then-fan: longest hold of a sibling
     max_anchors: int = Field(4096, ge=1)
+    # an agent session's predicted pause, at most (its tip's heartbeats stop there)
+    session_max_gap_s: float = Field(3600.0, gt=0)
     # The provider clock runs this many times faster than real time: only for load
     # tests against an emulator started with the same --time-scale.
     clock_scale: float = Field(1.0, gt=0)

@@ -20,9 +20,8 @@ balance (``vcache_routing_decisions_total{reason="session"}``).
 
 from __future__ import annotations
 
-import math
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -34,28 +33,9 @@ from gateway.local.retention import BreakpointLeases
 from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
+from manifest.session_tips import Gaps
 
 Outcome = Literal["leased", "refused", "released", "none", "short", "off"]
-MAX_GAPS = 64  # per session and per tenant, the most recent
-
-
-class Gaps:
-    """The most recent gaps (seconds between a turn's end and the next turn's start)."""
-
-    def __init__(self) -> None:
-        self._gaps: deque[float] = deque(maxlen=MAX_GAPS)
-
-    def __len__(self) -> int:
-        return len(self._gaps)
-
-    def add(self, gap_s: float) -> None:
-        self._gaps.append(gap_s)
-
-    def quantile(self, q: float) -> float | None:
-        if not self._gaps:
-            return None
-        ordered = sorted(self._gaps)
-        return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
 @dataclass

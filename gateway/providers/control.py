@@ -11,6 +11,11 @@ anchors, never past the reserve.  Heartbeats only refresh an anchor that is
 still warm: a cold anchor is warmed by its next real request (on implicit
 providers that one is free), never by a dedicated call.
 
+Agent sessions (:mod:`gateway.providers.tips`): a turn of a named session
+plans its conversation tip for the pause that follows (the long tier, or
+heartbeats from this loop until the predicted pause has passed), from the
+session's observed gaps.
+
 Send-one-then-fan (:meth:`Control.fan_in`): when siblings of a cold anchor
 arrive together, the first goes and the rest wait (at most ``fan_wait_s``)
 until its answer begins, by which time the provider has written the anchor.
@@ -30,19 +35,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.core.config import ControlSettings
+from gateway.core.config import ControlSettings, RetentionSettings
 from gateway.core.facts import Publish, no_one
 from gateway.core.loops import every
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.providers.book import PromptView
 from gateway.providers.targets import ProviderTarget
-from manifest.economics import dedicated_warm_break_even, warm_set_size, zipf_coverage, zipf_fit
+from gateway.providers.tips import SessionTips, Tip
 from manifest.governor import ArrivalRate, Decision, Economics, TtlOption, Verdict
 from manifest.planner import Regime
 
 log = logging.getLogger(__name__)
 
 WarmFn = Callable[[ChatCompletionRequest, str, str, str], Awaitable[object]]
+Claim = Callable[[str, float], Awaitable[bool]]
 Key = tuple[str, str, str]  # (target, tenant, anchor digest)
 
 
@@ -81,12 +87,20 @@ class Anchor:
 
 @dataclass
 class Fan:
-    """The first of a cold anchor's siblings: ``release`` when its answer begins."""
+    """The first of a cold anchor's siblings: ``release`` when its answer begins (the
+    siblings held here go on, and the other gateways are told, once)."""
 
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    written: Callable[[], None] = lambda: None
 
     def release(self) -> None:
-        self.event.set()
+        if not self.event.is_set():
+            self.event.set()
+            self.written()
+
+
+async def _alone(name: str, ttl_s: float) -> bool:
+    return True  # no other gateway: this one is always first
 
 
 def economics(t: ProviderTarget, latency_value: float) -> Economics:
@@ -130,11 +144,15 @@ class Control:
         clock: Callable[[], float],
         publish: Publish = no_one,
         leads: Callable[[], bool] = lambda: True,
+        retention: RetentionSettings | None = None,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
         self.publish = publish
         self.leads = leads
+        self.claim: Claim = _alone  # the first of the gateways to write a cold anchor
+        self.fanned: dict[Key, float] = {}  # anchors another gateway wrote, and when
+        self.tips = SessionTips(cfg, retention or RetentionSettings(), clock)
         self.anchors: dict[Key, Anchor] = {}
         self.targets: dict[str, ProviderTarget] = {}
         self.counts = {"heartbeats": 0, "held": 0, "deferred": 0, "evicted": 0, "failed": 0}
@@ -182,6 +200,24 @@ class Control:
                 self.shared_limits[name] = lim
                 self.publish("limits", {"target": name, **dataclasses.asdict(lim)})
 
+    def session_turn(
+        self,
+        t: ProviderTarget,
+        tenant: str,
+        session: str,
+        req: ChatCompletionRequest,
+        view: PromptView,
+    ) -> Tip | None:
+        """A turn of an agent session on ``t``: its tip's plan for the pause after it
+        (governed only)."""
+        if self.cfg.mode != "govern":
+            return None
+        self.targets.setdefault(t.name, t)
+        limits = t.client.limits
+        mu = shadow_price(limits.share_left()) if limits is not None else 0.0
+        econ = economics(t, self.cfg.latency_value)
+        return self.tips.begin(t.name, tenant, session, req, view.total_tokens, econ, mu)
+
     def long_ttl(self, a: Anchor | None) -> bool:
         """Whether the anchor's breakpoint takes the long tier (the governor chose it)."""
         if a is None or self.cfg.mode != "govern" or a.verdict is None:
@@ -195,7 +231,9 @@ class Control:
 
     async def fan_in(self, a: Anchor | None, warm_through: int | None, index: int) -> Fan | None:
         """Hold a sibling of a cold anchor until the first one's answer begins (bounded);
-        the first gets the :class:`Fan` to release."""
+        the first gets the :class:`Fan` to release.  Across gateways the first is the
+        one whose claim on the anchor went through; the others' siblings wait for its
+        ``fan`` fact."""
         if (
             a is None
             or self.cfg.fan_wait_s <= 0
@@ -204,19 +242,38 @@ class Control:
             return None
         now = self.clock()
         w = a.writer
-        stale = now - a.writer_since > self.cfg.fan_wait_s * self.cfg.clock_scale
-        if w is not None and not w.is_set() and not stale:
-            self.counts["held"] += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(w.wait(), self.cfg.fan_wait_s)
+        window = self.cfg.fan_wait_s * self.cfg.clock_scale
+        if w is not None and not w.is_set() and now - a.writer_since <= window:
+            await self._hold(w)
             return None
-        fan = Fan()
-        a.writer, a.writer_since = fan.event, now
-        return fan
+        key = (a.target, a.tenant, a.digest)
+        ev = asyncio.Event()  # this gateway's siblings wait on it from now
+        a.writer, a.writer_since = ev, now
+        if not await self.claim(":".join(key), self.cfg.fan_wait_s):  # another writes it
+            if self.fanned.get(key, -window) < now - window:  # and has not yet begun
+                await self._hold(ev)
+            ev.set()
+            return None
+        return Fan(ev, lambda: self.publish("fan", {"key": list(key)}))
+
+    async def _hold(self, writer: asyncio.Event) -> None:
+        self.counts["held"] += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(writer.wait(), self.cfg.fan_wait_s)
+
+    def learn_fan(self, key: Key) -> None:
+        """Another gateway's first sibling of a cold anchor has begun its answer."""
+        self.fanned[key] = self.clock()
+        a = self.anchors.get(key)
+        if a is not None and a.writer is not None:
+            a.writer.set()
+        if len(self.fanned) > self.cfg.max_anchors:
+            oldest = min(self.fanned, key=self.fanned.__getitem__)
+            del self.fanned[oldest]
 
     # ------------------------------------------------------------------- loop
 
-    def _verdict(self, a: Anchor, now: float) -> Verdict:
+    def verdict(self, a: Anchor, now: float) -> Verdict:
         t = self.targets[a.target]
         limits = t.client.limits
         mu = shadow_price(limits.share_left()) if limits is not None else 0.0
@@ -256,7 +313,7 @@ class Control:
         now = self.clock()
         due: list[Anchor] = []
         for key, a in list(self.anchors.items()):
-            a.verdict = self._verdict(a, now)
+            a.verdict = self.verdict(a, now)
             if self.cfg.mode == "heartbeat_all":
                 ttl = self.targets[a.target].ttl_s
                 a.verdict = Verdict(Decision.HEARTBEAT, ttl, 0.0, a.verdict.arrivals_per_ttl)
@@ -289,14 +346,26 @@ class Control:
         due = self.decide()
         if not self.leads():
             return []
-        return [a for a in due if await self._heartbeat(a, send)]
+        beaten = [a for a in due if await self._heartbeat(a, send)]
+        for tip in self.tips.due():  # paused agent sessions' conversations
+            if await self._warm(send, tip.template, tip.tenant, tip.target):
+                self.tips.touched(tip)
+        return beaten
+
+    async def _warm(
+        self, send: WarmFn, req: ChatCompletionRequest, tenant: str, target: str
+    ) -> bool:
+        """Send one heartbeat (a failed one is a miss later, never an error now)."""
+        try:
+            await send(req, tenant, target, f"heartbeat-{uuid.uuid4().hex[:16]}")
+        except Exception as exc:
+            self.counts["failed"] += 1
+            log.warning("%s: heartbeat failed (%s)", target, exc)
+            return False
+        return True
 
     async def _heartbeat(self, a: Anchor, send: WarmFn) -> bool:
-        try:
-            await send(a.template, a.tenant, a.target, f"heartbeat-{uuid.uuid4().hex[:16]}")
-        except Exception as exc:  # a failed heartbeat is a miss later, never an error now
-            self.counts["failed"] += 1
-            log.warning("%s: heartbeat failed (%s)", a.target, exc)
+        if not await self._warm(send, a.template, a.tenant, a.target):
             return False
         a.touched = self.clock()
         self.publish("touch", {"key": [a.target, a.tenant, a.digest]})
@@ -309,61 +378,3 @@ class Control:
             await self.tick(send)
 
         await every(self.cfg.tick_s, tick, "control tick")
-
-    # ------------------------------------------------------------------- plan
-
-    def plan(self) -> dict[str, Any]:
-        """The observed traffic's economics (design note §5): skew, coverage, warm-set size
-        inside the rate-limit headroom, break-evens, and each anchor's decision."""
-        now = self.clock()
-        out: dict[str, Any] = {"mode": self.cfg.mode, "counts": dict(self.counts), "targets": {}}
-        for name, t in self.targets.items():
-            mine = [a for a in self.anchors.values() if a.target == name]
-            counts = [len(a.arrivals.times) for a in mine]
-            s = zipf_fit(counts)
-            econ = economics(t, self.cfg.latency_value)
-            tokens = sorted(a.tokens for a in mine)
-            median = tokens[len(tokens) // 2] if tokens else 0
-            lim = t.client.limits
-            warm_set = None
-            if lim is not None and lim.requests_remaining is not None and median:
-                tpm = lim.tokens_remaining if lim.tokens_remaining is not None else 10**12
-                warm_set = warm_set_size(
-                    lim.requests_remaining, tpm, median, econ.options[0].ttl_s / 60
-                )
-            v = len(mine)
-            coverage = {
-                str(n): round(zipf_coverage(n, v, s), 3)
-                for n in (1, 5, 10, 50)
-                if s is not None and n <= v
-            }
-            out["targets"][name] = {
-                "anchors": v,
-                "zipf_s": None if s is None else round(s, 3),
-                "coverage_top_n": coverage,
-                "median_anchor_tokens": median,
-                "warm_set_size": None if warm_set is None else round(warm_set, 1),
-                "break_even_reuse": {
-                    f"{o.ttl_s:g}s": dedicated_warm_break_even(o.write_mult, econ.read_mult)
-                    for o in econ.options
-                },
-                "decisions": self._decisions(mine, now),
-            }
-        return out
-
-    def _decisions(self, anchors: list[Anchor], now: float) -> list[dict[str, Any]]:
-        rows = []
-        for a in sorted(anchors, key=lambda a: -a.arrivals.rate(now))[:50]:
-            v = a.verdict or self._verdict(a, now)
-            rows.append(
-                {
-                    "anchor": a.digest[:16],
-                    "tenant": a.tenant,
-                    "tokens": a.tokens,
-                    "arrivals_per_hour": round(a.arrivals.rate(now) * 3600, 2),
-                    "decision": v.decision.value,
-                    "ttl_s": v.ttl_s,
-                    "heartbeats": a.heartbeats,
-                }
-            )
-        return rows

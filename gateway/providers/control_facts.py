@@ -48,6 +48,12 @@ def learn_arrival(c: Control, body: dict[str, Any], elapsed: float, arrival: boo
     a.touched = max(a.touched, when)
 
 
+def learn_fan(c: Control, body: dict[str, Any]) -> None:
+    """Another gateway's first sibling of a cold anchor has begun its answer: the
+    siblings held here go on (send-one-then-fan across gateways)."""
+    c.learn_fan(_key(body["key"]))
+
+
 def learn_limits(c: Control, body: dict[str, Any], at: float) -> None:
     """A target's headroom as another gateway's latest answer reported it (at wall time
     ``at``): the newer report wins."""

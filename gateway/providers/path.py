@@ -36,7 +36,9 @@ from gateway.providers.book import Believed, PromptView, ProviderCacheBook, Sett
 from gateway.providers.control import Control, Fan
 from gateway.providers.gemini import CachedContents, Handle
 from gateway.providers.targets import ProviderTarget, ProviderTargets
+from gateway.providers.tips import Tip
 from manifest.planner import TargetState, WarmPrimitive, client_breakpoints, plan
+from manifest.session_tips import TipPlan
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class Prepared:
     directives: CacheDirectives
     rendered: Rendered
     fan: Fan | None = None  # the first of a cold anchor's siblings releases the rest
+    tip: Tip | None = None  # an agent session's turn: its conversation across the pause
     # whose breakpoints these are when the client placed its own: "client" (taken as
     # sent) or "planner" (invalid for the target: at most 4, none below the minimum)
     placed_by: str | None = None
@@ -125,18 +128,22 @@ class ProviderPath:
         warm: bool = False,
         req: ChatCompletionRequest | None = None,
         view: PromptView | None = None,
+        session: str | None = None,
     ) -> Prepared:
         """Plan the cache for ``call`` and render it, once, before anything is sent.
         ``warm``: prefill only, where the provider has a primitive for it.  With the
         control loop on, the request counts as an arrival on its anchor (``req`` is what
         a heartbeat of a new anchor will send) and may wait for a sibling to write it.
-        ``view``: the prompt's plain view, where the call was quoted on it."""
+        ``view``: the prompt's plain view, where the call was quoted on it.  ``session``:
+        a named agent session, whose turn plans its tip for the pause after it."""
         view = view or self.view(t, call, tenant)  # given: rendered to quote
-        c, anchor, fan = self.control, None, None
+        c, anchor, fan, tip = self.control, None, None, None
         if c is not None and c.enabled:
             anchor = c.observe(t, tenant, view, req, arrival=not warm)
             if not warm:
                 fan = await c.fan_in(anchor, self.book.believed(view).index, view.anchor())
+            if session is not None and req is not None and not warm:
+                tip = c.session_turn(t, tenant, session, req, view)
         believed = self.book.believed(view)
         state = TargetState(
             believed_warm_tokens=believed.tokens, warm_probability=believed.probability
@@ -147,6 +154,8 @@ class ProviderPath:
         long_ttl: tuple[str, ...] = ()
         if c is not None and c.long_ttl(anchor):  # the anchor, and marks before it: 1h first
             long_ttl = tuple(view.keys[i] for i in p.breakpoints if i <= view.anchor())
+        if tip is not None and tip.plan is TipPlan.LONG:  # the whole conversation, 1h
+            long_ttl = tuple(view.keys[i] for i in p.breakpoints)
         asked = req.hints.breakpoints if req is not None and not t.spec.cached_contents else ()
         placed_by = None
         if asked:  # the client's own cache_control marks, taken as sent when valid
@@ -171,7 +180,7 @@ class ProviderPath:
         )
         rendered = t.client.adapter.render(call, directives)
         return Prepared(
-            t, call, view, believed, marked, handle, directives, rendered, fan, placed_by
+            t, call, view, believed, marked, handle, directives, rendered, fan, tip, placed_by
         )
 
     def inline(self, p: Prepared) -> Prepared | None:
@@ -205,6 +214,8 @@ class ProviderPath:
         """Verify, then account: fold the provider's usage telemetry into the belief."""
         t, m = p.target, self._metrics
         m.provider_requests.labels(t.name, "ok").inc()
+        if p.tip is not None and self.control is not None:
+            self.control.tips.end(p.tip)  # the session's pause begins
         if out.usage is None:
             return
         u = out.usage

@@ -28,6 +28,7 @@ from gateway.core.schemas import ChatCompletionRequest, ChatMessage, RequestMode
 from gateway.core.types import Principal, tenant_salt
 from gateway.local.routing import RouteContext
 from gateway.local.spans import KVSpans
+from gateway.providers import control_plan
 from gateway.service.local import LocalChat
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets
@@ -347,4 +348,4 @@ class CacheService:
         control = providers.path.control if providers is not None else None
         if control is None:
             return {"mode": "off", "targets": {}, "note": "no hosted provider is configured"}
-        return control.plan()
+        return control_plan.plan(control)

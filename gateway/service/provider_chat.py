@@ -169,14 +169,14 @@ class ProviderChat:
         probability), at the target's prices: nothing planned, nothing counted."""
         try:
             t = self.path.target(name)
-            _, _, chat, _ = self._call(name, call)
+            parts = self._call(name, call)
         except APIError:
             return None  # its prepare says what is wrong, in the API's terms
-        view = self.path.view(t, chat, call.who.tenant)
+        view = self.path.view(t, parts[2], call.who.tenant)
         believed = self.path.book.believed(view)
         cached = believed.tokens * believed.probability
-        read = t.profile.read_mult
-        return Quote(name, view.total_tokens, cached, t.input_price, read, memo=view)
+        memo = (parts, view)  # rendered once: its prepare takes them
+        return Quote(name, view.total_tokens, cached, t.input_price, t.profile.read_mult, memo=memo)
 
     async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> ProviderPrepared:
         """Plan the cache and render once: the header and turns the log keeps, the
@@ -184,11 +184,11 @@ class ProviderChat:
         t0 = time.perf_counter()
         t = self.path.target(name)  # 404 / 503 before anything else
         req = call.request
-        header, turns, chat, lint = self._call(name, call)
+        parts, view = quote.memo if quote is not None else (self._call(name, call), None)
+        header, turns, chat, lint = parts
         tenant = call.who.tenant
-        view = quote.memo if quote is not None else None
         with call.trace.step("plan", target=name) as span, self._failures(t):
-            planned = await self.path.prepare(t, chat, tenant, call.warm, req, view)
+            planned = await self.path.prepare(t, chat, tenant, call.warm, req, view, call.session)
             span.set_attribute("vcache.breakpoints", len(planned.marked))
         return ProviderPrepared(
             call, name, planned, header, turns, call.request_id, t0, tuple(lint)

@@ -4,7 +4,9 @@ belief and control loop, and the per-key rate-limit windows.
 The book's belief and render records, and the control loop's anchors,
 arrivals and headroom, go out as facts and come back from the other gateways
 (:mod:`gateway.state.bus`); the control loop's heartbeats are sent only by the
-gateway that holds the ``provider-control`` role.  Facts carry wall-clock
+gateway that holds the ``provider-control`` role, and a cold anchor is written
+by the gateway whose claim on it went through (the others' siblings wait for
+its ``fan`` fact).  Facts carry wall-clock
 ages; a load test's time-scaled provider clock (``control.clock_scale``) turns
 them into its own seconds.
 """
@@ -15,7 +17,13 @@ import logging
 
 from gateway.core.errors import APIError
 from gateway.providers.control import Control
-from gateway.providers.control_facts import anchor_facts, learn_anchor, learn_arrival, learn_limits
+from gateway.providers.control_facts import (
+    anchor_facts,
+    learn_anchor,
+    learn_arrival,
+    learn_fan,
+    learn_limits,
+)
 from gateway.providers.path import ProviderPath
 from gateway.providers.targets import ProviderTarget
 from gateway.service.limits import RateLimits
@@ -32,6 +40,7 @@ def share_provider_state(
     book.publish = bus.publish
     control.publish = bus.publish
     control.leads = lambda: bus.holds(CONTROL_ROLE)
+    control.claim = bus.claim
 
     def target(name: str) -> ProviderTarget | None:
         try:
@@ -49,6 +58,7 @@ def share_provider_state(
     bus.on("arrival", lambda f: learn_arrival(control, f.body, f.elapsed(scale), True))
     bus.on("touch", lambda f: learn_arrival(control, f.body, f.elapsed(scale), False))
     bus.on("limits", lambda f: learn_limits(control, f.body, f.at))
+    bus.on("fan", lambda f: learn_fan(control, f.body))
     bus.snapshot(lambda: [*book.warm_facts(), *anchor_facts(control)])
 
 

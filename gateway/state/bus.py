@@ -8,7 +8,9 @@ them when they arrive, so reads stay local and synchronous (planning never
 waits on the network) and the gateways agree within milliseconds.  A *role*
 (the provider control loop's heartbeats) is held by one gateway at a time
 under a lease that its holder renews; when the holder dies the lease runs
-out and another takes it.
+out and another takes it.  A *claim* is a one-off: the first gateway to ask
+for a name gets it until its TTL runs out (a cold anchor's writer, for
+send-one-then-fan across gateways).
 
 :class:`LocalBus` is the embedded default (one gateway: nothing to share,
 every role its own).  :class:`gateway.state.redis_bus.RedisBus` keeps the
@@ -57,6 +59,10 @@ class StateBus(Protocol):
     def holds(self, role: str) -> bool:
         """Whether this gateway holds ``role`` now."""
 
+    async def claim(self, name: str, ttl_s: float) -> bool:
+        """Whether this gateway is the first to claim ``name`` in the next ``ttl_s``
+        (True where the store cannot say: each gateway then acts alone)."""
+
     @property
     def failing_since(self) -> float | None:
         """``time.monotonic()`` of the first failure in a row (None: working)."""
@@ -86,6 +92,9 @@ class LocalBus:
 
     def holds(self, role: str) -> bool:
         return self._leader
+
+    async def claim(self, name: str, ttl_s: float) -> bool:
+        return True  # no other gateway to be first
 
     @property
     def failing_since(self) -> float | None:

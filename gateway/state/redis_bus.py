@@ -7,7 +7,8 @@ from its beginning first, so it believes what the others learnt before it
 came.  A role is the key ``<prefix>role:<name>`` holding the holder's
 instance id with a TTL: taken with ``SET NX PX``, renewed (only by its
 holder, a compare-and-set script) every third of the TTL; a holder that stops
-renewing loses it when the TTL runs out.
+renewing loses it when the TTL runs out.  A claim is ``<prefix>claim:<name>``,
+set once with ``SET NX PX`` and left to expire.
 
 Redis unreachable: publishes queue (the oldest dropped past ``max_queue``:
 soft state, the next fact of the same kind supersedes it), the reader and the
@@ -30,6 +31,8 @@ from typing import Any
 from gateway.state.bus import Fact, Handler, Snapshot
 
 log = logging.getLogger(__name__)
+
+CLAIM_TIMEOUT_S = 0.5  # a claim is on a request's path: a slow store is not waited for
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -55,6 +58,7 @@ class RedisBus:
         self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
         self._stream = f"{prefix}facts"
         self._role_prefix = f"{prefix}role:"
+        self._claim_prefix = f"{prefix}claim:"
         self._role_ttl_s = role_ttl_s
         self._max_facts = max_facts
         self._queue: deque[tuple[str, dict[str, Any], float]] = deque(maxlen=max_queue)
@@ -85,6 +89,17 @@ class RedisBus:
     def holds(self, role: str) -> bool:
         self._wanted.add(role)
         return self._roles.get(role, 0.0) > time.monotonic()
+
+    async def claim(self, name: str, ttl_s: float) -> bool:
+        """``SET NX PX`` on ``<prefix>claim:<name>``; a store that does not answer within
+        :data:`CLAIM_TIMEOUT_S` leaves this gateway to act alone (True)."""
+        key, ms = f"{self._claim_prefix}{name}", max(1, int(ttl_s * 1000))
+        try:
+            async with asyncio.timeout(CLAIM_TIMEOUT_S):
+                return bool(await self._redis.set(key, self.origin, nx=True, px=ms))
+        except Exception as exc:
+            log.debug("state bus: claim %s not made (%s); acting alone", name, exc)
+            return True
 
     @property
     def failing_since(self) -> float | None:

@@ -165,6 +165,16 @@ class Gw:
         assert r.status_code == 200, r.text
         return r
 
+    def advance(self, seconds: float) -> None:
+        """Move both clocks together: the gateway's provider clock and the emulator's."""
+        self.clock.now += seconds
+        self.emulator.admin("clock/advance", seconds=seconds)
+
+    def tick(self) -> int:
+        """One control-loop tick, run by hand; how many anchors it heartbeated."""
+        send = self.http.app.state.service.warm_provider  # type: ignore[attr-defined]
+        return len(self.http.portal.call(self.control().tick, send))  # type: ignore[union-attr]
+
     def stats(self) -> dict[str, Any]:
         r = self.http.get("/v1/cache/stats", headers={"authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
@@ -201,6 +211,21 @@ def provider_settings(emulator: Emulator, **overrides: Any) -> Settings:
 def gw(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
     emulator.admin("reset")
     yield from make_gateway(emulator, tokenizer)
+
+
+def controlled(
+    emulator: Emulator, tokenizer: ChatTokenizer, mode: str, fan_wait_s: float = 5
+) -> Iterator[Gw]:
+    """A gateway whose control loop runs in ``mode``, each tick by hand."""
+    emulator.admin("reset")
+    control = {"mode": mode, "tick_s": 3600, "fan_wait_s": fan_wait_s}
+    yield from make_gateway(emulator, tokenizer, control=control)
+
+
+@pytest.fixture
+def governed(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
+    """A gateway whose control loop governs (``control.mode: govern``)."""
+    yield from controlled(emulator, tokenizer, "govern")
 
 
 def make_gateway(

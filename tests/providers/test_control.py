@@ -14,36 +14,15 @@ from engines.tokenizer import ChatTokenizer
 from gateway.plan_cli import main as plan_main
 from gateway.plan_cli import render
 from manifest.governor import Decision
-from tests.providers.conftest import KEY, MANUAL, MODELS, Emulator, Gw, make_gateway
+from tests.providers.conftest import KEY, MANUAL, MODELS, Emulator, Gw, controlled
 
 ANTHROPIC = f"anthropic/{MODELS['anthropic']}"
 OPENAI = f"openai/{MODELS['openai']}"
 
 
-def _gateway(emulator: Emulator, tokenizer: ChatTokenizer, mode: str) -> Iterator[Gw]:
-    emulator.admin("reset")
-    control = {"mode": mode, "tick_s": 3600, "fan_wait_s": 5}
-    yield from make_gateway(emulator, tokenizer, control=control)
-
-
-@pytest.fixture
-def governed(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
-    yield from _gateway(emulator, tokenizer, "govern")
-
-
 @pytest.fixture
 def heartbeating(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
-    yield from _gateway(emulator, tokenizer, "heartbeat_all")
-
-
-def _advance(gw: Gw, seconds: float) -> None:
-    gw.clock.now += seconds
-    gw.emulator.admin("clock/advance", seconds=seconds)
-
-
-def _tick(gw: Gw) -> int:
-    send = gw.http.app.state.service.warm_provider  # type: ignore[attr-defined]
-    return len(gw.http.portal.call(gw.control().tick, send))  # type: ignore[union-attr]
+    yield from controlled(emulator, tokenizer, "heartbeat_all")
 
 
 def test_heartbeats_keep_an_anchor_warm_across_a_gap_longer_than_its_ttl(
@@ -52,8 +31,8 @@ def test_heartbeats_keep_an_anchor_warm_across_a_gap_longer_than_its_ttl(
     gw = heartbeating
     assert gw.ask(ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] == 0
     for _ in range(3):  # 3 x 250 s idle: twice the 5-minute TTL
-        _advance(gw, 250)
-        assert _tick(gw) == 1
+        gw.advance(250)
+        assert gw.tick() == 1
     warm = gw.emulator.last_body()
     assert warm["max_tokens"] == 0 and warm["system"][0]["cache_control"]["ttl"] == "5m"
     assert gw.ask(ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] > 1000
@@ -63,8 +42,8 @@ def test_heartbeats_keep_an_anchor_warm_across_a_gap_longer_than_its_ttl(
 def test_without_heartbeats_the_same_gap_is_a_miss(governed: Gw) -> None:
     gw = governed
     gw.ask(ANTHROPIC)
-    _advance(gw, 750)
-    _tick(gw)
+    gw.advance(750)
+    gw.tick()
     assert gw.ask(ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] == 0
 
 
@@ -74,27 +53,27 @@ def test_the_governor_takes_the_hour_tier_for_traffic_with_gaps_past_five_minute
     gw = governed
     for _ in range(3):
         gw.ask(ANTHROPIC)
-        _advance(gw, 400)
-    _tick(gw)
+        gw.advance(400)
+    gw.tick()
     a = next(iter(gw.control().anchors.values()))
     assert a.verdict is not None and a.verdict.ttl_s == 3600
     gw.ask(ANTHROPIC)
     assert gw.emulator.last_body()["system"][0]["cache_control"]["ttl"] == "1h"
-    _advance(gw, 1200)  # past 5 minutes, inside the hour: still read
+    gw.advance(1200)  # past 5 minutes, inside the hour: still read
     assert gw.ask(ANTHROPIC)["prompt_tokens_details"]["cached_tokens"] > 1000
 
 
 def _sparse_openai(gw: Gw) -> None:
     for _ in range(3):  # λT ≈ 0.9 on a 300 s implicit cache: the rule says heartbeat
         gw.ask(OPENAI)
-        _advance(gw, 330)
+        gw.advance(330)
     gw.ask(OPENAI)
-    _advance(gw, 250)
+    gw.advance(250)
 
 
 def test_heartbeats_go_out_inside_the_headroom(governed: Gw) -> None:
     _sparse_openai(governed)
-    assert _tick(governed) == 1
+    assert governed.tick() == 1
     a = next(iter(governed.control().anchors.values()))
     assert a.verdict is not None and a.verdict.decision is Decision.HEARTBEAT
 
@@ -104,7 +83,7 @@ def test_without_headroom_the_governor_warms_fewer_never_a_429(
 ) -> None:
     governed.emulator.admin("limits", provider="openai", rpm=100, tpm=2600)
     _sparse_openai(governed)
-    assert _tick(governed) == 0
+    assert governed.tick() == 0
     c = governed.control()
     assert c.counts["deferred"] == 1 and c.counts["heartbeats"] == 0
     assert governed.emulator.admin_get("billing")["openai"]["rejected_429"] == 0
@@ -133,8 +112,8 @@ def test_the_plan_reports_skew_coverage_and_decisions(governed: Gw) -> None:
     for i, n in enumerate((8, 3, 1)):
         for _ in range(n):
             gw.ask(ANTHROPIC, system=f"Anchor {i}. " + MANUAL)
-            _advance(gw, 20)
-    _tick(gw)
+            gw.advance(20)
+    gw.tick()
     r = gw.http.get("/v1/cache/plan", headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code == 200, r.text
     plan = r.json()["targets"][ANTHROPIC]

@@ -1,12 +1,13 @@
 """Two gateways in front of one provider (the emulator), sharing state through a real
 Redis: a warm written through one is believed, verified and credited once through the
 other; both count each other's arrivals; one heartbeats; the headroom either sees is
-the other's."""
+the other's; a cold anchor's siblings on both are written once."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,14 +23,15 @@ ANTHROPIC = f"anthropic/{MODELS['anthropic']}"
 OPENAI = f"openai/{MODELS['openai']}"
 
 
-@pytest.fixture
-def pair(
-    emulator: Emulator, tokenizer: ChatTokenizer, redis_prefix: tuple[str, str]
+def _pair(
+    emulator: Emulator,
+    tokenizer: ChatTokenizer,
+    redis_prefix: tuple[str, str],
+    control: dict[str, Any],
 ) -> Iterator[tuple[Gw, Gw]]:
     url, prefix = redis_prefix
     emulator.admin("reset")
     state = {"url": url, "prefix": prefix, "role_ttl_s": 1.0}
-    control = {"mode": "heartbeat_all", "tick_s": 3600, "fan_wait_s": 0}
     with contextlib.ExitStack() as stack:
         gws = [
             stack.enter_context(
@@ -40,6 +42,22 @@ def pair(
             for _ in range(2)
         ]
         yield gws[0], gws[1]
+
+
+HEARTBEAT_ALL = {"mode": "heartbeat_all", "tick_s": 3600, "fan_wait_s": 0}
+GOVERNED = {"mode": "govern", "tick_s": 3600, "fan_wait_s": 5}
+
+
+@pytest.fixture
+def pair(
+    request: pytest.FixtureRequest,
+    emulator: Emulator,
+    tokenizer: ChatTokenizer,
+    redis_prefix: tuple[str, str],
+) -> Iterator[tuple[Gw, Gw]]:
+    """Two gateways; their control loop as the test's ``pair`` parameter says."""
+    control = getattr(request, "param", HEARTBEAT_ALL)
+    yield from _pair(emulator, tokenizer, redis_prefix, control)
 
 
 def _bus(gw: Gw) -> RedisBus:
@@ -105,6 +123,33 @@ def test_the_headroom_one_gateway_saw_is_the_others(pair: tuple[Gw, Gw]) -> None
     send = a.http.app.state.service.warm_provider  # type: ignore[attr-defined]
     a.http.portal.call(a.control().tick, send)  # type: ignore[union-attr]  # shares it
     wait_for(lambda: b.path.target(OPENAI).client.limits == seen, timeout_s=10)
+
+
+@pytest.mark.parametrize("pair", [GOVERNED], indirect=True)
+def test_a_cold_anchors_sibling_on_the_other_gateway_waits_for_the_first(
+    pair: tuple[Gw, Gw],
+) -> None:
+    """Send-one-then-fan across gateways: the first request of a cold anchor (through A,
+    stalled a second at the provider) claims it in Redis; its sibling through B waits
+    for A's fact that its answer began, then reads what A wrote."""
+    a, b = pair
+    a.emulator.admin("faults", kind="timeout", provider="anthropic", delay_s=1.0)
+    usages: dict[str, Any] = {}
+
+    def ask_a() -> None:
+        usages["a"] = a.ask(ANTHROPIC, "question through A")
+
+    first = threading.Thread(target=ask_a)
+    first.start()
+    # A is the anchor's writer (it claims it in Redis next), then stalls at the provider
+    wait_for(lambda: any(x.writer is not None for x in a.control().anchors.values()), 10)
+    threading.Event().wait(0.2)
+    usages["b"] = b.ask(ANTHROPIC, "question through B")
+    first.join()
+    assert usages["a"]["prompt_tokens_details"]["cached_tokens"] == 0  # A wrote it
+    assert usages["b"]["prompt_tokens_details"]["cached_tokens"] > 1000  # B read it
+    assert b.control().counts["held"] == 1 and a.control().counts["held"] == 0
+    assert b.stats()[ANTHROPIC]["written_tokens"] < 100  # its own question, not the anchor
 
 
 def test_a_redis_restarted_under_load_costs_no_request_and_is_rebuilt(

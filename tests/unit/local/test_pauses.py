@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 
 from gateway.core.config import RetentionSettings
-from gateway.local.pauses import Gaps, SessionTurns
+from gateway.local.pauses import SessionTurns
 from gateway.local.replicas import Replica
 from gateway.local.retention import BreakpointLeases
 from gateway.local.routing import KvAware, RouteContext
 from gateway.local.spans import KVSpans
 from manifest.hashing import block_hashes
 from manifest.index import LocationId
+from manifest.session_tips import Gaps
 from tests.unit.local.fake_core import Clock, FakeCore
 
 R = LocationId("replica-0")
