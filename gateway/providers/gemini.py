@@ -7,6 +7,12 @@ cached content is created with that TTL and named by later requests.  A
 handle is dropped (and deleted on the provider) when its TTL runs out on the
 gateway's clock, on ``delete_all`` at shutdown, or when the provider answers
 404 for it.
+
+Planning decides and hands over (:meth:`CachedContents.use` sends nothing):
+the creation and the deletion are :data:`CacheAction` values that the
+request's send runs once its answer is in, so every request is journaled as
+it is sent, and the request that meets the break-even goes inline; the next
+names the handle.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engines.providers.base import ChatCall
@@ -40,59 +46,104 @@ class Handle:
     expires: float  # gateway clock
 
 
+@dataclass(frozen=True)
+class CreateCache:
+    """Create a cached content for ``call``'s system anchor (the break-even was met)."""
+
+    target: str
+    client: ProviderClient = field(repr=False)
+    adapter: GeminiAdapter = field(repr=False)
+    call: ChatCall = field(repr=False)
+    key: tuple[str, ContentDigest]
+    seen: int  # requests for the anchor within one TTL
+
+
+@dataclass(frozen=True)
+class DeleteCache:
+    """Delete a handle whose TTL ran out on the gateway's clock."""
+
+    client: ProviderClient = field(repr=False)
+    handle: Handle
+
+
+CacheAction = CreateCache | DeleteCache
+
+
 class CachedContents:
     def __init__(self, clock: Callable[[], float], ttl_s: int = 3600) -> None:
         self._clock = clock
         self.ttl_s = ttl_s
         self._handles: dict[tuple[str, ContentDigest], Handle] = {}
         self._seen: dict[tuple[str, ContentDigest], deque[float]] = {}
+        self._creating: set[tuple[str, ContentDigest]] = set()  # being made now
         self.created = 0
         self.deleted = 0
         self.lost_count = 0
 
-    async def use(
+    def use(
         self,
         target: str,
         client: ProviderClient,
         profile: CapabilityProfile,
         call: ChatCall,
         view: PromptView,
-    ) -> Handle | None:
-        """The handle to name in this request, creating one when the break-even is met."""
+    ) -> tuple[Handle | None, tuple[CacheAction, ...]]:
+        """The handle to name in this request, and what to do once it is answered (a
+        handle to create now that the break-even is met, one to delete that expired).
+        Decides only: nothing is sent (decide, then hand over)."""
         adapter = client.adapter
         if not isinstance(adapter, GeminiAdapter) or not call.system or call.tools:
-            return None  # a request naming a handle may not set tools: none is made for them
+            return None, ()  # a request naming a handle may not set tools: none is made
         if "system" not in view.keys:
-            return None
+            return None, ()
         i = view.keys.index("system")
         key = (target, view.digests[i])
         now = self._clock()
+        actions: list[CacheAction] = []
         h = self._handles.get(key)
         if h is not None and h.expires <= now:
-            await self._delete(client, h)
+            self._handles.pop(key, None)
+            actions.append(DeleteCache(client, h))
             h = None
         if h is not None:
-            return h
+            return h, tuple(actions)
         seen = self._seen.setdefault(key, deque())
         seen.append(now)
         while seen and seen[0] <= now - self.ttl_s:
             seen.popleft()
         k = dedicated_warm_break_even(profile.write_mult, profile.read_mult)
-        if len(seen) < k or view.tokens[i] < profile.min_prefix_tokens:
-            return None
+        if len(seen) >= k and view.tokens[i] >= profile.min_prefix_tokens:
+            actions.append(CreateCache(target, client, adapter, call, key, len(seen)))
+        return None, tuple(actions)
+
+    async def run(self, actions: tuple[CacheAction, ...]) -> None:
+        """What :meth:`use` decided, after the request it was decided for: a failure is
+        logged (a cache not made costs a later request its discount, nothing else)."""
+        for a in actions:
+            if isinstance(a, DeleteCache):
+                await self._delete(a.client, a.handle)
+            else:
+                await self._create(a)
+
+    async def _create(self, a: CreateCache) -> None:
+        if a.key in self._creating or a.key in self._handles:
+            return  # another request's action made (or is making) it
+        self._creating.add(a.key)
         try:
-            body = await client.send(adapter.render_cache(call, self.ttl_s))
+            body = await a.client.send(a.adapter.render_cache(a.call, self.ttl_s))
         except ProviderError as exc:
-            log.warning("%s: cached content not created: %s", target, exc)
-            return None
+            log.warning("%s: cached content not created: %s", a.target, exc)
+            return
+        finally:
+            self._creating.discard(a.key)
+        now = self._clock()
         tokens = int((body.get("usageMetadata") or {}).get("totalTokenCount") or 0)
         h = Handle(
-            str(body["name"]), target, view.digests[i], tokens, now + self.ttl_s - EXPIRY_MARGIN_S
+            str(body["name"]), a.target, a.key[1], tokens, now + self.ttl_s - EXPIRY_MARGIN_S
         )
-        self._handles[key] = h
+        self._handles[a.key] = h
         self.created += 1
-        log.info("%s: created %s (%d tokens, seen %d times)", target, h.name, tokens, len(seen))
-        return h
+        log.info("%s: created %s (%d tokens, seen %d times)", a.target, h.name, tokens, a.seen)
 
     def lost(self, target: str, h: Handle) -> None:
         self._handles.pop((target, h.digest), None)

@@ -4,9 +4,11 @@ For one chat call on one target (``anthropic/claude-sonnet-4-5``, ...):
 render the prompt once plainly to name its segment boundaries
 (:class:`~gateway.providers.book.PromptView`), ask the belief what is warm,
 let ``manifest.planner`` place breakpoints (explicit) or keep the prefix
-byte-stable with a ``prompt_cache_key`` (implicit), attach a Gemini
-cached-content handle once the anchor's reuse passes the break-even, send
-with retries, then settle the usage telemetry (verify, then account).
+byte-stable with a ``prompt_cache_key`` (implicit), name a Gemini
+cached-content handle where one lives (creating one once the anchor's reuse
+passes the break-even, and deleting an expired one, are actions the send runs
+after the answer: planning decides and hands over), send with retries, then
+settle the usage telemetry (verify, then account).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.providers.book import Believed, PromptView, ProviderCacheBook, Settlement
 from gateway.providers.control import Control, Fan
-from gateway.providers.gemini import CachedContents, Handle
+from gateway.providers.gemini import CacheAction, CachedContents, Handle
 from gateway.providers.targets import ProviderTarget, ProviderTargets
 from gateway.providers.tips import Tip
 from manifest.planner import TargetState, WarmPrimitive, client_breakpoints, plan
@@ -66,6 +68,7 @@ class Prepared:
     rendered: Rendered
     fan: Fan | None = None  # the first of a cold anchor's siblings releases the rest
     tip: Tip | None = None  # an agent session's turn: its conversation across the pause
+    actions: tuple[CacheAction, ...] = ()  # run by send after the answer (Gemini caches)
     # whose breakpoints these are when the client placed its own: "client" (taken as
     # sent) or "planner" (invalid for the target: at most 4, none below the minimum)
     placed_by: str | None = None
@@ -166,9 +169,10 @@ class ProviderPath:
                 breakpoints = taken
                 long_ttl = tuple(k for k, b in zip(keys, asked, strict=True) if b.ttl_s > 300)
         marked = tuple(view.keys[i] for i in breakpoints)
-        handle = None
-        if t.spec.cached_contents:
-            handle = await self.cached_contents.use(t.name, t.client, t.profile, call, view)
+        handle: Handle | None = None
+        actions: tuple[CacheAction, ...] = ()
+        if t.spec.cached_contents:  # decided here, run by send once the answer is in
+            handle, actions = self.cached_contents.use(t.name, t.client, t.profile, call, view)
         directives = CacheDirectives(
             breakpoints=marked,
             ttl_s=t.config.cache_ttl_s,
@@ -180,8 +184,9 @@ class ProviderPath:
         )
         rendered = t.client.adapter.render(call, directives)
         return Prepared(
-            t, call, view, believed, marked, handle, directives, rendered, fan, tip, placed_by
-        )
+            t, call, view, believed, marked, handle, directives, rendered, fan, tip, actions,
+            placed_by,
+        )  # fmt: skip
 
     def inline(self, p: Prepared) -> Prepared | None:
         """After :class:`ProviderNotFound` on a request that used a cached-content handle:

@@ -216,6 +216,9 @@ class ProviderChat:
                 trace.finish("generate")
         finally:
             p.planned.release()
+        # what planning decided and handed over (a Gemini cached content to create or
+        # delete), now that the answer is in and before it ends
+        await self.path.cached_contents.run(p.planned.actions)
         yield Piece(usage=usage_of(p.outcome.usage))
 
     def retry(self, p: ProviderPrepared, error: Exception) -> ProviderPrepared | None:

@@ -117,7 +117,11 @@ def test_the_volatile_layout_moves_the_timestamp_and_the_anchor_hits(gw: Gw) -> 
 
 
 def test_gemini_cached_content_is_created_used_and_deleted_by_the_break_even(gw: Gw) -> None:
+    """Planning decides, the send runs it once the answer is in: the request that meets
+    the break-even goes inline and is followed by the creation; the next ones name the
+    handle; one after the handle's TTL goes inline and is followed by the deletion."""
     model = f"gemini/{MODELS['gemini']}"
+    generate = f"/v1beta/models/{MODELS['gemini']}:generateContent"
 
     def calls() -> list[str]:
         return [
@@ -127,20 +131,23 @@ def test_gemini_cached_content_is_created_used_and_deleted_by_the_break_even(gw:
         ]
 
     ask(gw, model, "one")
-    assert calls() == [f"/v1beta/models/{MODELS['gemini']}:generateContent"]
-    second, _ = ask(gw, model, "two")  # seen twice within a TTL: k = 2 for r = 0.25, w = 1
-    assert calls()[1] == "/v1beta/cachedContents"
+    assert calls() == [generate]
+    ask(gw, model, "two")  # seen twice within a TTL: k = 2 for r = 0.25, w = 1
+    assert calls() == [generate, generate, "/v1beta/cachedContents"]
     third, _ = ask(gw, model, "three")
+    assert "cachedContent" in gw.emulator.last_body()  # it names the handle
+    fourth, _ = ask(gw, model, "four")
+    assert "cachedContent" in gw.emulator.last_body()
     assert calls().count("/v1beta/cachedContents") == 1
     assert (
-        second.usage.prompt_tokens_details.cached_tokens
-        == third.usage.prompt_tokens_details.cached_tokens
+        third.usage.prompt_tokens_details.cached_tokens
+        == fourth.usage.prompt_tokens_details.cached_tokens
         > 0
     )
     gw.clock.now += 3600  # past the handle's TTL on the gateway's clock
-    ask(gw, model, "four")
+    ask(gw, model, "five")
     deletes = [p for p in calls() if p.startswith("/v1beta/cachedContents/")]
-    assert len(deletes) == 1
+    assert len(deletes) == 1 and calls()[-1] == deletes[0]  # after the fifth's answer
     assert gw.stats()["gemini_cached_contents"] == {
         "live": 0,
         "created": 1,
@@ -152,7 +159,7 @@ def test_gemini_cached_content_is_created_used_and_deleted_by_the_break_even(gw:
 def test_a_handle_deleted_behind_the_gateways_back_is_resent_inline(gw: Gw) -> None:
     model = f"gemini/{MODELS['gemini']}"
     ask(gw, model, "one")
-    ask(gw, model, "two")  # creates the handle
+    ask(gw, model, "two")  # the handle is created after its answer
     gw.emulator.admin("flush")  # drops cached contents too
     third, _ = ask(gw, model, "three")
     assert third.choices[0].message.content
