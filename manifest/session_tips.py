@@ -54,6 +54,15 @@ class Gaps:
         return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
+def expected_gap(own: Gaps | None, tenant: Gaps | None, quantile: float, default_s: float) -> float:
+    """The pause expected after a session's turn: the ``quantile`` of its own gaps, else
+    of its tenant's, else ``default_s`` (callers apply their margin and bounds)."""
+    q = own.quantile(quantile) if own is not None else None
+    if q is None and tenant is not None:
+        q = tenant.quantile(quantile)
+    return default_s if q is None else q
+
+
 class TipPlan(StrEnum):
     RIDE = "ride"
     LAZY = "lazy"

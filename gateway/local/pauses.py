@@ -33,7 +33,7 @@ from gateway.local.retention import BreakpointLeases
 from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
-from manifest.session_tips import Gaps
+from manifest.session_tips import Gaps, expected_gap
 
 Outcome = Literal["leased", "refused", "released", "none", "short", "off"]
 
@@ -76,12 +76,10 @@ class SessionTurns:
     def lease_s(self, key: str, tenant: str) -> float:
         """How long the session's KV is held after a turn: the quantile of its gaps (the
         tenant's, the default) times the margin, within the bounds."""
-        s = self.sessions.get(key)
-        q = s.gaps.quantile(self.cfg.quantile) if s is not None else None
-        if q is None and tenant in self.tenants:
-            q = self.tenants[tenant].quantile(self.cfg.quantile)
-        base = self.cfg.default_gap_s if q is None else q
-        return min(max(base * self.cfg.margin, self.cfg.min_lease_s), self.cfg.max_lease_s)
+        s, c = self.sessions.get(key), self.cfg
+        own = s.gaps if s is not None else None
+        base = expected_gap(own, self.tenants.get(tenant), c.quantile, c.default_gap_s)
+        return min(max(base * c.margin, c.min_lease_s), c.max_lease_s)
 
     async def ended(
         self,

@@ -130,6 +130,12 @@ def shadow_price(share_left: float) -> float:
     return max(0.0, 0.5 - share_left) * 4.0
 
 
+def _shadow(t: ProviderTarget) -> float:
+    """μ of ``t`` from the headroom its last answer reported (0 before any)."""
+    limits = t.client.limits
+    return shadow_price(limits.share_left()) if limits is not None else 0.0
+
+
 class Control:
     """Active-active: every gateway observes its own traffic and publishes it
     (``anchor`` when one is first seen, with its heartbeat template; ``arrival`` per
@@ -213,9 +219,7 @@ class Control:
         if self.cfg.mode != "govern":
             return None
         self.targets.setdefault(t.name, t)
-        limits = t.client.limits
-        mu = shadow_price(limits.share_left()) if limits is not None else 0.0
-        econ = economics(t, self.cfg.latency_value)
+        econ, mu = economics(t, self.cfg.latency_value), _shadow(t)
         return self.tips.begin(t.name, tenant, session, req, view.total_tokens, econ, mu)
 
     def long_ttl(self, a: Anchor | None) -> bool:
@@ -250,7 +254,8 @@ class Control:
         ev = asyncio.Event()  # this gateway's siblings wait on it from now
         a.writer, a.writer_since = ev, now
         if not await self.claim(":".join(key), self.cfg.fan_wait_s):  # another writes it
-            if self.fanned.get(key, -window) < now - window:  # and has not yet begun
+            began = self.fanned.get(key)
+            if began is None or began < now - window:  # and has not yet begun
                 await self._hold(ev)
             ev.set()
             return None
@@ -275,9 +280,7 @@ class Control:
 
     def verdict(self, a: Anchor, now: float) -> Verdict:
         t = self.targets[a.target]
-        limits = t.client.limits
-        mu = shadow_price(limits.share_left()) if limits is not None else 0.0
-        return a.arrivals.verdict(economics(t, self.cfg.latency_value), mu, now)
+        return a.arrivals.verdict(economics(t, self.cfg.latency_value), _shadow(t), now)
 
     def _due(self, a: Anchor, now: float) -> bool:
         """A heartbeat is due before the TTL runs out, never after (then it is cold)."""

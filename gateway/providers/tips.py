@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from gateway.core.config import ControlSettings, RetentionSettings
 from gateway.core.schemas import ChatCompletionRequest
 from manifest.governor import Economics
-from manifest.session_tips import Gaps, TipPlan, tip_plan
+from manifest.session_tips import Gaps, TipPlan, expected_gap, tip_plan
 
 MAX_SESSIONS = 4096  # sessions remembered (the least recent forgotten)
 
@@ -75,12 +75,10 @@ class SessionTips:
     def predicted_gap(self, tenant: str, session: str) -> float:
         """The pause expected after a turn of ``session``: its gaps' quantile (else the
         tenant's, else the default) times the margin, bounded."""
-        r = self.retention
-        s = self.sessions.get((tenant, session))
-        q = s.gaps.quantile(r.quantile) if s is not None else None
-        if q is None and tenant in self.tenants:
-            q = self.tenants[tenant].quantile(r.quantile)
-        return min((r.default_gap_s if q is None else q) * r.margin, self.cfg.session_max_gap_s)
+        r, s = self.retention, self.sessions.get((tenant, session))
+        own = s.gaps if s is not None else None
+        base = expected_gap(own, self.tenants.get(tenant), r.quantile, r.default_gap_s)
+        return min(base * r.margin, self.cfg.session_max_gap_s)
 
     def begin(
         self,

@@ -249,8 +249,9 @@ class LocalChat:
             ids = self._render(*request_parts(req), req.tool_dicts(), self._shaping(req))
         except APIError:
             return None  # its prepare says what is wrong, in the API's terms
-        salt = request_salt(call.who.tenant, req.cache_salt)
-        cached = self.dispatcher.held(ids, salt)
+        cached = 0  # free replicas cost nothing whatever they hold: no index walk then
+        if self.input_price > 0:
+            cached = self.dispatcher.held(ids, request_salt(call.who.tenant, req.cache_salt))
         return Quote(name, len(ids), cached, self.input_price, memo=ids)
 
     async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> LocalPrepared:
