@@ -40,7 +40,12 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-queued-requests", "engine.max_queued_requests", int, "admission limit"),
     ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per engine"),
     ("--replicas", "engine.replicas", int, "embedded vLLM engines"),
-    ("--workers", "workers", int, "gateway processes on one port (engines outside them)"),
+    (
+        "--workers",
+        "workers",
+        int,
+        "gateway processes on one port (embedded engine cores shared by them)",
+    ),
     ("--routing", "cache.routing", str, "kv, round_robin or least_loaded"),
     ("--pin-max-share", "cache.pin_max_share", float, "most of the KV blocks pins may hold"),
 ]
@@ -114,22 +119,29 @@ def overrides_from_flags(ns: argparse.Namespace) -> dict[str, Any]:
 def serve(settings: Settings, argv: list[str]) -> int:
     import uvicorn
 
+    from engines.vllm.lifeline import die_with_parent
+    from engines.vllm.shared_core import slots_from_env
     from gateway.app import create_app
     from gateway.http.server import guarded_protocol
     from gateway.local.build import build_replicas
-    from gateway.workers import WORKER_ENV, reuse_port_socket, run_workers
+    from gateway.workers import WORKER_ENV, reuse_port_socket
 
     setup_logging(settings.log_level, settings.log_format)
     if settings.workers > 1 and WORKER_ENV not in os.environ:  # the parent of the workers
-        return run_workers(settings.workers, settings.host, settings.port, argv)
+        return serve_workers(settings, argv)
+    attached = slots_from_env(os.environ)  # a worker beside its parent's engine cores
     if settings.workers > 1:
+        die_with_parent(signal.SIGTERM)
         settings = settings.model_copy(
             update={"instance_id": f"{settings.instance_id}-w{settings.worker_index}"}
         )
     # A lost terminal (SIGHUP) shuts down gracefully like SIGTERM: engines are closed.
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:
-        replicas = build_replicas(settings, Path(runtime))
+        if attached is None:
+            replicas = build_replicas(settings, Path(runtime))
+        else:
+            replicas = build_replicas(settings, Path(attached[0]), attached[1])
         app = create_app(settings, replicas)
         h = settings.http
         config = uvicorn.Config(
@@ -150,6 +162,22 @@ def serve(settings: Settings, argv: list[str]) -> int:
         )
         uvicorn.Server(config).run(sockets=sockets)
     return 0
+
+
+def serve_workers(settings: Settings, argv: list[str]) -> int:
+    """The parent of ``--workers``: it runs the embedded replicas' engine cores, if any,
+    and the workers attached to them (gateway/workers.py)."""
+    from gateway.workers import run_workers
+
+    n, host, port = settings.workers, settings.host, settings.port
+    if settings.engine.replicas == 0:
+        return run_workers(n, host, port, argv)
+    from engines.vllm.shared_core import SharedCores
+    from gateway.local.build import engine_configs
+
+    with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:
+        cores = SharedCores(engine_configs(settings, Path(runtime)), n, runtime)
+        return run_workers(n, host, port, argv, cores)
 
 
 def _settings(ns: argparse.Namespace) -> Settings:

@@ -32,11 +32,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engines.vllm.lifeline import GATEWAY_PID_ENV
+from engines.vllm.shared_core import SLOTS_ENV, SharedCores, slots_to_env
 from gateway.core.metrics import MULTIPROC_ENV
 
 log = logging.getLogger(__name__)
 WORKER_ENV = "VCACHE_WORKER_INDEX"
 STOP_GRACE_S = 30.0
+DEAD_GRACE_S = 3.0  # the engine core is gone: what the workers serve from it cannot finish
 YOUNG_S = 10.0  # a worker that dies younger than this is restarted with backoff
 
 
@@ -59,10 +62,17 @@ class _Worker:
     started: float = 0.0
     backoff_s: float = 1.0
     due: float = 0.0  # when to start it again
+    gone: bool = False  # exited, and cannot be started again (it was attached to cores)
 
 
-def run_workers(n: int, host: str, port: int, argv: Sequence[str]) -> int:
-    """The parent of ``n`` workers running ``argv`` (the ``vcache`` arguments)."""
+Spawn = Callable[[int], "subprocess.Popen[bytes]"]
+
+
+def run_workers(
+    n: int, host: str, port: int, argv: Sequence[str], cores: SharedCores | None = None
+) -> int:
+    """The parent of ``n`` workers running ``argv`` (the ``vcache`` arguments), and of the
+    embedded replicas' engine ``cores`` when there are any."""
     # fail at once, not in a crash loop, when the port belongs to another program
     probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -84,40 +94,105 @@ def run_workers(n: int, host: str, port: int, argv: Sequence[str]) -> int:
     signal.signal(signal.SIGHUP, stop)
     cmd = [sys.executable, "-m", "gateway.cli", *argv]
     metrics = tempfile.mkdtemp(prefix="vcache-metrics-")  # every worker's counters
+    # every worker dies with this process (engines/vllm/lifeline.py)
+    env = {**os.environ, MULTIPROC_ENV: metrics, GATEWAY_PID_ENV: str(os.getpid())}
     try:
-        return _supervise(n, cmd, metrics, lambda: stopping)
+        if cores is None:
+
+            def spawn(i: int) -> subprocess.Popen[bytes]:
+                return subprocess.Popen(cmd, env={**env, WORKER_ENV: str(i)})
+
+            _supervise(n, spawn, lambda: stopping)
+            return 0
+        return _serve_with_cores(n, cmd, env, cores, lambda: stopping)
     finally:
         shutil.rmtree(metrics, ignore_errors=True)
 
 
-def _supervise(n: int, cmd: list[str], metrics: str, stopping: Callable[[], bool]) -> int:
+def _serve_with_cores(
+    n: int, cmd: list[str], env: dict[str, str], cores: SharedCores, stopping: Callable[[], bool]
+) -> int:
+    """Start the engine cores, then the workers attached to them; start the set again
+    (backing off while it keeps failing young) when a core dies or every worker has."""
+    backoff_s = 1.0
+    while not stopping():
+        started = time.monotonic()
+        try:
+            cores.start()
+            why = None if stopping() else _supervise(n, _attached(cmd, env, cores), stopping,
+                                                    restart=False, dead=cores.dead)  # fmt: skip
+        except Exception as exc:
+            log.exception("the engine cores failed to start")
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            cores.close()
+        if why is None:
+            break
+        lived = time.monotonic() - started
+        backoff_s = min(backoff_s * 2, 60.0) if lived < 2 * YOUNG_S else 1.0
+        log.error("restarting the engines and workers in %.0f s: %s", backoff_s, why)
+        deadline = time.monotonic() + backoff_s
+        while not stopping() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return 0
+
+
+def _attached(cmd: list[str], env: dict[str, str], cores: SharedCores) -> Spawn:
+    def spawn(i: int) -> subprocess.Popen[bytes]:
+        slots = slots_to_env(cores.runtime_dir, cores.slots(i))
+        worker_env = {**env, WORKER_ENV: str(i), SLOTS_ENV: slots}
+        return subprocess.Popen(cmd, env=worker_env, pass_fds=cores.fds(i))
+
+    return spawn
+
+
+def _supervise(
+    n: int,
+    spawn: Spawn,
+    stopping: Callable[[], bool],
+    *,
+    restart: bool = True,
+    dead: Callable[[], str | None] = lambda: None,
+) -> str | None:
+    """Run ``n`` workers until ``stopping()`` (None) or until what they serve from is
+    gone: ``dead()`` names it, or, for workers that cannot ``restart``, every worker
+    has exited.  A worker that can is started again, with backoff while it dies young."""
     workers = [_Worker(i) for i in range(n)]
     log.info("vcache: %d workers", n)
     while not stopping():
+        if (why := dead()) is not None:
+            _stop(workers, DEAD_GRACE_S)
+            return why
         now = time.monotonic()
         for w in workers:
             if w.proc is not None and w.proc.poll() is not None:
                 code, lived = w.proc.returncode, now - w.started
                 w.backoff_s = min(w.backoff_s * 2, 30.0) if lived < YOUNG_S else 1.0
-                w.due, w.proc = now + w.backoff_s, None
-                log.warning("worker %d exited (%s) after %.0f s; again in %.0f s",
-                            w.index, code, lived, w.backoff_s)  # fmt: skip
-            if w.proc is None and now >= w.due:
-                env = {**os.environ, WORKER_ENV: str(w.index), MULTIPROC_ENV: metrics}
-                w.proc, w.started = subprocess.Popen(cmd, env=env), now
+                w.due, w.proc, w.gone = now + w.backoff_s, None, not restart
+                if restart:
+                    log.warning("worker %d exited (%s) after %.0f s; again in %.0f s",
+                                w.index, code, lived, w.backoff_s)  # fmt: skip
+                else:
+                    log.error("worker %d exited (%s) after %.0f s; the others serve (a "
+                              "worker cannot attach to running engine cores again)",
+                              w.index, code, lived)  # fmt: skip
+            if w.proc is None and not w.gone and now >= w.due:
+                w.proc, w.started = spawn(w.index), now
+        if all(w.gone for w in workers):
+            return "every worker exited"
         time.sleep(0.2)
-    return _stop(workers)
+    _stop(workers, STOP_GRACE_S)
+    return None
 
 
-def _stop(workers: list[_Worker]) -> int:
+def _stop(workers: list[_Worker], grace_s: float) -> None:
     live = [w.proc for w in workers if w.proc is not None and w.proc.poll() is None]
     for p in live:
         p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for p in live:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    return 0

@@ -39,6 +39,7 @@ from engines.errors import (
 )
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.lifeline import GATEWAY_PID_ENV
+from engines.vllm.shared_core import CoreSlot
 from engines.vllm.stats import CoreStats
 
 if TYPE_CHECKING:
@@ -76,9 +77,57 @@ class VllmEngineConfig:
     max_num_seqs: int | None = None  # None: vLLM's default
 
 
+def engine_args(c: VllmEngineConfig) -> Any:
+    """vLLM's engine arguments for ``c``: prefix caching hashed as the manifest hashes."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = dict(
+        model=c.model,
+        served_model_name=c.served_name,
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo=HASH_ALGO,
+        max_model_len=c.max_model_len,
+        enforce_eager=c.enforce_eager,
+        gpu_memory_utilization=c.gpu_memory_utilization,
+        tensor_parallel_size=c.tensor_parallel_size,
+        dtype=c.dtype,
+        disable_log_stats=False,  # stats feed CoreStats (engine-core truth)
+        structured_outputs_config=_compact_json(),
+        scheduling_policy=c.scheduling_policy,
+    )
+    if c.block_size is not None:
+        kwargs["block_size"] = c.block_size
+    if c.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = c.max_num_seqs
+    kv_bytes = c.kv_cache_bytes
+    if kv_bytes is None and _on_cpu():
+        # On CPU, gpu_memory_utilization reserves that share of a NUMA node's
+        # memory and fails when other processes use some: size the cache instead.
+        kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
+    if c.max_queued_requests is not None:
+        kwargs["max_num_queued_reqs"] = c.max_queued_requests
+    if c.kv_events_endpoint is not None:
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=c.kv_events_endpoint,
+            replay_endpoint=c.kv_events_replay_endpoint,
+        )
+    return AsyncEngineArgs(**kwargs)
+
+
 class VllmEngine:
-    def __init__(self, config: VllmEngineConfig) -> None:
+    """One replica's engine: its own engine core (a child process), or, under
+    ``--workers``, a slot of an engine core the workers' parent runs
+    (``engines/vllm/shared_core.py``)."""
+
+    def __init__(self, config: VllmEngineConfig, slot: CoreSlot | None = None) -> None:
         self._config = config
+        self._slot = slot
         self._llm: AsyncLLM | None = None
         self._tokenizer: ChatTokenizer | None = None
         self._capabilities: EngineCapabilities | None = None
@@ -99,67 +148,30 @@ class VllmEngine:
 
     @property
     def ready(self) -> bool:
-        return self._llm is not None and not self._closed and not self._llm.errored
-
-    def _engine_args(self) -> Any:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-
-        c = self._config
-        kwargs: dict[str, Any] = dict(
-            model=c.model,
-            served_model_name=c.served_name,
-            enable_prefix_caching=True,
-            prefix_caching_hash_algo=HASH_ALGO,
-            max_model_len=c.max_model_len,
-            enforce_eager=c.enforce_eager,
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            tensor_parallel_size=c.tensor_parallel_size,
-            dtype=c.dtype,
-            disable_log_stats=False,  # stats feed CoreStats (engine-core truth)
-            structured_outputs_config=_compact_json(),
-            scheduling_policy=c.scheduling_policy,
-        )
-        if c.block_size is not None:
-            kwargs["block_size"] = c.block_size
-        if c.max_num_seqs is not None:
-            kwargs["max_num_seqs"] = c.max_num_seqs
-        kv_bytes = c.kv_cache_bytes
-        if kv_bytes is None and _on_cpu():
-            # On CPU, gpu_memory_utilization reserves that share of a NUMA node's
-            # memory and fails when other processes use some: size the cache instead.
-            kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
-        if kv_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_bytes
-        if c.max_queued_requests is not None:
-            kwargs["max_num_queued_reqs"] = c.max_queued_requests
-        if c.kv_events_endpoint is not None:
-            from vllm.config.kv_events import KVEventsConfig
-
-            kwargs["kv_events_config"] = KVEventsConfig(
-                enable_kv_cache_events=True,
-                publisher="zmq",
-                endpoint=c.kv_events_endpoint,
-                replay_endpoint=c.kv_events_replay_endpoint,
-            )
-        return AsyncEngineArgs(**kwargs)
+        if self._llm is None or self._closed or self._llm.errored:
+            return False
+        return self._slot is None or self._slot.alive()
 
     async def start(self) -> None:
         if self._llm is not None or self._closed:
             raise EngineUnavailable("engine already started or closed")
-        # The engine core process inherits the environment: block hashes are
-        # seeded by PYTHONHASHSEED there (vllm.v1.core.kv_cache_utils).
-        os.environ["PYTHONHASHSEED"] = self._config.hash_seed
-        # ...and dies with this process (engines/vllm/lifeline.py).
-        os.environ[GATEWAY_PID_ENV] = str(os.getpid())
+        if self._slot is None:
+            # The engine core process inherits the environment: block hashes are
+            # seeded by PYTHONHASHSEED there (vllm.v1.core.kv_cache_utils).
+            os.environ["PYTHONHASHSEED"] = self._config.hash_seed
+            # ...and dies with this process (engines/vllm/lifeline.py).
+            os.environ[GATEWAY_PID_ENV] = str(os.getpid())
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = self._engine_args()
+        args = engine_args(self._config)
         tokenizer = await asyncio.to_thread(ChatTokenizer.from_pretrained, self._config.model)
+        loggers = [self._core_stats.factory()]
         # Building the engine blocks for tens of seconds: keep the loop free
         # so /healthz answers while the model loads.
-        llm = await asyncio.to_thread(
-            AsyncLLM.from_engine_args, args, stat_loggers=[self._core_stats.factory()]
-        )
+        if self._slot is None:
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
+        else:  # the engine core runs already: attach to it
+            llm = await asyncio.to_thread(self._slot.attach, args, loggers)
         cache = llm.vllm_config.cache_config
         self._capabilities = EngineCapabilities(
             name="vllm",

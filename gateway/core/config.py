@@ -158,8 +158,8 @@ class Settings(BaseSettings):
     # this gateway among several in front of the same replicas and stores (the engines'
     # pin holds, the shared state's leader); unique per process by default
     instance_id: str = Field(default_factory=_default_instance_id, min_length=1, max_length=128)
-    # gateway processes on this host, one port (SO_REUSEPORT); the engines must live
-    # outside them (remote_replicas, or providers only): see gateway/workers.py
+    # gateway processes on this host, one port (SO_REUSEPORT); embedded replicas' engine
+    # cores run in their parent, each worker a client of them: see gateway/workers.py
     workers: int = Field(1, ge=1, le=64)
     worker_index: int = Field(0, ge=0)  # set by the parent of --workers for each worker
     engine: EngineSettings = Field(default_factory=EngineSettings)
@@ -201,14 +201,7 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _workers_need_outside_engines(self) -> Settings:
-        if self.workers > 1 and self.engine.replicas > 0:
-            raise ValueError(
-                "workers > 1 needs the engines outside the gateway processes: embedded "
-                "engines (engine.replicas) belong to one process. Run vLLM on this host as "
-                "remote_replicas (its --api-server-count scales its own frontend) with "
-                "--replicas 0, or serve providers only"
-            )
+    def _workers_share_a_port(self) -> Settings:
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 share one port: give it (port 0 picks one each)")
         return self

@@ -9,6 +9,7 @@ from pathlib import Path
 from engines.vllm.demo_model import ensure_demo_model
 from engines.vllm.engine import VllmEngine, VllmEngineConfig
 from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
+from engines.vllm.shared_core import CoreSlot
 from gateway.core.config import Settings
 from gateway.local.replicas import Replica
 from manifest.index import LocationId
@@ -25,44 +26,63 @@ def resolve_model(settings: Settings) -> str:
     return str(path)
 
 
-def build_replicas(settings: Settings, runtime_dir: Path) -> list[Replica]:
-    """One embedded vLLM engine per local replica, each publishing KV events on its own
-    socket, then the configured remote replicas."""
+def engine_configs(settings: Settings, runtime_dir: Path) -> list[VllmEngineConfig]:
+    """The embedded replicas' engines, each publishing KV events on its own socket in
+    ``runtime_dir``."""
     e = settings.engine
-    if not settings.has_local:
-        return []  # a provider-only gateway
+    if e.replicas == 0:
+        return []
     model = resolve_model(settings)
-    out: list[Replica] = []
+    out: list[VllmEngineConfig] = []
     for i in range(e.replicas):
         events = f"ipc://{runtime_dir}/replica-{i}.events" if settings.cache.kv_events else None
         replay = f"ipc://{runtime_dir}/replica-{i}.replay" if settings.cache.kv_events else None
-        config = VllmEngineConfig(
-            model=model,
-            served_name=settings.model_name,
-            max_model_len=e.max_model_len,
-            block_size=e.block_size,
-            kv_cache_bytes=e.kv_cache_bytes,
-            gpu_memory_utilization=e.gpu_memory_utilization,
-            enforce_eager=e.enforce_eager,
-            hash_seed=e.hash_seed,
-            # The gateway admits a request first; vLLM's own queue is the backstop.
-            max_queued_requests=max(e.admission_room().values()) + 16,
-            tensor_parallel_size=e.tensor_parallel_size,
-            dtype=e.dtype,
-            kv_events_endpoint=events,
-            kv_events_replay_endpoint=replay,
-            scheduling_policy=e.scheduling_policy,
-            max_num_seqs=e.max_num_seqs,
-        )
         out.append(
-            Replica(
-                LocationId(f"replica-{i}"),
-                VllmEngine(config),
-                events,
-                replay,
-                factory=functools.partial(VllmEngine, config),
+            VllmEngineConfig(
+                model=model,
+                served_name=settings.model_name,
+                max_model_len=e.max_model_len,
+                block_size=e.block_size,
+                kv_cache_bytes=e.kv_cache_bytes,
+                gpu_memory_utilization=e.gpu_memory_utilization,
+                enforce_eager=e.enforce_eager,
+                hash_seed=e.hash_seed,
+                # The gateway admits a request first; vLLM's own queue is the backstop.
+                max_queued_requests=max(e.admission_room().values()) + 16,
+                tensor_parallel_size=e.tensor_parallel_size,
+                dtype=e.dtype,
+                kv_events_endpoint=events,
+                kv_events_replay_endpoint=replay,
+                scheduling_policy=e.scheduling_policy,
+                max_num_seqs=e.max_num_seqs,
             )
         )
+    return out
+
+
+def build_replicas(
+    settings: Settings, runtime_dir: Path, slots: list[CoreSlot] | None = None
+) -> list[Replica]:
+    """One vLLM engine per embedded replica, then the configured remote replicas.
+
+    Under ``--workers`` (``slots`` given) the engine cores run in the workers' parent,
+    whose ``runtime_dir`` holds their sockets, and each engine here attaches to its
+    slot; such an engine is not restarted by this process (the parent restarts the
+    set)."""
+    if not settings.has_local:
+        return []  # a provider-only gateway
+    out: list[Replica] = []
+    for i, config in enumerate(engine_configs(settings, runtime_dir)):
+        events, replay = config.kv_events_endpoint, config.kv_events_replay_endpoint
+        if slots is not None:
+            out.append(
+                Replica(LocationId(f"replica-{i}"), VllmEngine(config, slots[i]), events, replay)
+            )
+            continue
+        factory = functools.partial(VllmEngine, config)
+        out.append(Replica(LocationId(f"replica-{i}"), factory(), events, replay, factory=factory))
+    model = resolve_model(settings)
+    e = settings.engine
     for i, r in enumerate(settings.remote_replicas):
         remote = RemoteVllmConfig(
             url=r.url,

@@ -127,10 +127,10 @@ def test_sigterm_stops_every_worker(workers: tuple[str, psutil.Process, Path]) -
     assert alive == []
 
 
-def test_workers_refuse_embedded_engines() -> None:
+def test_workers_refuse_a_port_picked_per_process() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--workers", "2", "--replicas", "1"],
+        [sys.executable, "-m", "gateway.cli", "serve", "--workers", "2", "--port", "0"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2
-    assert "embedded engines" in out.stderr and "remote_replicas" in out.stderr
+    assert "share one port" in out.stderr

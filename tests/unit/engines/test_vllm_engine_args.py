@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from engines.vllm.engine import CPU_DEFAULT_KV_CACHE_BYTES, HASH_ALGO, VllmEngine, VllmEngineConfig
+from engines.vllm.engine import CPU_DEFAULT_KV_CACHE_BYTES, HASH_ALGO, VllmEngineConfig, engine_args
 
 
 def test_prefix_caching_is_always_on_with_the_manifest_hash() -> None:
-    args = VllmEngine(VllmEngineConfig(model="m", served_name="s"))._engine_args()
+    args = engine_args(VllmEngineConfig(model="m", served_name="s"))
     assert args.enable_prefix_caching is True
     assert args.prefix_caching_hash_algo == HASH_ALGO == "sha256_cbor"
 
 
 def test_cpu_sizes_the_kv_cache_instead_of_reserving_a_memory_share() -> None:
     # this machine runs the CPU build: an unset size becomes the CPU default
-    args = VllmEngine(VllmEngineConfig(model="m", served_name="s"))._engine_args()
+    args = engine_args(VllmEngineConfig(model="m", served_name="s"))
     assert args.kv_cache_memory_bytes == CPU_DEFAULT_KV_CACHE_BYTES
-    sized = VllmEngine(VllmEngineConfig(model="m", served_name="s", kv_cache_bytes=64 << 20))
-    assert sized._engine_args().kv_cache_memory_bytes == 64 << 20
+    sized = VllmEngineConfig(model="m", served_name="s", kv_cache_bytes=64 << 20)
+    assert engine_args(sized).kv_cache_memory_bytes == 64 << 20
 
 
 def test_kv_events_config_when_endpoints_are_given() -> None:
@@ -26,9 +26,6 @@ def test_kv_events_config_when_endpoints_are_given() -> None:
         kv_events_endpoint="ipc:///tmp/e",
         kv_events_replay_endpoint=None,
     )
-    ev = VllmEngine(cfg)._engine_args().kv_events_config
+    ev = engine_args(cfg).kv_events_config
     assert ev.enable_kv_cache_events and ev.publisher == "zmq" and ev.endpoint == "ipc:///tmp/e"
-    assert (
-        VllmEngine(VllmEngineConfig(model="m", served_name="s"))._engine_args().kv_events_config
-        is None
-    )
+    assert engine_args(VllmEngineConfig(model="m", served_name="s")).kv_events_config is None
