@@ -12,6 +12,12 @@ gateway CPU ms per request (the parent and every worker, from ``/proc``
 through psutil), p50/p90 latency, and how the requests spread over the
 workers (each worker's share of the gateway CPU).
 
+``embedded``: one embedded replica (the demo model on the CPU engine) behind
+``--workers 1`` and ``--workers 2`` (one engine core in the parent, each worker
+its client), the same requests in turns: the frontend's CPU per request (the
+gateway processes, not the engine core's) and how it spreads over the workers.
+The engine is the bottleneck here; the part shows what a second frontend costs.
+
 ``frontend``: vLLM's own OpenAI server on the demo model (CPU engine) and
 ``vcache serve`` in front of the same server as a remote replica, the same
 requests in turns.  Per frontend: CPU ms per request and µs per output token of
@@ -58,13 +64,23 @@ def _cpu(p: psutil.Process) -> float:
         return 0.0
 
 
+def _engine(p: psutil.Process) -> bool:
+    """A vLLM engine process (``VLLM::EngineCore``, ``VLLM::Worker``), or its helper."""
+    try:
+        return p.name().startswith("VLLM") or "resource_tracker" in " ".join(p.cmdline())
+    except psutil.NoSuchProcess:
+        return True
+
+
 def cpu_by_process(pid: int, children: bool) -> dict[int, float]:
-    """CPU seconds of ``pid`` and, with ``children``, of each of its descendants."""
+    """CPU seconds of ``pid`` and, with ``children``, of each of its descendants that is
+    not an engine process (the frontend alone)."""
     p = psutil.Process(pid)
     out = {pid: _cpu(p)}
     if children:
-        for c in p.children(recursive=True):
-            out[c.pid] = _cpu(c)
+        for c in p.children():
+            if not _engine(c):
+                out[c.pid] = _cpu(c)
     return out
 
 
@@ -179,6 +195,44 @@ def part_workers(args: argparse.Namespace, work: Path, env: dict[str, str]) -> d
     return {name: arm.row() for name, arm in arms.items()}
 
 
+def part_embedded(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One embedded replica (the demo model, CPU engine) behind one worker and behind two
+    (one engine core, each worker its client): the frontend's CPU per request."""
+    from engines.vllm.demo_model import ensure_demo_model
+
+    ensure_demo_model(Path(args.data_dir))
+    g_env = {**env, "VCACHE_LOG_LEVEL": "warning"}
+    arms: dict[str, Arm] = {}
+    with contextlib.ExitStack() as stack:
+        for n in (1, 2):
+            port = free_port()
+            own = {**g_env, "VCACHE_SESSION_LOG__PATH": str(work / f"e{n}.db")}
+            cmd = _gateway(
+                port,
+                n,
+                [
+                    "--data-dir",
+                    args.data_dir,
+                    "--kv-cache-bytes",
+                    str(64 << 20),
+                    "--max-model-len",
+                    "2048",
+                    "--enforce-eager",
+                ],
+            )
+            cmd[cmd.index("--replicas") + 1] = "1"
+            ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
+            proc = stack.enter_context(serving(cmd, ready, work / f"e{n}.log", own))
+            if n > 1:
+                while len([c for c in psutil.Process(proc.pid).children() if not _engine(c)]) < n:
+                    time.sleep(0.2)
+                time.sleep(5)
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            arms[f"embedded --workers {n}"] = Arm(url, "vcache-demo", proc.pid, children=True)
+        turns(arms, args, words=args.words)
+    return {name: arm.row() for name, arm in arms.items()}
+
+
 def part_frontend(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
     from engines.vllm.demo_model import ensure_demo_model
 
@@ -243,7 +297,7 @@ def table(out: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--part", choices=("workers", "frontend", "both"), default="both")
+    ap.add_argument("--part", choices=("workers", "embedded", "frontend", "both"), default="both")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--slice", type=int, default=600, help="requests per arm per turn")
     ap.add_argument("--rounds", type=int, default=3)
@@ -267,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                            "per_connection": args.per_connection, "parts": {}}  # fmt: skip
     if args.part in ("workers", "both"):
         out["parts"]["workers"] = part_workers(args, work, env)
+    if args.part == "embedded":
+        out["parts"]["embedded"] = part_embedded(args, work, env)
     if args.part in ("frontend", "both"):
         out["parts"]["frontend"] = part_frontend(args, work, env)
     print(table(out))

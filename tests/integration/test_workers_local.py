@@ -89,7 +89,7 @@ def pool(
 
 def _gone(p: psutil.Process) -> bool:
     try:
-        return p.status() == psutil.STATUS_ZOMBIE
+        return bool(p.status() == psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return True
 
