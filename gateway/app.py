@@ -164,6 +164,7 @@ def create_app(
         model=settings.model_name,
         room=settings.engine.admission_room(),
         slots=settings.engine.max_num_seqs,
+        first_token_guard=settings.engine.first_token_guard,
     )
     supervisor = Supervisor(
         dispatcher,

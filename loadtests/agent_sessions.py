@@ -131,11 +131,12 @@ def summarize(rows: list[dict[str, str]]) -> dict[str, Any]:
     }
 
 
-def _keys() -> str:
+def _keys(agents_priority: str = "default") -> str:
     from gateway.core.config import hash_api_key
 
     return json.dumps([
-        {"sha256": hash_api_key(ADMIN_KEY), "tenant": "agents", "name": "agents", "admin": True},
+        {"sha256": hash_api_key(ADMIN_KEY), "tenant": "agents", "name": "agents", "admin": True,
+         "priority": agents_priority},
         {"sha256": hash_api_key(BACKGROUND_KEY), "tenant": "background", "name": "bg"},
     ])  # fmt: skip
 
@@ -176,24 +177,31 @@ def _metrics(host: str) -> dict[str, float]:
 
 
 def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
-    """The agents alone, then beside a background tenant at about ten times their request
-    rate, with fair slots (``engine.max_num_seqs``) and without."""
+    """The agents alone (their key's requests interactive), then beside a background
+    tenant (default priority) at ``--flood-ratio`` times their request rate, with the
+    first-token guard and without; fair slots (``engine.max_num_seqs``) in every run."""
+    slots = {"VCACHE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs)}
     rows = []
-    for fair in (True, False):
-        extra_env = {"VCACHE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs)} if fair else {}
-        runs = [("alone", "0"), ("flooded", str(args.flood_users))] if fair else [
-            ("flooded", str(args.flood_users))]  # fmt: skip
-        tag = "fair" if fair else "fcfs"
-        with _gateway(out, args, True, tag, extra_env) as host:
-            for name, users in runs:
-                env = {"VCACHE_BACKGROUND_USERS": users, "VCACHE_BACKGROUND_WAIT_S": "0"}
-                rows.append(arm(f"{name}_{tag}", host, out, args, env))
+    with _gateway(out, args, True, "guard", slots, "interactive") as host:
+        rows.append(arm("alone", host, out, args, {"VCACHE_BACKGROUND_USERS": "0"}))
+        rate = args.flood_ratio * rates(out, "alone")["agents_rps"]
+        flood = {"VCACHE_BACKGROUND_USERS": str(args.flood_users),
+                 "VCACHE_BACKGROUND_RPS": f"{rate / args.flood_users:.4f}"}  # fmt: skip
+        rows.append(arm("flooded_guard", host, out, args, flood))
+    off = {**slots, "VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false"}
+    with _gateway(out, args, True, "noguard", off, "interactive") as host:
+        rows.append(arm("flooded_noguard", host, out, args, flood))
     return rows
 
 
 @contextmanager
 def _gateway(
-    out: Path, args: argparse.Namespace, retention: bool, tag: str, extra: dict[str, str]
+    out: Path,
+    args: argparse.Namespace,
+    retention: bool,
+    tag: str,
+    extra: dict[str, str],
+    agents_priority: str = "default",
 ) -> Iterator[str]:
     port = free_port()
     host = f"http://127.0.0.1:{port}"
@@ -203,7 +211,7 @@ def _gateway(
             "--pin-max-share", str(args.pin_max_share),
             "--max-queued-requests", "64"]  # fmt: skip
     env = {**os.environ, "VCACHE_DATA_DIR": str(out / f"vcache-data-{tag}"),
-           "VCACHE_API_KEYS": _keys(), **extra,
+           "VCACHE_API_KEYS": _keys(agents_priority), **extra,
            "VCACHE_CACHE__RETENTION__ENABLED": "true" if retention else "false"}  # fmt: skip
     with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / f"vcache-{tag}.log", env):
         yield host
@@ -273,12 +281,12 @@ def fairness(args: argparse.Namespace) -> int:
     text = "\n".join(lines)
     print(text)
     by = {r["arm"]: r for r in rows}
-    alone, fair = (
-        by["alone_fair"]["ttft_ms_later"]["p90"],
-        by["flooded_fair"]["ttft_ms_later"]["p90"],
+    alone, guarded = (
+        by["alone"]["ttft_ms_later"]["p90"],
+        by["flooded_guard"]["ttft_ms_later"]["p90"],
     )
-    ok = bool(alone and fair and fair <= 1.2 * alone)
-    print(f"flooded p90 within 20% of alone (fair slots): {'ok' if ok else 'MISSED'}")
+    ok = bool(alone and guarded and guarded <= 1.2 * alone)
+    print(f"flooded p90 within 20% of alone (guard on): {'ok' if ok else 'MISSED'}")
     (args.out / "fairness.json").write_text(json.dumps(rows, indent=2))
     (args.out / "fairness.txt").write_text(text + "\n")
     return 0 if ok else 1
@@ -304,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="retention,kv,round_robin,vllm_router")
     ap.add_argument("--fairness", action="store_true", help="the fairness runs instead")
     ap.add_argument("--max-num-seqs", type=int, default=4, help="fair slots per replica")
-    ap.add_argument("--flood-users", type=int, default=4, help="background users, no wait")
+    ap.add_argument("--flood-users", type=int, default=4, help="background users")
+    ap.add_argument(
+        "--flood-ratio", type=float, default=10.0, help="background rate / the agents' alone"
+    )
     ap.add_argument(
         "--out", type=Path, default=Path("reports") / time.strftime("agents-%Y%m%d-%H%M%S")
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import gevent
-from locust import FastHttpUser, constant, events, task
+from locust import FastHttpUser, constant, constant_throughput, events, task
 from locust.exception import StopUser
 
 HERE = Path(__file__).resolve().parent
@@ -187,7 +187,12 @@ class BackgroundUser(FastHttpUser):
     """Another tenant's short, unrelated requests (nothing of them is reused)."""
 
     fixed_count = int(os.environ.get("VCACHE_BACKGROUND_USERS", "1"))
-    wait_time = constant(float(os.environ.get("VCACHE_BACKGROUND_WAIT_S", "0.2")))
+    # a fixed rate per user (VCACHE_BACKGROUND_RPS), or a fixed pause after each request
+    wait_time = (
+        constant_throughput(float(os.environ["VCACHE_BACKGROUND_RPS"]))
+        if os.environ.get("VCACHE_BACKGROUND_RPS")
+        else constant(float(os.environ.get("VCACHE_BACKGROUND_WAIT_S", "0.2")))
+    )
 
     @task
     def ask(self) -> None:

@@ -42,6 +42,9 @@ class EngineSettings(BaseModel):
     # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
     # "fcfs" arrival order whatever the priority
     scheduling_policy: Literal["priority", "fcfs"] = "priority"
+    # while a request waits for its first token on a replica, no request of a lower
+    # priority starts there (it would share the prefill's steps); gateway/local/fairness.py
+    first_token_guard: bool = True
     # how much of max_queued_requests each priority may fill (interactive a reserve beyond
     # it): when the queue fills, batch is refused first and interactive last
     admission_shares: dict[Priority, float] = Field(default_factory=lambda: dict(_SHARES))

@@ -21,7 +21,7 @@ from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
-from gateway.local.fairness import FairGate
+from gateway.local.fairness import Entry, FairGate
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.replicas import Replica
 from gateway.local.routing import RouteContext, Router
@@ -77,6 +77,7 @@ class Dispatcher:
         room: Mapping[Priority, int] | None = None,
         prefill_wait_s: float = 30.0,
         slots: int | None = None,
+        first_token_guard: bool = False,
     ) -> None:
         self.replicas = list(replicas)
         self.router = router
@@ -90,7 +91,10 @@ class Dispatcher:
         self.prefills = Prefills(prefill_wait_s)  # prompts being prefilled, by replica
         self._prefill_wait_s = prefill_wait_s
         # per replica, the requests its engine takes at once, the rest in fair order
-        self._gates = {r.id: FairGate(slots) for r in self.replicas} if slots else {}
+        gated = slots is not None or first_token_guard
+        self._gates = (
+            {r.id: FairGate(slots, first_token_guard) for r in self.replicas} if gated else {}
+        )
         self.started = False  # set once every replica is up (and probed)
         self.failed: str | None = None  # why the replicas could not start at boot
         self.retry_after_s: Callable[[], float] = lambda: 5.0  # the supervisor's estimate
@@ -220,9 +224,10 @@ class Dispatcher:
         d.replica.inflight += 1
         gate = self._gates.get(d.replica.id)
         tenant = greq.tenant or greq.cache_salt or ""  # a client's own salt is not a tenant
+        entry: Entry | None = None
         if gate is not None:
             try:
-                await self._enter(gate, greq, d, tenant)
+                entry = await self._enter(gate, greq, d, tenant)
             except BaseException:
                 d.replica.inflight -= 1
                 self.prefills.finish(d.prefill)
@@ -245,6 +250,8 @@ class Dispatcher:
                     if first:
                         self._first_output(d, chunk, endpoint, now - t0)
                         self.prefills.finish(prefill)
+                        if gate is not None and entry is not None:
+                            gate.first_token(entry)
                         totals.prompt = chunk.num_prompt_tokens
                         prompt_tokens.inc(totals.prompt)
                         first = False
@@ -267,15 +274,17 @@ class Dispatcher:
         finally:
             d.replica.inflight -= 1
             self.prefills.finish(prefill)
-            if gate is not None:
-                gate.leave(tenant, totals.completion)
+            if gate is not None and entry is not None:
+                gate.leave(entry, totals.completion)
 
-    async def _enter(self, gate: FairGate, greq: GenerateRequest, d: Dispatch, tenant: str) -> None:
+    async def _enter(
+        self, gate: FairGate, greq: GenerateRequest, d: Dispatch, tenant: str
+    ) -> Entry:
         """A slot in the replica's engine, in fair order; charged the prefill it computes."""
         cost = greq.num_prompt_tokens - (d.predicted_cached_tokens or 0)
-        if not gate.free():
+        if not gate.free(greq.priority):
             self._metrics.fair_waits.labels(d.replica_id).inc()
-        await gate.enter(tenant, greq.priority, cost)
+        return await gate.enter(tenant, greq.priority, cost)
 
     def _first_output(
         self, d: Dispatch, chunk: GenerateChunk, endpoint: str, ttft_s: float

@@ -11,12 +11,21 @@ quiet spell is lifted to the least counter among the waiting, so idle time
 is not banked as credit.  A tenant sending ten times the load then gets its
 share of the engine, not ten shares, and another tenant's interactive turn
 waits behind at most the requests already running.
+
+Priorities come first twice over.  A waiting request of a higher class goes
+before any of a lower one; and while a request waits for its first token on a
+replica, no request of a lower class starts there (the first-token guard): a
+batch request started beside an interactive prompt would share its prefill
+steps.  So an interactive turn waits for what was already running, at most
+one engine step of a lower class's prefill, and nothing that came after it.
+With ``slots`` None the gate only orders by class this way.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import math
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
@@ -31,20 +40,36 @@ class _Waiter:
     )
 
 
+@dataclass(eq=False)
+class Entry:
+    """One request let through the gate; prefilling until its first token."""
+
+    tenant: str
+    priority: int
+    prefilling: bool = True
+
+
 class FairGate:
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
+    def __init__(self, slots: int | None, guard: bool = True) -> None:
+        self.slots = math.inf if slots is None else slots
+        self.guard = guard  # the first-token guard (see the module's docstring)
         self.running = 0
         self.counters: dict[str, float] = {}
         self._waiting: dict[tuple[int, str], deque[_Waiter]] = {}
+        self._prefilling: Counter[int] = Counter()  # by priority: admitted, no token yet
         self.waited = 0  # requests that had to wait for a slot
+        self.held = 0  # of which, held by the guard
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._waiting.values())
 
-    def free(self) -> bool:
-        """Whether a request entering now gets a slot without waiting."""
-        return self.running < self.slots and not len(self)
+    def _guarded(self, priority: int) -> bool:
+        """A request of a higher class is waiting for its first token here."""
+        return self.guard and any(p < priority for p, n in self._prefilling.items() if n)
+
+    def free(self, priority: int = 0) -> bool:
+        """Whether a request of ``priority`` entering now starts without waiting."""
+        return self.running < self.slots and not len(self) and not self._guarded(priority)
 
     def _charge(self, tenant: str, tokens: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens
@@ -57,42 +82,62 @@ class FairGate:
         floor = min(self.counters.get(t, 0.0) for t in waiting)
         self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
 
-    async def enter(self, tenant: str, priority: int, cost: int) -> None:
-        """A slot for one request of ``tenant`` (``cost``: the prompt tokens it computes);
-        cancelled while waiting, it leaves the queue."""
-        if self.free():
-            self.running += 1
-            self._charge(tenant, cost)
-            return
+    def _admit(self, tenant: str, priority: int, cost: int) -> Entry:
+        self.running += 1
+        self._charge(tenant, cost)
+        self._prefilling[priority] += 1
+        return Entry(tenant, priority)
+
+    async def enter(self, tenant: str, priority: int, cost: int) -> Entry:
+        """Let one request of ``tenant`` through (``cost``: the prompt tokens it
+        computes); cancelled while waiting, it leaves the queue."""
+        if self.free(priority):
+            return self._admit(tenant, priority, cost)
         self._lift(tenant)
         w = _Waiter(tenant, priority, cost, self.waited)
         self._waiting.setdefault((priority, tenant), deque()).append(w)
         self.waited += 1
+        self._grant()  # a slot may be free to a waiter the guard does not hold (this one)
+        if not w.ready.done() and self.running < self.slots:
+            self.held += 1  # a slot is free: the guard holds this one
         try:
             await w.ready
         except asyncio.CancelledError:
             if w.ready.done() and not w.ready.cancelled():  # granted as it was cancelled
-                self.leave(tenant, 0)
+                self.leave(Entry(tenant, priority), 0)
             else:
                 self._waiting[(priority, tenant)].remove(w)
             raise
+        return Entry(tenant, priority)
 
-    def leave(self, tenant: str, output_tokens: int) -> None:
+    def first_token(self, entry: Entry) -> None:
+        """The request's prompt is prefilled: lower classes may start beside it."""
+        if entry.prefilling:
+            entry.prefilling = False
+            self._prefilling[entry.priority] -= 1
+            self._grant()
+
+    def leave(self, entry: Entry, output_tokens: int) -> None:
         """The request ended: its output tokens are charged, its slot goes to the next."""
-        self._charge(tenant, output_tokens)
+        if entry.prefilling:
+            entry.prefilling = False
+            self._prefilling[entry.priority] -= 1
+        self._charge(entry.tenant, output_tokens)
         self.running -= 1
         self._grant()
 
     def _grant(self) -> None:
         while self.running < self.slots:
             nxt = self._next()
-            if nxt is None:
-                return
+            if nxt is None or self._guarded(nxt[0].priority):
+                return  # the best waiter is held: so is every other
+            w = nxt[1].popleft()
             self.running += 1
-            self._charge(nxt.tenant, nxt.cost)
-            nxt.ready.set_result(None)
+            self._charge(w.tenant, w.cost)
+            self._prefilling[w.priority] += 1
+            w.ready.set_result(None)
 
-    def _next(self) -> _Waiter | None:
+    def _next(self) -> tuple[_Waiter, deque[_Waiter]] | None:
         """The head of the highest priority's least-served tenant's queue."""
         best: tuple[int, float, int] | None = None
         pick: deque[_Waiter] | None = None
@@ -101,4 +146,4 @@ class FairGate:
                 key = (prio, self.counters.get(tenant, 0.0), q[0].seq)
                 if best is None or key < best:
                     best, pick = key, q
-        return pick.popleft() if pick is not None else None
+        return (pick[0], pick) if pick is not None else None
