@@ -75,6 +75,7 @@ class VllmEngineConfig:
     kv_events_replay_endpoint: str | None = None
     scheduling_policy: str = "fcfs"  # "priority": requests ordered by their priority first
     max_num_seqs: int | None = None  # None: vLLM's default
+    long_prefill_token_threshold: int | None = None  # None: vLLM's default
 
 
 def engine_args(c: VllmEngineConfig) -> Any:
@@ -99,6 +100,8 @@ def engine_args(c: VllmEngineConfig) -> Any:
         kwargs["block_size"] = c.block_size
     if c.max_num_seqs is not None:
         kwargs["max_num_seqs"] = c.max_num_seqs
+    if c.long_prefill_token_threshold is not None:
+        kwargs["long_prefill_token_threshold"] = c.long_prefill_token_threshold
     kv_bytes = c.kv_cache_bytes
     if kv_bytes is None and _on_cpu():
         # On CPU, gpu_memory_utilization reserves that share of a NUMA node's

@@ -39,6 +39,10 @@ class EngineSettings(BaseModel):
     # the gateway and go in fair order across tenants (gateway/local/fairness.py).
     # None: vLLM's default, no gateway queue.
     max_num_seqs: int | None = Field(None, ge=1)
+    # vLLM's long_prefill_token_threshold: a prompt's prefill computes at most this many
+    # tokens a step, so a long prompt shares each step with others' first tokens in
+    # small pieces (None: vLLM's default, the whole step's budget)
+    long_prefill_token_threshold: int | None = Field(None, ge=1)
     # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
     # "fcfs" arrival order whatever the priority
     scheduling_policy: Literal["priority", "fcfs"] = "priority"

@@ -55,6 +55,7 @@ def engine_configs(settings: Settings, runtime_dir: Path) -> list[VllmEngineConf
                 kv_events_replay_endpoint=replay,
                 scheduling_policy=e.scheduling_policy,
                 max_num_seqs=e.max_num_seqs,
+                long_prefill_token_threshold=e.long_prefill_token_threshold,
             )
         )
     return out

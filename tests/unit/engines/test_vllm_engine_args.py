@@ -29,3 +29,11 @@ def test_kv_events_config_when_endpoints_are_given() -> None:
     ev = engine_args(cfg).kv_events_config
     assert ev.enable_kv_cache_events and ev.publisher == "zmq" and ev.endpoint == "ipc:///tmp/e"
     assert engine_args(VllmEngineConfig(model="m", served_name="s")).kv_events_config is None
+
+
+def test_a_prefill_chunk_cap_when_one_is_set() -> None:
+    capped = VllmEngineConfig(model="m", served_name="s", long_prefill_token_threshold=256)
+    assert engine_args(capped).long_prefill_token_threshold == 256
+    assert (
+        engine_args(VllmEngineConfig(model="m", served_name="s")).long_prefill_token_threshold == 0
+    )
