@@ -24,6 +24,7 @@ from engines.tokenizer import ChatTokenizer
 from gateway.core.config import Settings
 from gateway.core.metrics import MULTIPROC_ENV, Metrics
 from gateway.core.tracing import Tracing
+from gateway.core.types import ENGINE_PRIORITY
 from gateway.core.version import version_info
 from gateway.grpc.server import GatewayServicer, GrpcServer
 from gateway.http.errors import install_error_handlers
@@ -165,6 +166,7 @@ def create_app(
         room=settings.engine.admission_room(),
         slots=settings.engine.max_num_seqs,
         first_token_guard=settings.engine.first_token_guard,
+        prefill_slots={ENGINE_PRIORITY[p]: n for p, n in settings.engine.prefill_slots.items()},
     )
     supervisor = Supervisor(
         dispatcher,

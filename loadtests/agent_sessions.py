@@ -183,6 +183,9 @@ def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
     slots = {"VCACHE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs)}
     if args.long_prefill:
         slots["VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD"] = str(args.long_prefill)
+    if args.prefill_slots:
+        n = args.prefill_slots
+        slots["VCACHE_ENGINE__PREFILL_SLOTS"] = json.dumps({"default": n, "batch": n})
     rows = []
     with _gateway(out, args, True, "guard", slots, "interactive") as host:
         rows.append(arm("alone", host, out, args, {"VCACHE_BACKGROUND_USERS": "0"}))
@@ -315,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fairness", action="store_true", help="the fairness runs instead")
     ap.add_argument("--max-num-seqs", type=int, default=4, help="fair slots per replica")
     ap.add_argument("--flood-users", type=int, default=4, help="background users")
+    ap.add_argument(
+        "--prefill-slots", type=int, default=None, help="engine.prefill_slots of default, batch"
+    )
     ap.add_argument(
         "--long-prefill", type=int, default=None, help="engine.long_prefill_token_threshold"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -49,6 +49,9 @@ class EngineSettings(BaseModel):
     # while a request waits for its first token on a replica, no request of a lower
     # priority starts there (it would share the prefill's steps); gateway/local/fairness.py
     first_token_guard: bool = True
+    # at most this many requests of a priority prefilling at once on a replica (e.g.
+    # {default: 1, batch: 1}); absent: no cap
+    prefill_slots: dict[Priority, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
     # how much of max_queued_requests each priority may fill (interactive a reserve beyond
     # it): when the queue fills, batch is refused first and interactive last
     admission_shares: dict[Priority, float] = Field(default_factory=lambda: dict(_SHARES))

@@ -78,6 +78,7 @@ class Dispatcher:
         prefill_wait_s: float = 30.0,
         slots: int | None = None,
         first_token_guard: bool = False,
+        prefill_slots: dict[int, int] | None = None,
     ) -> None:
         self.replicas = list(replicas)
         self.router = router

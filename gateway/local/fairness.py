@@ -19,6 +19,13 @@ batch request started beside an interactive prompt would share its prefill
 steps.  So an interactive turn waits for what was already running, at most
 one engine step of a lower class's prefill, and nothing that came after it.
 With ``slots`` None the gate only orders by class this way.
+
+What the guard cannot hold back is what had started before: prompts of lower
+classes already in prefill share the interactive prompt's steps (vLLM does
+not preempt a running prefill for a waiting one).  ``prefill_slots`` caps how
+many requests of a class prefill at once on a replica (``{0: 1, 1: 1}``: one
+default and one batch prompt at a time), so an interactive turn meets at most
+that many chunks of theirs in a step.
 """
 
 from __future__ import annotations
@@ -50,9 +57,12 @@ class Entry:
 
 
 class FairGate:
-    def __init__(self, slots: int | None, guard: bool = True) -> None:
+    def __init__(
+        self, slots: int | None, guard: bool = True, prefill_slots: dict[int, int] | None = None
+    ) -> None:
         self.slots = math.inf if slots is None else slots
         self.guard = guard  # the first-token guard (see the module's docstring)
+        self.prefill_slots = dict(prefill_slots or {})  # by priority; absent: no cap
         self.running = 0
         self.counters: dict[str, float] = {}
         self._waiting: dict[tuple[int, str], deque[_Waiter]] = {}
@@ -63,13 +73,17 @@ class FairGate:
     def __len__(self) -> int:
         return sum(len(q) for q in self._waiting.values())
 
-    def _guarded(self, priority: int) -> bool:
-        """A request of a higher class is waiting for its first token here."""
-        return self.guard and any(p < priority for p, n in self._prefilling.items() if n)
+    def _held(self, priority: int) -> bool:
+        """A request of a higher class is waiting for its first token here (the guard),
+        or its own class has every prefill slot."""
+        if self.guard and any(p < priority for p, n in self._prefilling.items() if n):
+            return True
+        cap = self.prefill_slots.get(priority)
+        return cap is not None and self._prefilling[priority] >= cap
 
     def free(self, priority: int = 0) -> bool:
         """Whether a request of ``priority`` entering now starts without waiting."""
-        return self.running < self.slots and not len(self) and not self._guarded(priority)
+        return self.running < self.slots and not len(self) and not self._held(priority)
 
     def _charge(self, tenant: str, tokens: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens
@@ -99,7 +113,7 @@ class FairGate:
         self.waited += 1
         self._grant()  # a slot may be free to a waiter the guard does not hold (this one)
         if not w.ready.done() and self.running < self.slots:
-            self.held += 1  # a slot is free: the guard holds this one
+            self.held += 1  # a slot is free: the guard or a prefill slot holds this one
         try:
             await w.ready
         except asyncio.CancelledError:
@@ -129,21 +143,23 @@ class FairGate:
     def _grant(self) -> None:
         while self.running < self.slots:
             nxt = self._next()
-            if nxt is None or self._guarded(nxt[0].priority):
-                return  # the best waiter is held: so is every other
-            w = nxt[1].popleft()
+            if nxt is None:
+                return  # nobody waits, or every class that does is held
+            w = nxt.popleft()
             self.running += 1
             self._charge(w.tenant, w.cost)
             self._prefilling[w.priority] += 1
             w.ready.set_result(None)
 
-    def _next(self) -> tuple[_Waiter, deque[_Waiter]] | None:
-        """The head of the highest priority's least-served tenant's queue."""
+    def _next(self) -> deque[_Waiter] | None:
+        """The queue of the highest priority's least-served tenant, among the classes
+        not held."""
         best: tuple[int, float, int] | None = None
         pick: deque[_Waiter] | None = None
+        held: dict[int, bool] = {}
         for (prio, tenant), q in self._waiting.items():
-            if q:
+            if q and not held.setdefault(prio, self._held(prio)):
                 key = (prio, self.counters.get(tenant, 0.0), q[0].seq)
                 if best is None or key < best:
                     best, pick = key, q
-        return (pick[0], pick) if pick is not None else None
+        return pick

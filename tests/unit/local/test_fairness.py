@@ -135,3 +135,39 @@ def test_a_held_waiter_cancelled_releases_nothing_it_did_not_take() -> None:
         assert gate.running == 0 and gate.free(1)
 
     asyncio.run(main())
+
+
+def test_prefill_slots_cap_how_many_of_a_class_prefill_at_once() -> None:
+    async def main() -> None:
+        gate = FairGate(slots=None, prefill_slots={0: 1})
+        first = await gate.enter("bg", 0, 400)
+        second = asyncio.create_task(gate.enter("bg", 0, 400))
+        await asyncio.sleep(0)
+        assert not second.done() and gate.held == 1  # one default prompt at a time
+        agent = await asyncio.wait_for(gate.enter("agent", -1, 200), 1)  # no cap on its class
+        gate.first_token(first)
+        await asyncio.sleep(0)
+        assert not second.done()  # the interactive prompt still prefills: the guard holds it
+        gate.first_token(agent)
+        nxt = await asyncio.wait_for(second, 1)
+        assert gate.running == 3
+        for e in (first, agent, nxt):
+            gate.leave(e, 1)
+        assert gate.running == 0
+
+    asyncio.run(main())
+
+
+def test_a_held_class_does_not_hold_an_unheld_one_behind_it() -> None:
+    async def main() -> None:
+        gate = FairGate(slots=None, guard=False, prefill_slots={0: 1})
+        await gate.enter("bg", 0, 400)
+        waiting = asyncio.create_task(gate.enter("bg", 0, 400))
+        await asyncio.sleep(0)
+        # a batch request with no cap of its own and no guard starts past the held one
+        await asyncio.wait_for(gate.enter("bulk", 1, 10), 1)
+        assert not waiting.done() and gate.running == 2
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+    asyncio.run(main())
