@@ -68,7 +68,7 @@ class FairGate:
         self._waiting: dict[tuple[int, str], deque[_Waiter]] = {}
         self._prefilling: Counter[int] = Counter()  # by priority: admitted, no token yet
         self.waited = 0  # requests that had to wait for a slot
-        self.held = 0  # of which, held by the guard
+        self.held = 0  # of which, held by the guard or a prefill slot
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._waiting.values())
