@@ -1,8 +1,9 @@
 """``vcache serve --workers N``: N gateway processes on one port.
 
 The parent starts N copies of the command it was started with, each with
-``VCACHE_WORKER_INDEX`` set, and does nothing else: it holds no socket that
-serves, no engine, no state.  Each worker binds the HTTP and gRPC ports with
+``VCACHE_WORKER_INDEX`` set.  It holds no socket that serves and no state;
+with embedded replicas it runs their engine cores, each worker a client of
+them (``engines/vllm/shared_core.py``).  Each worker binds the HTTP and gRPC ports with
 ``SO_REUSEPORT``, so the kernel spreads new connections over the workers;
 each subscribes to every replica's KV events itself (its exact index needs
 nothing shared), and all of them share the session log (SQLite in WAL mode
@@ -13,7 +14,9 @@ worker 0 runs the provider control loop's heartbeats and the log's retention.
 ``PROMETHEUS_MULTIPROC_DIR`` for all, made and removed by the parent).
 
 A worker that dies is started again (after 1 s, doubling to 30 s while it
-keeps dying young); its engine pin holds run out on their own.  SIGTERM or
+keeps dying young); its engine pin holds run out on their own.  A worker
+attached to engine cores cannot attach again: the others serve on, and when
+the last has died or a core has, the parent starts the set again.  SIGTERM or
 SIGINT to the parent stops the workers gracefully (they finish what they
 serve, up to 30 s), then the parent exits.
 """
