@@ -92,9 +92,11 @@ class Dispatcher:
         self.prefills = Prefills(prefill_wait_s)  # prompts being prefilled, by replica
         self._prefill_wait_s = prefill_wait_s
         # per replica, the requests its engine takes at once, the rest in fair order
-        gated = slots is not None or first_token_guard
+        gated = slots is not None or first_token_guard or bool(prefill_slots)
         self._gates = (
-            {r.id: FairGate(slots, first_token_guard) for r in self.replicas} if gated else {}
+            {r.id: FairGate(slots, first_token_guard, prefill_slots) for r in self.replicas}
+            if gated
+            else {}
         )
         self.started = False  # set once every replica is up (and probed)
         self.failed: str | None = None  # why the replicas could not start at boot

@@ -1,0 +1,62 @@
+"""The dispatcher hands ``engine.prefill_slots`` to its replicas' gates: with one slot for
+the default class, a second default request sent while the first prefills waits."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from engines.fake import FakeEngine
+from engines.tokenizer import ChatTokenizer
+from gateway.core.metrics import Metrics
+from gateway.core.schemas import ChatCompletionRequest, ChatMessage
+from gateway.core.types import Principal
+from gateway.local.dispatch import Dispatcher
+from gateway.local.replicas import Replica
+from gateway.local.routing import Router
+from gateway.service.chat import GatewayService
+from manifest.index import LocationId
+
+WAITS = 'vcache_fair_queue_waits_total{replica="replica-0"}'
+
+
+def _waits(metrics: Metrics) -> float:
+    for line in metrics.render().decode().splitlines():
+        if line.startswith(WAITS):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _run(demo_model: Path, prefill_slots: dict[int, int] | None) -> float:
+    async def main() -> float:
+        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), step_delay_s=0.05)
+        await engine.start()
+        metrics = Metrics()
+        dispatcher = Dispatcher(
+            [Replica(LocationId("replica-0"), engine)], Router(), None, metrics,
+            max_inflight=4, prefill_slots=prefill_slots,
+        )  # fmt: skip
+        dispatcher.started = True
+        svc = GatewayService(dispatcher, "vcache-demo")
+
+        async def ask(text: str) -> str:
+            req = ChatCompletionRequest(
+                model="vcache-demo", messages=[ChatMessage(role="user", content=text)],
+                max_tokens=3,
+            )  # fmt: skip
+            done = await svc.chat(req, Principal(tenant="t"))
+            return done.body.choices[0].message.content or ""
+
+        answers = await asyncio.wait_for(asyncio.gather(ask("one"), ask("two")), 10)
+        assert all(answers)
+        return _waits(metrics)
+
+    return asyncio.run(main())
+
+
+def test_one_prefill_slot_makes_the_second_default_request_wait(demo_model: Path) -> None:
+    assert _run(demo_model, {0: 1}) == 1.0
+
+
+def test_without_prefill_slots_nothing_waits(demo_model: Path) -> None:
+    assert _run(demo_model, None) == 0.0
