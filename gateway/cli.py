@@ -173,10 +173,11 @@ def serve_workers(settings: Settings, argv: list[str]) -> int:
     if settings.engine.replicas == 0:
         return run_workers(n, host, port, argv)
     from engines.vllm.shared_core import SharedCores
-    from gateway.local.build import engine_configs
+    from gateway.local.build import engine_configs, resolve_model
 
     with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:
-        cores = SharedCores(engine_configs(settings, Path(runtime)), n, runtime)
+        configs = engine_configs(settings, Path(runtime), resolve_model(settings))
+        cores = SharedCores(configs, n, runtime)
         return run_workers(n, host, port, argv, cores)
 
 

@@ -67,12 +67,9 @@ class CoreSlot:
 
     def attach(self, args: Any, stat_loggers: list[Any]) -> Any:
         """An ``AsyncLLM`` on this slot: blocks until the core has announced itself."""
-        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args._api_process_count = self.client_count
-        args._api_process_rank = self.client_index
-        config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        config = _frontend_config(args, self.client_count, self.client_index)
         addresses = {
             "input_address": self.input_address,
             "output_address": self.output_address,
@@ -86,6 +83,16 @@ class CoreSlot:
             client_count=self.client_count,
             client_index=self.client_index,
         )
+
+
+def _frontend_config(args: Any, frontends: int, rank: int) -> Any:
+    """vLLM's config for ``args`` as one of ``frontends`` API processes (``rank`` -1: the
+    process that launches the core), as ``vllm serve --api-server-count`` builds it."""
+    from vllm.usage.usage_lib import UsageContext
+
+    args._api_process_count = frontends
+    args._api_process_rank = rank
+    return args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
 def slots_to_env(runtime_dir: str, slots: Sequence[CoreSlot]) -> str:
@@ -120,7 +127,6 @@ class SharedCores:
     def start(self) -> None:
         """Launch the cores one at a time (each sizes its memory on start); blocks until
         each has loaded its model."""
-        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
         from vllm.v1.executor import Executor
 
@@ -131,10 +137,7 @@ class SharedCores:
             # lifeline that ties it to this process (engines/vllm/lifeline.py)
             os.environ["PYTHONHASHSEED"] = c.hash_seed
             os.environ[GATEWAY_PID_ENV] = str(os.getpid())
-            args = engine_args(c)
-            args._api_process_count = self._workers
-            args._api_process_rank = -1
-            config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+            config = _frontend_config(engine_args(c), self._workers, -1)
             listeners = bind_engine_zmq_listeners(config, self._workers)
             try:
                 log.info("starting replica-%d's engine core for %d workers", i, self._workers)

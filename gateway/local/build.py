@@ -26,13 +26,10 @@ def resolve_model(settings: Settings) -> str:
     return str(path)
 
 
-def engine_configs(settings: Settings, runtime_dir: Path) -> list[VllmEngineConfig]:
-    """The embedded replicas' engines, each publishing KV events on its own socket in
-    ``runtime_dir``."""
+def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[VllmEngineConfig]:
+    """The embedded replicas' engines on ``model`` (:func:`resolve_model`), each publishing
+    KV events on its own socket in ``runtime_dir``."""
     e = settings.engine
-    if e.replicas == 0:
-        return []
-    model = resolve_model(settings)
     out: list[VllmEngineConfig] = []
     for i in range(e.replicas):
         events = f"ipc://{runtime_dir}/replica-{i}.events" if settings.cache.kv_events else None
@@ -72,8 +69,9 @@ def build_replicas(
     set)."""
     if not settings.has_local:
         return []  # a provider-only gateway
+    model = resolve_model(settings)
     out: list[Replica] = []
-    for i, config in enumerate(engine_configs(settings, runtime_dir)):
+    for i, config in enumerate(engine_configs(settings, runtime_dir, model)):
         events, replay = config.kv_events_endpoint, config.kv_events_replay_endpoint
         if slots is not None:
             out.append(
@@ -82,7 +80,6 @@ def build_replicas(
             continue
         factory = functools.partial(VllmEngine, config)
         out.append(Replica(LocationId(f"replica-{i}"), factory(), events, replay, factory=factory))
-    model = resolve_model(settings)
     e = settings.engine
     for i, r in enumerate(settings.remote_replicas):
         remote = RemoteVllmConfig(

@@ -37,23 +37,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass(eq=False)
-class _Waiter:
-    tenant: str
-    priority: int  # vLLM's: lower first
-    cost: int
-    seq: int  # arrival order: ties go to the earliest
-    ready: asyncio.Future[None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-
-@dataclass(eq=False)
 class Entry:
     """One request let through the gate; prefilling until its first token."""
 
     tenant: str
     priority: int
     prefilling: bool = True
+
+
+@dataclass(eq=False)
+class _Waiter:
+    tenant: str
+    priority: int  # vLLM's: lower first
+    cost: int
+    seq: int  # arrival order: ties go to the earliest
+    ready: asyncio.Future[Entry] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 class FairGate:
@@ -115,14 +115,13 @@ class FairGate:
         if not w.ready.done() and self.running < self.slots:
             self.held += 1  # a slot is free: the guard or a prefill slot holds this one
         try:
-            await w.ready
+            return await w.ready
         except asyncio.CancelledError:
             if w.ready.done() and not w.ready.cancelled():  # granted as it was cancelled
-                self.leave(Entry(tenant, priority), 0)
+                self.leave(w.ready.result(), 0)
             else:
                 self._waiting[(priority, tenant)].remove(w)
             raise
-        return Entry(tenant, priority)
 
     def first_token(self, entry: Entry) -> None:
         """The request's prompt is prefilled: lower classes may start beside it."""
@@ -146,10 +145,7 @@ class FairGate:
             if nxt is None:
                 return  # nobody waits, or every class that does is held
             w = nxt.popleft()
-            self.running += 1
-            self._charge(w.tenant, w.cost)
-            self._prefilling[w.priority] += 1
-            w.ready.set_result(None)
+            w.ready.set_result(self._admit(w.tenant, w.priority, w.cost))
 
     def _next(self) -> deque[_Waiter] | None:
         """The queue of the highest priority's least-served tenant, among the classes
