@@ -99,14 +99,22 @@ def _text(seed: int, words: int = 600) -> str:
     return " ".join(random.Random(seed).choices(vocab, k=words))
 
 
+def _post(
+    conn: http.client.HTTPConnection, path: str, body: dict[str, Any]
+) -> tuple[http.client.HTTPResponse, Any]:
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    r = conn.getresponse()
+    return r, json.loads(r.read())
+
+
+def _messages(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
 def _chat(conn: http.client.HTTPConnection, text: str) -> tuple[int, dict[str, Any], int | None]:
     """(status, usage, the gateway's predicted cached tokens) of one chat request."""
-    body = {"model": "vcache-demo", "max_tokens": 2,
-            "messages": [{"role": "user", "content": text}]}  # fmt: skip
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"content-type": "application/json"})  # fmt: skip
-    r = conn.getresponse()
-    data = json.loads(r.read())
+    body = {"model": "vcache-demo", "max_tokens": 2, "messages": _messages(text)}
+    r, data = _post(conn, "/v1/chat/completions", body)
     predicted = r.getheader("x-vcache-predicted-cached-tokens")
     return r.status, data.get("usage", data), None if predicted is None else int(predicted)
 
@@ -129,10 +137,15 @@ def test_a_prefix_one_worker_stored_is_served_to_the_other_predicted_exactly(poo
     status, usage, predicted = _chat(pool.connect(first), text)
     assert status == 200 and usage["prompt_tokens_details"]["cached_tokens"] == 0 == predicted
     full = (usage["prompt_tokens"] - 1) // BLOCK * BLOCK
-    status, usage, predicted = _chat(pool.connect(second), text)
-    assert status == 200
-    # one prefix cache behind both workers, and the second worker's index saw the
-    # first's blocks arrive through the core's KV events
+    # the second worker's index holds the blocks the first worker's request stored: they
+    # came through the core's KV events (the lookup waits for those on the wire)
+    conn = pool.connect(second)
+    _, found = _post(
+        conn, "/v1/cache/lookup", {"model": "vcache-demo", "messages": _messages(text)}
+    )
+    assert found["replicas"][0]["predicted_cached_tokens"] == full
+    status, usage, predicted = _chat(conn, text)
+    assert status == 200  # one prefix cache behind both workers
     assert usage["prompt_tokens_details"]["cached_tokens"] == full == predicted
     # a follow-up sharing all but its last block, back on the first worker
     status, usage, predicted = _chat(pool.connect(first), text + " and one more question")
