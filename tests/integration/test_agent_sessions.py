@@ -6,6 +6,7 @@ the same conversation without the tool call, loses its KV to the same flood."""
 from __future__ import annotations
 
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -108,8 +109,12 @@ def test_concurrent_siblings_meet_one_prefill_and_are_predicted_exactly(
     system = _system(3) + " " + _system(4)
     headers = {"Authorization": f"Bearer {KEY_A}"}
 
+    start = threading.Barrier(3)  # clients made, connections open: all three post at once
+
     def one(i: int) -> tuple[int, int | None, str]:
         with httpx.Client(base_url=gateway.base_url, headers=headers, timeout=300) as c:
+            assert c.get("/healthz").status_code == 200  # the connection, opened beforehand
+            start.wait(timeout=60)
             r = c.post(
                 "/v1/chat/completions",
                 json={"model": gateway.model, "max_tokens": 2, "messages": [
