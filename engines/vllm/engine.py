@@ -27,7 +27,6 @@ from engines.base import (
     EngineStats,
     GenerateChunk,
     GenerateRequest,
-    Structured,
     TokenLogprob,
 )
 from engines.errors import (
@@ -39,6 +38,7 @@ from engines.errors import (
 )
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.lifeline import GATEWAY_PID_ENV
+from engines.vllm.sampling import sampling_fields
 from engines.vllm.shared_core import CoreSlot
 from engines.vllm.stats import CoreStats
 
@@ -278,35 +278,12 @@ def _stop_string(reason: Any) -> str | None:
 
 def _sampling_params(request: GenerateRequest) -> Any:
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-    s = request.sampling
-    return SamplingParams(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        stop=list(s.stop) or None,
-        seed=s.seed,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        ignore_eos=s.ignore_eos,
-        n=s.n,
-        logprobs=s.logprobs,
-        prompt_logprobs=s.prompt_logprobs,
-        structured_outputs=_structured(s.structured),
-        logit_bias=dict(s.logit_bias) or None,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        min_tokens=s.min_tokens,
-        stop_token_ids=list(s.stop_token_ids) or None,
-        include_stop_str_in_output=s.include_stop_str_in_output,
-        skip_special_tokens=s.skip_special_tokens,
-        spaces_between_special_tokens=s.spaces_between_special_tokens,
-        bad_words=list(s.bad_words) or None,
-        allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
-        output_kind=RequestOutputKind.DELTA,
-    )
+    fields = sampling_fields(request.sampling)
+    if "structured_outputs" in fields:
+        fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+    return SamplingParams(**fields, output_kind=RequestOutputKind.DELTA)
 
 
 def _compact_json() -> Any:
@@ -316,14 +293,6 @@ def _compact_json() -> Any:
     from vllm.config import StructuredOutputsConfig
 
     return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
-
-
-def _structured(s: Structured | None) -> Any:
-    if s is None:
-        return None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    return StructuredOutputsParams(**s.vllm())
 
 
 def _step(token_id: int, step: dict[int, Any], top: int) -> TokenLogprob:

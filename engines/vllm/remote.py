@@ -1,8 +1,10 @@
 """A remote vLLM replica: ``python -m vllm.entrypoints.openai.api_server`` on another host or port.
 
 The gateway still tokenizes (with the same model's tokenizer) and sends token
-ids to the replica's ``/v1/completions`` with the tenant's ``cache_salt``, so
-the block hashes it computes are the replica's.  The replica must run with
+ids with the tenant's ``cache_salt``, so the block hashes it computes are the
+replica's: to vLLM's token-in/token-out route ``/inference/v1/generate`` where
+the replica offers it (``--enable-scale-out``), else to ``/v1/completions``
+(``engines.vllm.remote_wire``; ``api`` picks one).  The replica must run with
 the vcache plugins (``VLLM_PLUGINS=vcache,vcache-control``,
 ``VCACHE_CONTROL_SECRET``), ``--enable-prefix-caching
 --prefix-caching-hash-algo sha256_cbor``, ``--enable-prompt-tokens-details``,
@@ -22,22 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, Sequence
+import logging
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
-from engines.base import (
-    LOGPROB_FLOOR,
-    EngineCapabilities,
-    EngineStats,
-    GenerateChunk,
-    GenerateRequest,
-    SamplingOptions,
-    TokenLogprob,
-)
+from engines.base import EngineCapabilities, EngineStats, GenerateChunk, GenerateRequest
 from engines.errors import (
     EngineError,
     EngineGenerationFailed,
@@ -48,6 +43,16 @@ from engines.errors import (
 from engines.sse import SSEDecoder
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.control import CONTROL_PATH, SECRET_HEADER, from_wire, to_wire
+from engines.vllm.remote_wire import (
+    PATHS,
+    RemoteApi,
+    choice_chunk,
+    prompt_logprobs,
+    request_body,
+    usage_chunk,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,9 @@ class RemoteVllmConfig:
     # keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), or a request may be
     # written to a connection the replica is closing.
     keepalive_s: float = 4.0
+    # which of vLLM's token-id routes to send to (engines.vllm.remote_wire); auto: the
+    # token-in/token-out one where the replica offers it (--enable-scale-out)
+    api: Literal["auto", "completions", "generate"] = "auto"
 
 
 def _error(status: int, body: bytes) -> EngineError:
@@ -90,6 +98,7 @@ class RemoteVllmEngine:
         self._model = config.served_model_name or ""
         self._running = 0
         self._closed = False
+        self.api: RemoteApi = "completions"  # settled by start()
         self.stale_retries = 0  # requests sent again after a pooled connection closed
 
     def _http(self) -> aiohttp.ClientSession:
@@ -145,6 +154,7 @@ class RemoteVllmEngine:
             raise EngineUnavailable(f"replica {self._config.url} unreachable: {exc}") from exc
         card = next((m for m in models if m["id"] == self._model), models[0])
         self._model = card["id"]
+        self.api = await self._pick_api()
         stats = await self.call_core("vcache_cache_stats")
         # off the event loop: loading blocks for seconds, and the loop keeps serving
         self._tokenizer = await asyncio.to_thread(
@@ -160,6 +170,27 @@ class RemoteVllmEngine:
             span_control=True,
             model=str(card.get("root") or self._config.tokenizer),
         )
+
+    async def _pick_api(self) -> RemoteApi:
+        """The route configured, or under ``auto`` the generate route where the replica's
+        OpenAPI document lists it (vLLM lists it only with ``--enable-scale-out``)."""
+        wanted = self._config.api
+        if wanted == "completions":
+            return wanted
+        try:
+            async with self._http().get("/openapi.json") as r:
+                offered = PATHS["generate"] in ((await r.json()).get("paths") or {})
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            offered = False
+            log.info("replica %s: no OpenAPI document (%r)", self._config.url, exc)
+        if wanted == "generate" and not offered:
+            raise EngineUnavailable(
+                f"replica {self._config.url} does not offer {PATHS['generate']}: start it "
+                "with --enable-scale-out, or set its api to completions or auto"
+            )
+        api: RemoteApi = "generate" if offered else "completions"
+        log.info("replica %s: token ids go to %s", self._config.url, PATHS[api])
+        return api
 
     def stats(self) -> EngineStats:
         return EngineStats(unfinished_requests=self._running)
@@ -182,46 +213,10 @@ class RemoteVllmEngine:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if not self.ready:
             raise EngineUnavailable("replica is not ready")
-        s = request.sampling
-        body: dict[str, Any] = {
-            "model": self._model,
-            "prompt": list(request.prompt_token_ids),
-            "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "presence_penalty": s.presence_penalty,
-            "frequency_penalty": s.frequency_penalty,
-            "ignore_eos": s.ignore_eos,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True,
-            "request_id": request.request_id,
-        }
-        if s.n > 1:
-            body["n"] = s.n
-        if s.top_k:
-            body["top_k"] = s.top_k
-        if s.logit_bias:
-            body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
-        if s.logprobs is not None:
-            body["logprobs"] = s.logprobs
-        if s.prompt_logprobs is not None:  # vLLM gives them only to a whole answer
-            body.update(prompt_logprobs=s.prompt_logprobs, stream=False)
-            del body["stream_options"]
-        body.update(_extensions(s))
-        if s.structured is not None:
-            body["structured_outputs"] = s.structured.vllm()
-        if s.stop:
-            body["stop"] = list(s.stop)
-        if s.seed is not None:
-            body["seed"] = s.seed
-        if request.cache_salt is not None:
-            body["cache_salt"] = request.cache_salt
-        if request.priority:
-            body["priority"] = request.priority
+        body = request_body(self.api, request, self._model)
         self._running += 1
         try:
-            async with await self._post("/v1/completions", body) as resp:
+            async with await self._post(PATHS[self.api], body) as resp:
                 if resp.status != 200:
                     raise _error(resp.status, await resp.read())
                 read = self._chunks if body["stream"] else self._whole
@@ -242,11 +237,12 @@ class RemoteVllmEngine:
         """A whole (non-streamed) answer as the chunks a stream would have given."""
         data = json.loads(await resp.read())
         top = request.sampling.prompt_logprobs or 0
+        steps = data.get("prompt_logprobs")  # the generate route's, beside its choices
         for c in data.get("choices") or []:
-            chunk = _choice_chunk(c, request.num_prompt_tokens)
-            lps = _prompt_logprobs(c.get("prompt_logprobs"), request.prompt_token_ids, top)
+            chunk = choice_chunk(self.api, c, request.num_prompt_tokens)
+            lps = prompt_logprobs(c.get("prompt_logprobs", steps), request.prompt_token_ids, top)
             yield replace(chunk, prompt_logprobs=lps)
-        yield _usage_chunk(data.get("usage") or {}, request.num_prompt_tokens)
+        yield usage_chunk(data.get("usage") or {}, request.num_prompt_tokens)
 
     async def _chunks(
         self, resp: aiohttp.ClientResponse, request: GenerateRequest
@@ -263,108 +259,12 @@ class RemoteVllmEngine:
                 usage = data.get("usage")
                 if data.get("choices"):
                     for c in data["choices"]:
-                        yield _choice_chunk(c, num_prompt)
+                        yield choice_chunk(self.api, c, num_prompt)
                 elif usage is not None:
-                    yield _usage_chunk(usage, num_prompt)
+                    yield usage_chunk(usage, num_prompt)
 
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
             if self._session is not None:
                 await self._session.close()
-
-
-def _extensions(s: SamplingOptions) -> dict[str, Any]:
-    """vLLM's sampling extensions the request sets (the replica's defaults otherwise)."""
-    out: dict[str, Any] = {}
-    if s.min_p:
-        out["min_p"] = s.min_p
-    if s.repetition_penalty != 1.0:
-        out["repetition_penalty"] = s.repetition_penalty
-    if s.min_tokens:
-        out["min_tokens"] = s.min_tokens
-    if s.stop_token_ids:
-        out["stop_token_ids"] = list(s.stop_token_ids)
-    if s.include_stop_str_in_output:
-        out["include_stop_str_in_output"] = True
-    if not s.skip_special_tokens:
-        out["skip_special_tokens"] = False
-    if not s.spaces_between_special_tokens:
-        out["spaces_between_special_tokens"] = False
-    if s.bad_words:
-        out["bad_words"] = list(s.bad_words)
-    if s.allowed_token_ids is not None:
-        out["allowed_token_ids"] = list(s.allowed_token_ids)
-    return out
-
-
-def _stop_string(reason: Any) -> str | None:
-    """vLLM's ``stop_reason`` extension: the stop string that matched (an int is a token)."""
-    return reason if isinstance(reason, str) else None
-
-
-def _choice_chunk(c: dict[str, Any], num_prompt: int) -> GenerateChunk:
-    """A completions-API choice (a stream's or a whole answer's) as an engine chunk."""
-    ids = tuple(c.get("token_ids") or ())
-    return GenerateChunk(
-        text=c.get("text") or "",
-        token_ids=ids,
-        num_prompt_tokens=num_prompt,
-        num_cached_tokens=None,  # reported with the final usage
-        finish_reason=c.get("finish_reason"),
-        index=int(c.get("index") or 0),
-        logprobs=_logprobs(c.get("logprobs"), ids),
-        stop_sequence=_stop_string(c.get("stop_reason")),
-    )
-
-
-def _usage_chunk(usage: dict[str, Any], num_prompt: int) -> GenerateChunk:
-    details = usage.get("prompt_tokens_details") or {}
-    return GenerateChunk(
-        text="",
-        token_ids=(),
-        num_prompt_tokens=int(usage.get("prompt_tokens", num_prompt)),
-        num_cached_tokens=int(details.get("cached_tokens") or 0),
-    )
-
-
-def _logprobs(lp: dict[str, Any] | None, ids: Sequence[int]) -> tuple[TokenLogprob, ...]:
-    """A completions-API ``logprobs`` object (tokens, token_logprobs, top_logprobs); the
-    sampled tokens' ids are the choice's ``token_ids`` (the top ones' are not given)."""
-    if not lp:
-        return ()
-    tops = lp.get("top_logprobs") or []
-    out = []
-    for i, (token, logprob) in enumerate(zip(lp["tokens"], lp["token_logprobs"], strict=False)):
-        top = tops[i] if i < len(tops) and tops[i] else {}
-        ranked = tuple((t, float(v)) for t, v in sorted(top.items(), key=lambda kv: -kv[1]))
-        token_id = ids[i] if i < len(ids) else None
-        out.append(TokenLogprob(token, float(logprob), ranked, token_id=token_id))
-    return tuple(out)
-
-
-def _prompt_logprobs(
-    steps: list[dict[str, Any] | None] | None, ids: Sequence[int], top: int
-) -> tuple[TokenLogprob | None, ...] | None:
-    """vLLM's ``prompt_logprobs`` (per prompt token: None, or {id: {logprob, rank,
-    decoded_token}}) as the engine's entries."""
-    if steps is None:
-        return None
-    out: list[TokenLogprob | None] = []
-    for token_id, step in zip(ids, steps, strict=False):
-        if step is None:
-            out.append(None)
-            continue
-        chosen = step.get(str(token_id)) or {}
-        ranked = sorted(step.items(), key=lambda kv: kv[1].get("rank") or 0)[:top]
-        out.append(
-            TokenLogprob(
-                token=chosen.get("decoded_token") or "",
-                logprob=float(chosen.get("logprob", LOGPROB_FLOOR)),
-                top=tuple((e.get("decoded_token") or "", float(e["logprob"])) for _, e in ranked),
-                token_id=token_id,
-                top_ids=tuple(int(i) for i, _ in ranked),
-                rank=chosen.get("rank"),
-            )
-        )
-    return tuple(out)

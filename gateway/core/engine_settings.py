@@ -86,6 +86,10 @@ class RemoteReplicaConfig(BaseModel):
     control_secret: SecretStr
     api_key: SecretStr | None = None
     served_model_name: str | None = None
+    # the route token ids go to: vLLM's token-in/token-out /inference/v1/generate
+    # (generate: the replica runs with --enable-scale-out), /v1/completions, or auto:
+    # generate where the replica's OpenAPI document lists it
+    api: Literal["auto", "completions", "generate"] = "auto"
 
     @model_validator(mode="before")
     @classmethod

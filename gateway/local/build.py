@@ -89,6 +89,7 @@ def build_replicas(
             served_model_name=r.served_model_name,
             api_key=r.api_key.get_secret_value() if r.api_key else None,
             hash_seed=e.hash_seed,
+            api=r.api,
         )
         out.append(
             Replica(

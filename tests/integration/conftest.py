@@ -113,6 +113,11 @@ class RemoteVllm:
     url: str
     events: str
     replay: str
+    log: Path  # its output, access lines included
+
+    def routes(self, path: str) -> int:
+        """How many requests to ``path`` it has answered so far (its access log)."""
+        return self.log.read_text(errors="replace").count(f'"POST {path} HTTP')
 
     def replica(self) -> dict[str, str]:
         """Its entry in a gateway's ``remote_replicas``."""
@@ -142,10 +147,11 @@ def remote_vllm(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
         "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
         "--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "2048", "--enforce-eager",
+        "--enable-scale-out",  # the token-in/token-out route too (gateways use it on auto)
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with running(server, env, f"{url}/v1/models", tmp / "vllm.log", "vllm server"):
-        yield RemoteVllm(url, events, replay)
+        yield RemoteVllm(url, events, replay, tmp / "vllm.log")
 
 
 def rebuild_all(sessions_db: Path, model: Path, url: str | None = None) -> tuple[int, list[str]]:

@@ -31,29 +31,39 @@ BLOCK = 128
 class Remote:
     vllm_url: str
     gateway_url: str
+    api: str  # the route the gateway sends token ids to
+    vllm: RemoteVllm
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["generate", "completions"])
 def remote(
-    data_dir: Path, remote_vllm: RemoteVllm, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    data_dir: Path,
+    remote_vllm: RemoteVllm,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Remote]:
+    """A gateway in front of the replica, sending to its generate route (what ``auto``
+    picks on a replica started with --enable-scale-out) or its completions route."""
+    api = str(request.param)
     tmp = tmp_path_factory.mktemp("remote")
     gw_port = _free_port()
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
-    gw_env = {**base_env, "VCACHE_REMOTE_REPLICAS": json.dumps([remote_vllm.replica()])}
+    replica = remote_vllm.replica() | ({} if api == "generate" else {"api": api})
+    gw_env = {**base_env, "VCACHE_REMOTE_REPLICAS": json.dumps([replica])}
     gateway = [
         sys.executable, "-m", "gateway.cli", "serve", "--replicas", "0",
         "--port", str(gw_port), "--grpc-port", str(_free_port()), "--data-dir", str(data_dir),
     ]  # fmt: skip
     gw_url = f"http://127.0.0.1:{gw_port}"
     with running(gateway, gw_env, f"{gw_url}/readyz", tmp / "gateway.log", "gateway"):
-        yield Remote(remote_vllm.url, gw_url)
+        yield Remote(remote_vllm.url, gw_url, api, remote_vllm)
 
 
 def test_remote_replica_agrees_and_predicts_exactly(remote: Remote) -> None:
     stats = httpx.get(f"{remote.gateway_url}/v1/cache/stats", timeout=30).json()
     assert stats["replicas"]["remote-0"]["hash_agreement"] == "exact"
-    system = {"role": "system", "content": "Remote replicas keep their own prefix cache. " * 40}
+    text = f"Remote replicas keep their own prefix cache ({remote.api}). "
+    system = {"role": "system", "content": text * 40}  # a prompt of this gateway's own
     outcomes = []
     for q in ("first", "second", "third"):
         r = httpx.post(
@@ -72,6 +82,21 @@ def test_remote_replica_agrees_and_predicts_exactly(remote: Remote) -> None:
     print(f"\nremote replica (predicted, actual): {outcomes}")
     assert all(p == a for p, a in outcomes)
     assert outcomes[0][1] == 0 and outcomes[1][1] >= 3 * BLOCK
+
+
+def test_token_ids_go_to_the_route_the_gateway_picked(remote: Remote) -> None:
+    routes = {"generate": "/inference/v1/generate", "completions": "/v1/completions"}
+    before = {api: remote.vllm.routes(path) for api, path in routes.items()}
+    for stream in (False, True):
+        r = httpx.post(
+            f"{remote.gateway_url}/v1/chat/completions",
+            json={"model": "vcache-demo", "max_tokens": 3, "stream": stream,
+                  "messages": [{"role": "user", "content": f"which route, {stream}?"}]},
+            timeout=60,
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+    sent = {api: remote.vllm.routes(path) - before[api] for api, path in routes.items()}
+    assert sent == {api: 2 if api == remote.api else 0 for api in routes}
 
 
 def test_vllm_sampling_extensions_reach_the_remote_replica(remote: Remote) -> None:

@@ -1,0 +1,148 @@
+"""What the gateway sends a remote vLLM replica, and how its answers become engine chunks.
+
+Two of vLLM's APIs take token ids, so neither makes the replica apply a chat
+template or tokenize:
+
+- ``completions``: the OpenAI ``/v1/completions`` route, on every vLLM server;
+  the sampling options travel as OpenAI fields and vLLM's extensions.
+- ``generate``: vLLM's token-in/token-out route ``/inference/v1/generate``
+  (a server started with ``--enable-scale-out``); the sampling options travel
+  as ``SamplingParams`` itself (``engines.vllm.sampling``), the answer's text
+  detokenized by the replica (``output_mode: text``, so stop strings and
+  logprob strings are the replica's, as on the completions route).
+
+Both stream choices as SSE with a last usage event (``include_usage``); a whole
+answer (asked for when prompt logprobs are, which vLLM gives only there)
+carries the same choices and usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from engines.base import LOGPROB_FLOOR, GenerateChunk, GenerateRequest, TokenLogprob
+from engines.vllm.sampling import sampling_fields
+
+RemoteApi = Literal["completions", "generate"]
+PATHS: dict[RemoteApi, str] = {
+    "completions": "/v1/completions",
+    "generate": "/inference/v1/generate",
+}
+
+
+def request_body(api: RemoteApi, request: GenerateRequest, model: str) -> dict[str, Any]:
+    """The JSON body of ``request`` for ``api``; ``stream`` is false where vLLM gives
+    prompt logprobs only to a whole answer."""
+    s = request.sampling
+    stream = s.prompt_logprobs is None
+    body: dict[str, Any] = {"model": model, "request_id": request.request_id, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if request.cache_salt is not None:
+        body["cache_salt"] = request.cache_salt
+    if request.priority:
+        body["priority"] = request.priority
+    if api == "generate":
+        body |= {
+            "token_ids": list(request.prompt_token_ids),
+            "sampling_params": sampling_fields(s),
+            "output_mode": "text",
+        }
+    else:  # the completions route takes the same fields by the same names
+        body |= {"prompt": list(request.prompt_token_ids), "return_token_ids": True}
+        body |= sampling_fields(s)
+    return body
+
+
+def _stop_string(reason: Any) -> str | None:
+    """vLLM's ``stop_reason`` extension: the stop string that matched (an int is a token)."""
+    return reason if isinstance(reason, str) else None
+
+
+def choice_chunk(api: RemoteApi, c: dict[str, Any], num_prompt: int) -> GenerateChunk:
+    """One answer choice (a stream's or a whole answer's) as an engine chunk."""
+    ids = tuple(c.get("token_ids") or ())
+    lp = c.get("logprobs")
+    return GenerateChunk(
+        text=c.get("text") or "",
+        token_ids=ids,
+        num_prompt_tokens=num_prompt,
+        num_cached_tokens=None,  # reported with the final usage
+        finish_reason=c.get("finish_reason"),
+        index=int(c.get("index") or 0),
+        logprobs=_content_logprobs(lp, ids) if api == "generate" else _logprobs(lp, ids),
+        stop_sequence=_stop_string(c.get("stop_reason")),
+    )
+
+
+def usage_chunk(usage: dict[str, Any], num_prompt: int) -> GenerateChunk:
+    details = usage.get("prompt_tokens_details") or {}
+    return GenerateChunk(
+        text="",
+        token_ids=(),
+        num_prompt_tokens=int(usage.get("prompt_tokens", num_prompt)),
+        num_cached_tokens=int(details.get("cached_tokens") or 0),
+    )
+
+
+def _logprobs(lp: dict[str, Any] | None, ids: Sequence[int]) -> tuple[TokenLogprob, ...]:
+    """A completions-API ``logprobs`` object (tokens, token_logprobs, top_logprobs); the
+    sampled tokens' ids are the choice's ``token_ids`` (the top ones' are not given)."""
+    if not lp:
+        return ()
+    tops = lp.get("top_logprobs") or []
+    out = []
+    for i, (token, logprob) in enumerate(zip(lp["tokens"], lp["token_logprobs"], strict=False)):
+        top = tops[i] if i < len(tops) and tops[i] else {}
+        ranked = tuple((t, float(v)) for t, v in sorted(top.items(), key=lambda kv: -kv[1]))
+        token_id = ids[i] if i < len(ids) else None
+        out.append(TokenLogprob(token, float(logprob), ranked, token_id=token_id))
+    return tuple(out)
+
+
+def _content_logprobs(lp: dict[str, Any] | None, ids: Sequence[int]) -> tuple[TokenLogprob, ...]:
+    """The generate route's text-mode ``logprobs`` (chat-shaped: ``content``, one entry a
+    token with its ``top_logprobs`` list, the sampled token first); the sampled tokens'
+    ids are the choice's ``token_ids``."""
+    if not lp or not lp.get("content"):
+        return ()
+    out = []
+    for i, e in enumerate(lp["content"]):
+        ranked = sorted(e.get("top_logprobs") or [], key=lambda t: -float(t["logprob"]))
+        out.append(
+            TokenLogprob(
+                e.get("token") or "",
+                float(e.get("logprob", LOGPROB_FLOOR)),
+                tuple((t.get("token") or "", float(t["logprob"])) for t in ranked),
+                token_id=ids[i] if i < len(ids) else None,
+            )
+        )
+    return tuple(out)
+
+
+def prompt_logprobs(
+    steps: list[dict[str, Any] | None] | None, ids: Sequence[int], top: int
+) -> tuple[TokenLogprob | None, ...] | None:
+    """vLLM's ``prompt_logprobs`` (per prompt token: None, or {id: {logprob, rank,
+    decoded_token}}; both routes give this shape) as the engine's entries."""
+    if steps is None:
+        return None
+    out: list[TokenLogprob | None] = []
+    for token_id, step in zip(ids, steps, strict=False):
+        if step is None:
+            out.append(None)
+            continue
+        chosen = step.get(str(token_id)) or {}
+        ranked = sorted(step.items(), key=lambda kv: kv[1].get("rank") or 0)[:top]
+        out.append(
+            TokenLogprob(
+                token=chosen.get("decoded_token") or "",
+                logprob=float(chosen.get("logprob", LOGPROB_FLOOR)),
+                top=tuple((e.get("decoded_token") or "", float(e["logprob"])) for _, e in ranked),
+                token_id=token_id,
+                top_ids=tuple(int(i) for i, _ in ranked),
+                rank=chosen.get("rank"),
+            )
+        )
+    return tuple(out)
