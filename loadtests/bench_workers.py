@@ -19,8 +19,10 @@ gateway processes, not the engine core's) and how it spreads over the workers.
 The engine is the bottleneck here; the part shows what a second frontend costs.
 
 ``frontend``: vLLM's own OpenAI server on the demo model (CPU engine) and
-``vcache serve`` in front of the same server as a remote replica, the same
-requests in turns.  Per frontend: CPU ms per request and µs per output token of
+``vcache serve`` in front of the same server as a remote replica (two gateways:
+one sending token ids to its generate route, one to its completions route),
+the same requests in turns.  Behind a gateway, the replica's API server's own
+CPU per request is reported too.  Per frontend: CPU ms per request and µs per output token of
 the frontend process alone (vLLM's API server without its engine-core child;
 the gateway process), and the ceiling that implies for one core:
 requests/s = 1000 / CPU ms, output tokens/s = 1e6 / CPU µs per token.
@@ -96,11 +98,15 @@ def body(i: int, model: str, words: int) -> dict[str, Any]:
 
 
 class Arm:
-    def __init__(self, url: str, model: str, pid: int, children: bool) -> None:
+    def __init__(
+        self, url: str, model: str, pid: int, children: bool, upstream: int | None = None
+    ) -> None:
         self.url, self.model, self.pid, self.children = url, model, pid, children
+        self.upstream = upstream  # a process behind this one whose CPU is counted apart
         self.latencies: list[float] = []
         self.wall = 0.0
         self.cpu: dict[int, float] = {}
+        self.upstream_cpu = 0.0
         self.tokens = 0
 
     def row(self) -> dict[str, Any]:
@@ -116,6 +122,9 @@ class Arm:
             "latency_p50_ms": percentile(xs, 50),
             "latency_p90_ms": percentile(xs, 90),
             "worker_cpu_shares": [round(s, 3) for s in shares] if self.children else None,
+            "upstream_cpu_ms_per_request": (
+                self.upstream_cpu / n * 1e3 if n and self.upstream is not None else None
+            ),
         }
 
 
@@ -139,11 +148,14 @@ async def _slice(
                 arm.latencies.append(time.perf_counter() - t0)
                 arm.tokens += int(data["usage"]["completion_tokens"])
 
+        up = psutil.Process(arm.upstream) if arm.upstream is not None else None
         before = cpu_by_process(arm.pid, arm.children)
+        up_before = _cpu(up) if up is not None else 0.0
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         arm.wall += time.perf_counter() - t0
         after = cpu_by_process(arm.pid, arm.children)
+        arm.upstream_cpu += _cpu(up) - up_before if up is not None else 0.0
         for pid, v in after.items():
             arm.cpu[pid] = arm.cpu.get(pid, 0.0) + v - before.get(pid, 0.0)
 
@@ -152,7 +164,7 @@ def turns(arms: dict[str, Arm], args: argparse.Namespace, words: int) -> None:
     n = 0
     for arm in arms.values():  # warm-up, not counted
         asyncio.run(_slice(arm, n, 40, 4, words))
-        arm.latencies, arm.wall, arm.cpu, arm.tokens = [], 0.0, {}, 0
+        arm.latencies, arm.wall, arm.cpu, arm.tokens, arm.upstream_cpu = [], 0.0, {}, 0, 0.0
         n += 40
     for _ in range(args.rounds):
         for arm in arms.values():
@@ -245,26 +257,29 @@ def part_frontend(args: argparse.Namespace, work: Path, env: dict[str, str]) -> 
             "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
             "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "2048",
-            "--enforce-eager"]  # fmt: skip
+            "--enforce-eager", "--enable-scale-out"]  # fmt: skip
     v_env = {**env, "PYTHONHASHSEED": "0", "VLLM_PLUGINS": "vcache,vcache-control",
              "VCACHE_CONTROL_SECRET": "bench"}  # fmt: skip
     replica = {"url": f"http://127.0.0.1:{vport}", "kv_events": events, "control_secret": "bench"}
-    g_env = {**env, "VCACHE_LOG_LEVEL": "warning", "VCACHE_DATA_DIR": str(work / "front"),
-             "VCACHE_REMOTE_REPLICAS": json.dumps([replica])}  # fmt: skip
     arms: dict[str, Arm] = {}
     with contextlib.ExitStack() as stack:
         vready = partial(get_ok, f"http://127.0.0.1:{vport}/v1/models")
         vproc = stack.enter_context(serving(vllm, vready, work / "vllm.log", v_env))
-        gready = partial(get_ok, f"http://127.0.0.1:{gport}/readyz")
-        gproc = stack.enter_context(
-            serving(_gateway(gport, 1, []), gready, work / "front.log", g_env)
-        )
         arms["vllm api server"] = Arm(
             f"http://127.0.0.1:{vport}/v1/chat/completions", "vcache-demo", vproc.pid, False
         )
-        arms["vcache (remote replica)"] = Arm(
-            f"http://127.0.0.1:{gport}/v1/chat/completions", "vcache-demo", gproc.pid, False
-        )
+        for api in ("generate", "completions"):  # the replica's route for token ids
+            gport = free_port()
+            g_env = {**env, "VCACHE_LOG_LEVEL": "warning", "VCACHE_DATA_DIR": str(work / api),
+                     "VCACHE_REMOTE_REPLICAS": json.dumps([replica | {"api": api}])}  # fmt: skip
+            gready = partial(get_ok, f"http://127.0.0.1:{gport}/readyz")
+            gproc = stack.enter_context(
+                serving(_gateway(gport, 1, []), gready, work / f"{api}.log", g_env)
+            )
+            arms[f"vcache -> {api}"] = Arm(
+                f"http://127.0.0.1:{gport}/v1/chat/completions", "vcache-demo", gproc.pid, False,
+                upstream=vproc.pid,
+            )  # fmt: skip
         turns(arms, args, words=args.words)
     out = {}
     for name, arm in arms.items():
@@ -288,6 +303,8 @@ def table(out: dict[str, Any]) -> str:
                 extra = (f"{r['cpu_us_per_output_token']:.0f} us/token; ceiling per core "
                          f"{r['ceiling_requests_per_s_per_core']:.0f} req/s, "
                          f"{r['ceiling_output_tokens_per_s_per_core']:.0f} tok/s")  # fmt: skip
+            if r.get("upstream_cpu_ms_per_request") is not None:
+                extra += f"; replica frontend {r['upstream_cpu_ms_per_request']:.2f} ms/req"
             lines.append(
                 f"{part:<10}{name:<26}{r['requests_per_s']:>7.0f}{r['cpu_ms_per_request']:>11.2f}"
                 f"{r['latency_p50_ms']:>8.1f}{r['latency_p90_ms']:>8.1f}  {extra}"
