@@ -82,12 +82,17 @@ class SamplingOptions:
     spaces_between_special_tokens: bool = True
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    # outputs coalesced: the first token, then every this many, and the last (vLLM's
+    # stream_interval); None: every step's.  For an answer the client takes whole.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
         if self.n < 1:
             raise ValueError("n must be >= 1")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
 
 
 @dataclass(frozen=True)

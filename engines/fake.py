@@ -109,20 +109,28 @@ class FakeEngine:
             else:
                 reply = self._reply_ids
                 ids, end = (reply * (s.max_tokens // len(reply) + 1))[: s.max_tokens], "length"
+            every = s.stream_interval or 1  # as vLLM: the first, every this many, the last
+            held: list[int] = []
             for i, tok in enumerate(ids):
                 await asyncio.sleep(self._delay)
                 last = i == len(ids) - 1
+                held.append(tok)
+                if not (i == 0 or last or len(held) >= every):
+                    continue
                 for index in range(s.n):  # the samples step together
                     yield GenerateChunk(
-                        text=self._tokenizer.decode([tok]),
-                        token_ids=(tok,),
+                        text="".join(self._tokenizer.decode([t]) for t in held),
+                        token_ids=tuple(held),
                         num_prompt_tokens=request.num_prompt_tokens,
                         num_cached_tokens=cached,
                         finish_reason=end if last else None,
                         index=index,
-                        logprobs=self._logprobs(tok, index, s.logprobs),
+                        logprobs=tuple(
+                            lp for t in held for lp in self._logprobs(t, index, s.logprobs)
+                        ),
                         prompt_logprobs=self._prompt_logprobs(request) if i == 0 else None,
                     )
+                held = []
             if not ids:
                 yield GenerateChunk("", (), request.num_prompt_tokens, cached, "length")
             finished = True

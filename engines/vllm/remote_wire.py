@@ -49,9 +49,10 @@ def request_body(api: RemoteApi, request: GenerateRequest, model: str) -> dict[s
             "sampling_params": sampling_fields(s),
             "output_mode": "text",
         }
-    else:  # the completions route takes the same fields by the same names
+    else:  # the completions route takes the same fields by the same names, but one
         body |= {"prompt": list(request.prompt_token_ids), "return_token_ids": True}
         body |= sampling_fields(s)
+        body.pop("stream_interval", None)  # not a field there: every token is sent
     return body
 
 

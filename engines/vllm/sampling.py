@@ -48,6 +48,7 @@ def sampling_fields(s: SamplingOptions) -> dict[str, Any]:
         "allowed_token_ids": (
             list(s.allowed_token_ids) if s.allowed_token_ids is not None else None
         ),
+        "stream_interval": s.stream_interval,
     }
     out.update({k: v for k, v in optional.items() if v is not None})
     return out

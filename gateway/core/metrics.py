@@ -92,7 +92,8 @@ class Metrics:
         )
         self.inter_token = Histogram(
             "vcache_inter_token_latency_seconds",
-            "Time between consecutive outputs of one request",
+            "Time between consecutive outputs of one request whose tokens are streamed "
+            "(an answer sent whole has its outputs coalesced by the engine)",
             ["model", "target", "replica"],
             buckets=_ITL_BUCKETS,
             registry=r,

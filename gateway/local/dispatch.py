@@ -240,6 +240,7 @@ class Dispatcher:
         cached_known = False
         m = self._metrics
         itl = m.inter_token.labels(self.model, "local", d.replica_id)
+        per_token = greq.sampling.stream_interval is None  # else outputs come coalesced
         prompt_tokens = m.prompt_tokens.labels(self.model, d.replica_id)
         completion_tokens = m.completion_tokens.labels(self.model, d.replica_id)
         last = t0
@@ -247,7 +248,7 @@ class Dispatcher:
             async with aclosing(d.replica.engine.generate(greq)) as stream:
                 async for chunk in stream:
                     now = time.perf_counter()
-                    if not first:
+                    if not first and per_token:
                         itl.observe(now - last)
                     last = now
                     if first:

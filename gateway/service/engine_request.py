@@ -132,6 +132,9 @@ def generate_request(
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         bad_words=tuple(req.bad_words or ()),
         allowed_token_ids=tuple(allowed) if allowed is not None else None,
+        # an answer sent whole needs no output per step: the engine sends the first
+        # token (the prefill is done) and the last, and nothing relays the rest one by one
+        stream_interval=None if req.stream else max(max_tokens, 1),
     )
     return GenerateRequest(
         request_id=rid,

@@ -86,6 +86,16 @@ def test_the_generate_route_answers_text_and_a_whole_answer_when_prompt_logprobs
     assert VllmGenerate.model_validate(_wire(whole)).sampling_params.prompt_logprobs == 1
 
 
+def test_coalesced_outputs_are_asked_of_the_engine_and_the_generate_route_only() -> None:
+    coalesced = _request(SamplingOptions(max_tokens=32, stream_interval=32))
+    assert _sampling_params(coalesced).stream_interval == 32
+    generate = _wire(request_body("generate", coalesced, "m"))
+    assert VllmGenerate.model_validate(generate).sampling_params.stream_interval == 32
+    # vLLM's completions request has no such field (it would log it as ignored)
+    assert "stream_interval" not in request_body("completions", coalesced, "m")
+    assert _sampling_params(_request(PLAIN)).stream_interval is None
+
+
 def test_a_generate_choice_becomes_an_engine_chunk() -> None:
     choice = {
         "index": 1, "text": " ab", "token_ids": [5, 6], "finish_reason": "stop",

@@ -391,9 +391,11 @@ def test_failed_engine_fails_health(tokenizer: ChatTokenizer) -> None:
         assert r.json()["error"]["code"] == "engine_failed"
 
 
-def test_metrics_count_requests_tokens_and_errors(client: TestClient) -> None:
+def test_metrics_count_requests_tokens_and_errors(client: TestClient, engine: FakeEngine) -> None:
     client.post("/v1/chat/completions", json=chat())
     client.post("/v1/chat/completions", json=chat(model="nope"))
+    whole = engine.received[-1].sampling
+    assert whole.stream_interval == whole.max_tokens  # sent whole: outputs coalesced
     text = client.get("/metrics").text
     assert 'vcache_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert 'vcache_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
@@ -404,9 +406,16 @@ def test_metrics_count_requests_tokens_and_errors(client: TestClient) -> None:
     assert f"vcache_ttft_seconds_count{{{ttft}}} 1.0" in text
     assert 'vcache_engine_unfinished_requests{replica="replica-0"} 0.0' in text
     assert 'vcache_engine_kv_cache_usage_ratio{replica="replica-0"}' in text
-    # both requests timed; 4 tokens one step apart each make 3 inter-token gaps
+    # both requests timed; the answer sent whole came in two outputs (the first token,
+    # then the other three): no inter-token gap is observed for it
     assert 'vcache_request_duration_seconds_count{route="/v1/chat/completions"} 2.0' in text
     itl = 'model="vcache-demo",replica="replica-0",target="local"'
+    assert f"vcache_inter_token_latency_seconds_count{{{itl}}} 0.0" in text
+    with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+        assert r.status_code == 200 and sum(1 for _ in r.iter_lines()) > 4
+    assert engine.received[-1].sampling.stream_interval is None
+    # 4 tokens streamed one step apart make 3 inter-token gaps
+    text = client.get("/metrics").text
     assert f"vcache_inter_token_latency_seconds_count{{{itl}}} 3.0" in text
 
 
