@@ -113,6 +113,9 @@ class RetentionSettings(BaseModel):
     default_gap_s: float = Field(30.0, gt=0)  # before any gap has been seen
     min_blocks: int = Field(2, ge=1)  # a shorter prompt is cheaper to prefill again
     max_sessions: int = Field(4096, ge=1)  # sessions remembered (least recent forgotten)
+    # a lease past its expected pause runs on to max_lease_s while the pin budget has
+    # room: another session's lease that the budget refuses takes its blocks first
+    overtime: bool = True
 
 
 class CacheSettings(BaseModel):

@@ -189,7 +189,8 @@ class Metrics:
         self.retention = Counter(
             "vcache_session_retention",
             "Turns of agent sessions that ended, by what was done with their KV: leased "
-            "until the next turn, refused (pin budget), released, none, short, off",
+            "until the next turn, refused (pin budget), released, none, short, off; and "
+            "preempted: a lease past its expected pause released for another's",
             ["outcome"],
             registry=r,
         )

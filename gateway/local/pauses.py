@@ -13,6 +13,14 @@ replaces the lease (a rolling lease: blocks the new prompt no longer has are
 released); a turn that ends without calling tools (the agent's answer)
 releases it; an abandoned session's lease expires on time.
 
+Overtime (``overtime``, on by default): a pause may outlast its estimate (the
+gaps' tail), and releasing the blocks then loses them to the next request
+that needs room.  So the lease is taken for ``max_lease_s`` and the estimate
+is only its *due* time: past it the lease is in overtime, kept while the pin
+budget has room, and the first to go when another session's lease is refused
+for budget on the same replica (the most overdue first:
+``vcache_session_retention_total{outcome="preempted"}``).
+
 :meth:`SessionTurns.replica` is the replica of a session's last turn: the
 router sends the next turn back there while that replica is not out of
 balance (``vcache_routing_decisions_total{reason="session"}``).
@@ -30,12 +38,13 @@ from typing import Literal
 from gateway.core.config import RetentionSettings
 from gateway.core.shaping import Pieces
 from gateway.local.retention import BreakpointLeases
-from gateway.local.spans import KVSpans
+from gateway.local.spans import KVSpans, PinResult
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 from manifest.session_tips import Gaps, expected_gap
 
 Outcome = Literal["leased", "refused", "released", "none", "short", "off"]
+MAX_PREEMPTED = 8  # leases in overtime released for one new lease, at most
 
 
 @dataclass
@@ -44,6 +53,8 @@ class _Session:
     replica: LocationId | None = None
     ended_at: float | None = None  # None while a turn runs
     gaps: Gaps = field(default_factory=Gaps)
+    due: float | None = None  # while its KV is leased: when its pause should have ended
+    until: float = 0.0  # and when its lease ends
 
 
 @dataclass
@@ -94,7 +105,8 @@ class SessionTurns:
         s = self.sessions.get(key)
         if s is None:  # forgotten while the turn ran
             s = self.sessions[key] = _Session("")
-        s.replica, s.ended_at = replica, self.clock()
+        now = self.clock()
+        s.replica, s.ended_at, s.due = replica, now, None
         owner = f"session:{key}"
         out: Outcome
         if kv is None or not self.cfg.enabled:
@@ -104,11 +116,54 @@ class SessionTurns:
         elif len(hashes) < self.cfg.min_blocks:
             out = "short"
         else:
-            res = await self.leases.hold(kv, replica, owner, hashes, self.lease_s(key, s.tenant))
+            expected = self.lease_s(key, s.tenant)
+            ttl = self.cfg.max_lease_s if self.cfg.overtime else expected
+            res = await self._hold(kv, replica, key, hashes, ttl)
             out = "leased" if res is not None and not res.refused else "refused"
-        self.counts[out] = self.counts.get(out, 0) + 1
-        self.count(out)
+            s.due = now + expected if res is not None and res.pinned else None
+            s.until = now + ttl
+        self._counted(out)
         return out
+
+    async def _hold(
+        self,
+        kv: KVSpans,
+        replica: LocationId,
+        key: str,
+        hashes: Sequence[BlockHash],
+        ttl: float,
+    ) -> PinResult | None:
+        """Lease ``hashes`` to session ``key``; while the pin budget refuses blocks, release
+        the most overdue lease in overtime on ``replica`` and ask again."""
+        owner = f"session:{key}"
+        res = await self.leases.hold(kv, replica, owner, hashes, ttl)
+        for _ in range(MAX_PREEMPTED):
+            if res is None or not res.refused:
+                break
+            victim = self._overdue(replica, key)
+            if victim is None:
+                break
+            self.sessions[victim].due = None
+            await self.leases.release(kv, f"session:{victim}")
+            self._counted("preempted")
+            res = await self.leases.hold(kv, replica, owner, hashes, ttl)
+        return res
+
+    def _overdue(self, replica: LocationId, but: str) -> str | None:
+        """The paused session on ``replica`` whose lease is furthest past its due time
+        (None: none is in overtime)."""
+        now = self.clock()
+        late = [
+            (s.due, k)
+            for k, s in self.sessions.items()
+            if k != but and s.replica == replica and s.ended_at is not None
+            and s.due is not None and s.due <= now < s.until
+        ]  # fmt: skip
+        return min(late)[1] if late else None
+
+    def _counted(self, outcome: str) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        self.count(outcome)
 
     def gap_quantiles(self, tenant: str) -> dict[str, float]:
         """p50 / p90 of the tenant's observed gaps (for stats), empty before any."""

@@ -57,13 +57,57 @@ def test_lease_granted_rolled_by_the_next_turn_then_expired(setup: Any) -> None:
         assert turns.lease_s("t:s1", "t") == 12.0  # the session's own gap now
         assert await turns.ended(kv, "t:s1", R, HASHES[:5], called_tools=True) == "leased"
         assert _pinned(core) == 5  # the new prompt's blocks: the old ones kept, two more
-        clock.now += 11
-        assert await kv.reap() == 0  # within the 12 s lease
-        clock.now += 2
-        assert await kv.reap() == 5 and _pinned(core) == 0  # abandoned: expired on time
+        clock.now += 13
+        assert await kv.reap() == 0  # past its 12 s: in overtime, the budget has room
+        clock.now += 120 - 13
+        assert await kv.reap() == 5 and _pinned(core) == 0  # abandoned: max_lease_s, on time
 
     asyncio.run(main())
     assert turns.counts == {"leased": 2}
+
+
+def test_without_overtime_a_lease_ends_when_the_pause_was_expected_to(setup: Any) -> None:
+    kv, core, clock, _ = setup
+    cfg = RetentionSettings(default_gap_s=30, margin=1.5, max_lease_s=120, overtime=False)
+    turns = SessionTurns(cfg, BreakpointLeases(), clock)
+
+    async def main() -> None:
+        turns.began("t:s1", "t")
+        assert await turns.ended(kv, "t:s1", R, HASHES[:3], called_tools=True) == "leased"
+        clock.now += 44
+        assert await kv.reap() == 0  # within the default 30 s x 1.5
+        clock.now += 2
+        assert await kv.reap() == 3 and _pinned(core) == 0
+
+    asyncio.run(main())
+
+
+def test_a_lease_in_overtime_gives_its_blocks_to_a_refused_one(setup: Any) -> None:
+    kv, core, clock, turns = setup
+
+    async def main() -> None:
+        turns.began("t:a", "t")
+        assert await turns.ended(kv, "t:a", R, HASHES[:5], called_tools=True) == "leased"
+        clock.now += 1
+        turns.began("t:b", "t")  # a is due in 44 s: not in overtime, b gets what is left
+        assert await turns.ended(kv, "t:b", R, HASHES[5:8], called_tools=True) == "refused"
+        assert kv.pin_owners(R, HASHES[5]) == ["session:t:b"] and _pinned(core) == 6
+        turns.began("t:c", "t")
+        assert await turns.ended(kv, "t:c", R, HASHES[6:8], called_tools=True) == "refused"
+        clock.now += 46  # a and b both past their 45 s: a's lease is the most overdue
+        turns.began("t:c", "t")
+        assert await turns.ended(kv, "t:c", R, HASHES[6:8], called_tools=True) == "leased"
+        assert kv.pin_owners(R, HASHES[0]) == [] and kv.pin_owners(R, HASHES[6]) == [
+            "session:t:c"]  # fmt: skip
+        assert kv.pin_owners(R, HASHES[5]) == ["session:t:b"]  # one preempted lease sufficed
+        assert _pinned(core) == 3
+        turns.began("t:a", "t")  # a comes back; b is in overtime, c is not
+        assert await turns.ended(kv, "t:a", R, HASHES[:5], called_tools=True) == "refused"
+        assert kv.pin_owners(R, HASHES[5]) == [] and _pinned(core) == 6  # b's went to a
+        assert kv.pin_owners(R, HASHES[6]) == ["session:t:c"]  # c, due later, kept its own
+
+    asyncio.run(main())
+    assert turns.counts == {"leased": 2, "refused": 3, "preempted": 2}
 
 
 def test_an_answer_without_tool_calls_releases_the_lease(setup: Any) -> None:
