@@ -52,6 +52,7 @@ from workloads import VOCAB  # noqa: E402
 
 LEASED = 'vcache_session_retention_total{outcome="leased"}'
 REFUSED = 'vcache_session_retention_total{outcome="refused"}'
+PREEMPTED = 'vcache_session_retention_total{outcome="preempted"}'
 ADMIN_KEY = "sk-agents-admin"
 BACKGROUND_KEY = "sk-agents-background"
 
@@ -160,6 +161,7 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
             'vcache_session_retention_total{outcome="leased"}',
             'vcache_session_retention_total{outcome="refused"}',
             'vcache_session_retention_total{outcome="released"}',
+            PREEMPTED,
             'vcache_cached_token_predictions_total{outcome="matched"}',
             'vcache_cached_token_predictions_total{outcome="missed"}',
             'vcache_prefill_waits_total{outcome="joined"}',
@@ -243,13 +245,14 @@ def router_arm(out: Path, args: argparse.Namespace, model: str) -> Any:
 def table(rows: list[Any]) -> str:
     head = (f"{'arm':<13}{'turns':>6}{'err':>5}{'reused':>8}{'hit':>7}"
             f"{'ttft p50':>10}{'p90':>7}{'turn-0 p50':>12}{'p90':>7}{'leased':>8}{'refused':>8}"
-            f"{'exact':>7}")  # fmt: skip
+            f"{'preempt':>8}{'exact':>7}")  # fmt: skip
     lines = [head]
     for r in rows:
         later, first = r["ttft_ms_later"], r["ttft_ms_first"]
         g = r.get("gateway", {})
         leased = int(g.get(LEASED, 0))
         refused = int(g.get(REFUSED, 0))
+        preempted = int(g.get(PREEMPTED, 0))
         matched = g.get('vcache_cached_token_predictions_total{outcome="matched"}', 0)
         missed = g.get('vcache_cached_token_predictions_total{outcome="missed"}', 0)
         exact = f"{matched / (matched + missed):.3f}" if matched + missed else "-"
@@ -258,7 +261,7 @@ def table(rows: list[Any]) -> str:
             f"{r['arm']:<13}{r['turns']:>6}{r['errors']:>5}{reused:>8}{r['hit_rate']:>7.3f}"
             f"{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}{first['p50'] or 0:>12.0f}"
             f"{first['p90'] or 0:>7.0f}"
-            f"{leased:>8}{refused:>8}{exact:>7}"
+            f"{leased:>8}{refused:>8}{preempted:>8}{exact:>7}"
         )
     return "\n".join(lines)
 
