@@ -54,7 +54,6 @@ class _Session:
     ended_at: float | None = None  # None while a turn runs
     gaps: Gaps = field(default_factory=Gaps)
     due: float | None = None  # while its KV is leased: when its pause should have ended
-    until: float = 0.0  # and when its lease ends
 
 
 @dataclass
@@ -107,7 +106,7 @@ class SessionTurns:
             s = self.sessions[key] = _Session("")
         now = self.clock()
         s.replica, s.ended_at, s.due = replica, now, None
-        owner = f"session:{key}"
+        owner = _owner(key)
         out: Outcome
         if kv is None or not self.cfg.enabled:
             out = "off"
@@ -121,7 +120,6 @@ class SessionTurns:
             res = await self._hold(kv, replica, key, hashes, ttl)
             out = "leased" if res is not None and not res.refused else "refused"
             s.due = now + expected if res is not None and res.pinned else None
-            s.until = now + ttl
         self._counted(out)
         return out
 
@@ -135,7 +133,7 @@ class SessionTurns:
     ) -> PinResult | None:
         """Lease ``hashes`` to session ``key``; while the pin budget refuses blocks, release
         the most overdue lease in overtime on ``replica`` and ask again."""
-        owner = f"session:{key}"
+        owner = _owner(key)
         res = await self.leases.hold(kv, replica, owner, hashes, ttl)
         for _ in range(MAX_PREEMPTED):
             if res is None or not res.refused:
@@ -144,20 +142,23 @@ class SessionTurns:
             if victim is None:
                 break
             self.sessions[victim].due = None
-            await self.leases.release(kv, f"session:{victim}")
+            await self.leases.release(kv, _owner(victim))
             self._counted("preempted")
             res = await self.leases.hold(kv, replica, owner, hashes, ttl)
         return res
 
     def _overdue(self, replica: LocationId, but: str) -> str | None:
         """The paused session on ``replica`` whose lease is furthest past its due time
-        (None: none is in overtime)."""
+        (None: none is in overtime).  A lease in overtime was taken at the end of its
+        session's last turn for ``max_lease_s``."""
+        if not self.cfg.overtime:
+            return None
         now = self.clock()
         late = [
             (s.due, k)
             for k, s in self.sessions.items()
             if k != but and s.replica == replica and s.ended_at is not None
-            and s.due is not None and s.due <= now < s.until
+            and s.due is not None and s.due <= now < s.ended_at + self.cfg.max_lease_s
         ]  # fmt: skip
         return min(late)[1] if late else None
 
@@ -171,6 +172,11 @@ class SessionTurns:
         if g is None or not len(g):
             return {}
         return {"p50": g.quantile(0.5) or 0.0, "p90": g.quantile(0.9) or 0.0}
+
+
+def _owner(key: str) -> str:
+    """Who holds a session's lease on its blocks."""
+    return f"session:{key}"
 
 
 async def paused(
