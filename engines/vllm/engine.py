@@ -38,7 +38,7 @@ from engines.errors import (
 )
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.lifeline import GATEWAY_PID_ENV
-from engines.vllm.sampling import sampling_fields
+from engines.vllm.sampling import sampling_fields, stop_string
 from engines.vllm.shared_core import CoreSlot
 from engines.vllm.stats import CoreStats
 
@@ -231,7 +231,7 @@ class VllmEngine:
                         num_prompt_tokens=len(out.prompt_token_ids or ()),
                         num_cached_tokens=out.num_cached_tokens or 0,
                         finish_reason=_finish_reason(completion.finish_reason) if done else None,
-                        stop_sequence=_stop_string(completion.stop_reason) if done else None,
+                        stop_sequence=stop_string(completion.stop_reason) if done else None,
                         index=completion.index,
                         logprobs=_logprobs(completion, request.sampling.logprobs),
                         queue_time_s=queue_time,
@@ -269,11 +269,6 @@ class VllmEngine:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
-
-
-def _stop_string(reason: Any) -> str | None:
-    """vLLM's ``stop_reason``: the stop string that matched (an int is a stop token)."""
-    return reason if isinstance(reason, str) else None
 
 
 def _sampling_params(request: GenerateRequest) -> Any:

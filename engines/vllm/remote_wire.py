@@ -4,10 +4,12 @@ Two of vLLM's APIs take token ids, so neither makes the replica apply a chat
 template or tokenize:
 
 - ``completions``: the OpenAI ``/v1/completions`` route, on every vLLM server;
-  the sampling options travel as OpenAI fields and vLLM's extensions.
+  the sampling options travel as top-level fields, which vLLM's completions
+  request names as ``SamplingParams`` does (all but ``stream_interval``).
 - ``generate``: vLLM's token-in/token-out route ``/inference/v1/generate``
   (a server started with ``--enable-scale-out``); the sampling options travel
-  as ``SamplingParams`` itself (``engines.vllm.sampling``), the answer's text
+  as ``SamplingParams`` itself.  Both take them from
+  ``engines.vllm.sampling.sampling_fields``; the generate route's answer text is
   detokenized by the replica (``output_mode: text``, so stop strings and
   logprob strings are the replica's, as on the completions route).
 
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from engines.base import LOGPROB_FLOOR, GenerateChunk, GenerateRequest, TokenLogprob
-from engines.vllm.sampling import sampling_fields
+from engines.vllm.sampling import sampling_fields, stop_string
 
 RemoteApi = Literal["completions", "generate"]
 PATHS: dict[RemoteApi, str] = {
@@ -56,11 +58,6 @@ def request_body(api: RemoteApi, request: GenerateRequest, model: str) -> dict[s
     return body
 
 
-def _stop_string(reason: Any) -> str | None:
-    """vLLM's ``stop_reason`` extension: the stop string that matched (an int is a token)."""
-    return reason if isinstance(reason, str) else None
-
-
 def choice_chunk(api: RemoteApi, c: dict[str, Any], num_prompt: int) -> GenerateChunk:
     """One answer choice (a stream's or a whole answer's) as an engine chunk."""
     ids = tuple(c.get("token_ids") or ())
@@ -73,7 +70,7 @@ def choice_chunk(api: RemoteApi, c: dict[str, Any], num_prompt: int) -> Generate
         finish_reason=c.get("finish_reason"),
         index=int(c.get("index") or 0),
         logprobs=_content_logprobs(lp, ids) if api == "generate" else _logprobs(lp, ids),
-        stop_sequence=_stop_string(c.get("stop_reason")),
+        stop_sequence=stop_string(c.get("stop_reason")),
     )
 
 

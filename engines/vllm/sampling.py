@@ -1,4 +1,5 @@
-"""A request's sampling options as vLLM's ``SamplingParams`` fields, in one place.
+"""A request's sampling options as vLLM's ``SamplingParams`` fields, in one place (and
+which of its stop strings ended an output, as vLLM reports it).
 
 The embedded engine builds ``SamplingParams(**sampling_fields(s))`` (with its
 structured outputs as ``StructuredOutputsParams``); a remote replica's
@@ -52,3 +53,8 @@ def sampling_fields(s: SamplingOptions) -> dict[str, Any]:
     }
     out.update({k: v for k, v in optional.items() if v is not None})
     return out
+
+
+def stop_string(reason: Any) -> str | None:
+    """vLLM's ``stop_reason``: the stop string that matched (an int is a stop token)."""
+    return reason if isinstance(reason, str) else None
