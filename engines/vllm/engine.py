@@ -38,6 +38,7 @@ from engines.errors import (
 )
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.lifeline import GATEWAY_PID_ENV
+from engines.vllm.placement import Env, core_env
 from engines.vllm.sampling import sampling_fields, stop_string
 from engines.vllm.shared_core import CoreSlot
 from engines.vllm.stats import CoreStats
@@ -76,6 +77,8 @@ class VllmEngineConfig:
     scheduling_policy: str = "fcfs"  # "priority": requests ordered by their priority first
     max_num_seqs: int | None = None  # None: vLLM's default
     long_prefill_token_threshold: int | None = None  # None: vLLM's default
+    # the engine core's own devices or CPU cores (engines/vllm/placement.py)
+    placement: Env = ()
 
 
 def engine_args(c: VllmEngineConfig) -> Any:
@@ -172,7 +175,8 @@ class VllmEngine:
         # Building the engine blocks for tens of seconds: keep the loop free
         # so /healthz answers while the model loads.
         if self._slot is None:
-            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
+            with core_env(self._config.placement):  # replicas start one at a time
+                llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
         else:  # the engine core runs already: attach to it
             llm = await asyncio.to_thread(self._slot.attach, args, loggers)
         cache = llm.vllm_config.cache_config

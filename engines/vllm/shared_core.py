@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from engines.vllm.lifeline import GATEWAY_PID_ENV
+from engines.vllm.placement import core_env
 
 if TYPE_CHECKING:
     from engines.vllm.engine import VllmEngineConfig
@@ -141,9 +142,12 @@ class SharedCores:
             listeners = bind_engine_zmq_listeners(config, self._workers)
             try:
                 log.info("starting replica-%d's engine core for %d workers", i, self._workers)
-                with launch_core_engines(
-                    config, Executor.get_class(config), True, listeners.addresses
-                ) as launch:
+                with (
+                    core_env(c.placement),
+                    launch_core_engines(
+                        config, Executor.get_class(config), True, listeners.addresses
+                    ) as launch,
+                ):
                     manager = launch.engine_manager
             except BaseException:
                 listeners.cleanup()

@@ -26,6 +26,11 @@ class EngineSettings(BaseModel):
     hash_seed: str = "0"
     max_queued_requests: int = Field(256, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
+    # where each embedded replica computes (engines/vllm/placement.py): "auto" gives
+    # each its own devices (CUDA_VISIBLE_DEVICES) or CPU cores (VLLM_CPU_OMP_THREADS_BIND)
+    # where there are enough, "none" leaves it to vLLM, a list names each replica's own
+    # (["0", "1"] GPUs; ["0-7", "8-15"] CPU cores)
+    placement: Literal["auto", "none"] | list[str] = "auto"
     dtype: str = "auto"
     watch_interval_s: float = Field(1.0, gt=0)  # how often replicas are checked for death
     restart_backoff_s: float = Field(1.0, ge=0)  # first restart delay of a dead replica
@@ -62,6 +67,14 @@ class EngineSettings(BaseModel):
         if any(not 0 < x <= 2 for x in v.values()):
             raise ValueError("admission shares are in (0, 2]")
         return v
+
+    @model_validator(mode="after")
+    def _placement(self) -> EngineSettings:
+        if isinstance(self.placement, list) and len(self.placement) != self.replicas:
+            raise ValueError(
+                f"engine.placement lists {len(self.placement)} entries for {self.replicas} replicas"
+            )
+        return self
 
     def admission_room(self) -> dict[Priority, int]:
         """Per priority, the requests in flight beside which one more is still admitted."""

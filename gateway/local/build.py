@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engines.vllm.demo_model import ensure_demo_model
 from engines.vllm.engine import VllmEngine, VllmEngineConfig
+from engines.vllm.placement import Env, host_units, plan
 from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
 from engines.vllm.shared_core import CoreSlot
 from gateway.core.config import Settings
@@ -31,7 +32,7 @@ def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[Vl
     KV events on its own socket in ``runtime_dir``."""
     e = settings.engine
     out: list[VllmEngineConfig] = []
-    for i in range(e.replicas):
+    for i, placement in enumerate(_placements(settings)):
         events = f"ipc://{runtime_dir}/replica-{i}.events" if settings.cache.kv_events else None
         replay = f"ipc://{runtime_dir}/replica-{i}.replay" if settings.cache.kv_events else None
         out.append(
@@ -53,9 +54,23 @@ def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[Vl
                 scheduling_policy=e.scheduling_policy,
                 max_num_seqs=e.max_num_seqs,
                 long_prefill_token_threshold=e.long_prefill_token_threshold,
+                placement=placement,
             )
         )
     return out
+
+
+def _placements(settings: Settings) -> list[Env]:
+    """Each embedded replica's own devices or CPU cores (engines/vllm/placement.py)."""
+    e = settings.engine
+    if e.placement == "none" or e.replicas == 0:
+        return [()] * e.replicas
+    explicit = e.placement if isinstance(e.placement, list) else []
+    envs = plan(host_units(), e.replicas, e.tensor_parallel_size, explicit)
+    for i, env in enumerate(envs):
+        if env:
+            log.info("replica-%d computes on %s", i, " ".join(f"{k}={v}" for k, v in env))
+    return envs
 
 
 def build_replicas(

@@ -45,6 +45,7 @@ class Gateway:
     model: str
     log_path: Path
     sessions_db: Path
+    pid: int  # the gateway process
 
     def client(self, key: str = KEY_A, **kwargs: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0, **kwargs)  # type: ignore[arg-type]
@@ -88,13 +89,14 @@ def gateway(
         "--enforce-eager",
     ]  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
-    with running(cmd, env, f"{base_url}/readyz", log_path, "gateway"):
+    with running(cmd, env, f"{base_url}/readyz", log_path, "gateway") as proc:
         yield Gateway(
             base_url=base_url,
             grpc_target=f"127.0.0.1:{grpc_port}",
             model="vcache-demo",
             log_path=log_path,
             sessions_db=sessions,
+            pid=proc.pid,
         )
     # whatever ran and in whatever order: every request the session sent rebuilds
     rebuilt, failed = rebuild_all(sessions, demo_model)

@@ -1,0 +1,125 @@
+"""Each embedded replica's own devices or CPU cores (engines/vllm/placement.py): the
+plan from a host's ids, the host's CPUs in NUMA order, and the environment an engine
+core is spawned with."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engines.vllm.placement import (
+    CPU_BIND_ENV,
+    HostUnits,
+    _cpus_by_node,
+    core_env,
+    host_units,
+    plan,
+)
+from gateway.core.config import Settings
+from gateway.local.build import engine_configs
+
+
+def cpus(n: int) -> HostUnits:
+    return HostUnits(cpu=True, variable=CPU_BIND_ENV, ids=tuple(str(i) for i in range(n)))
+
+
+def gpus(*ids: str) -> HostUnits:
+    return HostUnits(cpu=False, variable="CUDA_VISIBLE_DEVICES", ids=ids)
+
+
+@pytest.mark.parametrize(
+    ("units", "replicas", "tp", "expected"),
+    [
+        # a 2-core host: one core each (vLLM alone would put both on core 0)
+        (cpus(2), 2, 1, ["0", "1"]),
+        # more cores than replicas: the last one is kept for the gateway
+        (cpus(3), 2, 1, ["0", "1"]),
+        (cpus(16), 2, 1, ["0,1,2,3,4,5,6", "7,8,9,10,11,12,13"]),
+        (cpus(16), 3, 1, ["0,1,2,3,4", "5,6,7,8,9", "10,11,12,13,14"]),
+        # tensor parallel on CPU: one core list per rank
+        (cpus(9), 2, 2, ["0,1|2,3", "4,5|6,7"]),
+        # fewer cores than replicas: vLLM's placement, shared
+        (cpus(1), 2, 1, [None, None]),
+        (cpus(3), 2, 2, [None, None]),
+        # one replica: vLLM's own (NUMA-aware, one core reserved)
+        (cpus(8), 1, 1, [None]),
+        # accelerators: tensor_parallel_size devices each, in the order this process sees
+        (gpus("0", "1", "2", "3"), 2, 1, ["0", "1"]),
+        (gpus("0", "1", "2", "3"), 2, 2, ["0,1", "2,3"]),
+        (gpus("6", "7"), 2, 1, ["6", "7"]),
+        (gpus("GPU-a", "GPU-b"), 2, 1, ["GPU-a", "GPU-b"]),
+        (gpus("0"), 2, 1, [None, None]),
+        # no ids: a user's own CPU binding stands
+        (HostUnits(cpu=True, variable=CPU_BIND_ENV, ids=()), 2, 1, [None, None]),
+    ],
+)
+def test_plan(units: HostUnits, replicas: int, tp: int, expected: list[str | None]) -> None:
+    envs = plan(units, replicas, tp)
+    assert len(envs) == replicas
+    assert [dict(e).get(units.variable) for e in envs] == expected
+    placed = [e for e in envs if e]
+    assert all(len(e) == 1 for e in placed)  # the one variable, nothing else
+    # no id is given to two replicas
+    ids = [i for e in placed for i in dict(e)[units.variable].replace("|", ",").split(",")]
+    assert len(ids) == len(set(ids))
+
+
+def test_plan_explicit_is_used_as_given_and_must_list_every_replica() -> None:
+    assert plan(cpus(2), 2, 1, ["1", "0"]) == [((CPU_BIND_ENV, "1"),), ((CPU_BIND_ENV, "0"),)]
+    assert plan(gpus(), 1, 1, ["3"]) == [(("CUDA_VISIBLE_DEVICES", "3"),)]
+    with pytest.raises(ValueError, match="lists 1 entries for 2 replicas"):
+        plan(cpus(4), 2, 1, ["0-1"])
+
+
+def test_cpus_in_numa_node_order(tmp_path: Path) -> None:
+    for node, cpulist in (("node0", "0-1,4-5"), ("node1", "2-3,6-7"), ("node10", "9")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpulist + "\n")
+    allowed = {0, 1, 2, 3, 4, 5, 6, 7, 8}  # 8 on no node listed: last
+    assert _cpus_by_node(allowed, tmp_path) == [0, 1, 4, 5, 2, 3, 6, 7, 8]
+    assert _cpus_by_node({1, 3}, tmp_path) == [1, 3]
+    assert _cpus_by_node({5, 2}, tmp_path / "absent") == [2, 5]
+
+
+def test_host_units_on_this_cpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    units = host_units({})
+    assert units.cpu and units.variable == CPU_BIND_ENV
+    assert sorted(int(i) for i in units.ids) == sorted(os.sched_getaffinity(0))
+    # a binding the user set stands: nothing to place
+    assert host_units({CPU_BIND_ENV: "0-1"}).ids == ()
+    assert host_units({CPU_BIND_ENV: "auto"}).ids == units.ids
+
+
+def test_core_env_sets_then_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VCACHE_TEST_KEPT", "before")
+    monkeypatch.delenv("VCACHE_TEST_NEW", raising=False)
+    with core_env((("VCACHE_TEST_KEPT", "inside"), ("VCACHE_TEST_NEW", "x"))):
+        assert os.environ["VCACHE_TEST_KEPT"] == "inside"
+        assert os.environ["VCACHE_TEST_NEW"] == "x"
+    assert os.environ["VCACHE_TEST_KEPT"] == "before"
+    assert "VCACHE_TEST_NEW" not in os.environ
+    with pytest.raises(RuntimeError), core_env((("VCACHE_TEST_NEW", "y"),)):
+        raise RuntimeError
+    assert "VCACHE_TEST_NEW" not in os.environ
+
+
+def test_engine_configs_carry_each_replicas_placement(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(CPU_BIND_ENV, raising=False)
+    two = Settings.model_validate({"engine": {"replicas": 2, "placement": ["0", "1"]}})
+    got = [c.placement for c in engine_configs(two, tmp_path, "m")]
+    assert got == [((CPU_BIND_ENV, "0"),), ((CPU_BIND_ENV, "1"),)]
+    none = Settings.model_validate({"engine": {"replicas": 2, "placement": "none"}})
+    assert [c.placement for c in engine_configs(none, tmp_path, "m")] == [(), ()]
+    auto = Settings.model_validate({"engine": {"replicas": 2}})
+    placed = [c.placement for c in engine_configs(auto, tmp_path, "m")]
+    if len(os.sched_getaffinity(0)) >= 2:  # this host: one core each
+        assert all(p and p[0][0] == CPU_BIND_ENV for p in placed)
+        assert placed[0] != placed[1]
+    else:
+        assert placed == [(), ()]
+    with pytest.raises(ValueError, match="lists 1 entries for 2 replicas"):
+        Settings.model_validate({"engine": {"replicas": 2, "placement": ["0"]}})
