@@ -162,6 +162,7 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
             'vcache_session_retention_total{outcome="refused"}',
             'vcache_session_retention_total{outcome="released"}',
             PREEMPTED,
+            'vcache_session_retention_total{outcome="yielded"}',
             'vcache_cached_token_predictions_total{outcome="matched"}',
             'vcache_cached_token_predictions_total{outcome="missed"}',
             'vcache_prefill_waits_total{outcome="joined"}',

@@ -190,7 +190,8 @@ class Metrics:
             "vcache_session_retention",
             "Turns of agent sessions that ended, by what was done with their KV: leased "
             "until the next turn, refused (pin budget), released, none, short, off; and "
-            "preempted: a lease past its expected pause released for another's",
+            "preempted: a lease past its expected pause released for another's; yielded: a "
+            "paused session's lease released for a live request's KV room",
             ["outcome"],
             registry=r,
         )

@@ -10,7 +10,7 @@ import contextlib
 import time
 import zlib
 from array import array
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -65,6 +65,9 @@ class Dispatch:
         return h
 
 
+MakeRoom = Callable[[KVSpans, LocationId, Sequence[BlockHash], int], Awaitable[int]]
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -101,6 +104,9 @@ class Dispatcher:
         self.started = False  # set once every replica is up (and probed)
         self.failed: str | None = None  # why the replicas could not start at boot
         self.retry_after_s: Callable[[], float] = lambda: 5.0  # the supervisor's estimate
+        # room in a replica's KV for a request before it starts: paused sessions' leases
+        # give way (SessionTurns.make_room, set by the local chat service)
+        self.make_room: MakeRoom | None = None
 
     def serving(self) -> list[Replica]:
         """The replicas that can take a request now (a dead one is being restarted)."""
@@ -171,6 +177,12 @@ class Dispatcher:
         prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)])
         return Dispatch(replica, replica.id, p, hashes, prefill)
 
+    def _blocks(self, greq: GenerateRequest) -> int:
+        """The KV blocks ``greq`` holds at its longest: its prompt and its answers."""
+        bs = self.kv.block_size if self.kv is not None else 1
+        s = greq.sampling
+        return -(-greq.num_prompt_tokens // bs) + s.n * -(-s.max_tokens // bs)
+
     def _cap(self, greq: GenerateRequest) -> int:
         """Full blocks vLLM can serve from cache for ``greq`` (never its last token)."""
         bs = self.kv.block_size if self.kv is not None else 1
@@ -224,6 +236,8 @@ class Dispatcher:
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives.
         Until its first token, its prompt is a running prefill others may wait for."""
+        if self.make_room is not None and self.kv is not None:
+            await self.make_room(self.kv, d.replica.id, d.hashes, self._blocks(greq))
         d.replica.inflight += 1
         gate = self._gates.get(d.replica.id)
         tenant = greq.tenant or greq.cache_salt or ""  # a client's own salt is not a tenant

@@ -66,6 +66,8 @@ class ReplicaCacheState:
     # endpoint is down): the index may lag it, so its predictions are not exact.
     synced: bool = True
     sync_failures: int = 0
+    num_blocks: int | None = None  # the engine's KV blocks, once asked
+    num_blocks_retry_at: float = 0.0  # not asked again before (it could not answer)
 
     @property
     def control(self) -> SpanControl:

@@ -8,6 +8,7 @@ caller does it (decide, then hand over).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,9 +27,18 @@ class Lease:
 class LeaseBook:
     def __init__(self) -> None:
         self._held: dict[Key, list[Lease]] = {}
+        self._per_replica: Counter[LocationId] = Counter()
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def count(self, replica: LocationId) -> int:
+        """Blocks pinned on ``replica`` (for this book's owners)."""
+        return self._per_replica[replica]
+
+    def _forget(self, key: Key) -> None:
+        del self._held[key]
+        self._per_replica[key[0]] -= 1
 
     def pinned(self, replica: LocationId, h: BlockHash) -> bool:
         """Whether the engine holds ``h`` pinned for someone (a lease, or one pending)."""
@@ -40,7 +50,9 @@ class LeaseBook:
     def add(self, replica: LocationId, hashes: Iterable[BlockHash]) -> None:
         """Blocks the engine has just pinned (their leases follow with :meth:`grant`)."""
         for h in hashes:
-            self._held.setdefault((replica, h), [])
+            if (replica, h) not in self._held:
+                self._held[(replica, h)] = []
+                self._per_replica[replica] += 1
 
     def grant(self, replica: LocationId, h: BlockHash, lease: Lease) -> bool:
         """``lease`` on a pinned block (replacing its owner's earlier one); False when the
@@ -63,7 +75,7 @@ class LeaseBook:
                 continue
             leases[:] = [x for x in leases if owner is not None and x.owner != owner]
             if not leases:
-                del self._held[(replica, h)]
+                self._forget((replica, h))
                 free.append(h)
         return free
 
@@ -74,7 +86,7 @@ class LeaseBook:
         for (replica, h), leases in list(self._held.items()):
             leases[:] = [x for x in leases if x.expires_at > now]
             if not leases:
-                del self._held[(replica, h)]
+                self._forget((replica, h))
                 free.setdefault(replica, []).append(h)
         return free
 
@@ -82,11 +94,14 @@ class LeaseBook:
         """Forget a replica's pins (its cache was cleared); how many blocks were held."""
         lost = [k for k in self._held if k[0] == replica]
         for k in lost:
-            del self._held[k]
+            self._forget(k)
         return len(lost)
 
     def check_integrity(self) -> None:
-        """One lease per owner and block."""
+        """One lease per owner and block; the per-replica counts are the book's."""
+        per = Counter(replica for replica, _ in self._held)
+        if +per != +self._per_replica:
+            raise AssertionError(f"pinned per replica {dict(per)} != {dict(self._per_replica)}")
         for key, leases in self._held.items():
             owners = [x.owner for x in leases]
             if len(owners) != len(set(owners)):

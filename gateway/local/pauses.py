@@ -44,6 +44,8 @@ from manifest.index import LocationId
 from manifest.session_tips import Gaps, expected_gap
 
 Outcome = Literal["leased", "refused", "released", "none", "short", "off"]
+# the other counted outcomes: "preempted" (a lease in overtime gave way to another
+# session's), "yielded" (a paused session's lease gave way to a live request)
 MAX_PREEMPTED = 8  # leases in overtime released for one new lease, at most
 
 
@@ -147,6 +149,56 @@ class SessionTurns:
             res = await self.leases.hold(kv, replica, owner, hashes, ttl)
         return res
 
+    async def make_room(
+        self, kv: KVSpans, replica: LocationId, hashes: Sequence[BlockHash], need: int
+    ) -> int:
+        """A live request on ``replica`` needs ``need`` KV blocks, its prompt's full blocks
+        ``hashes`` among them.  A paused session's lease must never keep it waiting (vLLM
+        holds a request it cannot give blocks to, and preempts running ones): while the
+        blocks pinned there for others and ``need`` exceed the engine's, paused sessions'
+        leases on ``replica`` are released, those in overtime first (the most overdue),
+        then those whose pause should end the latest.  Returns how many gave way."""
+        book = kv.pins.leases
+        if not self.cfg.enabled or not book.count(replica):
+            return 0
+        total = await kv.num_blocks(replica)
+        if total is None:
+            return 0
+
+        def short() -> int:
+            mine = sum(book.pinned(replica, h) for h in hashes)
+            return book.count(replica) - mine + need - total
+
+        released = 0
+        for key in self._yield_order(replica) if short() > 0 else ():
+            self.sessions[key].due = None
+            if await self.leases.release(kv, _owner(key)):
+                self._counted("yielded")
+                released += 1
+            if short() <= 0:
+                break
+        return released
+
+    def _yield_order(self, replica: LocationId) -> list[str]:
+        """The paused sessions leasing blocks on ``replica``: in overtime first, the most
+        overdue first; then the rest, the latest due first."""
+        now = self.clock()
+        paused = [
+            (s.due, k)
+            for k, s in self.sessions.items()
+            if s.replica == replica and s.ended_at is not None and s.due is not None
+            and now < self._lease_end(s)
+        ]  # fmt: skip
+        late = sorted(x for x in paused if x[0] <= now)
+        early = sorted((x for x in paused if x[0] > now), reverse=True)
+        return [k for _, k in late + early]
+
+    def _lease_end(self, s: _Session) -> float:
+        """When a paused session's lease ends: ``max_lease_s`` after its turn in overtime,
+        else its due time."""
+        assert s.ended_at is not None and s.due is not None
+        return s.ended_at + self.cfg.max_lease_s if self.cfg.overtime else s.due
+
     def _overdue(self, replica: LocationId, but: str) -> str | None:
         """The paused session on ``replica`` whose lease is furthest past its due time
         (None: none is in overtime).  A lease in overtime was taken at the end of its
@@ -158,7 +210,7 @@ class SessionTurns:
             (s.due, k)
             for k, s in self.sessions.items()
             if k != but and s.replica == replica and s.ended_at is not None
-            and s.due is not None and s.due <= now < s.ended_at + self.cfg.max_lease_s
+            and s.due is not None and s.due <= now < self._lease_end(s)
         ]  # fmt: skip
         return min(late)[1] if late else None
 

@@ -31,6 +31,7 @@ from manifest.hashing import BlockHash, HashKeys, block_hashes
 from manifest.index import LocationId, PrefixIndex
 
 log = logging.getLogger(__name__)
+NUM_BLOCKS_RETRY_S = 30.0  # an engine that could not say how many KV blocks it has
 
 __all__ = ["Agreement", "CoreControlled", "KVSpans", "PinResult", "ReplicaCacheState"]
 
@@ -151,6 +152,17 @@ class KVSpans:
         salt = f"vcache-probe:{replica}"
         expected = self.hashes(tokens, salt)
         return await kv_probe.probe(self.events, replica, tokens, expected, salt, self._clock)
+
+    async def num_blocks(self, replica: LocationId) -> int | None:
+        """The engine's KV blocks on ``replica`` (asked once; None when it cannot be)."""
+        st = self.events.state(replica)
+        if st.num_blocks is None and self._clock() >= st.num_blocks_retry_at:
+            try:
+                st.num_blocks = int((await st.control.cache_stats())["num_blocks"])
+            except (EngineError, KeyError, TypeError, ValueError) as exc:
+                log.debug("replica %s: no block count (%s)", replica, exc)
+                st.num_blocks_retry_at = self._clock() + NUM_BLOCKS_RETRY_S
+        return st.num_blocks
 
     async def warm(
         self, replica: LocationId, tokens: Sequence[int], salt: str | None

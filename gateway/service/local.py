@@ -114,6 +114,7 @@ class LocalChat:
         self.leases = BreakpointLeases()  # the KV blocks through clients' breakpoints
         # agent sessions: the replica of the last turn, KV leased across tool-call pauses
         self.turns = turns or SessionTurns(RetentionSettings(), self.leases)
+        dispatcher.make_room = self.turns.make_room  # live requests before paused sessions
 
     @property
     def engine(self) -> Engine:

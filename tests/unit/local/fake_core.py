@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from engines.errors import EngineUnavailable
 from manifest.hashing import BlockHash
 
 
 class FakeCore:
     """The plugin's pin semantics, in memory."""
 
-    def __init__(self, resident: list[BlockHash], capacity: int) -> None:
+    def __init__(
+        self, resident: list[BlockHash], capacity: int, num_blocks: int | None = None
+    ) -> None:
         self.resident = {bytes(h) for h in resident}
+        self.num_blocks = num_blocks  # the KV blocks cache_stats reports (None: it fails)
         self.pins: set[bytes] = set()
         self.holds: dict[bytes, set[str]] = {}  # who holds each pinned block (no expiry)
         self.capacity = capacity
@@ -57,6 +61,10 @@ class FakeCore:
             return {"unpinned": done}
         if method == "vcache_sweep":
             return {"unpinned": []}
+        if method == "vcache_cache_stats":
+            if self.num_blocks is None:
+                raise EngineUnavailable("the core does not answer")
+            return {"num_blocks": self.num_blocks, "pinned_blocks": len(self.pins)}
         raise AssertionError(method)
 
     def generate(self, request: Any) -> Any:
