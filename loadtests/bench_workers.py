@@ -18,6 +18,11 @@ its client), the same requests in turns: the frontend's CPU per request (the
 gateway processes, not the engine core's) and how it spreads over the workers.
 The engine is the bottleneck here; the part shows what a second frontend costs.
 
+``placement``: two embedded replicas behind one gateway, each on its own CPU
+cores (``engine.placement: auto``, the default) and as vLLM alone would place
+them (``none``), the same requests in turns: requests/s and latency with both
+replicas busy.
+
 ``frontend``: vLLM's own OpenAI server on the demo model (CPU engine) and
 ``vcache serve`` in front of the same server as a remote replica (two gateways:
 one sending token ids to its generate route, one to its completions route),
@@ -245,6 +250,31 @@ def part_embedded(args: argparse.Namespace, work: Path, env: dict[str, str]) -> 
     return {name: arm.row() for name, arm in arms.items()}
 
 
+def part_placement(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Two embedded replicas, each on its own cores (``engine.placement: auto``) and as
+    vLLM alone places them (``none``: on CPU, every engine's threads on the first core),
+    the same requests in turns: what both replicas busy at once serve."""
+    from engines.vllm.demo_model import ensure_demo_model
+
+    ensure_demo_model(Path(args.data_dir))
+    arms: dict[str, Arm] = {}
+    with contextlib.ExitStack() as stack:
+        for placement in ("none", "auto"):
+            port = free_port()
+            own = {**env, "VCACHE_LOG_LEVEL": "warning", "VCACHE_ENGINE__PLACEMENT": placement,
+                   "VCACHE_SESSION_LOG__PATH": str(work / f"p-{placement}.db")}  # fmt: skip
+            cmd = _gateway(port, 1, ["--data-dir", args.data_dir, "--kv-cache-bytes",
+                                     str(64 << 20), "--max-model-len", "2048",
+                                     "--enforce-eager"])  # fmt: skip
+            cmd[cmd.index("--replicas") + 1] = "2"
+            ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
+            proc = stack.enter_context(serving(cmd, ready, work / f"p-{placement}.log", own))
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            arms[f"2 replicas, placement {placement}"] = Arm(url, "vcache-demo", proc.pid, False)
+        turns(arms, args, words=args.words)
+    return {name: arm.row() for name, arm in arms.items()}
+
+
 def part_frontend(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
     from engines.vllm.demo_model import ensure_demo_model
 
@@ -314,7 +344,8 @@ def table(out: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--part", choices=("workers", "embedded", "frontend", "both"), default="both")
+    parts = ("workers", "embedded", "placement", "frontend", "both")
+    ap.add_argument("--part", choices=parts, default="both")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--slice", type=int, default=600, help="requests per arm per turn")
     ap.add_argument("--rounds", type=int, default=3)
@@ -340,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         out["parts"]["workers"] = part_workers(args, work, env)
     if args.part == "embedded":
         out["parts"]["embedded"] = part_embedded(args, work, env)
+    if args.part == "placement":
+        out["parts"]["placement"] = part_placement(args, work, env)
     if args.part in ("frontend", "both"):
         out["parts"]["frontend"] = part_frontend(args, work, env)
     print(table(out))
