@@ -11,7 +11,8 @@ variable vLLM reads in the core's process:
 - accelerators: the platform's device variable (``CUDA_VISIBLE_DEVICES``),
   ``tensor_parallel_size`` devices per replica, taken in order from those this
   process sees;
-- CPU: ``VLLM_CPU_OMP_THREADS_BIND``, contiguous cores (in NUMA-node order),
+- CPU: ``VLLM_CPU_OMP_THREADS_BIND``, contiguous physical cores (one logical
+  CPU each, in NUMA-node order, as vLLM's own ``lscpu`` reading gives them),
   one kept for the gateway where there are more cores than replicas; with
   tensor parallelism a replica's cores are split between its ranks
   (``"0-3|4-7"``).
@@ -33,10 +34,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -92,25 +93,14 @@ def plan(units: HostUnits, replicas: int, tp: int, explicit: Sequence[str] = ())
     return out
 
 
-def _parse_ids(raw: str) -> list[int]:
-    """``"0-2,4"`` → ``[0, 1, 2, 4]``."""
-    out: list[int] = []
-    for part in filter(None, raw.split(",")):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def _cpus_by_node(allowed: set[int], nodes: Path) -> list[int]:
-    """``allowed`` in NUMA-node order (nodes from ``nodes``), then any not listed there."""
-    ordered: list[int] = []
-    for node in sorted(nodes.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
-        try:
-            ids = _parse_ids((node / "cpulist").read_text().strip())
-        except (OSError, ValueError):
-            continue
-        ordered += [i for i in ids if i in allowed and i not in ordered]
-    return ordered + sorted(allowed - set(ordered))
+def one_per_core(cpus: Iterable[Any]) -> list[int]:
+    """vLLM's ``LogicalCPUInfo`` list as the ids to bind: one logical CPU per physical
+    core (the last, as vLLM's own binding takes on x86: OpenMP threads on SMT siblings
+    slow each other), in NUMA-node order."""
+    last: dict[tuple[int, int], int] = {}
+    for c in sorted(cpus, key=lambda c: (c.numa_node, c.physical_core, c.id)):
+        last[(c.numa_node, c.physical_core)] = c.id
+    return list(last.values())
 
 
 def host_units(environ: Mapping[str, str] = os.environ) -> HostUnits:
@@ -121,7 +111,9 @@ def host_units(environ: Mapping[str, str] = os.environ) -> HostUnits:
     if current_platform.is_cpu():
         if environ.get(CPU_BIND_ENV, "auto") != "auto":
             return HostUnits(cpu=True, variable=CPU_BIND_ENV, ids=())
-        cpus = _cpus_by_node(os.sched_getaffinity(0), Path("/sys/devices/system/node"))
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
+
+        cpus = one_per_core(get_allowed_cpu_list())
         return HostUnits(cpu=True, variable=CPU_BIND_ENV, ids=tuple(map(str, cpus)))
     variable = str(current_platform.device_control_env_var)
     visible = [x.strip() for x in environ.get(variable, "").split(",") if x.strip()]

@@ -12,9 +12,9 @@ import pytest
 from engines.vllm.placement import (
     CPU_BIND_ENV,
     HostUnits,
-    _cpus_by_node,
     core_env,
     host_units,
+    one_per_core,
     plan,
 )
 from gateway.core.config import Settings
@@ -73,20 +73,22 @@ def test_plan_explicit_is_used_as_given_and_must_list_every_replica() -> None:
         plan(cpus(4), 2, 1, ["0-1"])
 
 
-def test_cpus_in_numa_node_order(tmp_path: Path) -> None:
-    for node, cpulist in (("node0", "0-1,4-5"), ("node1", "2-3,6-7"), ("node10", "9")):
-        (tmp_path / node).mkdir()
-        (tmp_path / node / "cpulist").write_text(cpulist + "\n")
-    allowed = {0, 1, 2, 3, 4, 5, 6, 7, 8}  # 8 on no node listed: last
-    assert _cpus_by_node(allowed, tmp_path) == [0, 1, 4, 5, 2, 3, 6, 7, 8]
-    assert _cpus_by_node({1, 3}, tmp_path) == [1, 3]
-    assert _cpus_by_node({5, 2}, tmp_path / "absent") == [2, 5]
+def test_one_logical_cpu_per_physical_core_in_numa_order() -> None:
+    from vllm.utils.cpu_resource_utils import LogicalCPUInfo as C
+
+    # two nodes, two cores each, SMT-2 (siblings 0/4, 1/5 on node 0; 2/6, 3/7 on node 1)
+    cpus = [C(i, i % 4, (i % 4) // 2) for i in range(8)]
+    assert one_per_core(cpus) == [4, 5, 6, 7]
+    # no SMT, nodes listed out of order: node 0's cores first
+    assert one_per_core([C(2, 2, 1), C(0, 0, 0), C(3, 3, 1), C(1, 1, 0)]) == [0, 1, 2, 3]
+    assert one_per_core([]) == []
 
 
 def test_host_units_on_this_cpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
     units = host_units({})
     assert units.cpu and units.variable == CPU_BIND_ENV
-    assert sorted(int(i) for i in units.ids) == sorted(os.sched_getaffinity(0))
+    ids = [int(i) for i in units.ids]  # one per physical core this process may run on
+    assert ids and len(ids) == len(set(ids)) and set(ids) <= os.sched_getaffinity(0)
     # a binding the user set stands: nothing to place
     assert host_units({CPU_BIND_ENV: "0-1"}).ids == ()
     assert host_units({CPU_BIND_ENV: "auto"}).ids == units.ids
