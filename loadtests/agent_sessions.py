@@ -280,12 +280,13 @@ def fairness(args: argparse.Namespace) -> int:
     for r in rows:
         r.update(rates(args.out, r["arm"]))
     lines = [
-        f"{'run':<15}{'agent rps':>10}{'bg rps':>8}{'ttft p50':>10}{'p90':>7}{'turn-0 p90':>12}"
+        f"{'run':<15}{'agent rps':>10}{'bg rps':>8}{'err':>5}{'ttft p50':>10}{'p90':>7}"
+        f"{'turn-0 p90':>12}"
     ]
     for r in rows:
         later, first = r["ttft_ms_later"], r["ttft_ms_first"]
         lines.append(f"{r['arm']:<15}{r['agents_rps']:>10.2f}{r['background_rps']:>8.2f}"
-                     f"{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
+                     f"{r['errors']:>5}{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
                      f"{first['p90'] or 0:>12.0f}")  # fmt: skip
     text = "\n".join(lines)
     print(text)

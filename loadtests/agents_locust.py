@@ -91,7 +91,9 @@ def _headers(key: str) -> dict[str, str]:
 
 def _stream(user: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
     """POST a streamed chat request; the first delta's time, the text, the tool calls,
-    the usage and the finish reason (None: it failed)."""
+    the usage and the finish reason (None: it failed, before its answer began or while
+    it was read, e.g. the client's 60 s network timeout: such a turn is a row with
+    ``ok`` 0, not lost)."""
     t0 = time.perf_counter()
     first: float | None = None
     calls: dict[int, dict[str, Any]] = {}
@@ -103,23 +105,27 @@ def _stream(user: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[st
             resp.failure(f"HTTP {resp.status_code}")
             return None
         decoder = SSEDecoder()
-        for line in lines(resp):
-            for ev in decoder.feed(line):
-                if ev.data == "[DONE]":
-                    continue
-                data = json.loads(ev.data)
-                usage = data.get("usage") or usage
-                for ch in data.get("choices", []):
-                    delta = ch.get("delta", {})
-                    if (delta.get("content") or delta.get("tool_calls")) and first is None:
-                        first = time.perf_counter()
-                    for tc in delta.get("tool_calls") or []:
-                        c = calls.setdefault(tc["index"], {"id": "", "name": "", "args": ""})
-                        c["id"] = tc.get("id") or c["id"]
-                        fn = tc.get("function") or {}
-                        c["name"] = fn.get("name") or c["name"]
-                        c["args"] += fn.get("arguments") or ""
-                    finish = ch.get("finish_reason") or finish
+        try:
+            for line in lines(resp):
+                for ev in decoder.feed(line):
+                    if ev.data == "[DONE]":
+                        continue
+                    data = json.loads(ev.data)
+                    usage = data.get("usage") or usage
+                    for ch in data.get("choices", []):
+                        delta = ch.get("delta", {})
+                        if (delta.get("content") or delta.get("tool_calls")) and first is None:
+                            first = time.perf_counter()
+                        for tc in delta.get("tool_calls") or []:
+                            c = calls.setdefault(tc["index"], {"id": "", "name": "", "args": ""})
+                            c["id"] = tc.get("id") or c["id"]
+                            fn = tc.get("function") or {}
+                            c["name"] = fn.get("name") or c["name"]
+                            c["args"] += fn.get("arguments") or ""
+                        finish = ch.get("finish_reason") or finish
+        except Exception as exc:  # a read that timed out or broke: the turn failed
+            resp.failure(f"{type(exc).__name__}: {exc}")
+            return None
         resp.success()
         replica = resp.headers.get("x-vcache-replica", "")
     end = time.perf_counter()
