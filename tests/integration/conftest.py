@@ -221,6 +221,23 @@ def running(
             proc.wait()
 
 
+@contextlib.contextmanager
+def own_gateway(tmp: Path, data_dir: Path, args: list[str]) -> Iterator[str]:
+    """A gateway of a test module's own on the demo model (embedded replicas, the session
+    log under ``tmp``), started with ``args`` beside the defaults; yields its base URL."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
+    env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
+    env["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--grpc-port", "0",
+        "--data-dir", str(data_dir), "--enforce-eager", *args,
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with running(cmd, env, f"{url}/readyz", tmp / "gateway.log", "gateway"):
+        yield url
+
+
 def wait_for(cond: object, timeout_s: float = 30.0, interval_s: float = 0.1) -> None:
     """Poll ``cond()`` until true; fail with a clear message at the deadline."""
     assert callable(cond)

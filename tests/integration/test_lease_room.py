@@ -11,9 +11,7 @@ answered at once.
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import _free_port, running
+from tests.integration.conftest import own_gateway
 from tests.integration.test_agent_sessions import FORCED, TOOL, VOCAB
 
 pytestmark = pytest.mark.integration
@@ -37,16 +35,9 @@ def url(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("lease-room")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
-    env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
-    cmd = [
-        sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--grpc-port", "0",
-        "--data-dir", str(data_dir), "--kv-cache-bytes", str(KV_BYTES), "--replicas", "1",
-        "--max-model-len", "2048", "--pin-max-share", "0.75", "--enforce-eager",
-    ]  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    with running(cmd, env, f"{base}/readyz", tmp / "gateway.log", "gateway"):
+    args = ["--kv-cache-bytes", str(KV_BYTES), "--replicas", "1", "--max-model-len", "2048",
+            "--pin-max-share", "0.75"]  # fmt: skip
+    with own_gateway(tmp, data_dir, args) as base:
         yield base
 
 

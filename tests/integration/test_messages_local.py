@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from tests.integration.conftest import _free_port, running
+from tests.integration.conftest import own_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -46,17 +44,8 @@ def local(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Local]:
     tmp = tmp_path_factory.mktemp("messages")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
-    env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
-    env["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
-    cmd = [
-        sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--grpc-port", "0",
-        "--data-dir", str(data_dir), "--kv-cache-bytes", str(KV_BYTES), "--replicas", "1",
-        "--max-model-len", str(MAX_LEN), "--enforce-eager",
-    ]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    with running(cmd, env, f"{url}/readyz", tmp / "gateway.log", "gateway"):
+    args = ["--kv-cache-bytes", str(KV_BYTES), "--replicas", "1", "--max-model-len", str(MAX_LEN)]
+    with own_gateway(tmp, data_dir, args) as url:
         yield Local(url)
 
 
