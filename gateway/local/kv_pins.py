@@ -83,7 +83,9 @@ class SpanPins:
             took = [BlockHash(h) for h in (*res.pinned, *res.already)]
             out.missing = [h.hex() for h in res.missing]
             out.refused = [h.hex() for h in res.refused]
-            self._kv.index.pin(replica, took)
+            # the index holds one pin per block this gateway holds: a renewed hold is not
+            # another (its release unpins once)
+            self._kv.index.pin(replica, [h for h in took if not self.leases.pinned(replica, h)])
             self._kv.drain()
             self.leases.add(replica, took)
             for h in took:

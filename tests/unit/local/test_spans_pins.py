@@ -196,5 +196,10 @@ def test_a_lease_past_the_engine_hold_renews_it(make: Callable[[int], Setup]) ->
         clock.now += 20
         await kv.pin(R, hashes[:1], "alice", lease_s=30)  # 50 s: past 30 + 10 slack
         assert core.calls == ["vcache_pin", "vcache_pin"]
+        # a renewed hold is still one pin in the index: released, the block is unpinned
+        assert kv.index.counts(R).pinned == 1
+        assert await kv.unpin(R, hashes[:1], None) == [hashes[0].hex()]
+        assert core.pins == set()
+        assert kv.index.counts(R).pinned == 0 and not kv.index.is_pinned(R, hashes[0])
 
     asyncio.run(main())
