@@ -12,7 +12,7 @@ import zlib
 from array import array
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.errors import EngineError
@@ -133,9 +133,12 @@ class Dispatcher:
         greq: GenerateRequest,
         override: RouteOverride | None,
         session: LocationId | None = None,
+        lease_blocks: int | None = None,
     ) -> Dispatch:
         """The replica for ``greq``: the router's choice over the serving replicas (an
-        admin's forced replica aside); ``session``, the replica of the session's last turn."""
+        admin's forced replica aside); ``session``, the replica of the session's last turn;
+        ``lease_blocks``, for a new session's turn, the blocks its lease is expected to hold
+        (the prompt's, if more): the router weighs each replica's pin budget left."""
         predicted: dict[LocationId, int] | None = None
         hashes: list[BlockHash] = []
         affinity = hash_tokens(greq.prompt_token_ids[:AFFINITY_TOKENS])
@@ -168,6 +171,8 @@ class Dispatcher:
                     retry_after_s=self.retry_after_s(),
                 )
             ctx = RouteContext(view, affinity, session)
+            if lease_blocks is not None and session is None and view is not None:
+                ctx = await self._with_room(ctx, serving, max(lease_blocks, len(hashes)))
             replica = self.router.choose(serving, ctx, policy)
         if predicted is not None and replica.id in pending:
             predicted = await self._join(greq, hashes, predicted, replica.id, pending[replica.id])
@@ -176,6 +181,21 @@ class Dispatcher:
         # registered now, before any await: a sibling routed next waits for this prefill
         prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)])
         return Dispatch(replica, replica.id, p, hashes, prefill)
+
+    async def _with_room(
+        self, ctx: RouteContext, serving: Sequence[Replica], blocks: int
+    ) -> RouteContext:
+        """``ctx`` with each serving replica's pin budget left (in tokens) beside the
+        session's expected lease; unchanged where a replica's budget is not known."""
+        assert self.kv is not None
+        bs = self.kv.block_size
+        room: dict[LocationId, int] = {}
+        for r in serving:
+            left = await self.kv.pin_room(r.id)
+            if left is None:
+                return ctx
+            room[r.id] = left * bs
+        return replace(ctx, lease_tokens=blocks * bs, lease_room=room)
 
     def _blocks(self, greq: GenerateRequest) -> int:
         """The KV blocks ``greq`` holds at its longest: its prompt and its answers."""

@@ -52,7 +52,7 @@ class SpanPins:
     ) -> None:
         self._kv = kv
         self.leases = leases
-        self._pin_max_share = pin_max_share
+        self.pin_max_share = pin_max_share
         self.default_lease_s = default_lease_s
         self._clock = clock
         self.holder = holder  # this gateway, as the engines know it
@@ -79,7 +79,7 @@ class SpanPins:
         if need:
             hold_s = lease.expires_at - now + HOLD_SLACK_S
             control = self._kv.state(replica).control
-            res = await control.pin(need, self._pin_max_share, self.holder, hold_s)
+            res = await control.pin(need, self.pin_max_share, self.holder, hold_s)
             took = [BlockHash(h) for h in (*res.pinned, *res.already)]
             out.missing = [h.hex() for h in res.missing]
             out.refused = [h.hex() for h in res.refused]

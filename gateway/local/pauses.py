@@ -23,7 +23,11 @@ for budget on the same replica (the most overdue first:
 
 :meth:`SessionTurns.replica` is the replica of a session's last turn: the
 router sends the next turn back there while that replica is not out of
-balance (``vcache_routing_decisions_total{reason="session"}``).
+balance (``vcache_routing_decisions_total{reason="session"}``).  A new
+session has none: :meth:`SessionTurns.lease_blocks` (a high quantile of the
+leases its tenant's sessions took) lets the router place it where the pin
+budget has room for what it will lease (``reason="lease_room"``), not beside
+a paused session that leaves it too little.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class SessionTurns:
     clock: Callable[[], float] = time.monotonic
     sessions: OrderedDict[str, _Session] = field(default_factory=OrderedDict)
     tenants: dict[str, Gaps] = field(default_factory=dict)
+    sizes: dict[str, Gaps] = field(default_factory=dict)  # per tenant: blocks of its leases
     count: Callable[[str], None] = lambda outcome: None  # a metric per outcome
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -93,6 +98,14 @@ class SessionTurns:
         base = expected_gap(own, self.tenants.get(tenant), c.quantile, c.default_gap_s)
         return min(max(base * c.margin, c.min_lease_s), c.max_lease_s)
 
+    def lease_blocks(self, tenant: str) -> int | None:
+        """The blocks a new session of ``tenant`` is expected to lease at its largest: the
+        ``quantile`` of its sessions' leases so far (0 before any; None: retention off)."""
+        if not self.cfg.enabled:
+            return None
+        sizes = self.sizes.get(tenant)
+        return int(sizes.quantile(self.cfg.quantile) or 0) if sizes is not None else 0
+
     async def ended(
         self,
         kv: KVSpans | None,
@@ -117,6 +130,7 @@ class SessionTurns:
         elif len(hashes) < self.cfg.min_blocks:
             out = "short"
         else:
+            self.sizes.setdefault(s.tenant, Gaps()).add(len(hashes))
             expected = self.lease_s(key, s.tenant)
             ttl = self.cfg.max_lease_s if self.cfg.overtime else expected
             res = await self._hold(kv, replica, key, hashes, ttl)

@@ -10,7 +10,11 @@ served its last one while that replica holds as long a cached prefix as any
 and is not out of balance (``session``); otherwise a request goes to the
 replica with the longest predicted cached prefix (``longest_prefix``), unless
 in-flight load is out of balance by more than ``imbalance`` requests
-(``imbalance``: then the least loaded).  A
+(``imbalance``: then the least loaded).  A new agent session's turn (its
+KV will be leased across its tool-call pauses) weighs the replicas' pin
+budgets too: where the chosen replica's budget has less room than the
+session is expected to lease, another with more room takes it when the
+lease it keeps outweighs the cached prefix it gives up (``lease_room``).  A
 prefix no replica holds (``cold``) or a gateway without KV events
 (``no_index``) goes to the least loaded, ties broken by rendezvous hashing of
 the prompt's first tokens, so a new prefix family lands on one replica and
@@ -36,6 +40,10 @@ class RouteContext:
     predicted: Mapping[LocationId, int] | None  # cached tokens per replica; None: no KV index
     affinity: int = 0  # a hash of the prompt's first tokens
     session: LocationId | None = None  # the replica that served the session's last turn
+    # a new session's turn: the tokens its lease is expected to hold, and each replica's
+    # pin budget left, in tokens (None: no lease follows, or no budget known)
+    lease_tokens: int = 0
+    lease_room: Mapping[LocationId, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,24 @@ def _least_loaded(replicas: Sequence[Replica], affinity: int) -> Replica:
     return min(replicas, key=lambda r: (r.inflight, -_rendezvous(affinity, r.id)))
 
 
+def _roomier(replicas: Sequence[Replica], chosen: Replica, ctx: RouteContext) -> Replica | None:
+    """For a new session's turn: a replica whose pin budget keeps more of the session's
+    expected lease than ``chosen``'s, by more than the cached prefix it gives up (both in
+    tokens: a refused lease's blocks are prefilled again after the pause, the prefix now);
+    None when ``chosen`` has room, or nothing gains."""
+    room, need = ctx.lease_room, ctx.lease_tokens
+    if room is None or need <= 0:
+        return None
+    predicted = ctx.predicted or {}
+
+    def gain(r: Replica) -> int:
+        kept = min(need, max(room.get(r.id, 0), 0)) - min(need, max(room.get(chosen.id, 0), 0))
+        return kept - (predicted.get(chosen.id, 0) - predicted.get(r.id, 0))
+
+    best = max(replicas, key=lambda r: (gain(r), -r.inflight))
+    return best if gain(best) > 0 else None
+
+
 class KvAware:
     name = "kv"
 
@@ -77,13 +103,20 @@ class KvAware:
         ):
             return Decision(home, "session")  # it holds the session's spans, as much as any
         if not ctx.predicted:
-            return Decision(least, "no_index")
-        if top == 0:
-            return Decision(least, "cold")
-        best = _least_loaded([r for r in replicas if predicted.get(r.id, 0) == top], ctx.affinity)
-        if best.inflight - least.inflight > self.imbalance:
-            return Decision(least, "imbalance")
-        return Decision(best, "longest_prefix")
+            d = Decision(least, "no_index")
+        elif top == 0:
+            d = Decision(least, "cold")
+        else:
+            best = _least_loaded(
+                [r for r in replicas if predicted.get(r.id, 0) == top], ctx.affinity
+            )
+            if best.inflight - least.inflight > self.imbalance:
+                return Decision(least, "imbalance")
+            d = Decision(best, "longest_prefix")
+        roomier = _roomier(replicas, d.replica, ctx)
+        if roomier is not None and roomier.inflight - least.inflight <= self.imbalance:
+            return Decision(roomier, "lease_room")
+        return d
 
 
 class LeastLoaded:

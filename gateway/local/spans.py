@@ -164,6 +164,15 @@ class KVSpans:
                 st.num_blocks_retry_at = self._clock() + NUM_BLOCKS_RETRY_S
         return st.num_blocks
 
+    async def pin_room(self, replica: LocationId) -> int | None:
+        """Blocks the pin budget on ``replica`` has left for this gateway's leases (None:
+        its block count is not known).  Another gateway's pins there are not counted: the
+        engine refuses what does not fit."""
+        total = await self.num_blocks(replica)
+        if total is None:
+            return None
+        return int(total * self.pins.pin_max_share) - self.leases.count(replica)
+
     async def warm(
         self, replica: LocationId, tokens: Sequence[int], salt: str | None
     ) -> tuple[int, int]:

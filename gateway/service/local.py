@@ -267,7 +267,10 @@ class LocalChat:
             ids = quote.memo if quote is not None else None
             greq, plan = self._chat_request(req, who, rid, system, turns, tools, template, ids)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
-        d = await self.route(greq, call.route, trace, self.turns.replica(_session_key(call)))
+        key = _session_key(call)
+        home = self.turns.replica(key)
+        size = self.turns.lease_blocks(who.tenant) if key is not None and home is None else None
+        d = await self.route(greq, call.route, trace, home, size)
         kv = self.dispatcher.kv
         if self.governor is not None and kv is not None and d.hashes and system:
             n = self._prefix(system, (), tools, greq.prompt_token_ids)
@@ -329,9 +332,10 @@ class LocalChat:
         route: RouteOverride | None,
         trace: RequestTrace,
         session: LocationId | None = None,
+        lease_blocks: int | None = None,
     ) -> Dispatch:
         with trace.step("route") as span:
-            d = await self.dispatcher.route(greq, route, session)
+            d = await self.dispatcher.route(greq, route, session, lease_blocks)
             span.set_attribute("vcache.replica", d.replica_id)
             if d.predicted_cached_tokens is not None:
                 span.set_attribute("vcache.predicted_cached_tokens", d.predicted_cached_tokens)
