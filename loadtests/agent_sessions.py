@@ -53,6 +53,7 @@ from workloads import VOCAB  # noqa: E402
 LEASED = 'vcache_session_retention_total{outcome="leased"}'
 REFUSED = 'vcache_session_retention_total{outcome="refused"}'
 PREEMPTED = 'vcache_session_retention_total{outcome="preempted"}'
+LEASE_ROOM = 'vcache_routing_decisions_total{policy="kv",reason="lease_room"}'
 ADMIN_KEY = "sk-agents-admin"
 BACKGROUND_KEY = "sk-agents-background"
 
@@ -167,6 +168,7 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
             'vcache_cached_token_predictions_total{outcome="missed"}',
             'vcache_prefill_waits_total{outcome="joined"}',
             'vcache_routing_decisions_total{policy="kv",reason="session"}',
+            LEASE_ROOM,
         )}  # fmt: skip
     print(f"{name}: {json.dumps(row)}", flush=True)
     return row
@@ -281,13 +283,15 @@ def fairness(args: argparse.Namespace) -> int:
         r.update(rates(args.out, r["arm"]))
     lines = [
         f"{'run':<15}{'agent rps':>10}{'bg rps':>8}{'err':>5}{'ttft p50':>10}{'p90':>7}"
-        f"{'turn-0 p90':>12}"
+        f"{'turn-0 p90':>12}{'reused':>8}{'leased':>8}{'refused':>8}{'placed':>8}"
     ]
     for r in rows:
-        later, first = r["ttft_ms_later"], r["ttft_ms_first"]
+        later, first, g = r["ttft_ms_later"], r["ttft_ms_first"], r.get("gateway", {})
+        reused = "-" if r["reused_share"] is None else f"{r['reused_share']:.3f}"
         lines.append(f"{r['arm']:<15}{r['agents_rps']:>10.2f}{r['background_rps']:>8.2f}"
                      f"{r['errors']:>5}{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
-                     f"{first['p90'] or 0:>12.0f}")  # fmt: skip
+                     f"{first['p90'] or 0:>12.0f}{reused:>8}{int(g.get(LEASED, 0)):>8}"
+                     f"{int(g.get(REFUSED, 0)):>8}{int(g.get(LEASE_ROOM, 0)):>8}")  # fmt: skip
     text = "\n".join(lines)
     print(text)
     by = {r["arm"]: r for r in rows}
