@@ -166,6 +166,7 @@ def create_app(
         room=settings.engine.admission_room(),
         slots=settings.engine.max_num_seqs,
         first_token_guard=settings.engine.first_token_guard,
+        preempt_prefills=settings.engine.preempt_prefills,
         prefill_slots={ENGINE_PRIORITY[p]: n for p, n in settings.engine.prefill_slots.items()},
     )
     supervisor = Supervisor(

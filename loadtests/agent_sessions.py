@@ -170,8 +170,21 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
             'vcache_routing_decisions_total{policy="kv",reason="session"}',
             LEASE_ROOM,
         )}  # fmt: skip
+        row["step_ms"] = _step_ms(before, after)
     print(f"{name}: {json.dumps(row)}", flush=True)
     return row
+
+
+def _step_ms(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The mean gap between streamed tokens in the run (every replica): an engine step
+    under its load."""
+
+    def total(m: dict[str, float], suffix: str) -> float:
+        name = f"vcache_inter_token_latency_seconds_{suffix}"
+        return sum(v for k, v in m.items() if k.startswith(name))
+
+    n = total(after, "count") - total(before, "count")
+    return 1000 * (total(after, "sum") - total(before, "sum")) / n if n else None
 
 
 def _metrics(host: str) -> dict[str, float]:
@@ -183,8 +196,10 @@ def _metrics(host: str) -> dict[str, float]:
 
 def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
     """The agents alone (their key's requests interactive), then beside a background
-    tenant (default priority) at ``--flood-ratio`` times their request rate, with the
-    first-token guard and without; fair slots (``engine.max_num_seqs``) in every run."""
+    tenant (default priority; ``--batch``: at batch priority too) at ``--flood-ratio``
+    times their request rate, then the flood again on a gateway without prefill stops
+    or without the first-token guard (``--second``); fair slots (``engine.max_num_seqs``)
+    in every run."""
     slots = {"VCACHE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs)}
     if args.long_prefill:
         slots["VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD"] = str(args.long_prefill)
@@ -198,9 +213,17 @@ def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
         flood = {"VCACHE_BACKGROUND_USERS": str(args.flood_users),
                  "VCACHE_BACKGROUND_RPS": f"{rate / args.flood_users:.4f}"}  # fmt: skip
         rows.append(arm("flooded_guard", host, out, args, flood))
-    off = {**slots, "VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false"}
-    with _gateway(out, args, True, "noguard", off, "interactive") as host:
-        rows.append(arm("flooded_noguard", host, out, args, flood))
+        if args.batch:  # the same background, sent at batch priority
+            batch = {**flood, "VCACHE_BACKGROUND_PRIORITY": "batch"}
+            rows.append(arm("flooded_batch", host, out, args, batch))
+    if args.second == "noguard":  # the guard (and so the prefill stops) off
+        off = {**slots, "VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false"}
+    elif args.second == "nostop":  # the guard on, the prefill stops off
+        off = {**slots, "VCACHE_ENGINE__PREEMPT_PREFILLS": "false"}
+    else:
+        return rows
+    with _gateway(out, args, True, args.second, off, "interactive") as host:
+        rows.append(arm(f"flooded_{args.second}", host, out, args, flood))
     return rows
 
 
@@ -284,6 +307,7 @@ def fairness(args: argparse.Namespace) -> int:
     lines = [
         f"{'run':<15}{'agent rps':>10}{'bg rps':>8}{'err':>5}{'ttft p50':>10}{'p90':>7}"
         f"{'turn-0 p90':>12}{'reused':>8}{'leased':>8}{'refused':>8}{'placed':>8}"
+        f"{'step ms':>9}"
     ]
     for r in rows:
         later, first, g = r["ttft_ms_later"], r["ttft_ms_first"], r.get("gateway", {})
@@ -291,7 +315,8 @@ def fairness(args: argparse.Namespace) -> int:
         lines.append(f"{r['arm']:<15}{r['agents_rps']:>10.2f}{r['background_rps']:>8.2f}"
                      f"{r['errors']:>5}{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
                      f"{first['p90'] or 0:>12.0f}{reused:>8}{int(g.get(LEASED, 0)):>8}"
-                     f"{int(g.get(REFUSED, 0)):>8}{int(g.get(LEASE_ROOM, 0)):>8}")  # fmt: skip
+                     f"{int(g.get(REFUSED, 0)):>8}{int(g.get(LEASE_ROOM, 0)):>8}"
+                     f"{r.get('step_ms') or 0:>9.1f}")  # fmt: skip
     text = "\n".join(lines)
     print(text)
     by = {r["arm"]: r for r in rows}
@@ -301,6 +326,13 @@ def fairness(args: argparse.Namespace) -> int:
     )
     ok = bool(alone and guarded and guarded <= 1.2 * alone)
     print(f"flooded p90 within 20% of alone (guard on): {'ok' if ok else 'MISSED'}")
+    if "flooded_batch" in by:  # what batch traffic adds to an interactive first token
+        b, a = by["flooded_batch"], by["alone"]
+        step = b.get("step_ms") or 0.0
+        for q in ("p50", "p90"):
+            added = (b["ttft_ms_later"][q] or 0) - (a["ttft_ms_later"][q] or 0)
+            steps = f"{added / step:.2f} steps" if step else "no step time"
+            print(f"batch flood adds {added:.1f} ms to the later turns' TTFT {q}: {steps}")
     (args.out / "fairness.json").write_text(json.dumps(rows, indent=2))
     (args.out / "fairness.txt").write_text(text + "\n")
     return 0 if ok else 1
@@ -332,6 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--long-prefill", type=int, default=None, help="engine.long_prefill_token_threshold"
+    )
+    ap.add_argument(
+        "--batch", action="store_true", help="fairness: a run with the background at batch"
+    )
+    ap.add_argument(
+        "--second",
+        choices=("nostop", "noguard", "none"),
+        default="nostop",
+        help="fairness: a second gateway without prefill stops, or without the guard",
     )
     ap.add_argument(
         "--flood-ratio", type=float, default=10.0, help="background rate / the agents' alone"

@@ -208,6 +208,9 @@ class BackgroundUser(FastHttpUser):
         body = {"model": os.environ.get("VCACHE_MODEL", "vcache-demo"), "max_tokens": 8,
                 "messages": [{"role": "user", "content": text}], "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
-        got = _stream(self, body, _headers("VCACHE_BACKGROUND_KEY"))
+        headers = _headers("VCACHE_BACKGROUND_KEY")
+        if os.environ.get("VCACHE_BACKGROUND_PRIORITY"):  # else its key's default
+            headers["x-vcache-priority"] = os.environ["VCACHE_BACKGROUND_PRIORITY"]
+        got = _stream(self, body, headers)
         plan.record({"kind": "background", "ok": 0 if got is None else 1,
                      "ttft_ms": round(got["ttft"] * 1000, 3) if got else ""})  # fmt: skip

@@ -54,6 +54,10 @@ class EngineSettings(BaseModel):
     # while a request waits for its first token on a replica, no request of a lower
     # priority starts there (it would share the prefill's steps); gateway/local/fairness.py
     first_token_guard: bool = True
+    # and (with the guard) a prompt of a lower priority still in prefill there is stopped
+    # (aborted in the engine, its computed blocks kept in the prefix cache) and starts
+    # again after that first token
+    preempt_prefills: bool = True
     # at most this many requests of a priority prefilling at once on a replica (e.g.
     # {default: 1, batch: 1}); absent: no cap
     prefill_slots: dict[Priority, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)

@@ -202,6 +202,13 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.prefill_stops = Counter(
+            "vcache_prefill_stops",
+            "Prompts of a lower priority stopped in their prefill for a higher one's on their "
+            "replica, then started again (engine.preempt_prefills)",
+            ["replica"],
+            registry=r,
+        )
         self.fair_waits = Counter(
             "vcache_fair_queue_waits",
             "Requests that waited for a slot in their replica's engine (engine.max_num_seqs)",

@@ -21,7 +21,9 @@ from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
+from gateway.local import preempt
 from gateway.local.fairness import Entry, FairGate
+from gateway.local.preempt import Held
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.replicas import Replica
 from gateway.local.routing import RouteContext, Router
@@ -82,6 +84,7 @@ class Dispatcher:
         slots: int | None = None,
         first_token_guard: bool = False,
         prefill_slots: dict[int, int] | None = None,
+        preempt_prefills: bool = False,
     ) -> None:
         self.replicas = list(replicas)
         self.router = router
@@ -97,7 +100,10 @@ class Dispatcher:
         # per replica, the requests its engine takes at once, the rest in fair order
         gated = slots is not None or first_token_guard or bool(prefill_slots)
         self._gates = (
-            {r.id: FairGate(slots, first_token_guard, prefill_slots) for r in self.replicas}
+            {
+                r.id: FairGate(slots, first_token_guard, prefill_slots, preempt_prefills)
+                for r in self.replicas
+            }
             if gated
             else {}
         )
@@ -278,8 +284,17 @@ class Dispatcher:
         prompt_tokens = m.prompt_tokens.labels(self.model, d.replica_id)
         completion_tokens = m.completion_tokens.labels(self.model, d.replica_id)
         last = t0
+        held = Held(entry)  # its place in the gate: a higher class may stop its prefill
+        stops = m.prefill_stops.labels(d.replica_id)
+        attempts = preempt.chunks(
+            lambda: d.replica.engine.generate(greq),
+            gate,
+            held,
+            lambda g: self._enter(g, greq, d, tenant),
+            stops.inc,
+        )
         try:
-            async with aclosing(d.replica.engine.generate(greq)) as stream:
+            async with aclosing(attempts) as stream:
                 async for chunk in stream:
                     now = time.perf_counter()
                     if not first and per_token:
@@ -288,8 +303,8 @@ class Dispatcher:
                     if first:
                         self._first_output(d, chunk, endpoint, now - t0)
                         self.prefills.finish(prefill)
-                        if gate is not None and entry is not None:
-                            gate.first_token(entry)
+                        if gate is not None and held.entry is not None:
+                            gate.first_token(held.entry)
                         totals.prompt = chunk.num_prompt_tokens
                         prompt_tokens.inc(totals.prompt)
                         first = False
@@ -297,7 +312,8 @@ class Dispatcher:
                         # embedded engines know it at the first token, remote ones at the end
                         totals.cached = chunk.num_cached_tokens
                         m.cached_tokens.labels(self.model, d.replica_id).inc(totals.cached)
-                        self._fold_prediction(d, totals.cached)
+                        if not held.stops:  # a stopped prefill stored blocks since routing
+                            self._fold_prediction(d, totals.cached)
                         cached_known = True
                     totals.completion += len(chunk.token_ids)
                     completion_tokens.inc(len(chunk.token_ids))
@@ -312,8 +328,8 @@ class Dispatcher:
         finally:
             d.replica.inflight -= 1
             self.prefills.finish(prefill)
-            if gate is not None and entry is not None:
-                gate.leave(entry, totals.completion)
+            if gate is not None and held.entry is not None:
+                gate.leave(held.entry, totals.completion)
 
     async def _enter(
         self, gate: FairGate, greq: GenerateRequest, d: Dispatch, tenant: str

@@ -22,10 +22,18 @@ With ``slots`` None the gate only orders by class this way.
 
 What the guard cannot hold back is what had started before: prompts of lower
 classes already in prefill share the interactive prompt's steps (vLLM does
-not preempt a running prefill for a waiting one).  ``prefill_slots`` caps how
-many requests of a class prefill at once on a replica (``{0: 1, 1: 1}``: one
-default and one batch prompt at a time), so an interactive turn meets at most
-that many chunks of theirs in a step.
+not preempt a running prefill for a waiting one).  With ``preempt`` the gate
+stops them: when a request of a higher class arrives, each lower-class
+request still in prefill on the replica is told to stop (:attr:`Entry.stop`);
+its caller aborts it in the engine, :meth:`FairGate.withdraw` takes back its
+slot and its charge, and it enters again, behind the higher class.  The
+blocks its prefill had computed stay in vLLM's prefix cache, so starting
+again costs at most a partial block; a request is stopped a bounded number
+of times (the caller's count), so a stream of higher-class arrivals cannot
+starve it.  ``prefill_slots`` caps how many requests of a class prefill at
+once on a replica (``{0: 1, 1: 1}``: one default and one batch prompt at a
+time), so an interactive turn meets at most that many chunks of theirs in a
+step.
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ class Entry:
 
     tenant: str
     priority: int
+    cost: int = 0  # what it was charged on entry
     prefilling: bool = True
+    stop: asyncio.Event = field(default_factory=asyncio.Event)  # set: a higher class came
 
 
 @dataclass(eq=False)
@@ -58,10 +68,18 @@ class _Waiter:
 
 class FairGate:
     def __init__(
-        self, slots: int | None, guard: bool = True, prefill_slots: dict[int, int] | None = None
+        self,
+        slots: int | None,
+        guard: bool = True,
+        prefill_slots: dict[int, int] | None = None,
+        preempt: bool = False,
     ) -> None:
         self.slots = math.inf if slots is None else slots
         self.guard = guard  # the first-token guard (see the module's docstring)
+        # lower classes' prefills stop for a higher class (with the guard, which then
+        # holds them until its first token: without it they would start again at once)
+        self.preempt = preempt and guard
+        self._entries: set[Entry] = set()  # let through, not yet left
         self.prefill_slots = dict(prefill_slots or {})  # by priority; absent: no cap
         self.running = 0
         self.counters: dict[str, float] = {}
@@ -100,11 +118,24 @@ class FairGate:
         self.running += 1
         self._charge(tenant, cost)
         self._prefilling[priority] += 1
-        return Entry(tenant, priority)
+        entry = Entry(tenant, priority, cost)
+        self._entries.add(entry)
+        return entry
+
+    def _stop_lower(self, priority: int) -> int:
+        """Tell the requests of lower classes still in prefill to stop; how many were."""
+        n = 0
+        for e in self._entries:
+            if e.prefilling and e.priority > priority and not e.stop.is_set():
+                e.stop.set()
+                n += 1
+        return n
 
     async def enter(self, tenant: str, priority: int, cost: int) -> Entry:
         """Let one request of ``tenant`` through (``cost``: the prompt tokens it
         computes); cancelled while waiting, it leaves the queue."""
+        if self.preempt:
+            self._stop_lower(priority)
         if self.free(priority):
             return self._admit(tenant, priority, cost)
         self._lift(tenant)
@@ -136,8 +167,15 @@ class FairGate:
             entry.prefilling = False
             self._prefilling[entry.priority] -= 1
         self._charge(entry.tenant, output_tokens)
+        self._entries.discard(entry)
         self.running -= 1
         self._grant()
+
+    def withdraw(self, entry: Entry) -> None:
+        """A request stopped in its prefill (for a higher class) gives back its slot and
+        its charge; it enters again."""
+        self._charge(entry.tenant, -entry.cost)
+        self.leave(entry, 0)
 
     def _grant(self) -> None:
         while self.running < self.slots:

@@ -222,11 +222,15 @@ def running(
 
 
 @contextlib.contextmanager
-def own_gateway(tmp: Path, data_dir: Path, args: list[str]) -> Iterator[str]:
+def own_gateway(
+    tmp: Path, data_dir: Path, args: list[str], settings: dict[str, str] | None = None
+) -> Iterator[str]:
     """A gateway of a test module's own on the demo model (embedded replicas, the session
-    log under ``tmp``), started with ``args`` beside the defaults; yields its base URL."""
+    log under ``tmp``), started with ``args`` and ``settings`` (``VCACHE_*`` variables)
+    beside the defaults; yields its base URL."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
+    env.update(settings or {})
     env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
     env["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
     cmd = [

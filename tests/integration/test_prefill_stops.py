@@ -1,0 +1,79 @@
+"""A batch prompt in prefill stops for an interactive one on a real vLLM CPU replica, and
+starts again from the blocks it had computed.
+
+One replica, which computes at most 32 tokens of a prompt a step
+(``engine.long_prefill_token_threshold``): a batch request's 1,800-token prompt
+is in prefill for about 55 steps.  An interactive request sent meanwhile makes
+the gateway abort it in the engine (``engine.preempt_prefills``); it waits for
+the interactive prompt's first token, then runs again.  The full blocks its
+first attempt computed stayed in vLLM's prefix cache, so the engine reports
+them as cached; its answer is whole.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import own_gateway, wait_for
+from tests.integration.test_agent_sessions import VOCAB
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 128
+STOPS = 'vcache_prefill_stops_total{replica="replica-0"}'
+RUNNING = 'vcache_engine_unfinished_requests{replica="replica-0"}'
+
+
+@pytest.fixture(scope="module")
+def url(
+    data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("prefill-stops")
+    args = ["--replicas", "1", "--max-model-len", "2048"]
+    settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "32"}
+    with own_gateway(tmp, data_dir, args, settings) as base:
+        yield base
+
+
+def _metric(c: httpx.Client, name: str) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=120) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        words = " ".join(random.Random(time.time_ns()).choices(VOCAB, k=440))  # unique
+        batch = {"model": model, "max_tokens": 8, "temperature": 0,
+                 "messages": [{"role": "user", "content": "Summarize: " + words}]}  # fmt: skip
+        quick = {"model": model, "max_tokens": 4,
+                 "messages": [{"role": "user", "content": "Are the tests green?"}]}  # fmt: skip
+        assert _metric(c, STOPS) == 0
+        with ThreadPoolExecutor(1) as pool:
+            bulk = pool.submit(
+                c.post, "/v1/chat/completions", json=batch, headers={"x-vcache-priority": "batch"}
+            )
+            wait_for(lambda: _metric(c, RUNNING) >= 1, timeout_s=60, interval_s=0.02)
+            time.sleep(0.1)  # a few steps into its prefill: some full blocks computed
+            r = c.post(
+                "/v1/chat/completions", json=quick, headers={"x-vcache-priority": "interactive"}
+            )
+            assert r.status_code == 200, r.text
+            done = bulk.result(timeout=120)
+        assert done.status_code == 200, done.text
+        assert _metric(c, STOPS) == 1
+        usage = done.json()["usage"]
+        assert usage["completion_tokens"] == 8
+        assert 1600 <= usage["prompt_tokens"] <= 2040, usage
+        # its first attempt's full blocks were read back, nothing else could have been
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= BLOCK and cached % BLOCK == 0, usage
