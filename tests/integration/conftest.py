@@ -242,6 +242,14 @@ def own_gateway(
         yield url
 
 
+def metric(base_url: str, name: str) -> float:
+    """One series of a gateway's ``/metrics`` (``name`` with its labels); 0 when absent."""
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def wait_for(cond: object, timeout_s: float = 30.0, interval_s: float = 0.1) -> None:
     """Poll ``cond()`` until true; fail with a clear message at the deadline."""
     assert callable(cond)

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import KEY_A, Gateway
+from tests.integration.conftest import KEY_A, Gateway, metric
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +126,7 @@ def test_concurrent_siblings_meet_one_prefill_and_are_predicted_exactly(
             cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             return cached, int(predicted) if predicted else None, r.headers["x-vcache-replica"]
 
-    before = _metric(gateway, 'vcache_prefill_waits_total{outcome="joined"}')
+    before = metric(gateway.base_url, 'vcache_prefill_waits_total{outcome="joined"}')
     with ThreadPoolExecutor(3) as pool:  # the gateway under test admits three at once
         got = list(pool.map(one, range(3)))
     print(f"\nsiblings (cached, predicted, replica): {got}")
@@ -134,14 +134,7 @@ def test_concurrent_siblings_meet_one_prefill_and_are_predicted_exactly(
     assert len({replica for *_, replica in got}) == 1  # they met on one replica
     served = sorted(cached for cached, *_ in got)
     assert served[0] == 0 and all(c >= 4 * BLOCK for c in served[1:])  # one prefill for all
-    assert _metric(gateway, 'vcache_prefill_waits_total{outcome="joined"}') > before
-
-
-def _metric(gateway: Gateway, line: str) -> float:
-    for row in httpx.get(f"{gateway.base_url}/metrics", timeout=10).text.splitlines():
-        if row.startswith(line + " "):
-            return float(row.split()[-1])
-    return 0.0
+    assert metric(gateway.base_url, 'vcache_prefill_waits_total{outcome="joined"}') > before
 
 
 def test_priorities_reach_vllms_priority_scheduler(gateway: Gateway) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import own_gateway
+from tests.integration.conftest import metric, own_gateway
 from tests.integration.test_agent_sessions import FORCED, TOOL, VOCAB
 
 pytestmark = pytest.mark.integration
@@ -51,13 +51,6 @@ def _stats(c: httpx.Client) -> dict[str, Any]:
     return dict(r.json()["replicas"][REPLICA])
 
 
-def _yielded(c: httpx.Client) -> float:
-    for line in c.get("/metrics").text.splitlines():
-        if line.startswith(YIELDED + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
 def test_a_paused_sessions_lease_gives_way_to_a_request_that_needs_its_blocks(url: str) -> None:
     with httpx.Client(base_url=url, timeout=60) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
@@ -75,7 +68,7 @@ def test_a_paused_sessions_lease_gives_way_to_a_request_that_needs_its_blocks(ur
         assert 13 <= leased <= 15, leased  # the prompt's full blocks: about 14
         stats = _stats(c)
         assert stats["blocks_pinned"] == leased, stats
-        assert _yielded(c) == 0
+        assert metric(url, YIELDED) == 0
 
         # another prompt: its blocks and its answer's are more than the rest of the cache
         b = [{"role": "user", "content": _text(2, 430)}]
@@ -87,5 +80,5 @@ def test_a_paused_sessions_lease_gives_way_to_a_request_that_needs_its_blocks(ur
         usage = r.json()["usage"]
         need = -(-usage["prompt_tokens"] // BLOCK) + 1
         assert leased + need > KV_BYTES // (2048 * BLOCK), (leased, need)  # it could not fit
-        assert _yielded(c) == 1
+        assert metric(url, YIELDED) == 1
         assert _stats(c)["blocks_pinned"] == 0  # A's lease was released for it

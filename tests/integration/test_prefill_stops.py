@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import own_gateway, wait_for
+from tests.integration.conftest import metric, own_gateway, wait_for
 from tests.integration.test_agent_sessions import VOCAB
 
 pytestmark = pytest.mark.integration
@@ -42,13 +42,6 @@ def url(
         yield base
 
 
-def _metric(c: httpx.Client, name: str) -> float:
-    for line in c.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
 def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
     with httpx.Client(base_url=url, timeout=120) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
@@ -57,12 +50,12 @@ def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
                  "messages": [{"role": "user", "content": "Summarize: " + words}]}  # fmt: skip
         quick = {"model": model, "max_tokens": 4,
                  "messages": [{"role": "user", "content": "Are the tests green?"}]}  # fmt: skip
-        assert _metric(c, STOPS) == 0
+        assert metric(url, STOPS) == 0
         with ThreadPoolExecutor(1) as pool:
             bulk = pool.submit(
                 c.post, "/v1/chat/completions", json=batch, headers={"x-vcache-priority": "batch"}
             )
-            wait_for(lambda: _metric(c, RUNNING) >= 1, timeout_s=60, interval_s=0.02)
+            wait_for(lambda: metric(url, RUNNING) >= 1, timeout_s=60, interval_s=0.02)
             time.sleep(0.1)  # a few steps into its prefill: some full blocks computed
             r = c.post(
                 "/v1/chat/completions", json=quick, headers={"x-vcache-priority": "interactive"}
@@ -70,7 +63,7 @@ def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
             assert r.status_code == 200, r.text
             done = bulk.result(timeout=120)
         assert done.status_code == 200, done.text
-        assert _metric(c, STOPS) == 1
+        assert metric(url, STOPS) == 1
         usage = done.json()["usage"]
         assert usage["completion_tokens"] == 8
         assert 1600 <= usage["prompt_tokens"] <= 2040, usage
