@@ -2,8 +2,8 @@
 starts again from the blocks it had computed.
 
 One replica, which computes at most 32 tokens of a prompt a step
-(``engine.long_prefill_token_threshold``): a batch request's 1,800-token prompt
-is in prefill for about 55 steps.  An interactive request sent meanwhile makes
+(``engine.long_prefill_token_threshold``): a batch request's 1,460-token prompt
+is in prefill for about 45 steps.  An interactive request sent meanwhile makes
 the gateway abort it in the engine (``engine.preempt_prefills``); it waits for
 the interactive prompt's first token, then runs again.  The full blocks its
 first attempt computed stayed in vLLM's prefix cache, so the engine reports
@@ -66,7 +66,7 @@ def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
         assert metric(url, STOPS) == 1
         usage = done.json()["usage"]
         assert usage["completion_tokens"] == 8
-        assert 1600 <= usage["prompt_tokens"] <= 2040, usage
+        assert usage["prompt_tokens"] > 1024, usage  # 1,459 when written
         # its first attempt's full blocks were read back, nothing else could have been
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         assert cached >= BLOCK and cached % BLOCK == 0, usage
