@@ -171,20 +171,26 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
             LEASE_ROOM,
         )}  # fmt: skip
         row["step_ms"] = _step_ms(before, after)
+        row["prefill_stops"] = _added(before, after, "vcache_prefill_stops_total")
     print(f"{name}: {json.dumps(row)}", flush=True)
     return row
+
+
+def _added(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """How much a metric grew in the run, summed over its series (every replica)."""
+
+    def total(m: dict[str, float]) -> float:
+        return sum(v for k, v in m.items() if k.startswith(name))
+
+    return total(after) - total(before)
 
 
 def _step_ms(before: dict[str, float], after: dict[str, float]) -> float | None:
     """The mean gap between streamed tokens in the run (every replica): an engine step
     under its load."""
-
-    def total(m: dict[str, float], suffix: str) -> float:
-        name = f"vcache_inter_token_latency_seconds_{suffix}"
-        return sum(v for k, v in m.items() if k.startswith(name))
-
-    n = total(after, "count") - total(before, "count")
-    return 1000 * (total(after, "sum") - total(before, "sum")) / n if n else None
+    n = _added(before, after, "vcache_inter_token_latency_seconds_count")
+    s = _added(before, after, "vcache_inter_token_latency_seconds_sum")
+    return 1000 * s / n if n else None
 
 
 def _metrics(host: str) -> dict[str, float]:
@@ -300,40 +306,68 @@ def rates(out: Path, name: str) -> dict[str, float]:
     return {"agents_rps": agents / span, "background_rps": (len(rows) - agents) / span}
 
 
-def fairness(args: argparse.Namespace) -> int:
-    rows = fairness_arms(args.out, args)
-    for r in rows:
-        r.update(rates(args.out, r["arm"]))
+def prefill_fit(out: Path, name: str) -> dict[str, float] | None:
+    """TTFT of the agents' later turns against the prompt tokens each computed (least
+    squares): ``ms_per_token``, what vLLM takes per uncached token, and ``wait_ms``, what
+    comes on top whatever the prompt (a step already running, a queue)."""
+    later = [r for r in _rows(out / name / "raw.csv")
+             if r["kind"] == "agent" and r["ok"] == "1" and int(r["turn"]) > 0]  # fmt: skip
+    xs = [int(r["prompt_tokens"]) - int(r["cached_tokens"]) for r in later]
+    ys = [float(r["ttft_ms"]) for r in later]
+    if len(xs) < 2 or len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    return {"ms_per_token": slope, "wait_ms": my - slope * mx}
+
+
+def fairness_table(rows: list[Any], chunk: int | None) -> tuple[str, bool]:
+    """The runs' table and lines on what the flood added; whether the 20% target held."""
     lines = [
         f"{'run':<15}{'agent rps':>10}{'bg rps':>8}{'err':>5}{'ttft p50':>10}{'p90':>7}"
-        f"{'turn-0 p90':>12}{'reused':>8}{'leased':>8}{'refused':>8}{'placed':>8}"
-        f"{'step ms':>9}"
+        f"{'turn-0 p90':>12}{'reused':>8}{'refused':>8}{'placed':>8}{'stops':>7}"
+        f"{'ms/tok':>8}{'wait ms':>9}"
     ]
     for r in rows:
         later, first, g = r["ttft_ms_later"], r["ttft_ms_first"], r.get("gateway", {})
+        fit = r.get("fit") or {"ms_per_token": 0.0, "wait_ms": 0.0}
         reused = "-" if r["reused_share"] is None else f"{r['reused_share']:.3f}"
         lines.append(f"{r['arm']:<15}{r['agents_rps']:>10.2f}{r['background_rps']:>8.2f}"
                      f"{r['errors']:>5}{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
-                     f"{first['p90'] or 0:>12.0f}{reused:>8}{int(g.get(LEASED, 0)):>8}"
-                     f"{int(g.get(REFUSED, 0)):>8}{int(g.get(LEASE_ROOM, 0)):>8}"
-                     f"{r.get('step_ms') or 0:>9.1f}")  # fmt: skip
-    text = "\n".join(lines)
-    print(text)
+                     f"{first['p90'] or 0:>12.0f}{reused:>8}{int(g.get(REFUSED, 0)):>8}"
+                     f"{int(g.get(LEASE_ROOM, 0)):>8}{int(r.get('prefill_stops') or 0):>7}"
+                     f"{fit['ms_per_token']:>8.2f}{fit['wait_ms']:>9.0f}")  # fmt: skip
     by = {r["arm"]: r for r in rows}
     alone, guarded = (
         by["alone"]["ttft_ms_later"]["p90"],
         by["flooded_guard"]["ttft_ms_later"]["p90"],
     )
     ok = bool(alone and guarded and guarded <= 1.2 * alone)
-    print(f"flooded p90 within 20% of alone (guard on): {'ok' if ok else 'MISSED'}")
-    if "flooded_batch" in by:  # what batch traffic adds to an interactive first token
-        b, a = by["flooded_batch"], by["alone"]
-        step = b.get("step_ms") or 0.0
+    lines.append(f"flooded p90 within 20% of alone (guard on): {'ok' if ok else 'MISSED'}")
+    fit = by["alone"].get("fit")
+    step = fit["ms_per_token"] * chunk if fit and chunk else None
+    for name in ("flooded_guard", "flooded_batch"):  # what the flood adds to a first token
+        if name not in by:
+            continue
         for q in ("p50", "p90"):
-            added = (b["ttft_ms_later"][q] or 0) - (a["ttft_ms_later"][q] or 0)
-            steps = f"{added / step:.2f} steps" if step else "no step time"
-            print(f"batch flood adds {added:.1f} ms to the later turns' TTFT {q}: {steps}")
-    (args.out / "fairness.json").write_text(json.dumps(rows, indent=2))
+            added = (by[name]["ttft_ms_later"][q] or 0) - (by["alone"]["ttft_ms_later"][q] or 0)
+            steps = f" = {added / step:.2f} steps of {chunk} tokens ({step:.0f} ms)" if step else ""
+            lines.append(f"{name} adds {added:.0f} ms to the later turns' TTFT {q}{steps}")
+    return "\n".join(lines), ok
+
+
+def fairness(args: argparse.Namespace) -> int:
+    """The fairness runs (or, with ``--render``, the table of runs already in ``--out``)."""
+    path = args.out / "fairness.json"
+    rows = json.loads(path.read_text()) if args.render else fairness_arms(args.out, args)
+    for r in rows:
+        r.update(rates(args.out, r["arm"]))
+        r["fit"] = prefill_fit(args.out, r["arm"])
+    text, ok = fairness_table(rows, args.long_prefill)
+    print(text)
+    path.write_text(json.dumps(rows, indent=2))
     (args.out / "fairness.txt").write_text(text + "\n")
     return 0 if ok else 1
 
@@ -367,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--batch", action="store_true", help="fairness: a run with the background at batch"
+    )
+    ap.add_argument(
+        "--render", action="store_true", help="fairness: the table of the runs in --out"
     )
     ap.add_argument(
         "--second",
