@@ -21,9 +21,8 @@ from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
-from gateway.local import preempt
 from gateway.local.fairness import Entry, FairGate
-from gateway.local.preempt import Held
+from gateway.local.preempt import Held, chunks
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.replicas import Replica
 from gateway.local.routing import RouteContext, Router
@@ -286,7 +285,7 @@ class Dispatcher:
         last = t0
         held = Held(entry)  # its place in the gate: a higher class may stop its prefill
         stops = m.prefill_stops.labels(d.replica_id)
-        attempts = preempt.chunks(
+        attempts = chunks(
             lambda: d.replica.engine.generate(greq),
             gate,
             held,

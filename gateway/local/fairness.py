@@ -122,14 +122,11 @@ class FairGate:
         self._entries.add(entry)
         return entry
 
-    def _stop_lower(self, priority: int) -> int:
-        """Tell the requests of lower classes still in prefill to stop; how many were."""
-        n = 0
+    def _stop_lower(self, priority: int) -> None:
+        """Tell the requests of lower classes still in prefill to stop."""
         for e in self._entries:
-            if e.prefilling and e.priority > priority and not e.stop.is_set():
+            if e.prefilling and e.priority > priority:
                 e.stop.set()
-                n += 1
-        return n
 
     async def enter(self, tenant: str, priority: int, cost: int) -> Entry:
         """Let one request of ``tenant`` through (``cost``: the prompt tokens it
