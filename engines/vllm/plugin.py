@@ -42,6 +42,7 @@ Events before answers
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -101,14 +102,21 @@ def _free(core: Any, h: bytes) -> bool:
 
 
 def vcache_sweep(core: Any) -> dict[str, Any]:
-    """Release every block whose holds have all run out."""
+    """Release every block whose holds have all run out.  Every pin and unpin sweeps
+    first, so the walk over all holds runs only once the soonest of them has ended."""
     now = time.monotonic()
+    if now < getattr(core, "_vcache_sweep_at", 0.0):
+        return {"unpinned": []}
     released = []
+    soonest = math.inf
     for h, by in list(_holds(core).items()):
         for holder in [k for k, until in by.items() if until <= now]:
             del by[holder]
-        if not by and _free(core, h):
+        if by:
+            soonest = min(soonest, *by.values())
+        elif _free(core, h):
             released.append(h)
+    core._vcache_sweep_at = soonest
     return {"unpinned": released}
 
 
@@ -139,6 +147,7 @@ def vcache_pin(
             pinned.append(h)
         by = holds.setdefault(h, {})
         by[holder] = max(by.get(holder, until), until)
+        core._vcache_sweep_at = min(getattr(core, "_vcache_sweep_at", until), until)
     return {"pinned": pinned, "already": already, "missing": missing, "refused": refused}
 
 

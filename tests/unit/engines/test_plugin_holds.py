@@ -84,3 +84,29 @@ def test_the_pin_budget_counts_blocks_not_holds() -> None:
     plugin.vcache_pin(core, [b"a", b"b"], 0.5, "gw-1", 60)
     assert plugin.vcache_pin(core, [b"a", b"b"], 0.5, "gw-2", 60)["already"] == [b"a", b"b"]
     assert plugin.vcache_pin(core, [b"c"], 0.5, "gw-2", 60)["refused"] == [b"c"]
+
+
+def test_a_sweep_walks_the_holds_only_once_the_soonest_has_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every pin and unpin sweeps first: with thousands of blocks held, walking them all
+    each call would cost the engine core a walk per request."""
+    pool = Pool([b"a", b"b"])
+    core = _core(pool)
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    plugin.vcache_pin(core, [b"a"], 0.5, "gw", 30)
+    plugin.vcache_pin(core, [b"b"], 0.5, "gw", 10)  # the soonest
+    walks = []
+    holds = plugin._holds
+    monkeypatch.setattr(plugin, "_holds", lambda c: walks.append(1) or holds(c))
+    now[0] += 9
+    assert plugin.vcache_sweep(core)["unpinned"] == [] and not walks
+    now[0] += 2
+    assert plugin.vcache_sweep(core)["unpinned"] == [b"b"] and walks
+    seen = len(walks)
+    now[0] += 10  # a's hold ends at 1030: no walk before it
+    assert plugin.vcache_sweep(core)["unpinned"] == [] and len(walks) == seen
+    now[0] += 10
+    assert plugin.vcache_sweep(core)["unpinned"] == [b"a"] and len(walks) > seen
+    assert pool.refs == {b"a": 0, b"b": 0}
