@@ -11,6 +11,12 @@ lease plus :data:`HOLD_SLACK_S`, renewed when a lease outgrows it.  A gateway
 releases only its own hold, so it never unpins another's blocks, and one that
 dies leaks nothing: its holds run out, and every gateway's reaper asks each
 replica to sweep them every :data:`SWEEP_EVERY_S`.
+
+Pinning and releasing on one replica take turns (a lock per replica): each
+decides from the book, asks the engine, and writes the book back before the
+next decides.  Otherwise a release could free a block in the book while a pin
+of it is on its way to the engine, and the engine would drop a pin the book
+still holds.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ class SpanPins:
         self.holder = holder  # this gateway, as the engines know it
         self._hold_until: dict[tuple[LocationId, BlockHash], float] = {}
         self._swept_at = clock()
+        self._turns: dict[LocationId, asyncio.Lock] = {}
+
+    def _turn(self, replica: LocationId) -> asyncio.Lock:
+        """The replica's lock: one book-and-engine change at a time."""
+        return self._turns.setdefault(replica, asyncio.Lock())
 
     async def pin(
         self,
@@ -65,6 +76,12 @@ class SpanPins:
         hashes: Sequence[BlockHash],
         owner: str,
         lease_s: float | None = None,
+    ) -> PinResult:
+        async with self._turn(replica):
+            return await self._pin(replica, hashes, owner, lease_s)
+
+    async def _pin(
+        self, replica: LocationId, hashes: Sequence[BlockHash], owner: str, lease_s: float | None
     ) -> PinResult:
         now = self._clock()
         lease = Lease(owner, now + (lease_s or self.default_lease_s))
@@ -97,8 +114,9 @@ class SpanPins:
         self, replica: LocationId, hashes: Sequence[BlockHash], owner: str | None
     ) -> list[str]:
         """Release ``owner``'s leases (all owners' when None); unpin blocks nobody holds."""
-        released = self.leases.release(replica, hashes, owner)
-        await self._release(replica, released)
+        async with self._turn(replica):
+            released = self.leases.release(replica, hashes, owner)
+            await self._release(replica, released)
         return [h.hex() for h in released]
 
     async def _release(self, replica: LocationId, hashes: Sequence[BlockHash]) -> None:
@@ -118,9 +136,11 @@ class SpanPins:
     async def reap(self) -> int:
         """Release every lease that has expired; returns how many blocks were unpinned."""
         now = self._clock()
-        expired = self.leases.expire(now)
-        for replica, hs in expired.items():
-            await self._release(replica, hs)
+        expired: dict[LocationId, list[BlockHash]] = {}
+        for replica in self.leases.replicas():
+            async with self._turn(replica):
+                expired[replica] = self.leases.expire(now, replica).get(replica, [])
+                await self._release(replica, expired[replica])
         if now - self._swept_at >= SWEEP_EVERY_S:  # holds of gateways that died
             self._swept_at = now
             for replica in self._kv.replicas:

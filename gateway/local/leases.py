@@ -79,15 +79,23 @@ class LeaseBook:
                 free.append(h)
         return free
 
-    def expire(self, now: float) -> dict[LocationId, list[BlockHash]]:
-        """Drop every lease that has ended by ``now``; per replica, the blocks nobody
-        holds any more, to unpin."""
+    def replicas(self) -> list[LocationId]:
+        """The replicas where this book's owners hold blocks."""
+        return [r for r, n in self._per_replica.items() if n]
+
+    def expire(
+        self, now: float, replica: LocationId | None = None
+    ) -> dict[LocationId, list[BlockHash]]:
+        """Drop every lease (on ``replica``; None: everywhere) that has ended by ``now``;
+        per replica, the blocks nobody holds any more, to unpin."""
         free: dict[LocationId, list[BlockHash]] = {}
-        for (replica, h), leases in list(self._held.items()):
+        for (r, h), leases in list(self._held.items()):
+            if replica is not None and r != replica:
+                continue
             leases[:] = [x for x in leases if x.expires_at > now]
             if not leases:
-                self._forget((replica, h))
-                free.setdefault(replica, []).append(h)
+                self._forget((r, h))
+                free.setdefault(r, []).append(h)
         return free
 
     def drop(self, replica: LocationId) -> int:

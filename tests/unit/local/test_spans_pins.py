@@ -203,3 +203,45 @@ def test_a_lease_past_the_engine_hold_renews_it(make: Callable[[int], Setup]) ->
         assert kv.index.counts(R).pinned == 0 and not kv.index.is_pinned(R, hashes[0])
 
     asyncio.run(main())
+
+
+class _SlowReplies(FakeCore):
+    """A core that does each call at once but answers a pin only when told: the reply
+    is on its way while the gateway goes on."""
+
+    def __init__(self, resident: list[BlockHash], capacity: int) -> None:
+        super().__init__(resident, capacity)
+        self.answer = asyncio.Event()
+
+    async def call_core(self, method: str, *args: object) -> object:
+        out = await super().call_core(method, *args)
+        if method == "vcache_pin":
+            await self.answer.wait()
+        return out
+
+
+def test_a_release_never_unpins_a_block_whose_pin_is_on_its_way(tmp_path: Path) -> None:
+    """alice's short lease holds a block; bob's longer one needs the engine's hold renewed.
+    alice lets go while bob's pin is unanswered: the engine must keep the block, which the
+    book now says bob holds."""
+
+    async def main() -> None:
+        hashes = block_hashes(list(range(64)), 16, "0")
+        kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60, clock=Clock())
+        core = _SlowReplies(hashes[:3], 10)
+        kv.attach(R, core, f"ipc://{tmp_path}/none", None)
+        kv.index.apply_stored(R, hashes[:3])
+        core.answer.set()
+        await kv.pin(R, hashes[:1], "alice", lease_s=5)
+        core.answer.clear()
+        bob = asyncio.create_task(kv.pin(R, hashes[:1], "bob", lease_s=600))
+        await asyncio.sleep(0)  # bob's renewal reached the engine; its answer has not
+        alice = asyncio.create_task(kv.unpin(R, hashes[:1], "alice"))
+        await asyncio.sleep(0.01)
+        core.answer.set()
+        await asyncio.gather(bob, alice)
+        assert kv.pin_owners(R, hashes[0]) == ["bob"]
+        assert core.pins == {bytes(hashes[0])}  # the engine agrees with the book
+        await kv.close()
+
+    asyncio.run(main())
