@@ -202,6 +202,13 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.hold_blocks = Counter(
+            "vcache_kv_hold_blocks",
+            "Predicted cached blocks held on their replica from routing to the first token "
+            "(held; refused: past the pin budget; missing: evicted before the hold)",
+            ["replica", "result"],
+            registry=r,
+        )
         self.prefill_stops = Counter(
             "vcache_prefill_stops",
             "Prompts of a lower priority stopped in their prefill for a higher one's on their "

@@ -22,6 +22,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
 from gateway.local.fairness import Entry, FairGate
+from gateway.local.holds import Hold, Holds
 from gateway.local.preempt import Held, chunks
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.replicas import Replica
@@ -84,6 +85,7 @@ class Dispatcher:
         first_token_guard: bool = False,
         prefill_slots: dict[int, int] | None = None,
         preempt_prefills: bool = False,
+        hold_s: float | None = None,
     ) -> None:
         self.replicas = list(replicas)
         self.router = router
@@ -112,6 +114,8 @@ class Dispatcher:
         # room in a replica's KV for a request before it starts: paused sessions' leases
         # give way (SessionTurns.make_room, set by the local chat service)
         self.make_room: MakeRoom | None = None
+        self._hold_s = hold_s  # predicted blocks pinned until the first token (None: not)
+        self._holds: Holds | None = None
 
     def serving(self) -> list[Replica]:
         """The replicas that can take a request now (a dead one is being restarted)."""
@@ -260,9 +264,18 @@ class Dispatcher:
         self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, totals: Totals
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives.
-        Until its first token, its prompt is a running prefill others may wait for."""
+        Until its first token, its prompt is a running prefill others may wait for, and
+        the blocks it was predicted to read are held on its replica."""
+        hold = self._hold(greq, d)
+        if hold is not None:
+            await asyncio.sleep(0)  # the pin is sent before the request
         if self.make_room is not None and self.kv is not None:
-            await self.make_room(self.kv, d.replica.id, d.hashes, self._blocks(greq))
+            try:
+                await self.make_room(self.kv, d.replica.id, d.hashes, self._blocks(greq))
+            except BaseException:
+                self.prefills.finish(d.prefill)
+                self._release(hold)
+                raise
         d.replica.inflight += 1
         gate = self._gates.get(d.replica.id)
         tenant = greq.tenant or greq.cache_salt or ""  # a client's own salt is not a tenant
@@ -273,6 +286,7 @@ class Dispatcher:
             except BaseException:
                 d.replica.inflight -= 1
                 self.prefills.finish(d.prefill)
+                self._release(hold)
                 raise
         prefill = d.prefill
         first = True
@@ -302,6 +316,8 @@ class Dispatcher:
                     if first:
                         self._first_output(d, chunk, endpoint, now - t0)
                         self.prefills.finish(prefill)
+                        self._release(hold)  # the running request holds them now
+                        hold = None
                         if gate is not None and held.entry is not None:
                             gate.first_token(held.entry)
                         totals.prompt = chunk.num_prompt_tokens
@@ -327,8 +343,29 @@ class Dispatcher:
         finally:
             d.replica.inflight -= 1
             self.prefills.finish(prefill)
+            self._release(hold)
             if gate is not None and held.entry is not None:
                 gate.leave(held.entry, totals.completion)
+
+    def _hold(self, greq: GenerateRequest, d: Dispatch) -> Hold | None:
+        """Pin the blocks ``d`` predicts ``greq`` reads, until its first token."""
+        if self._hold_s is None or self.kv is None or not d.predicted_cached_tokens:
+            return None
+        if self._holds is None:
+            count = self._metrics.hold_blocks
+            self._holds = Holds(self.kv, self._hold_s,
+                                lambda r, result, n: count.labels(r, result).inc(n))  # fmt: skip
+        return self._holds.take(d.replica.id, d.hashes, d.predicted_cached_tokens,
+                                greq.request_id)  # fmt: skip
+
+    def _release(self, hold: Hold | None) -> None:
+        if hold is not None and self._holds is not None:
+            self._holds.release(hold)
+
+    async def settle(self) -> None:
+        """Wait for the holds' releases still under way (before the spans close)."""
+        if self._holds is not None:
+            await self._holds.close()
 
     async def _enter(
         self, gate: FairGate, greq: GenerateRequest, d: Dispatch, tenant: str
