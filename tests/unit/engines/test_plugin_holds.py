@@ -97,9 +97,14 @@ def test_a_sweep_walks_the_holds_only_once_the_soonest_has_ended(
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     plugin.vcache_pin(core, [b"a"], 0.5, "gw", 30)
     plugin.vcache_pin(core, [b"b"], 0.5, "gw", 10)  # the soonest
-    walks = []
+    walks: list[int] = []
     holds = plugin._holds
-    monkeypatch.setattr(plugin, "_holds", lambda c: walks.append(1) or holds(c))
+
+    def counted(c: Any) -> dict[bytes, dict[str, float]]:
+        walks.append(1)
+        return holds(c)
+
+    monkeypatch.setattr(plugin, "_holds", counted)
     now[0] += 9
     assert plugin.vcache_sweep(core)["unpinned"] == [] and not walks
     now[0] += 2
