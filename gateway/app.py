@@ -167,7 +167,7 @@ def create_app(
         slots=settings.engine.max_num_seqs,
         first_token_guard=settings.engine.first_token_guard,
         preempt_prefills=settings.engine.preempt_prefills,
-        hold_s=settings.cache.hold_predicted_s or None,
+        refresh=settings.cache.refresh_predicted,
         prefill_slots={ENGINE_PRIORITY[p]: n for p, n in settings.engine.prefill_slots.items()},
     )
     supervisor = Supervisor(

@@ -172,9 +172,9 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
         )}  # fmt: skip
         row["step_ms"] = _step_ms(before, after)
         row["prefill_stops"] = _added(before, after, "vcache_prefill_stops_total")
-        row["hold_blocks"] = {  # predicted blocks held from routing to the first token
-            x: _added(before, after, "vcache_kv_hold_blocks_total", f'result="{x}"')
-            for x in ("held", "refused", "missing")
+        row["refreshed_blocks"] = {  # predicted blocks touched before the request ran
+            x: _added(before, after, "vcache_kv_refreshed_blocks_total", f'result="{x}"')
+            for x in ("touched", "missing")
         }
     print(f"{name}: {json.dumps(row)}", flush=True)
     return row
@@ -282,7 +282,7 @@ def router_arm(out: Path, args: argparse.Namespace, model: str) -> Any:
 def table(rows: list[Any]) -> str:
     head = (f"{'arm':<13}{'turns':>6}{'err':>5}{'reused':>8}{'hit':>7}"
             f"{'ttft p50':>10}{'p90':>7}{'turn-0 p50':>12}{'p90':>7}{'leased':>8}{'refused':>8}"
-            f"{'preempt':>8}{'exact':>7}{'held':>7}{'h-miss':>7}")  # fmt: skip
+            f"{'preempt':>8}{'exact':>7}{'touched':>8}{'t-miss':>7}")  # fmt: skip
     lines = [head]
     for r in rows:
         later, first = r["ttft_ms_later"], r["ttft_ms_first"]
@@ -294,13 +294,13 @@ def table(rows: list[Any]) -> str:
         missed = g.get('vcache_cached_token_predictions_total{outcome="missed"}', 0)
         exact = f"{matched / (matched + missed):.3f}" if matched + missed else "-"
         reused = "-" if r["reused_share"] is None else f"{r['reused_share']:.3f}"
-        holds = r.get("hold_blocks", {})
+        touch = r.get("refreshed_blocks", {})
         lines.append(
             f"{r['arm']:<13}{r['turns']:>6}{r['errors']:>5}{reused:>8}{r['hit_rate']:>7.3f}"
             f"{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}{first['p50'] or 0:>12.0f}"
             f"{first['p90'] or 0:>7.0f}"
             f"{leased:>8}{refused:>8}{preempted:>8}{exact:>7}"
-            f"{holds.get('held', 0):>7.0f}{holds.get('missing', 0):>7.0f}"
+            f"{touch.get('touched', 0):>8.0f}{touch.get('missing', 0):>7.0f}"
         )
     return "\n".join(lines)
 

@@ -34,6 +34,7 @@ METHODS = frozenset(
         "vcache_unpin",
         "vcache_sweep",
         "vcache_evict",
+        "vcache_touch",
         "vcache_cache_stats",
         "vcache_resident",
         "vcache_events_barrier",

@@ -19,6 +19,9 @@ client reaches with ``call_utility_async("vcache_pin", ...)``:
 ``vcache_evict(hashes)``
     Remove blocks from the prefix cache if no running request and no pin holds
     them; ``BlockRemoved`` events are published at once.
+``vcache_touch(hashes)``
+    Move resident blocks no request or pin holds to the most recently used end of
+    the free queue (a request routed to them reads them soon): evicted last.
 ``vcache_cache_stats()`` / ``vcache_resident()``
     Counts, and every resident block hash (for a full index resync).
 ``vcache_events_barrier()``
@@ -165,6 +168,26 @@ def vcache_unpin(core: Any, hashes: list[bytes], holder: str | None = None) -> d
     return {"unpinned": released}
 
 
+def vcache_touch(core: Any, hashes: list[bytes]) -> dict[str, Any]:
+    """Move the resident blocks of ``hashes`` (a prompt's, in order) that no request or
+    pin holds to the most recently used end of the free queue, the first block last:
+    evicted after every other free block.  Held blocks are not in the queue and stay
+    as they are.  Nothing is pinned, so nothing is ever kept from a request that needs
+    the room."""
+    pool = _pool(core)
+    blocks = []
+    missing: list[bytes] = []
+    for h in hashes:
+        block = _lookup(pool, h)
+        if block is None:
+            missing.append(h)
+        else:
+            blocks.append(block)
+    pool.touch(blocks)  # out of the free queue (a reference each) ...
+    pool.free_blocks(blocks[::-1])  # ... and back in at its end, the prefix's tail first
+    return {"touched": len(blocks), "missing": missing}
+
+
 def vcache_evict(core: Any, hashes: list[bytes]) -> dict[str, Any]:
     pool, pins = _pool(core), _pins(core)
     evicted: list[bytes] = []
@@ -239,6 +262,7 @@ _METHODS = {
     "vcache_unpin": vcache_unpin,
     "vcache_sweep": vcache_sweep,
     "vcache_evict": vcache_evict,
+    "vcache_touch": vcache_touch,
     "vcache_cache_stats": vcache_cache_stats,
     "vcache_resident": vcache_resident,
     "vcache_events_barrier": vcache_events_barrier,

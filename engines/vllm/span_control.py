@@ -82,6 +82,14 @@ class SpanControl:
         res = await self._reply("vcache_evict", [bytes(h) for h in hashes])
         return _hashes(res.get("evicted", ())), _hashes(res.get("busy", ()))
 
+    async def touch(self, hashes: Sequence[bytes]) -> tuple[int, tuple[bytes, ...]]:
+        """Make resident blocks the last the engine evicts: (how many, the missing)."""
+        res = await self._reply("vcache_touch", [bytes(h) for h in hashes])
+        try:
+            return int(res["touched"]), _hashes(res["missing"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineUnavailable(f"engine core call vcache_touch answered {res!r}") from exc
+
     async def resident(self) -> tuple[bytes, ...]:
         """Every block hash the engine's prefix cache holds now."""
         return _hashes(await self._call("vcache_resident"))

@@ -145,7 +145,7 @@ class CacheSettings(BaseModel):
     load_imbalance: int = Field(4, ge=0)  # kv routing falls back to least loaded beyond it
     pin_max_share: float = Field(0.5, gt=0, le=1)  # most of the KV blocks pins may hold
     default_lease_s: float = Field(300, gt=0)
-    # a request's predicted cached blocks are pinned from routing to its first token, at
-    # most this long (gateway/local/holds.py); 0: not held
-    hold_predicted_s: float = Field(30.0, ge=0)
+    # a request's predicted cached blocks are made the last its replica evicts before it
+    # runs (gateway/local/refresh.py)
+    refresh_predicted: bool = True
     retention: RetentionSettings = Field(default_factory=RetentionSettings)

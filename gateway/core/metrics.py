@@ -202,10 +202,10 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
-        self.hold_blocks = Counter(
-            "vcache_kv_hold_blocks",
-            "Predicted cached blocks held on their replica from routing to the first token "
-            "(held; refused: past the pin budget; missing: evicted before the hold)",
+        self.refreshed_blocks = Counter(
+            "vcache_kv_refreshed_blocks",
+            "Predicted cached blocks moved to the end of their replica's eviction order "
+            "before the request ran (touched; missing: evicted before the touch came)",
             ["replica", "result"],
             registry=r,
         )

@@ -22,9 +22,9 @@ from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
 from gateway.local.fairness import Entry, FairGate
-from gateway.local.holds import Hold, Holds
 from gateway.local.preempt import Held, chunks
 from gateway.local.prefills import Prefill, Prefills
+from gateway.local.refresh import Refresh
 from gateway.local.replicas import Replica
 from gateway.local.routing import RouteContext, Router
 from gateway.local.spans import KVSpans
@@ -85,7 +85,7 @@ class Dispatcher:
         first_token_guard: bool = False,
         prefill_slots: dict[int, int] | None = None,
         preempt_prefills: bool = False,
-        hold_s: float | None = None,
+        refresh: bool = False,
     ) -> None:
         self.replicas = list(replicas)
         self.router = router
@@ -114,8 +114,8 @@ class Dispatcher:
         # room in a replica's KV for a request before it starts: paused sessions' leases
         # give way (SessionTurns.make_room, set by the local chat service)
         self.make_room: MakeRoom | None = None
-        self._hold_s = hold_s  # predicted blocks pinned until the first token (None: not)
-        self._holds: Holds | None = None
+        self._refresh_on = refresh  # predicted blocks touched before the request runs
+        self._refresh: Refresh | None = None
 
     def serving(self) -> list[Replica]:
         """The replicas that can take a request now (a dead one is being restarted)."""
@@ -264,30 +264,30 @@ class Dispatcher:
         self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, totals: Totals
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives.
-        Until its first token, its prompt is a running prefill others may wait for, and
-        the blocks it was predicted to read are held on its replica."""
-        hold = self._hold(greq, d)
-        if hold is not None:
-            await asyncio.sleep(0)  # the pin is sent before the request
+        Until its first token, its prompt is a running prefill others may wait for; the
+        blocks it was predicted to read are the last its replica evicts."""
+        if self._touch(d):
+            await asyncio.sleep(0)  # the touch is sent before the request
         if self.make_room is not None and self.kv is not None:
             try:
                 await self.make_room(self.kv, d.replica.id, d.hashes, self._blocks(greq))
             except BaseException:
                 self.prefills.finish(d.prefill)
-                self._release(hold)
                 raise
         d.replica.inflight += 1
         gate = self._gates.get(d.replica.id)
         tenant = greq.tenant or greq.cache_salt or ""  # a client's own salt is not a tenant
         entry: Entry | None = None
         if gate is not None:
+            waits = not gate.free(greq.priority)
             try:
                 entry = await self._enter(gate, greq, d, tenant)
             except BaseException:
                 d.replica.inflight -= 1
                 self.prefills.finish(d.prefill)
-                self._release(hold)
                 raise
+            if waits and self._touch(d):  # others ran meanwhile: touched again
+                await asyncio.sleep(0)
         prefill = d.prefill
         first = True
         cached_known = False
@@ -316,8 +316,6 @@ class Dispatcher:
                     if first:
                         self._first_output(d, chunk, endpoint, now - t0)
                         self.prefills.finish(prefill)
-                        self._release(hold)  # the running request holds them now
-                        hold = None
                         if gate is not None and held.entry is not None:
                             gate.first_token(held.entry)
                         totals.prompt = chunk.num_prompt_tokens
@@ -343,29 +341,22 @@ class Dispatcher:
         finally:
             d.replica.inflight -= 1
             self.prefills.finish(prefill)
-            self._release(hold)
             if gate is not None and held.entry is not None:
                 gate.leave(held.entry, totals.completion)
 
-    def _hold(self, greq: GenerateRequest, d: Dispatch) -> Hold | None:
-        """Pin the blocks ``d`` predicts ``greq`` reads, until its first token."""
-        if self._hold_s is None or self.kv is None or not d.predicted_cached_tokens:
-            return None
-        if self._holds is None:
-            count = self._metrics.hold_blocks
-            self._holds = Holds(self.kv, self._hold_s,
-                                lambda r, result, n: count.labels(r, result).inc(n))  # fmt: skip
-        return self._holds.take(d.replica.id, d.hashes, d.predicted_cached_tokens,
-                                greq.request_id)  # fmt: skip
-
-    def _release(self, hold: Hold | None) -> None:
-        if hold is not None and self._holds is not None:
-            self._holds.release(hold)
+    def _touch(self, d: Dispatch) -> bool:
+        """Touch the blocks ``d`` predicts its request reads (False: nothing to touch)."""
+        if not self._refresh_on or self.kv is None or not d.predicted_cached_tokens:
+            return False
+        if self._refresh is None:
+            count = self._metrics.refreshed_blocks
+            self._refresh = Refresh(self.kv, lambda r, x, n: count.labels(r, x).inc(n))
+        return self._refresh.touch(d.replica.id, d.hashes, d.predicted_cached_tokens)
 
     async def settle(self) -> None:
-        """Wait for the holds' releases still under way (before the spans close)."""
-        if self._holds is not None:
-            await self._holds.close()
+        """Wait for the touches under way (before the spans close)."""
+        if self._refresh is not None:
+            await self._refresh.settle()
 
     async def _enter(
         self, gate: FairGate, greq: GenerateRequest, d: Dispatch, tenant: str

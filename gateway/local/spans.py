@@ -210,6 +210,14 @@ class KVSpans:
     ) -> tuple[list[str], list[str]]:
         return await self.pins.evict(replica, hashes)
 
+    async def touch(
+        self, replica: LocationId, hashes: Sequence[BlockHash]
+    ) -> tuple[int, list[BlockHash]]:
+        """Make ``hashes``' resident blocks the last ``replica`` evicts (``refresh.py``):
+        (how many were touched, those not resident)."""
+        touched, missing = await self.state(replica).control.touch(hashes)
+        return touched, [BlockHash(h) for h in missing]
+
     # ------------------------------------------------------------- stats
 
     async def stats(self) -> dict[str, Any]:

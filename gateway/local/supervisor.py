@@ -181,7 +181,7 @@ class Supervisor:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
-        await self._dispatcher.settle()  # holds let go before the spans close
+        await self._dispatcher.settle()  # touches under way end before the spans close
         if self.kv is not None:
             await self.kv.close()
         for r in self._replicas.values():

@@ -115,3 +115,33 @@ def test_a_sweep_walks_the_holds_only_once_the_soonest_has_ended(
     now[0] += 10
     assert plugin.vcache_sweep(core)["unpinned"] == [b"a"] and len(walks) > seen
     assert pool.refs == {b"a": 0, b"b": 0}
+
+
+class QueuedPool(Pool):
+    """A pool whose free blocks form vLLM's eviction queue: taken from the front,
+    freed ones appended at the end."""
+
+    def __init__(self, resident: list[bytes]) -> None:
+        super().__init__(resident)
+        self.queue = list(resident)  # all free, the first evicted first
+
+    def touch(self, blocks: list[bytes]) -> None:
+        for b in blocks:
+            if self.refs[b] == 0:
+                self.queue.remove(b)
+        super().touch(blocks)
+
+    def free_blocks(self, blocks: list[bytes]) -> None:
+        super().free_blocks(blocks)
+        self.queue += [b for b in blocks if self.refs[b] == 0]
+
+
+def test_a_touch_makes_a_prompts_blocks_the_last_evicted_and_pins_nothing() -> None:
+    pool = QueuedPool([b"a1", b"a2", b"b1", b"b2", b"held"])
+    core = _core(pool)
+    plugin.vcache_pin(core, [b"held"], 0.5, "gw", 60)
+    res = plugin.vcache_touch(core, [b"a1", b"a2", b"held", b"gone"])
+    assert res == {"touched": 3, "missing": [b"gone"]}
+    # a's blocks now go after b's, its first block last; the pinned block stays out
+    assert pool.queue == [b"b1", b"b2", b"a2", b"a1"]
+    assert pool.refs == {b"a1": 0, b"a2": 0, b"b1": 0, b"b2": 0, b"held": 1}

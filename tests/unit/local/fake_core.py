@@ -21,6 +21,7 @@ class FakeCore:
         self.holds: dict[bytes, set[str]] = {}  # who holds each pinned block (no expiry)
         self.capacity = capacity
         self.calls: list[str] = []
+        self.touched: list[list[bytes]] = []  # each touch's resident blocks
 
     async def call_core(self, method: str, *args: Any) -> Any:
         self.calls.append(method)
@@ -59,6 +60,10 @@ class FakeCore:
                     self.holds.pop(h, None)
                     done.append(h)
             return {"unpinned": done}
+        if method == "vcache_touch":
+            self.touched.append([bytes(h) for h in args[0] if h in self.resident])
+            missing = [h for h in args[0] if h not in self.resident]
+            return {"touched": len(self.touched[-1]), "missing": missing}
         if method == "vcache_sweep":
             return {"unpinned": []}
         if method == "vcache_cache_stats":

@@ -1,5 +1,5 @@
 """A request waiting for its turn keeps the blocks it was predicted to read, on a real
-vLLM CPU replica (``cache.hold_predicted_s``).
+vLLM CPU replica (``cache.refresh_predicted``).
 
 The replica's KV cache is 24 blocks and it runs one request at a time
 (``engine.max_num_seqs`` 1: the rest wait in the gateway, the higher priority
@@ -9,9 +9,10 @@ shares ``older``'s six-block prefix is routed (predicted: 768 cached tokens)
 and waits; an interactive request with a 13-block prompt arrives after it and
 goes first.  Its prompt needs more blocks than the cache has never used: vLLM
 takes the rest from the least recently used end of its free queue, where
-``older``'s blocks are.  Held since routing, they stay, ``newer``'s go instead,
-and the batch request reads all 768 tokens.  Without the hold
-(``VCACHE_CACHE__HOLD_PREDICTED_S=0``) it read 256 of them when written.
+``older``'s blocks were.  Touched when the batch request was routed, they are
+now the most recently used, ``newer``'s go instead, and the batch request reads
+all 768 tokens.  Without the touch (``VCACHE_CACHE__REFRESH_PREDICTED=false``)
+it read 256 of them when written.
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ BLOCK = 128
 KV_BYTES = 6 << 20  # 24 blocks of 128 tokens (2 KiB a token with the demo model)
 RUNNING = 'vcache_engine_unfinished_requests{replica="replica-0"}'
 WAITING = 'vcache_fair_queue_waits_total{replica="replica-0"}'
-HELD = 'vcache_kv_hold_blocks_total{replica="replica-0",result="held"}'
+TOUCHED = 'vcache_kv_refreshed_blocks_total{replica="replica-0",result="touched"}'
 
 
 @pytest.fixture(scope="module")
 def url(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("holds")
+    tmp = tmp_path_factory.mktemp("refresh")
     args = ["--kv-cache-bytes", str(KV_BYTES), "--replicas", "1", "--max-model-len", "2048"]
     settings = {"VCACHE_ENGINE__MAX_NUM_SEQS": "1"}
     with own_gateway(tmp, data_dir, args, settings) as base:
@@ -78,7 +79,7 @@ def test_a_waiting_request_keeps_the_blocks_it_was_predicted_to_read(url: str) -
         r = _chat(c, body(older, "First question?"))
         assert 6 * BLOCK < r.json()["usage"]["prompt_tokens"] < 7 * BLOCK, r.json()["usage"]
         _chat(c, body(_words(rng, 250), "Another question?"))  # newer: used after older
-        held = metric(url, HELD)
+        touched = metric(url, TOUCHED)
 
         waits = metric(url, WAITING)
         running = body("Count.", "Count to a thousand.", max_tokens=300)
@@ -100,4 +101,4 @@ def test_a_waiting_request_keeps_the_blocks_it_was_predicted_to_read(url: str) -
         predicted = int(r.headers["x-vcache-predicted-cached-tokens"])
         assert predicted == 6 * BLOCK, r.headers
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
-        assert metric(url, HELD) - held == 6
+        assert metric(url, TOUCHED) - touched == 12  # at routing, and after its wait
