@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import zlib
 from array import array
@@ -31,7 +32,9 @@ from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
+log = logging.getLogger(__name__)
 AFFINITY_TOKENS = 256  # a new prefix family is placed by its first tokens
+ROOM_CHECK_S = 1.0  # how often a request waiting for its first token asks for room again
 
 
 def hash_tokens(tokens: Sequence[int]) -> int:
@@ -299,6 +302,7 @@ class Dispatcher:
         last = t0
         held = Held(entry)  # its place in the gate: a higher class may stop its prefill
         stops = m.prefill_stops.labels(d.replica_id)
+        keeper = self._keep_room(greq, d)
         attempts = chunks(
             lambda: d.replica.engine.generate(greq),
             gate,
@@ -316,6 +320,8 @@ class Dispatcher:
                     if first:
                         self._first_output(d, chunk, endpoint, now - t0)
                         self.prefills.finish(prefill)
+                        if keeper is not None:
+                            keeper.cancel()
                         if gate is not None and held.entry is not None:
                             gate.first_token(held.entry)
                         totals.prompt = chunk.num_prompt_tokens
@@ -341,8 +347,30 @@ class Dispatcher:
         finally:
             d.replica.inflight -= 1
             self.prefills.finish(prefill)
+            if keeper is not None:
+                keeper.cancel()
             if gate is not None and held.entry is not None:
                 gate.leave(held.entry, totals.completion)
+
+    def _keep_room(self, greq: GenerateRequest, d: Dispatch) -> asyncio.Task[None] | None:
+        """Until ``greq``'s first token, ask for its room again every ROOM_CHECK_S: paused
+        sessions lease blocks at their turns' ends while it waits in the engine's queue,
+        and vLLM cannot start a request it has no blocks for (their leases would hold it
+        until they ran out)."""
+        make_room, kv = self.make_room, self.kv
+        if make_room is None or kv is None:
+            return None
+        need = self._blocks(greq)
+
+        async def keep() -> None:
+            while True:
+                await asyncio.sleep(ROOM_CHECK_S)
+                try:
+                    await make_room(kv, d.replica.id, d.hashes, need)
+                except EngineError as exc:  # the request fails or goes on by itself
+                    log.debug("replica %s: no room made (%s)", d.replica_id, exc)
+
+        return asyncio.create_task(keep(), name=f"room for {greq.request_id}")
 
     def _touch(self, d: Dispatch) -> bool:
         """Touch the blocks ``d`` predicts its request reads (False: nothing to touch)."""

@@ -191,7 +191,25 @@ class SessionTurns:
                 released += 1
             if short() <= 0:
                 break
+        # still short: the leases of sessions whose next turn is on its way go too (the
+        # turn may wait in the engine's queue behind this request, which waits for their
+        # blocks: neither would start until the leases ran out)
+        mine = set(hashes)
+        for key in self._in_flight(replica) if short() > 0 else ():
+            held = self.leases.held(_owner(key))
+            if held is None or mine.intersection(held[1]):
+                continue  # this request's own prefix: it reads those blocks
+            if await self.leases.release(kv, _owner(key)):
+                self._counted("yielded")
+                released += 1
+            if short() <= 0:
+                break
         return released
+
+    def _in_flight(self, replica: LocationId) -> list[str]:
+        """The sessions on ``replica`` whose turn runs, the latest begun first."""
+        return [k for k, s in reversed(self.sessions.items())
+                if s.replica == replica and s.ended_at is None]  # fmt: skip
 
     def _yield_order(self, replica: LocationId) -> list[str]:
         """The paused sessions leasing blocks on ``replica``: in overtime first, the most

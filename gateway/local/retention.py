@@ -64,6 +64,10 @@ class BreakpointLeases:
             self._last.popitem(last=False)  # its lease still expires on time
         return res
 
+    def held(self, owner: str) -> tuple[LocationId, tuple[BlockHash, ...]] | None:
+        """The replica and blocks of ``owner``'s last lease (None: it holds none)."""
+        return self._last.get(owner)
+
     async def release(self, kv: KVSpans, owner: str) -> int:
         """Release what ``owner``'s last lease holds; how many blocks it held."""
         prev = self._last.pop(owner, None)

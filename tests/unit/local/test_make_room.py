@@ -18,6 +18,7 @@ from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import RetentionSettings
 from gateway.core.metrics import Metrics
+from gateway.local import dispatch
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.pauses import SessionTurns
 from gateway.local.replicas import Replica
@@ -103,12 +104,45 @@ def test_the_requests_own_pinned_blocks_are_not_in_its_way(setup: Any) -> None:
         turns.began("t:a", "t")
         assert await turns.make_room(kv, R, HASHES[0:4], 10) == 1
         assert kv.pin_owners(R, HASHES[3]) == []  # b gave way
-        # a's turn runs: its own lease is not released for another request
-        assert kv.pin_owners(R, HASHES[0]) == ["session:t:a"]
-        assert await turns.make_room(kv, R, HASHES[9:11], 12) == 0
-        assert kv.pin_owners(R, HASHES[0]) == ["session:t:a"]
+        assert kv.pin_owners(R, HASHES[0]) == ["session:t:a"]  # it reads them
+        # another request that needs the whole cache: a's turn is on its way, and its lease
+        # goes last, but it goes (the turn may wait behind that request for the blocks)
+        assert await turns.make_room(kv, R, HASHES[9:11], 12) == 1
+        assert kv.pin_owners(R, HASHES[0]) == []
 
     asyncio.run(main())
+
+
+def test_leases_of_turns_on_their_way_go_after_paused_ones_never_the_requests_own(
+    setup: Any,
+) -> None:
+    """A turn that waits in the engine's queue behind a request keeps its session's lease
+    pinned; if that request needs those blocks, neither starts until the lease runs out.
+    So when the paused sessions' leases are not enough, those of turns on their way go
+    too, the latest begun first; never one holding the request's own prefix."""
+    kv, core, clock, turns = setup
+
+    async def main() -> None:
+        await _pause(turns, kv, "t:mine", slice(0, 2))
+        await _pause(turns, kv, "t:old", slice(2, 4))
+        await _pause(turns, kv, "t:new", slice(4, 6))
+        await _pause(turns, kv, "t:paused", slice(6, 8))
+        for key in ("t:mine", "t:old", "t:new"):  # their next turns are on their way
+            turns.began(key, "t")
+            clock.now += 1
+        # t:mine's turn: 2 blocks of its own; 6 pinned for others + 10 > 12
+        assert await turns.make_room(kv, R, HASHES[0:2], 10) == 2
+        assert kv.pin_owners(R, HASHES[6]) == []  # the paused one first
+        assert kv.pin_owners(R, HASHES[4]) == []  # then the latest begun
+        assert kv.pin_owners(R, HASHES[2]) == ["session:t:old"]
+        # asked again for more: the next goes, never its own
+        assert await turns.make_room(kv, R, HASHES[0:2], 12) == 1
+        assert kv.pin_owners(R, HASHES[2]) == []
+        assert kv.pin_owners(R, HASHES[0]) == ["session:t:mine"]
+        assert core.pins == {bytes(h) for h in HASHES[0:2]}
+
+    asyncio.run(main())
+    assert turns.counts == {"leased": 4, "yielded": 3}
 
 
 def test_leases_that_ended_or_other_replicas_are_not_counted(setup: Any) -> None:
@@ -171,3 +205,40 @@ def test_the_dispatcher_makes_room_before_the_engine_hears_of_the_request(
 
     # 3 blocks of prompt, 2 x 2 of answers; asked before the engine received it
     assert asyncio.run(main()) == [(True, R, HASHES[:2], 7, 0)]
+
+
+def test_a_request_waiting_for_its_first_token_asks_for_room_again(
+    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sessions lease blocks at their turns' ends while a request waits in the engine's
+    queue: until its first token, the request asks for its room again, every
+    ``ROOM_CHECK_S``; after it, never."""
+    monkeypatch.setattr(dispatch, "ROOM_CHECK_S", 0.01)
+
+    async def main() -> tuple[int, int]:
+        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), step_delay_s=0.2)
+        await engine.start()
+        kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)
+        kv.attach(R, FakeCore([], capacity=4, num_blocks=TOTAL), f"ipc://{tmp_path}/e", None)
+        replica = Replica(R, engine)
+        dispatcher = Dispatcher([replica], Router(), kv, Metrics(), max_inflight=4)
+        asked = 0
+
+        async def room(k: KVSpans, r: LocationId, hashes: Sequence[BlockHash], need: int) -> int:
+            nonlocal asked
+            asked += 1
+            return 0
+
+        dispatcher.make_room = room
+        greq = GenerateRequest("r1", tuple(range(1, 41)), SamplingOptions(max_tokens=4))
+        d = Dispatch(replica, R, None, HASHES[:2])
+        at_first = 0
+        async for _ in dispatcher.run(greq, d, "chat", 0.0, Totals()):
+            at_first = at_first or asked  # a step (0.2 s) before the first token
+        await asyncio.sleep(0.05)
+        await kv.close()
+        return at_first, asked
+
+    at_first, in_all = asyncio.run(main())
+    assert at_first > 2  # once before the engine heard of it, then while it waited
+    assert in_all == at_first  # none after the first token
