@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import zlib
 from array import array
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
@@ -27,14 +26,13 @@ from gateway.local.preempt import Held, chunks
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.refresh import Refresh
 from gateway.local.replicas import Replica
+from gateway.local.room import MakeRoom, keep_room
 from gateway.local.routing import RouteContext, Router
 from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
-log = logging.getLogger(__name__)
 AFFINITY_TOKENS = 256  # a new prefix family is placed by its first tokens
-ROOM_CHECK_S = 1.0  # how often a request waiting for its first token asks for room again
 
 
 def hash_tokens(tokens: Sequence[int]) -> int:
@@ -68,9 +66,6 @@ class Dispatch:
         if self.predicted_cached_tokens is not None:
             h["x-vcache-predicted-cached-tokens"] = str(self.predicted_cached_tokens)
         return h
-
-
-MakeRoom = Callable[[KVSpans, LocationId, Sequence[BlockHash], int], Awaitable[int]]
 
 
 class Dispatcher:
@@ -302,7 +297,12 @@ class Dispatcher:
         last = t0
         held = Held(entry)  # its place in the gate: a higher class may stop its prefill
         stops = m.prefill_stops.labels(d.replica_id)
-        keeper = self._keep_room(greq, d)
+        keeper = (
+            keep_room(self.make_room, self.kv, d.replica.id, d.hashes, self._blocks(greq),
+                      greq.request_id)
+            if self.make_room is not None and self.kv is not None
+            else None
+        )  # fmt: skip
         attempts = chunks(
             lambda: d.replica.engine.generate(greq),
             gate,
@@ -351,26 +351,6 @@ class Dispatcher:
                 keeper.cancel()
             if gate is not None and held.entry is not None:
                 gate.leave(held.entry, totals.completion)
-
-    def _keep_room(self, greq: GenerateRequest, d: Dispatch) -> asyncio.Task[None] | None:
-        """Until ``greq``'s first token, ask for its room again every ROOM_CHECK_S: paused
-        sessions lease blocks at their turns' ends while it waits in the engine's queue,
-        and vLLM cannot start a request it has no blocks for (their leases would hold it
-        until they ran out)."""
-        make_room, kv = self.make_room, self.kv
-        if make_room is None or kv is None:
-            return None
-        need = self._blocks(greq)
-
-        async def keep() -> None:
-            while True:
-                await asyncio.sleep(ROOM_CHECK_S)
-                try:
-                    await make_room(kv, d.replica.id, d.hashes, need)
-                except EngineError as exc:  # the request fails or goes on by itself
-                    log.debug("replica %s: no room made (%s)", d.replica_id, exc)
-
-        return asyncio.create_task(keep(), name=f"room for {greq.request_id}")
 
     def _touch(self, d: Dispatch) -> bool:
         """Touch the blocks ``d`` predicts its request reads (False: nothing to touch)."""

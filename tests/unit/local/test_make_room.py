@@ -18,7 +18,7 @@ from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import RetentionSettings
 from gateway.core.metrics import Metrics
-from gateway.local import dispatch
+from gateway.local import room
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.pauses import SessionTurns
 from gateway.local.replicas import Replica
@@ -213,7 +213,7 @@ def test_a_request_waiting_for_its_first_token_asks_for_room_again(
     """Sessions lease blocks at their turns' ends while a request waits in the engine's
     queue: until its first token, the request asks for its room again, every
     ``ROOM_CHECK_S``; after it, never."""
-    monkeypatch.setattr(dispatch, "ROOM_CHECK_S", 0.01)
+    monkeypatch.setattr(room, "ROOM_CHECK_S", 0.01)
 
     async def main() -> tuple[int, int]:
         engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), step_delay_s=0.2)
