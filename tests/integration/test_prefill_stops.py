@@ -1,13 +1,14 @@
 """A batch prompt in prefill stops for an interactive one on a real vLLM CPU replica, and
 starts again from the blocks it had computed.
 
-One replica, which computes at most 32 tokens of a prompt a step
-(``engine.long_prefill_token_threshold``): a batch request's 1,460-token prompt
-is in prefill for about 45 steps.  An interactive request sent meanwhile makes
-the gateway abort it in the engine (``engine.preempt_prefills``); it waits for
-the interactive prompt's first token, then runs again.  The full blocks its
-first attempt computed stayed in vLLM's prefix cache, so the engine reports
-them as cached; its answer is whole.
+One replica, which computes at most 8 tokens of a prompt a step
+(``engine.long_prefill_token_threshold``; vLLM applies it only while another
+request runs, so a long answer runs beside): a batch request's 1,460-token
+prompt is in prefill for about 180 steps.  Once its first two blocks are
+stored, an interactive request makes the gateway abort it in the engine
+(``engine.preempt_prefills``); it waits for the interactive prompt's first
+token, then runs again.  The full blocks its first attempt computed stayed in
+vLLM's prefix cache, so the engine reports them as cached; its answer is whole.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def url(
 ) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("prefill-stops")
     args = ["--replicas", "1", "--max-model-len", "2048"]
-    settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "32"}
+    settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "8"}
     with own_gateway(tmp, data_dir, args, settings) as base:
         yield base
 
@@ -50,18 +51,27 @@ def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
                  "messages": [{"role": "user", "content": "Summarize: " + words}]}  # fmt: skip
         quick = {"model": model, "max_tokens": 4,
                  "messages": [{"role": "user", "content": "Are the tests green?"}]}  # fmt: skip
+        beside = {"model": model, "max_tokens": 600, "min_tokens": 600,
+                  "messages": [{"role": "user", "content": "Count."}]}  # fmt: skip
         assert metric(url, STOPS) == 0
-        with ThreadPoolExecutor(1) as pool:
+
+        def stored() -> int:  # the batch prompt's tokens in the prefix cache, by the index
+            r = c.post("/v1/cache/lookup", json={"model": model, "messages": batch["messages"]})
+            return int(r.json()["replicas"][0]["predicted_cached_tokens"])
+
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(c.post, "/v1/chat/completions", json=beside)
+            wait_for(lambda: metric(url, RUNNING) >= 1, timeout_s=60, interval_s=0.02)
             bulk = pool.submit(
                 c.post, "/v1/chat/completions", json=batch, headers={"x-vcache-priority": "batch"}
             )
-            wait_for(lambda: metric(url, RUNNING) >= 1, timeout_s=60, interval_s=0.02)
-            time.sleep(0.1)  # a few steps into its prefill: some full blocks computed
+            wait_for(lambda: stored() >= 2 * BLOCK, timeout_s=60, interval_s=0.01)
             r = c.post(
                 "/v1/chat/completions", json=quick, headers={"x-vcache-priority": "interactive"}
             )
             assert r.status_code == 200, r.text
             done = bulk.result(timeout=120)
+            assert running.result(timeout=120).status_code == 200
         assert done.status_code == 200, done.text
         assert metric(url, STOPS) == 1
         usage = done.json()["usage"]
@@ -69,4 +79,4 @@ def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
         assert usage["prompt_tokens"] > 1024, usage  # 1,459 when written
         # its first attempt's full blocks were read back, nothing else could have been
         cached = usage["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= BLOCK and cached % BLOCK == 0, usage
+        assert cached >= 2 * BLOCK and cached % BLOCK == 0, usage
