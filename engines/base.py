@@ -125,6 +125,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class CoreTimes:
+    """When the engine core queued a request, scheduled it and produced its first token
+    (its own ``time.monotonic()``: on Linux one clock for every process of a host)."""
+
+    queued_s: float
+    scheduled_s: float
+    first_token_s: float
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
     """One step of a generation stream: the *new* text and tokens only, of one sample."""
 
@@ -136,6 +146,7 @@ class GenerateChunk:
     index: int = 0  # which of the ``n`` samples
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
     queue_time_s: float | None = None  # first chunk: queued → scheduled in the engine core
+    core_times: CoreTimes | None = None  # first chunk, an engine core on this host
     stop_sequence: str | None = None  # the stop string that ended the sample, when one did
     # first chunk, where asked: each prompt token's logprob (None for the first token)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

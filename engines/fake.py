@@ -8,9 +8,11 @@ in the block) so cached-token accounting can be tested without vLLM.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 
 from engines.base import (
+    CoreTimes,
     EngineCapabilities,
     EngineStats,
     GenerateChunk,
@@ -100,6 +102,7 @@ class FakeEngine:
         self.received.append(request)
         self._running.add(request.request_id)
         finished = False
+        queued = time.monotonic()  # scheduled at once: the fake has no queue
         try:
             cached = self._cached_tokens(request)
             s = request.sampling
@@ -129,6 +132,9 @@ class FakeEngine:
                             lp for t in held for lp in self._logprobs(t, index, s.logprobs)
                         ),
                         prompt_logprobs=self._prompt_logprobs(request) if i == 0 else None,
+                        core_times=(
+                            CoreTimes(queued, queued, time.monotonic()) if i == 0 else None
+                        ),
                     )
                 held = []
             if not ids:

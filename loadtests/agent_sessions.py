@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from procs import free_port, get_ok, run_locust, serving, vllm_router  # noqa: E402
-from report import parse_metrics, percentile  # noqa: E402
+from report import parse_metrics, percentile, phases_table, ttft_phases  # noqa: E402
 from run import token_counter  # noqa: E402
 from workloads import VOCAB  # noqa: E402
 
@@ -172,6 +172,7 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
         )}  # fmt: skip
         row["step_ms"] = _step_ms(before, after)
         row["prefill_stops"] = _added(before, after, "vcache_prefill_stops_total")
+        row["phases"] = ttft_phases(before, after, "interactive")  # the fairness runs' agents
         row["refreshed_blocks"] = {  # predicted blocks touched before the request ran
             x: _added(before, after, "vcache_kv_refreshed_blocks_total", f'result="{x}"')
             for x in ("touched", "missing")
@@ -373,6 +374,8 @@ def fairness(args: argparse.Namespace) -> int:
         r.update(rates(args.out, r["arm"]))
         r["fit"] = prefill_fit(args.out, r["arm"])
     text, ok = fairness_table(rows, args.long_prefill)
+    text += "\n\nthe agents' TTFT in the gateway by phase, ms mean / p90 (every turn):\n"
+    text += phases_table(rows)
     print(text)
     path.write_text(json.dumps(rows, indent=2))
     (args.out / "fairness.txt").write_text(text + "\n")

@@ -25,7 +25,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
-from report import parse_metrics  # noqa: E402
+from report import histogram, histogram_quantile, parse_metrics  # noqa: E402
 
 Sample = dict[str, float]
 Series = dict[str, list[float]]
@@ -70,24 +70,8 @@ def _by(s: Sample, name: str, label: str) -> dict[str, float]:
 
 def _quantile(prev: Sample, cur: Sample, name: str, q: float) -> float | None:
     """``histogram_quantile`` of the buckets' increase over one interval."""
-    buckets: dict[float, float] = {}
-    for key, value in cur.items():
-        if key.startswith(f"{name}_bucket{{"):
-            le = _labels(key)["le"]
-            bound = float("inf") if le == "+Inf" else float(le)
-            buckets[bound] = buckets.get(bound, 0.0) + value - prev.get(key, 0.0)
-    if not buckets or buckets.get(float("inf"), 0.0) <= 0:
-        return None
-    total = buckets[float("inf")]
-    lower, below = 0.0, 0.0
-    for bound in sorted(buckets):
-        if buckets[bound] >= q * total:
-            if bound == float("inf"):
-                return lower
-            share = (q * total - below) / max(buckets[bound] - below, 1e-12)
-            return lower + (bound - lower) * share
-        lower, below = bound, buckets[bound]
-    return None
+    buckets, _, _ = histogram(prev, cur, name, "")
+    return histogram_quantile(buckets, q)
 
 
 Panel = tuple[str, Callable[[Sample, Sample, float], Mapping[str, float | None]]]

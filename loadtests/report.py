@@ -86,3 +86,73 @@ def counter_cross_check(before: Mapping[str, float], after: Mapping[str, float])
         "engine_prefix_cache_hits": hits,
         "engine_hit_rate": hits / queries if queries else 0.0,
     }
+
+
+def histogram(
+    before: Mapping[str, float], after: Mapping[str, float], name: str, labels: str
+) -> tuple[list[tuple[float, float]], float, float]:
+    """What a Prometheus histogram gained between two scrapes, over its series whose
+    labels contain ``labels``: cumulative ``(le, count)`` buckets, the sum, the count."""
+    buckets: dict[float, float] = {}
+    for key, value in after.items():
+        if key.startswith(f"{name}_bucket{{") and labels in key:
+            le = key.split('le="', 1)[1].split('"', 1)[0]
+            bound = math.inf if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + value - before.get(key, 0.0)
+
+    def grew(suffix: str) -> float:
+        keys = [k for k in after if k.startswith(f"{name}_{suffix}{{") and labels in k]
+        return sum(after[k] - before.get(k, 0.0) for k in keys)
+
+    return sorted(buckets.items()), grew("sum"), grew("count")
+
+
+def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """The q-quantile (0..1) of cumulative buckets, linear within a bucket as
+    Prometheus's ``histogram_quantile`` does (the last finite bound past it)."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    rank, lo, below = q * total, 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lo
+            return lo + (le - lo) * ((rank - below) / (count - below) if count > below else 1)
+        lo, below = le, count
+    return lo
+
+
+TTFT_PHASES = ("prepare", "gate", "submit", "queue", "prefill", "return")  # gateway/local/ttft.py
+
+
+def ttft_phases(
+    before: Mapping[str, float], after: Mapping[str, float], priority: str
+) -> dict[str, dict[str, float | None]]:
+    """The gateway's TTFT of one priority's local requests by phase, in a run: each
+    phase's mean and p90 (ms; from ``vcache_ttft_phase_seconds``)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for phase in TTFT_PHASES:
+        labels = f'phase="{phase}",priority="{priority}"'
+        buckets, total, count = histogram(before, after, "vcache_ttft_phase_seconds", labels)
+        p90 = histogram_quantile(buckets, 0.9)
+        out[phase] = {
+            "mean_ms": 1000 * total / count if count else None,
+            "p90_ms": None if p90 is None else 1000 * p90,
+            "count": count,
+        }
+    return out
+
+
+def phases_table(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Per run, where its requests' gateway TTFT went: each phase's mean / p90 in ms."""
+    lines = [f"{'run':<17}" + "".join(f"{p:>15}" for p in TTFT_PHASES)]
+    for r in rows:
+        phases = r.get("phases") or {}
+        cells = []
+        for p in TTFT_PHASES:
+            got = phases.get(p) or {}
+            m, q = got.get("mean_ms"), got.get("p90_ms")
+            cells.append("-" if m is None else f"{m:.1f} / {q or 0:.0f}")
+        lines.append(f"{r['arm']:<17}" + "".join(f"{c:>15}" for c in cells))
+    return "\n".join(lines)

@@ -23,6 +23,7 @@ import anyio
 
 from engines.base import (
     LOGPROB_FLOOR,
+    CoreTimes,
     EngineCapabilities,
     EngineStats,
     GenerateChunk,
@@ -223,6 +224,7 @@ class VllmEngine:
             async for out in stream:
                 finished = out.finished
                 queue_time = _queue_time(out) if first else None  # on the first chunk only
+                times = _core_times(out) if first else None
                 prompt_lps = _prompt_logprobs(out, request) if first else None
                 first = False
                 for completion in out.outputs:
@@ -239,9 +241,10 @@ class VllmEngine:
                         index=completion.index,
                         logprobs=_logprobs(completion, request.sampling.logprobs),
                         queue_time_s=queue_time,
+                        core_times=times,
                         prompt_logprobs=prompt_lps,
                     )
-                    queue_time = None
+                    queue_time = times = None
         except EngineError:
             raise
         except Exception as exc:  # translated at the edge, most specific first
@@ -334,6 +337,13 @@ def _queue_time(out: Any) -> float | None:
     queued = getattr(stats, "queued_ts", 0.0)
     scheduled = getattr(stats, "scheduled_ts", 0.0)
     return max(0.0, scheduled - queued) if queued and scheduled else None
+
+
+def _core_times(out: Any) -> CoreTimes | None:
+    """The core's queued, scheduled and first-token stamps (None: not all reported)."""
+    stats = getattr(out, "metrics", None)
+    stamps = [getattr(stats, f, 0.0) for f in ("queued_ts", "scheduled_ts", "first_token_ts")]
+    return CoreTimes(*stamps) if all(stamps) else None
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -20,6 +20,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set by the parent of --workers
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _QUEUE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
+_PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -96,6 +97,14 @@ class Metrics:
             "(an answer sent whole has its outputs coalesced by the engine)",
             ["model", "target", "replica"],
             buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.ttft_phase = Histogram(
+            "vcache_ttft_phase_seconds",
+            "A local request's time to first token by phase: prepare, gate, submit, queue, "
+            "prefill, return (gateway/local/ttft.py); they add up to vcache_ttft_seconds",
+            ["phase", "priority"],
+            buckets=_PHASE_BUCKETS,
             registry=r,
         )
         self.queue_time = Histogram(

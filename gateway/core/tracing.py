@@ -5,9 +5,11 @@ Off by default (no endpoint: a no-op tracer, nothing is recorded).  With
 ``vcache.completion``) span with a child per step: ``tokenize``, ``journal``,
 ``route`` (the replica and the predicted cached tokens), ``plan`` (a
 provider's breakpoints and render), ``dispatch`` (from the send to the first
-token) and ``generate`` (to the last).  Spans are parented explicitly, not
-through the current context, so they survive the hops a streamed answer makes
-between tasks.  The provider is the app's own, never the process-global one.
+token; on a local replica, its TTFT by phase, ``vcache.ttft.<phase>_s``, as
+``gateway/local/ttft.py`` splits it) and ``generate`` (to the last).  Spans
+are parented explicitly, not through the current context, so they survive the
+hops a streamed answer makes between tasks.  The provider is the app's own,
+never the process-global one.
 """
 
 from __future__ import annotations

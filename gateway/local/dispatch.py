@@ -29,6 +29,7 @@ from gateway.local.replicas import Replica
 from gateway.local.room import MakeRoom, keep_room
 from gateway.local.routing import RouteContext, Router
 from gateway.local.spans import KVSpans
+from gateway.local.ttft import Stamps, priority_class
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
@@ -45,6 +46,7 @@ class Totals:
     cached: int = 0
     completion: int = 0
     finish_reason: str = "stop"
+    phases: dict[str, float] | None = None  # where its TTFT went (gateway/local/ttft.py)
 
     def usage(self) -> Usage:
         return Usage.of(self.prompt, self.completion, self.cached)
@@ -264,6 +266,7 @@ class Dispatcher:
         """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives.
         Until its first token, its prompt is a running prefill others may wait for; the
         blocks it was predicted to read are the last its replica evicts."""
+        stamps = Stamps(t0, time.perf_counter())
         if self._touch(d):
             await asyncio.sleep(0)  # the touch is sent before the request
         if self.make_room is not None and self.kv is not None:
@@ -303,8 +306,13 @@ class Dispatcher:
             if self.make_room is not None and self.kv is not None
             else None
         )  # fmt: skip
+
+        def send() -> AsyncGenerator[GenerateChunk, None]:
+            stamps.send()
+            return d.replica.engine.generate(greq)
+
         attempts = chunks(
-            lambda: d.replica.engine.generate(greq),
+            send,
             gate,
             held,
             lambda g: self._enter(g, greq, d, tenant),
@@ -318,7 +326,8 @@ class Dispatcher:
                         itl.observe(now - last)
                     last = now
                     if first:
-                        self._first_output(d, chunk, endpoint, now - t0)
+                        totals.phases = stamps.phases(chunk.core_times, now)
+                        self._first_output(d, chunk, endpoint, now - t0, greq.priority, totals)
                         self.prefills.finish(prefill)
                         if keeper is not None:
                             keeper.cancel()
@@ -376,13 +385,21 @@ class Dispatcher:
         return await gate.enter(tenant, greq.priority, cost)
 
     def _first_output(
-        self, d: Dispatch, chunk: GenerateChunk, endpoint: str, ttft_s: float
+        self,
+        d: Dispatch,
+        chunk: GenerateChunk,
+        endpoint: str,
+        ttft_s: float,
+        priority: int,
+        totals: Totals,
     ) -> None:
         """The engine prefilled the prompt: its blocks are stored (see ``KVSpans.answered``)."""
         if self.kv is not None:
             self.kv.answered(d.replica.id, d.hashes)
         m = self._metrics
         m.ttft.labels(endpoint, self.model, "local", d.replica_id).observe(ttft_s)
+        for phase, s in (totals.phases or {}).items():
+            m.ttft_phase.labels(phase, priority_class(priority)).observe(s)
         if chunk.queue_time_s is not None:
             m.queue_time.labels(self.model, d.replica_id).observe(chunk.queue_time_s)
 

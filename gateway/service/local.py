@@ -354,7 +354,8 @@ class LocalChat:
                 new = c.index not in started
                 started.add(c.index)
                 if first:  # the first token: the engine scheduled and prefilled it
-                    trace.finish("dispatch", cached_tokens=c.num_cached_tokens or 0)
+                    phases = {f"ttft.{k}_s": v for k, v in (totals.phases or {}).items()}
+                    trace.finish("dispatch", cached_tokens=c.num_cached_tokens or 0, **phases)
                     trace.begin("generate")
                     first = False
                 yield Piece(

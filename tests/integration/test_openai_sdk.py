@@ -163,6 +163,19 @@ def test_metrics_fold_tokens(gateway: Gateway) -> None:
     assert counts == 1
     waited = sum(after[k] for k in after if k.startswith("vcache_queue_time_seconds_sum{"))
     assert 0 <= waited < 60
+    # its TTFT by phase: the engine core's stamps and the gateway's, on one clock
+    ttft = _grew(before, after, "vcache_ttft_seconds_sum{")
+    phases = {p: _grew(before, after, f'vcache_ttft_phase_seconds_sum{{phase="{p}"')
+              for p in ("prepare", "gate", "submit", "queue", "prefill", "return")}  # fmt: skip
+    counted = _grew(before, after, 'vcache_ttft_phase_seconds_count{phase="prefill"')
+    assert counted == 1
+    assert all(s >= 0 for s in phases.values())
+    assert phases["prefill"] > 0  # the core computed the prompt
+    assert sum(phases.values()) == pytest.approx(ttft, abs=0.005)
+
+
+def _grew(before: dict[str, float], after: dict[str, float], prefix: str) -> float:
+    return sum(v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix))
 
 
 # ------------------------------------------------------------------ errors
