@@ -232,6 +232,8 @@ def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
         off = {**slots, "VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false"}
     elif args.second == "nostop":  # the guard on, the prefill stops off
         off = {**slots, "VCACHE_ENGINE__PREEMPT_PREFILLS": "false"}
+    elif args.second == "chunked":  # the agents' prompts chunked like the others'
+        off = {**slots, "VCACHE_ENGINE__TOP_PREFILL_WHOLE": "false"}
     else:
         return rows
     with _gateway(out, args, True, args.second, off, "interactive") as host:
@@ -417,9 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--second",
-        choices=("nostop", "noguard", "none"),
+        choices=("nostop", "noguard", "chunked", "none"),
         default="nostop",
-        help="fairness: a second gateway without prefill stops, or without the guard",
+        help="fairness: a second gateway without prefill stops, without the guard, or "
+        "with the agents' prompts chunked like the others' (engine.top_prefill_whole off)",
     )
     ap.add_argument(
         "--flood-ratio", type=float, default=10.0, help="background rate / the agents' alone"

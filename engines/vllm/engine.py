@@ -38,6 +38,7 @@ from engines.errors import (
     EngineUnavailable,
 )
 from engines.tokenizer import ChatTokenizer
+from engines.vllm import top_prefill
 from engines.vllm.lifeline import GATEWAY_PID_ENV
 from engines.vllm.placement import Env, core_env
 from engines.vllm.sampling import sampling_fields, stop_string
@@ -80,6 +81,13 @@ class VllmEngineConfig:
     long_prefill_token_threshold: int | None = None  # None: vLLM's default
     # the engine core's own devices or CPU cores (engines/vllm/placement.py)
     placement: Env = ()
+    # the lone top-priority prefill runs uncapped (engines/vllm/top_prefill.py)
+    top_prefill_whole: bool = False
+
+
+def core_environment(c: VllmEngineConfig) -> Env:
+    """What the engine core's environment adds: its placement, the scheduler's patch."""
+    return (*c.placement, (top_prefill.ENV, "1")) if c.top_prefill_whole else c.placement
 
 
 def engine_args(c: VllmEngineConfig) -> Any:
@@ -176,7 +184,7 @@ class VllmEngine:
         # Building the engine blocks for tens of seconds: keep the loop free
         # so /healthz answers while the model loads.
         if self._slot is None:
-            with core_env(self._config.placement):  # replicas start one at a time
+            with core_env(core_environment(self._config)):  # replicas start one at a time
                 llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
         else:  # the engine core runs already: attach to it
             llm = await asyncio.to_thread(self._slot.attach, args, loggers)

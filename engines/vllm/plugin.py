@@ -46,9 +46,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from engines.vllm import top_prefill
 
 _GROUP = 0  # single KV-cache-group models (all the gateway serves today)
 FLUSH_TIMEOUT_S = 0.05  # longest a step waits for its events to be sent
@@ -281,6 +284,9 @@ def register() -> None:
     for name, fn in _METHODS.items():
         if getattr(EngineCore, name, None) is not fn:
             setattr(EngineCore, name, fn)
+
+    if os.environ.get(top_prefill.ENV) == "1":  # set by the gateway for its engine cores
+        top_prefill.install()
 
     from vllm.distributed.kv_events import ZmqEventPublisher
 

@@ -131,7 +131,7 @@ class SharedCores:
         from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
         from vllm.v1.executor import Executor
 
-        from engines.vllm.engine import engine_args
+        from engines.vllm.engine import core_environment, engine_args
 
         for i, c in enumerate(self._configs):
             # the core inherits the environment: the block hashes' seed, and the
@@ -143,7 +143,7 @@ class SharedCores:
             try:
                 log.info("starting replica-%d's engine core for %d workers", i, self._workers)
                 with (
-                    core_env(c.placement),
+                    core_env(core_environment(c)),
                     launch_core_engines(
                         config, Executor.get_class(config), True, listeners.addresses
                     ) as launch,

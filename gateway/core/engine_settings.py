@@ -48,6 +48,9 @@ class EngineSettings(BaseModel):
     # tokens a step, so a long prompt shares each step with others' first tokens in
     # small pieces (None: vLLM's default, the whole step's budget)
     long_prefill_token_threshold: int | None = Field(None, ge=1)
+    # ... except the prompt of a request whose priority is above every other request's on
+    # its replica: it computes whole (engines/vllm/top_prefill.py)
+    top_prefill_whole: bool = True
     # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
     # "fcfs" arrival order whatever the priority
     scheduling_policy: Literal["priority", "fcfs"] = "priority"

@@ -54,6 +54,7 @@ def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[Vl
                 scheduling_policy=e.scheduling_policy,
                 max_num_seqs=e.max_num_seqs,
                 long_prefill_token_threshold=e.long_prefill_token_threshold,
+                top_prefill_whole=e.top_prefill_whole,
                 placement=placement,
             )
         )

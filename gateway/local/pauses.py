@@ -207,9 +207,14 @@ class SessionTurns:
         return released
 
     def _in_flight(self, replica: LocationId) -> list[str]:
-        """The sessions on ``replica`` whose turn runs, the latest begun first."""
+        """The sessions whose turn runs and whose lease is on ``replica``, the latest
+        begun first."""
         return [k for k, s in reversed(self.sessions.items())
-                if s.replica == replica and s.ended_at is None]  # fmt: skip
+                if s.ended_at is None and self._leased_on(k) == replica]  # fmt: skip
+
+    def _leased_on(self, key: str) -> LocationId | None:
+        held = self.leases.held(_owner(key))
+        return held[0] if held is not None else None
 
     def _yield_order(self, replica: LocationId) -> list[str]:
         """The paused sessions leasing blocks on ``replica``: in overtime first, the most

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engines.vllm.engine import CPU_DEFAULT_KV_CACHE_BYTES, HASH_ALGO, VllmEngineConfig, engine_args
 
 
@@ -37,3 +39,33 @@ def test_a_prefill_chunk_cap_when_one_is_set() -> None:
     assert (
         engine_args(VllmEngineConfig(model="m", served_name="s")).long_prefill_token_threshold == 0
     )
+
+
+def test_the_top_prefill_patch_reaches_the_core_through_its_environment() -> None:
+    from engines.vllm import top_prefill
+    from engines.vllm.engine import core_environment
+
+    placed = (("CUDA_VISIBLE_DEVICES", "1"),)
+    on = VllmEngineConfig(model="m", served_name="s", placement=placed, top_prefill_whole=True)
+    assert core_environment(on) == (*placed, (top_prefill.ENV, "1"))
+    off = VllmEngineConfig(model="m", served_name="s", placement=placed)
+    assert core_environment(off) == placed
+
+
+def test_the_plugin_installs_the_patch_where_the_environment_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from engines.vllm import plugin, top_prefill
+
+    original = Scheduler.schedule
+    monkeypatch.setattr(Scheduler, "schedule", original)  # put back after the test
+    monkeypatch.delenv(top_prefill.ENV, raising=False)
+    plugin.register()
+    assert Scheduler.schedule is original
+    monkeypatch.setenv(top_prefill.ENV, "1")
+    plugin.register()
+    plugin.register()  # once only
+    assert getattr(Scheduler.schedule, "vcache_top_prefill", False)
+    assert getattr(Scheduler.schedule, "__wrapped__", None) is original
