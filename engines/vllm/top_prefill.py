@@ -28,8 +28,12 @@ config at its start, so the wrapper lifts it for the step and puts it back.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
+
+# under vLLM's logger: in the engine core only vLLM's loggers have a handler
+log = logging.getLogger("vllm.vcache.top_prefill")
 
 ENV = "VCACHE_TOP_PREFILL_UNCAPPED"  # "1": the engine core applies the patch
 
@@ -70,3 +74,4 @@ def install() -> None:
 
     if not getattr(Scheduler.schedule, "vcache_top_prefill", False):
         Scheduler.schedule = uncapped(Scheduler.schedule)  # type: ignore[method-assign]
+        log.info("the lone top-priority prefill computes whole (long-prefill cap lifted)")
