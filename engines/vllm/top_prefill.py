@@ -19,6 +19,8 @@ it can be set low to shorten the step a higher class may find running; two
 requests of the top class share steps as vLLM would have them.  Lower-class
 prompts in prefill at that step are, under the gateway's first-token guard,
 being stopped already (gateway/local/preempt.py); new ones wait in the gateway.
+The cost: a request of the top class that arrives during such a step waits
+for all of it, where the cap would have made it wait for one chunk.
 
 The patch wraps ``Scheduler.schedule`` (``AsyncScheduler`` inherits it) in the
 engine core: the cap is a local of that one method, read from the scheduler's
