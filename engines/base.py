@@ -145,7 +145,6 @@ class GenerateChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the sample's last chunk
     index: int = 0  # which of the ``n`` samples
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
-    queue_time_s: float | None = None  # first chunk: queued → scheduled in the engine core
     core_times: CoreTimes | None = None  # first chunk, an engine core on this host
     stop_sequence: str | None = None  # the stop string that ended the sample, when one did
     # first chunk, where asked: each prompt token's logprob (None for the first token)

@@ -231,8 +231,7 @@ class VllmEngine:
         try:
             async for out in stream:
                 finished = out.finished
-                queue_time = _queue_time(out) if first else None  # on the first chunk only
-                times = _core_times(out) if first else None
+                times = _core_times(out) if first else None  # on the first chunk only
                 prompt_lps = _prompt_logprobs(out, request) if first else None
                 first = False
                 for completion in out.outputs:
@@ -248,11 +247,10 @@ class VllmEngine:
                         stop_sequence=stop_string(completion.stop_reason) if done else None,
                         index=completion.index,
                         logprobs=_logprobs(completion, request.sampling.logprobs),
-                        queue_time_s=queue_time,
                         core_times=times,
                         prompt_logprobs=prompt_lps,
                     )
-                    queue_time = times = None
+                    times = None
         except EngineError:
             raise
         except Exception as exc:  # translated at the edge, most specific first
@@ -337,14 +335,6 @@ def _prompt_logprobs(out: Any, request: GenerateRequest) -> tuple[TokenLogprob |
         None if step is None else _step(t, step, top)
         for t, step in zip(ids, out.prompt_logprobs, strict=False)
     )
-
-
-def _queue_time(out: Any) -> float | None:
-    """Queued → scheduled in the engine core (vLLM's request stats, engine-core clock)."""
-    stats = getattr(out, "metrics", None)
-    queued = getattr(stats, "queued_ts", 0.0)
-    scheduled = getattr(stats, "scheduled_ts", 0.0)
-    return max(0.0, scheduled - queued) if queued and scheduled else None
 
 
 def _core_times(out: Any) -> CoreTimes | None:

@@ -400,8 +400,8 @@ class Dispatcher:
         m.ttft.labels(endpoint, self.model, "local", d.replica_id).observe(ttft_s)
         for phase, s in (totals.phases or {}).items():
             m.ttft_phase.labels(phase, priority_class(priority)).observe(s)
-        if chunk.queue_time_s is not None:
-            m.queue_time.labels(self.model, d.replica_id).observe(chunk.queue_time_s)
+        if (core := chunk.core_times) is not None:  # queued → scheduled in the engine core
+            m.queue_time.labels(self.model, d.replica_id).observe(core.scheduled_s - core.queued_s)
 
     def _fold_prediction(self, d: Dispatch, actual: int) -> None:
         if d.predicted_cached_tokens is None or self.kv is None:
