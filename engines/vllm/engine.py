@@ -81,13 +81,16 @@ class VllmEngineConfig:
     long_prefill_token_threshold: int | None = None  # None: vLLM's default
     # the engine core's own devices or CPU cores (engines/vllm/placement.py)
     placement: Env = ()
-    # the lone top-priority prefill runs uncapped (engines/vllm/top_prefill.py)
+    # the lone top-priority prefill runs uncapped; lower classes' prefills wait for the
+    # top class's (engines/vllm/top_prefill.py)
     top_prefill_whole: bool = False
+    top_prefill_alone: bool = False
 
 
 def core_environment(c: VllmEngineConfig) -> Env:
-    """What the engine core's environment adds: its placement, the scheduler's patch."""
-    return (*c.placement, (top_prefill.ENV, "1")) if c.top_prefill_whole else c.placement
+    """What the engine core's environment adds: its placement, the scheduler's patches."""
+    patches = ((top_prefill.ENV, c.top_prefill_whole), (top_prefill.ALONE_ENV, c.top_prefill_alone))
+    return (*c.placement, *((env, "1") for env, on in patches if on))
 
 
 def engine_args(c: VllmEngineConfig) -> Any:

@@ -285,8 +285,10 @@ def register() -> None:
         if getattr(EngineCore, name, None) is not fn:
             setattr(EngineCore, name, fn)
 
-    if os.environ.get(top_prefill.ENV) == "1":  # set by the gateway for its engine cores
-        top_prefill.install()
+    top_prefill.install(  # as the gateway set them for its engine cores
+        whole=os.environ.get(top_prefill.ENV) == "1",
+        alone=os.environ.get(top_prefill.ALONE_ENV) == "1",
+    )
 
     from vllm.distributed.kv_events import ZmqEventPublisher
 

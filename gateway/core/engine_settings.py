@@ -51,6 +51,10 @@ class EngineSettings(BaseModel):
     # ... except the prompt of a request whose priority is above every other request's on
     # its replica: it computes whole (engines/vllm/top_prefill.py)
     top_prefill_whole: bool = True
+    # while a prompt of the highest priority on a replica is in its prefill, the prompts
+    # of lower priorities there compute nothing (their decodes go on); held in vLLM's
+    # scheduler at the step boundary (engines/vllm/top_prefill.py)
+    top_prefill_alone: bool = True
     # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
     # "fcfs" arrival order whatever the priority
     scheduling_policy: Literal["priority", "fcfs"] = "priority"

@@ -55,6 +55,7 @@ def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[Vl
                 max_num_seqs=e.max_num_seqs,
                 long_prefill_token_threshold=e.long_prefill_token_threshold,
                 top_prefill_whole=e.top_prefill_whole,
+                top_prefill_alone=e.top_prefill_alone,
                 placement=placement,
             )
         )

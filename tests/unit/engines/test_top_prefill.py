@@ -1,5 +1,5 @@
-"""The lone top-priority prefill computes whole (engines/vllm/top_prefill.py), on vLLM's
-own scheduler: built over the demo model's config, stepped without a model."""
+"""The top-priority prefill computes whole and alone (engines/vllm/top_prefill.py), on
+vLLM's own scheduler: built over the demo model's config, stepped without a model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engines.vllm.top_prefill import lone_top_prefill, uncapped
+from engines.vllm.top_prefill import Held, lone_top_prefill, lower_prefills, top_first
 
 BS = 16
 CAP = 64
@@ -52,10 +52,12 @@ def _request(rid: str, tokens: int, priority: int) -> Any:
         block_hasher=get_request_block_hasher(BS, sha256))  # fmt: skip
 
 
-def _step(scheduler: Any, patched: bool) -> dict[str, int]:
+def _step(scheduler: Any, patched: bool, alone: bool = False) -> dict[str, int]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    schedule = uncapped(Scheduler.schedule) if patched else Scheduler.schedule
+    schedule = Scheduler.schedule
+    if patched or alone:
+        schedule = top_first(schedule, whole=patched, alone=alone)
     out = schedule(scheduler)
     assert scheduler.scheduler_config.long_prefill_token_threshold == CAP  # put back
     return dict(out.num_scheduled_tokens)
@@ -94,12 +96,38 @@ class _Req:
         self.priority = priority
         self.num_computed_tokens = computed
         self.num_prompt_tokens = prompt
+        self.num_tokens = prompt
+
+
+class _Policy:
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+
+class _Pool:
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def get_num_free_blocks(self) -> int:
+        return self.free
+
+
+class _Kv:
+    def __init__(self, free: int) -> None:
+        self.block_pool = _Pool(free)
 
 
 class _Sched:
-    def __init__(self, running: list[_Req], waiting: list[_Req]) -> None:
+    def __init__(
+        self, running: list[_Req], waiting: list[_Req], *, free: int = 100, seqs: int = 8,
+        policy: str = "priority",
+    ) -> None:  # fmt: skip
         self.running, self.waiting = running, waiting
         self.kv_holding_waiting: list[_Req] = []
+        self.policy = _Policy(policy)
+        self.block_size = BS
+        self.kv_cache_manager = _Kv(free)
+        self.max_num_running_reqs = seqs
 
 
 def test_which_steps_are_uncapped() -> None:
@@ -109,3 +137,60 @@ def test_which_steps_are_uncapped() -> None:
     assert not lone_top_prefill(_Sched([_Req(-1, 100)], [top]))  # two of the top class
     assert not lone_top_prefill(_Sched([_Req(-1, 100), _Req(0, 0)], []))  # top decodes
     assert lone_top_prefill(_Sched([_Req(1, 0)], [_Req(0, 50)]))  # default above batch
+
+
+def test_a_batch_prompt_in_prefill_waits_for_an_interactive_one(scheduler: Any) -> None:
+    scheduler.add_request(_request("b1", 600, 1))
+    scheduler.add_request(_request("b2", 600, 1))
+    assert _step(scheduler, True, alone=True) == {"b1": CAP, "b2": CAP}  # nothing above
+    scheduler.add_request(_request("agent", 500, -1))
+    # vLLM alone: the running batch prompts take their chunks of the agent's step first
+    assert _step(scheduler, False) == {"b1": CAP, "b2": CAP, "agent": CAP}
+    # held: the agent's step carries none of them, and its prompt computes whole
+    assert _step(scheduler, True, alone=True) == {"agent": 500 - CAP}
+    assert [r.request_id for r in scheduler.running] == ["b1", "b2", "agent"]
+    # its prompt computed, the batch prompts go on where they were
+    assert _step(scheduler, True, alone=True) == {"b1": CAP, "b2": CAP}
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_waiting_batch_prompt_is_not_admitted_beside_it(scheduler: Any, alone: bool) -> None:
+    scheduler.add_request(_request("b1", 300, 1))
+    scheduler.add_request(_request("agent", 500, -1))
+    got = _step(scheduler, True, alone=alone)
+    # whole alone lifts the cap for the whole step: the batch prompt computes whole too
+    assert got == ({"agent": 500} if alone else {"agent": 500, "b1": 300})
+
+
+def test_held_waiting_prompts_keep_their_order(scheduler: Any) -> None:
+    for rid, tokens in (("b1", 300), ("b2", 200)):
+        scheduler.add_request(_request(rid, tokens, 1))
+    scheduler.add_request(_request("d", 200, 0))
+    scheduler.add_request(_request("agent", 500, -1))
+    assert _step(scheduler, True, alone=True) == {"agent": 500}
+    assert [r.request_id for r in scheduler.waiting] == ["d", "b1", "b2"]
+    assert _step(scheduler, True, alone=True) == {"d": CAP, "b1": CAP, "b2": CAP}
+
+
+def test_lower_decodes_go_on(scheduler: Any) -> None:
+    bg = _request("bg", 300, 1)
+    scheduler.add_request(bg)
+    assert _step(scheduler, True, alone=True) == {"bg": 300}  # alone in the engine
+    bg.append_output_token_ids(5)  # its first token: it decodes now
+    scheduler.add_request(_request("agent", 500, -1))
+    assert _step(scheduler, True, alone=True) == {"bg": 1, "agent": 500}
+
+
+def test_what_is_held() -> None:
+    agent, bprompt, bdecode, bwait = _Req(-1, 0, 160), _Req(1, 32), _Req(1, 100), _Req(1, 0)
+    got = lower_prefills(_Sched([bprompt, bdecode], [agent, bwait]))
+    assert got.running == [bprompt] and got.waiting == [bwait]
+    assert not lower_prefills(_Sched([bprompt], [bwait]))  # one class: vLLM's order
+    assert not lower_prefills(_Sched([_Req(-1, 100), bprompt], [bwait]))  # top decodes
+    # the agent's 160 tokens need 10 blocks of 16: with 9 free vLLM preempts as it would
+    assert lower_prefills(_Sched([bprompt], [agent], free=10))
+    assert not lower_prefills(_Sched([bprompt], [agent], free=9))
+    # admitting the agent beside the held ones would pass vLLM's running limit
+    assert not lower_prefills(_Sched([bprompt, bdecode], [agent], seqs=2))
+    assert not lower_prefills(_Sched([bprompt], [agent], policy="fcfs"))
+    assert Held() == Held([], [])

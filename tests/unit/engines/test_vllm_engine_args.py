@@ -48,6 +48,11 @@ def test_the_top_prefill_patch_reaches_the_core_through_its_environment() -> Non
     placed = (("CUDA_VISIBLE_DEVICES", "1"),)
     on = VllmEngineConfig(model="m", served_name="s", placement=placed, top_prefill_whole=True)
     assert core_environment(on) == (*placed, (top_prefill.ENV, "1"))
+    both = VllmEngineConfig(
+        model="m", served_name="s", placement=placed, top_prefill_whole=True,
+        top_prefill_alone=True,
+    )  # fmt: skip
+    assert core_environment(both) == (*placed, (top_prefill.ENV, "1"), (top_prefill.ALONE_ENV, "1"))
     off = VllmEngineConfig(model="m", served_name="s", placement=placed)
     assert core_environment(off) == placed
 
@@ -62,6 +67,7 @@ def test_the_plugin_installs_the_patch_where_the_environment_asks(
     original = Scheduler.schedule
     monkeypatch.setattr(Scheduler, "schedule", original)  # put back after the test
     monkeypatch.delenv(top_prefill.ENV, raising=False)
+    monkeypatch.delenv(top_prefill.ALONE_ENV, raising=False)
     plugin.register()
     assert Scheduler.schedule is original
     monkeypatch.setenv(top_prefill.ENV, "1")
@@ -69,3 +75,16 @@ def test_the_plugin_installs_the_patch_where_the_environment_asks(
     plugin.register()  # once only
     assert getattr(Scheduler.schedule, "vcache_top_prefill", False)
     assert getattr(Scheduler.schedule, "__wrapped__", None) is original
+
+
+def test_the_plugin_installs_the_hold_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from engines.vllm import plugin, top_prefill
+
+    original = Scheduler.schedule
+    monkeypatch.setattr(Scheduler, "schedule", original)
+    monkeypatch.delenv(top_prefill.ENV, raising=False)
+    monkeypatch.setenv(top_prefill.ALONE_ENV, "1")
+    plugin.register()
+    assert getattr(Scheduler.schedule, "vcache_top_prefill", False)
