@@ -234,6 +234,8 @@ def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
         off = {**slots, "VCACHE_ENGINE__PREEMPT_PREFILLS": "false"}
     elif args.second == "chunked":  # the agents' prompts chunked like the others'
         off = {**slots, "VCACHE_ENGINE__TOP_PREFILL_WHOLE": "false"}
+    elif args.second == "nohold":  # lower prefills not held in the engine
+        off = {**slots, "VCACHE_ENGINE__TOP_PREFILL_ALONE": "false"}
     else:
         return rows
     with _gateway(out, args, True, args.second, off, "interactive") as host:
@@ -419,10 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--second",
-        choices=("nostop", "noguard", "chunked", "none"),
+        choices=("nostop", "noguard", "chunked", "nohold", "none"),
         default="nostop",
-        help="fairness: a second gateway without prefill stops, without the guard, or "
-        "with the agents' prompts chunked like the others' (engine.top_prefill_whole off)",
+        help="fairness: a second gateway without prefill stops, without the guard, "
+        "with the agents' prompts chunked like the others' (engine.top_prefill_whole off), "
+        "or without the engine's hold of lower prefills (engine.top_prefill_alone off)",
     )
     ap.add_argument(
         "--flood-ratio", type=float, default=10.0, help="background rate / the agents' alone"

@@ -1,18 +1,23 @@
-"""An interactive prompt beside a busy replica: computed whole, or in vLLM's chunks.
+"""An interactive prompt beside a busy replica: how the engine and the gateway serve it.
 
     .venv/bin/python loadtests/bench_top_prefill.py --out /tmp/top-prefill
 
 One replica (``engine.max_num_seqs`` 4, a long-prefill cap of ``--cap``
-tokens) kept busy by ``--bg-streams`` clients at default priority, each
+tokens) kept busy by ``--bg-streams`` clients at ``--bg-priority``, each
 sending a fresh ``--bg-tokens`` prompt for a ``--bg-answer``-token answer,
 back to back.  Beside them one interactive client sends fresh
 ``--prompt-tokens`` prompts, one at a time with a random pause between.
-Gateways alternate with ``engine.top_prefill_whole`` on and off,
-``--rounds`` times each, so the drift of a shared machine falls on both.
+Each arm (``--arms``, :data:`ARMS`) is a gateway with its own settings; they
+take turns, ``--rounds`` times each, in an order reversed every round, so the
+drift of a shared machine falls on all of them.  The arm ``alone`` has no
+background: what the others add to a first token is measured against it.
 
-Per setting: the interactive requests' TTFT p50/p90 as the client saw it,
-and the gateway's phases for them (``vcache_ttft_phase_seconds``).  Prints a
-table and writes ``top_prefill.json``.
+Per arm: the interactive requests' TTFT p50/p90 as the client saw it, what
+it adds to ``alone``'s, and the gateway's phases for them
+(``vcache_ttft_phase_seconds``).  The ``submit`` phase is the wait for the
+engine step running when the request came (the core reads its input only
+between steps): the issue's bound is that a lower class adds at most that one
+step.  Prints a table and writes ``top_prefill.json``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,20 @@ from workloads import VOCAB  # noqa: E402
 
 MODEL = "vcache-demo"
 
+_OFF = "false"
+# arm -> (a background?, the gateway's settings beyond the cap and max_num_seqs, workers)
+ARMS: dict[str, tuple[bool, dict[str, str], int]] = {
+    "alone": (False, {}, 1),  # the defaults, nothing beside the interactive prompts
+    "chunked": (True, {"TOP_PREFILL_WHOLE": _OFF, "TOP_PREFILL_ALONE": _OFF}, 1),
+    "whole": (True, {"TOP_PREFILL_ALONE": _OFF}, 1),  # the gateway's guard and stops
+    "held": (True, {}, 1),  # the defaults: whole, alone, guard and stops
+    "engine": (True, {"FIRST_TOKEN_GUARD": _OFF, "PREEMPT_PREFILLS": _OFF}, 1),  # the core's
+    # two worker processes on one engine core: each one's guard and stops see only the
+    # requests it serves (gateway/workers.py); the core's hold sees them all
+    "workers": (True, {"TOP_PREFILL_ALONE": _OFF}, 2),
+    "workers-held": (True, {}, 2),
+}
+
 
 def _prompt(rng: random.Random, tokens: int, count: Any) -> str:
     """A fresh prompt of about ``tokens`` tokens (nothing of it is cached)."""
@@ -64,24 +83,36 @@ def _ttft(client: httpx.Client, prompt: str, max_tokens: int, priority: str) -> 
         return first
 
 
-def _background(host: str, args: argparse.Namespace, count: Any, stop: threading.Event) -> None:
+def _background(
+    host: str, args: argparse.Namespace, pool: list[str], stop: threading.Event, done: list[float]
+) -> None:
+    """Back-to-back requests until ``stop``; each one answered appends its end time.  The
+    prompts are drawn from ``pool`` (tokenized before the round: the client shares the
+    host's 2 cores), each behind a fresh nonce so nothing of it is cached."""
     rng = random.Random()
     with httpx.Client(base_url=host, timeout=120) as client:
         while not stop.is_set():
-            _ttft(client, _prompt(rng, args.bg_tokens, count), args.bg_answer, "default")
+            p = f"n{rng.getrandbits(40):x} {rng.choice(pool)}"
+            if _ttft(client, p, args.bg_answer, args.bg_priority) is not None:
+                done.append(time.perf_counter())
 
 
-def measure(host: str, args: argparse.Namespace, count: Any, seed: int) -> dict[str, Any]:
-    """One round: the background running, ``--requests`` interactive prompts."""
-    stop = threading.Event()
-    threads = [threading.Thread(target=_background, args=(host, args, count, stop))
-               for _ in range(args.bg_streams)]  # fmt: skip
-    for t in threads:
-        t.start()
+def measure(
+    host: str, args: argparse.Namespace, count: Any, seed: int, busy: bool
+) -> dict[str, Any]:
+    """One round: the background running (if ``busy``), ``--requests`` interactive
+    prompts."""
     rng = random.Random(seed)
     prompts = [_prompt(rng, args.prompt_tokens, count) for _ in range(args.requests)]
+    pool = [_prompt(rng, args.bg_tokens, count) for _ in range(32 if busy else 0)]
+    stop, done = threading.Event(), list[float]()
+    threads = [threading.Thread(target=_background, args=(host, args, pool, stop, done))
+               for _ in range(args.bg_streams if busy else 0)]  # fmt: skip
+    for t in threads:
+        t.start()
     time.sleep(3)  # the background reaches its steady state
     before = parse_metrics(httpx.get(f"{host}/metrics", timeout=10).text)
+    t0 = time.perf_counter()
     ttfts: list[float] = []
     failed = 0
     with httpx.Client(base_url=host, timeout=120) as client:
@@ -93,25 +124,32 @@ def measure(host: str, args: argparse.Namespace, count: Any, seed: int) -> dict[
             else:
                 ttfts.append(1000 * got)
     after = parse_metrics(httpx.get(f"{host}/metrics", timeout=10).text)
+    elapsed = time.perf_counter() - t0
     stop.set()
     for t in threads:
         t.join()
-    return {"ttft_ms": ttfts, "failed": failed,
+    stops = after.get("vcache_prefill_stops_total", 0.0) - before.get(
+        "vcache_prefill_stops_total", 0.0
+    )
+    return {"ttft_ms": ttfts, "failed": failed, "seconds": elapsed,
+            "bg_done": len([t for t in done if t0 <= t <= t0 + elapsed]), "stops": stops,
             "phases": ttft_phases(before, after, "interactive")}  # fmt: skip
 
 
-def gateway_round(out: Path, args: argparse.Namespace, whole: bool, i: int, count: Any) -> Any:
+def gateway_round(out: Path, args: argparse.Namespace, arm: str, i: int, count: Any) -> Any:
     port = free_port()
     host = f"http://127.0.0.1:{port}"
-    tag = f"{'whole' if whole else 'chunked'}-{i}"
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
-           "--grpc-port", str(free_port()), "--replicas", "1"]  # fmt: skip
+    tag = f"{arm}-{i}"
+    busy, settings, workers = ARMS[arm]
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--grpc-port",
+           str(free_port()), "--replicas", "1", "--workers", str(workers)]  # fmt: skip
     env = {**os.environ, "VCACHE_DATA_DIR": str(out / f"data-{tag}"),
            "VCACHE_ENGINE__MAX_NUM_SEQS": "4",
            "VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": str(args.cap),
-           "VCACHE_ENGINE__TOP_PREFILL_WHOLE": "true" if whole else "false"}  # fmt: skip
+           "VCACHE_ENGINE__MAX_MODEL_LEN": str(args.max_model_len),
+           **{f"VCACHE_ENGINE__{k}": v for k, v in settings.items()}}  # fmt: skip
     with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / f"gateway-{tag}.log", env):
-        row = measure(host, args, count, seed=i)
+        row = measure(host, args, count, seed=i, busy=busy)
     print(f"{tag}: ttft p50 {percentile(row['ttft_ms'], 50):.0f} "
           f"p90 {percentile(row['ttft_ms'], 90):.0f} ms", flush=True)  # fmt: skip
     return row
@@ -124,35 +162,59 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=30, help="interactive prompts a round")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--cap", type=int, default=256, help="long_prefill_token_threshold")
+    ap.add_argument("--arms", default="alone,whole,held,engine",
+                    help=f"comma-separated, of {', '.join(ARMS)}")  # fmt: skip
+    ap.add_argument("--bg-priority", default="default", choices=("default", "batch"))
     ap.add_argument("--bg-streams", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--bg-tokens", type=int, default=400)
     ap.add_argument("--bg-answer", type=int, default=32)
     ap.add_argument("--tokenizer", default=None, help="the served model's; default: demo")
     args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    if unknown := set(arms) - set(ARMS):
+        ap.error(f"unknown arms: {', '.join(sorted(unknown))}")
     args.out.mkdir(parents=True, exist_ok=True)
     count = token_counter(args.tokenizer)
-    rows: dict[str, list[Any]] = {"whole": [], "chunked": []}
+    rows: dict[str, list[Any]] = {a: [] for a in arms}
     for i in range(args.rounds):
-        for whole in (True, False) if i % 2 == 0 else (False, True):
-            rows["whole" if whole else "chunked"].append(
-                gateway_round(args.out, args, whole, i, count)
-            )
-    table: list[dict[str, Any]] = []
-    lines = [f"{'setting':<10}{'requests':>9}{'failed':>8}{'ttft p50':>10}{'p90':>7}"]
-    for name, rounds in rows.items():
-        ttfts = [t for r in rounds for t in r["ttft_ms"]]
-        failed = sum(r["failed"] for r in rounds)
-        p50, p90 = percentile(ttfts, 50) or 0.0, percentile(ttfts, 90) or 0.0
-        lines.append(f"{name:<10}{len(ttfts):>9}{failed:>8}{p50:>10.0f}{p90:>7.0f}")
-        phases = {p: _mean_of(rounds, p) for p in rounds[0]["phases"]}
-        table.append({"arm": name, "ttft_ms": {"p50": p50, "p90": p90}, "failed": failed,
-                      "phases": phases, "rounds": rounds})  # fmt: skip
-    text = "\n".join(lines) + "\n\ninteractive TTFT in the gateway by phase, ms mean / p90:\n"
+        for arm in arms if i % 2 == 0 else arms[::-1]:
+            rows[arm].append(gateway_round(args.out, args, arm, i, count))
+    table = [_row(name, rounds) for name, rounds in rows.items()]
+    text = _text(table) + "\n\ninteractive TTFT in the gateway by phase, ms mean / p90:\n"
     text += phases_table(table)
     print(text)
     (args.out / "top_prefill.json").write_text(json.dumps(table, indent=2))
     (args.out / "top_prefill.txt").write_text(text + "\n")
     return 0
+
+
+def _row(name: str, rounds: list[Any]) -> dict[str, Any]:
+    ttfts = [t for r in rounds for t in r["ttft_ms"]]
+    p50, p90 = percentile(ttfts, 50) or 0.0, percentile(ttfts, 90) or 0.0
+    phases = {p: _mean_of(rounds, p) for p in rounds[0]["phases"]}
+    seconds = sum(r["seconds"] for r in rounds)
+    return {"arm": name, "ttft_ms": {"p50": p50, "p90": p90},
+            "failed": sum(r["failed"] for r in rounds), "phases": phases,
+            "bg_rps": sum(r["bg_done"] for r in rounds) / seconds if seconds else 0.0,
+            "stops": sum(r["stops"] for r in rounds), "rounds": rounds}  # fmt: skip
+
+
+def _text(table: list[dict[str, Any]]) -> str:
+    """TTFT per arm, what it adds to ``alone``'s, the step it found running, and what
+    the background got done (its requests answered a second, the prefill stops)."""
+    base = next((r["ttft_ms"] for r in table if r["arm"] == "alone"), None)
+    lines = [f"{'arm':<9}{'requests':>9}{'failed':>7}{'ttft p50':>9}{'p90':>6}"
+             f"{'added p50':>10}{'p90':>6}{'submit p90':>11}{'bg rps':>8}{'stops':>6}"]  # fmt: skip
+    for r in table:
+        t, n = r["ttft_ms"], len([x for rd in r["rounds"] for x in rd["ttft_ms"]])
+        added = (f"{t['p50'] - base['p50']:>10.0f}{t['p90'] - base['p90']:>6.0f}" if base
+                 else f"{'-':>10}{'-':>6}")  # fmt: skip
+        submit = r["phases"].get("submit", {}).get("p90_ms")
+        step = f"{submit:>11.0f}" if submit is not None else f"{'-':>11}"
+        lines.append(f"{r['arm']:<9}{n:>9}{r['failed']:>7}{t['p50']:>9.0f}{t['p90']:>6.0f}"
+                     f"{added}{step}{r['bg_rps']:>8.2f}{r['stops']:>6.0f}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _mean_of(rounds: list[Any], phase: str) -> dict[str, float | None]:
