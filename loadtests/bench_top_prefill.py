@@ -45,13 +45,16 @@ from workloads import VOCAB  # noqa: E402
 MODEL = "vcache-demo"
 
 _OFF = "false"
+_CORE = {"FIRST_TOKEN_GUARD": _OFF, "PREEMPT_PREFILLS": _OFF}  # the core's hold, no more
 # arm -> (a background?, the gateway's settings beyond the cap and max_num_seqs, workers)
 ARMS: dict[str, tuple[bool, dict[str, str], int]] = {
     "alone": (False, {}, 1),  # the defaults, nothing beside the interactive prompts
     "chunked": (True, {"TOP_PREFILL_WHOLE": _OFF, "TOP_PREFILL_ALONE": _OFF}, 1),
     "whole": (True, {"TOP_PREFILL_ALONE": _OFF}, 1),  # the gateway's guard and stops
     "held": (True, {}, 1),  # the defaults: whole, alone, guard and stops
-    "engine": (True, {"FIRST_TOKEN_GUARD": _OFF, "PREEMPT_PREFILLS": _OFF}, 1),  # the core's
+    "engine": (True, _CORE, 1),
+    "decodes": (True, {"TOP_PREFILL_DECODES": "true"}, 1),  # held: the decodes wait too
+    "engine-decodes": (True, {**_CORE, "TOP_PREFILL_DECODES": "true"}, 1),
     # two worker processes on one engine core: each one's guard and stops see only the
     # requests it serves (gateway/workers.py); the core's hold sees them all
     "workers": (True, {"TOP_PREFILL_ALONE": _OFF}, 2),
@@ -204,7 +207,7 @@ def _text(table: list[dict[str, Any]]) -> str:
     """TTFT per arm, what it adds to ``alone``'s, the step it found running, and what
     the background got done (its requests answered a second, the prefill stops)."""
     base = next((r["ttft_ms"] for r in table if r["arm"] == "alone"), None)
-    lines = [f"{'arm':<9}{'requests':>9}{'failed':>7}{'ttft p50':>9}{'p90':>6}"
+    lines = [f"{'arm':<15}{'requests':>9}{'failed':>7}{'ttft p50':>9}{'p90':>6}"
              f"{'added p50':>10}{'p90':>6}{'submit p90':>11}{'bg rps':>8}{'stops':>6}"]  # fmt: skip
     for r in table:
         t, n = r["ttft_ms"], r["requests"]
@@ -212,7 +215,7 @@ def _text(table: list[dict[str, Any]]) -> str:
                  else f"{'-':>10}{'-':>6}")  # fmt: skip
         submit = r["phases"].get("submit", {}).get("p90_ms")
         step = f"{submit:>11.0f}" if submit is not None else f"{'-':>11}"
-        lines.append(f"{r['arm']:<9}{n:>9}{r['failed']:>7}{t['p50']:>9.0f}{t['p90']:>6.0f}"
+        lines.append(f"{r['arm']:<15}{n:>9}{r['failed']:>7}{t['p50']:>9.0f}{t['p90']:>6.0f}"
                      f"{added}{step}{r['bg_rps']:>8.2f}{r['stops']:>6.0f}")  # fmt: skip
     return "\n".join(lines)
 

@@ -85,11 +85,16 @@ class VllmEngineConfig:
     # top class's (engines/vllm/top_prefill.py)
     top_prefill_whole: bool = False
     top_prefill_alone: bool = False
+    top_prefill_decodes: bool = False  # with alone: the lower classes' decodes wait too
 
 
 def core_environment(c: VllmEngineConfig) -> Env:
     """What the engine core's environment adds: its placement, the scheduler's patches."""
-    patches = ((top_prefill.ENV, c.top_prefill_whole), (top_prefill.ALONE_ENV, c.top_prefill_alone))
+    patches = (
+        (top_prefill.ENV, c.top_prefill_whole),
+        (top_prefill.ALONE_ENV, c.top_prefill_alone),
+        (top_prefill.DECODES_ENV, c.top_prefill_decodes),
+    )
     return (*c.placement, *((env, "1") for env, on in patches if on))
 
 

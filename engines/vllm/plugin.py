@@ -288,6 +288,7 @@ def register() -> None:
     top_prefill.install(  # as the gateway set them for its engine cores
         whole=os.environ.get(top_prefill.ENV) == "1",
         alone=os.environ.get(top_prefill.ALONE_ENV) == "1",
+        decodes=os.environ.get(top_prefill.DECODES_ENV) == "1",
     )
 
     from vllm.distributed.kv_events import ZmqEventPublisher

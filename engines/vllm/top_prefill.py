@@ -29,9 +29,16 @@ the gateway in the core's environment:
   interactive prompt leaves of the budget.  The gateway's prefill stops
   (gateway/local/preempt.py) do the same from outside by aborting; this holds at
   the step boundary, with nothing recomputed.  Where the top class's prompts
-  would not fit in the free KV blocks, nothing is held, so vLLM's own preemption
-  (lowest priority first) runs as it would.  The cost, by design: a lower class's
+  would not fit in the free KV blocks, nothing is held (nor is the cap lifted), so
+  vLLM's own preemption (lowest priority first) runs as it would.  What a prompt
+  needs is its blocks not in the prefix cache already: under KV pressure an
+  agent's turn, its conversation leased, needs its new tail, not its whole
+  context (counted whole, the hold never engaged for such turns when the cache
+  was small).  The cost, by design: a lower class's
   prefill starves while higher-class prompts keep arriving.
+* :data:`DECODES_ENV` (with *alone*): the lower classes' decodes skip those steps
+  too, so the top prefill's steps compute nothing else: each held answer pauses
+  for the length of that prefill (its blocks kept), then goes on.
 
 The patch wraps ``Scheduler.schedule`` (``AsyncScheduler`` inherits it) in the
 engine core: the cap is a local of that one method, read from the scheduler's
@@ -53,6 +60,7 @@ log = logging.getLogger("vllm.vcache.top_prefill")
 
 ENV = "VCACHE_TOP_PREFILL_UNCAPPED"  # "1": the lone top prefill computes whole
 ALONE_ENV = "VCACHE_TOP_PREFILL_ALONE"  # "1": lower classes' prefills wait for it
+DECODES_ENV = "VCACHE_TOP_PREFILL_DECODES"  # "1": ... and their decodes
 
 
 def _in_prefill(r: Any) -> bool:
@@ -61,13 +69,19 @@ def _in_prefill(r: Any) -> bool:
 
 def lone_top_prefill(scheduler: Any) -> bool:
     """One request has the highest priority among those in the scheduler (lower value
-    first), and it has not computed its whole prompt yet."""
+    first), it has not computed its whole prompt yet, and what is left of it fits in the
+    free blocks (a step uncapped for a prompt that cannot be scheduled would go whole to
+    the lower classes' prompts)."""
     reqs = [*scheduler.running, *scheduler.waiting, *scheduler.kv_holding_waiting]
     if len(reqs) < 2:
         return False  # vLLM lifts the cap for a lone request itself
     top = min(r.priority for r in reqs)
     firsts = [r for r in reqs if r.priority == top]
-    return len(firsts) == 1 and _in_prefill(firsts[0])
+    if len(firsts) != 1 or not _in_prefill(firsts[0]):
+        return False
+    pool = scheduler.kv_cache_manager.block_pool
+    free: int = pool.get_num_free_blocks()
+    return _blocks_needed(firsts[0], pool, scheduler.block_size) <= free
 
 
 @dataclass
@@ -81,10 +95,11 @@ class Held:
         return bool(self.running or self.waiting)
 
 
-def lower_prefills(scheduler: Any) -> Held:
-    """What waits for the top class's prefill this step (nothing, when no request of
-    the top class is in prefill, when its prompts would not fit in the free blocks, or
-    when admitting it could pass the running limit with the held requests back)."""
+def lower_prefills(scheduler: Any, *, decodes: bool = False) -> Held:
+    """What waits for the top class's prefill this step: the lower classes' prompts
+    (with ``decodes``, all their running requests).  Nothing, when no request of the
+    top class is in prefill, when its prompts would not fit in the free blocks, or when
+    admitting it could pass the running limit with the held requests back."""
     reqs = [*scheduler.running, *scheduler.waiting, *scheduler.kv_holding_waiting]
     if len(reqs) < 2 or scheduler.policy.value != "priority":
         return Held()
@@ -92,18 +107,34 @@ def lower_prefills(scheduler: Any) -> Held:
     tops = [r for r in reqs if r.priority == top and _in_prefill(r)]
     if not tops:
         return Held()
+    lower = [r for r in scheduler.running if r.priority > top]
     held = Held(
-        running=[r for r in scheduler.running if r.priority > top and _in_prefill(r)],
+        running=lower if decodes else [r for r in lower if _in_prefill(r)],
         waiting=[r for r in scheduler.waiting if r.priority > top],
     )
-    bs = scheduler.block_size
-    need = sum(-(-(r.num_tokens - r.num_computed_tokens) // bs) for r in tops)
-    if need > scheduler.kv_cache_manager.block_pool.get_num_free_blocks():
+    pool, bs = scheduler.kv_cache_manager.block_pool, scheduler.block_size
+    if sum(_blocks_needed(r, pool, bs) for r in tops) > pool.get_num_free_blocks():
         return Held()  # vLLM preempts the lowest class to make room, as it would
     admitted = len(scheduler.waiting) - len(held.waiting) + len(scheduler.kv_holding_waiting)
     if len(scheduler.running) + admitted > scheduler.max_num_running_reqs:
         return Held()
     return held
+
+
+def _blocks_needed(r: Any, pool: Any, block_size: int) -> int:
+    """The free blocks ``r``'s prompt will take: one per block it has not computed,
+    less, for a prompt not scheduled yet, the leading blocks of it that the prefix cache
+    holds for another request or a pin (a cached block nobody holds is in the free pool:
+    it counts).  A session's turn whose conversation is leased needs its new tail only."""
+    need: int = -(-(r.num_tokens - r.num_computed_tokens) // block_size)
+    if r.num_computed_tokens:
+        return need
+    for h in r.block_hashes[: (r.num_tokens - 1) // block_size]:  # vLLM recomputes the last
+        blocks = pool.get_cached_block(h, [0])  # one KV-cache group (plugin._GROUP)
+        if not blocks:
+            break
+        need -= blocks[0].ref_cnt > 0
+    return need
 
 
 def _hold(scheduler: Any, held: Held) -> None:
@@ -125,17 +156,19 @@ def _release(scheduler: Any, held: Held, before: list[Any]) -> None:
         scheduler.waiting.add_request(r)
 
 
-def top_first(schedule: Callable[..., Any], *, whole: bool, alone: bool) -> Callable[..., Any]:
+def top_first(
+    schedule: Callable[..., Any], *, whole: bool, alone: bool, decodes: bool = False
+) -> Callable[..., Any]:
     """``schedule`` with the cap lifted for the steps :func:`lone_top_prefill` names
     (``whole``) and the lower classes' prefills held while the top class's runs
-    (``alone``)."""
+    (``alone``; with ``decodes``, their decodes as well)."""
 
     @functools.wraps(schedule)
     def schedule_top_first(self: Any, *args: Any, **kwargs: Any) -> Any:
         cfg = self.scheduler_config
         cap = cfg.long_prefill_token_threshold
         uncap = whole and cap > 0 and lone_top_prefill(self)
-        held = lower_prefills(self) if alone else Held()
+        held = lower_prefills(self, decodes=decodes) if alone else Held()
         if not uncap and not held:
             return schedule(self, *args, **kwargs)
         before = list(self.running)
@@ -153,16 +186,19 @@ def top_first(schedule: Callable[..., Any], *, whole: bool, alone: bool) -> Call
     return schedule_top_first
 
 
-def install(*, whole: bool, alone: bool) -> None:
+def install(*, whole: bool, alone: bool, decodes: bool = False) -> None:
     """Patch vLLM's scheduler in this process (once)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     if getattr(Scheduler.schedule, "vcache_top_prefill", False) or not (whole or alone):
         return
-    Scheduler.schedule = top_first(Scheduler.schedule, whole=whole, alone=alone)  # type: ignore[method-assign]
+    Scheduler.schedule = top_first(  # type: ignore[method-assign]
+        Scheduler.schedule, whole=whole, alone=alone, decodes=decodes
+    )
     log.info(
         "the top-priority prefill: whole (long-prefill cap lifted) %s, alone (lower "
-        "classes' prefills held) %s",
+        "classes' prefills held) %s, their decodes held too %s",
         whole,
         alone,
+        alone and decodes,
     )

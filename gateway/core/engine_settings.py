@@ -55,6 +55,9 @@ class EngineSettings(BaseModel):
     # of lower priorities there compute nothing (their decodes go on); held in vLLM's
     # scheduler at the step boundary (engines/vllm/top_prefill.py)
     top_prefill_alone: bool = True
+    # ... and (with top_prefill_alone) their decodes skip those steps too: the top
+    # prefill's steps compute it alone; each lower answer pauses for that prefill
+    top_prefill_decodes: bool = False
     # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
     # "fcfs" arrival order whatever the priority
     scheduling_policy: Literal["priority", "fcfs"] = "priority"

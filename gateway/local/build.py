@@ -56,6 +56,7 @@ def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[Vl
                 long_prefill_token_threshold=e.long_prefill_token_threshold,
                 top_prefill_whole=e.top_prefill_whole,
                 top_prefill_alone=e.top_prefill_alone,
+                top_prefill_decodes=e.top_prefill_decodes,
                 placement=placement,
             )
         )

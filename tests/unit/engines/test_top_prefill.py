@@ -16,6 +16,10 @@ CAP = 64
 
 @pytest.fixture
 def scheduler(demo_model: Path) -> Any:
+    return _scheduler(demo_model, 1000)
+
+
+def _scheduler(demo_model: Path, blocks: int) -> Any:
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -31,33 +35,35 @@ def scheduler(demo_model: Path) -> Any:
     cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
     config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=1000, kv_cache_tensors=[],
+    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])  # fmt: skip
-    cache.num_gpu_blocks = 1000
+    cache.num_gpu_blocks = blocks
     outputs = StructuredOutputManager(config)
     return Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=True,
                      structured_output_manager=outputs, block_size=BS)  # fmt: skip
 
 
-def _request(rid: str, tokens: int, priority: int) -> Any:
+def _request(rid: str, tokens: int, priority: int, ids: list[int] | None = None) -> Any:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    ids = [(ord(rid[0]) + i) % 97 for i in range(tokens)]
+    ids = ids or [(ord(rid[0]) + i) % 97 for i in range(tokens)]
     return Request(request_id=rid, prompt_token_ids=ids, sampling_params=SamplingParams(
         max_tokens=8), pooling_params=None, priority=priority,
         block_hasher=get_request_block_hasher(BS, sha256))  # fmt: skip
 
 
-def _step(scheduler: Any, patched: bool, alone: bool = False) -> dict[str, int]:
+def _step(
+    scheduler: Any, patched: bool, alone: bool = False, decodes: bool = False
+) -> dict[str, int]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     schedule = Scheduler.schedule
     if patched or alone:
-        schedule = top_first(schedule, whole=patched, alone=alone)
+        schedule = top_first(schedule, whole=patched, alone=alone, decodes=decodes)
     out = schedule(scheduler)
     assert scheduler.scheduler_config.long_prefill_token_threshold == CAP  # put back
     return dict(out.num_scheduled_tokens)
@@ -97,6 +103,7 @@ class _Req:
         self.num_computed_tokens = computed
         self.num_prompt_tokens = prompt
         self.num_tokens = prompt
+        self.block_hashes: list[bytes] = []
 
 
 class _Policy:
@@ -110,6 +117,9 @@ class _Pool:
 
     def get_num_free_blocks(self) -> int:
         return self.free
+
+    def get_cached_block(self, h: bytes, groups: list[int]) -> None:
+        return None  # nothing cached
 
 
 class _Kv:
@@ -181,10 +191,63 @@ def test_lower_decodes_go_on(scheduler: Any) -> None:
     assert _step(scheduler, True, alone=True) == {"bg": 1, "agent": 500}
 
 
+def test_lower_decodes_held_too(scheduler: Any) -> None:
+    bg, dflt = _request("bg", 300, 1), _request("d", 200, 0)
+    scheduler.add_request(bg)
+    assert _step(scheduler, True, alone=True, decodes=True) == {"bg": 300}
+    bg.append_output_token_ids(5)  # its first token: it decodes now
+    scheduler.add_request(dflt)  # above batch: the batch answer waits for its prefill
+    assert _step(scheduler, True, alone=True, decodes=True) == {"d": 200}
+    dflt.append_output_token_ids(5)
+    scheduler.add_request(_request("agent", 500, -1))
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    # the agent's prefill computes alone: both answers skip the step, their blocks kept
+    assert _step(scheduler, True, alone=True, decodes=True) == {"agent": 500}
+    assert [r.request_id for r in scheduler.running] == ["bg", "d", "agent"]
+    assert free - scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 500 // BS + 1
+    scheduler.requests["agent"].append_output_token_ids(7)  # its prompt computed
+    assert _step(scheduler, True, alone=True, decodes=True) == {"bg": 1, "d": 1, "agent": 1}
+
+
+def test_a_turn_whose_prefix_is_held_needs_only_its_tail(demo_model: Path) -> None:
+    scheduler = _scheduler(demo_model, 64)  # 1,024 tokens of KV
+    prefix = [(7 * i) % 97 for i in range(640)]  # 40 blocks
+    d = _request("d", 640, 0, ids=prefix)
+    scheduler.add_request(d)
+    assert _step(scheduler, True, alone=True) == {"d": 640}
+    d.append_output_token_ids(5)  # it decodes now and holds its 40 blocks
+    scheduler.add_request(_request("b", 300, 1))
+    assert _step(scheduler, True, alone=True) == {"d": 1, "b": CAP}
+    d.append_output_token_ids(6)
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    agent = _request("agent", 740, -1, ids=[*prefix, *range(100)])  # 47 blocks in all
+    scheduler.add_request(agent)
+    assert 7 < free < 47  # its new tail fits; the whole prompt would not
+    # held: the batch prompt takes no chunk of the agent's step (its 40 blocks are hits)
+    assert _step(scheduler, True, alone=True) == {"d": 1, "agent": 100}
+
+
+def test_a_top_prompt_that_does_not_fit_changes_nothing(demo_model: Path) -> None:
+    scheduler = _scheduler(demo_model, 64)
+    d = _request("d", 640, 0)
+    scheduler.add_request(d)
+    assert _step(scheduler, True, alone=True) == {"d": 640}
+    d.append_output_token_ids(5)
+    scheduler.add_request(_request("b", 300, 1))
+    assert _step(scheduler, True, alone=True) == {"d": 1, "b": CAP}
+    d.append_output_token_ids(6)
+    scheduler.add_request(_request("agent", 740, -1))  # 47 new blocks: more than are free
+    assert not lone_top_prefill(scheduler) and not lower_prefills(scheduler)
+    # vLLM's step as it would be: the batch prompt keeps its chunk, capped; the agent waits
+    assert _step(scheduler, True, alone=True) == {"d": 1, "b": CAP}
+
+
 def test_what_is_held() -> None:
     agent, bprompt, bdecode, bwait = _Req(-1, 0, 160), _Req(1, 32), _Req(1, 100), _Req(1, 0)
     got = lower_prefills(_Sched([bprompt, bdecode], [agent, bwait]))
     assert got.running == [bprompt] and got.waiting == [bwait]
+    both = lower_prefills(_Sched([bprompt, bdecode], [agent, bwait]), decodes=True)
+    assert both.running == [bprompt, bdecode] and both.waiting == [bwait]
     assert not lower_prefills(_Sched([bprompt], [bwait]))  # one class: vLLM's order
     assert not lower_prefills(_Sched([_Req(-1, 100), bprompt], [bwait]))  # top decodes
     # the agent's 160 tokens need 10 blocks of 16: with 9 free vLLM preempts as it would

@@ -53,6 +53,11 @@ def test_the_top_prefill_patch_reaches_the_core_through_its_environment() -> Non
         top_prefill_alone=True,
     )  # fmt: skip
     assert core_environment(both) == (*placed, (top_prefill.ENV, "1"), (top_prefill.ALONE_ENV, "1"))
+    decodes = VllmEngineConfig(
+        model="m", served_name="s", top_prefill_alone=True, top_prefill_decodes=True
+    )
+    held = ((top_prefill.ALONE_ENV, "1"), (top_prefill.DECODES_ENV, "1"))
+    assert core_environment(decodes) == held
     off = VllmEngineConfig(model="m", served_name="s", placement=placed)
     assert core_environment(off) == placed
 
