@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from procs import free_port, get_ok, run_locust, serving, vllm_router  # noqa: E402
-from report import parse_metrics, percentile, phases_table, ttft_phases  # noqa: E402
+from report import parse_metrics, percentile, ttft_phases  # noqa: E402
 from run import token_counter  # noqa: E402
 from workloads import VOCAB  # noqa: E402
 
@@ -206,43 +206,6 @@ def _metrics(host: str) -> dict[str, float]:
         return {}
 
 
-def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
-    """The agents alone (their key's requests interactive), then beside a background
-    tenant (default priority; ``--batch``: at batch priority too) at ``--flood-ratio``
-    times their request rate, then the flood again on a gateway without prefill stops
-    or without the first-token guard (``--second``); fair slots (``engine.max_num_seqs``)
-    in every run."""
-    slots = {"VCACHE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs)}
-    if args.long_prefill:
-        slots["VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD"] = str(args.long_prefill)
-    if args.prefill_slots:
-        n = args.prefill_slots
-        slots["VCACHE_ENGINE__PREFILL_SLOTS"] = json.dumps({"default": n, "batch": n})
-    rows = []
-    with _gateway(out, args, True, "guard", slots, "interactive") as host:
-        rows.append(arm("alone", host, out, args, {"VCACHE_BACKGROUND_USERS": "0"}))
-        rate = args.flood_ratio * rates(out, "alone")["agents_rps"]
-        flood = {"VCACHE_BACKGROUND_USERS": str(args.flood_users),
-                 "VCACHE_BACKGROUND_RPS": f"{rate / args.flood_users:.4f}"}  # fmt: skip
-        rows.append(arm("flooded_guard", host, out, args, flood))
-        if args.batch:  # the same background, sent at batch priority
-            batch = {**flood, "VCACHE_BACKGROUND_PRIORITY": "batch"}
-            rows.append(arm("flooded_batch", host, out, args, batch))
-    if args.second == "noguard":  # the guard (and so the prefill stops) off
-        off = {**slots, "VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false"}
-    elif args.second == "nostop":  # the guard on, the prefill stops off
-        off = {**slots, "VCACHE_ENGINE__PREEMPT_PREFILLS": "false"}
-    elif args.second == "chunked":  # the agents' prompts chunked like the others'
-        off = {**slots, "VCACHE_ENGINE__TOP_PREFILL_WHOLE": "false"}
-    elif args.second == "nohold":  # lower prefills not held in the engine
-        off = {**slots, "VCACHE_ENGINE__TOP_PREFILL_ALONE": "false"}
-    else:
-        return rows
-    with _gateway(out, args, True, args.second, off, "interactive") as host:
-        rows.append(arm(f"flooded_{args.second}", host, out, args, flood))
-    return rows
-
-
 @contextmanager
 def _gateway(
     out: Path,
@@ -310,82 +273,6 @@ def table(rows: list[Any]) -> str:
     return "\n".join(lines)
 
 
-def rates(out: Path, name: str) -> dict[str, float]:
-    """Requests per second of the agents and of the background tenant in one run."""
-    rows = _rows(out / name / "raw.csv")
-    span = max((float(r["t"]) for r in rows), default=0.0) or 1.0
-    agents = sum(r["kind"] == "agent" for r in rows)
-    return {"agents_rps": agents / span, "background_rps": (len(rows) - agents) / span}
-
-
-def prefill_fit(out: Path, name: str) -> dict[str, float] | None:
-    """TTFT of the agents' later turns against the prompt tokens each computed (least
-    squares): ``ms_per_token``, what vLLM takes per uncached token, and ``wait_ms``, what
-    comes on top whatever the prompt (a step already running, a queue)."""
-    later = [r for r in _rows(out / name / "raw.csv")
-             if r["kind"] == "agent" and r["ok"] == "1" and int(r["turn"]) > 0]  # fmt: skip
-    xs = [int(r["prompt_tokens"]) - int(r["cached_tokens"]) for r in later]
-    ys = [float(r["ttft_ms"]) for r in later]
-    if len(xs) < 2 or len(set(xs)) < 2:
-        return None
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs
-    )
-    return {"ms_per_token": slope, "wait_ms": my - slope * mx}
-
-
-def fairness_table(rows: list[Any], chunk: int | None) -> tuple[str, bool]:
-    """The runs' table and lines on what the flood added; whether the 20% target held."""
-    lines = [
-        f"{'run':<15}{'agent rps':>10}{'bg rps':>8}{'err':>5}{'ttft p50':>10}{'p90':>7}"
-        f"{'turn-0 p90':>12}{'reused':>8}{'refused':>8}{'placed':>8}{'stops':>7}"
-        f"{'ms/tok':>8}{'wait ms':>9}"
-    ]
-    for r in rows:
-        later, first, g = r["ttft_ms_later"], r["ttft_ms_first"], r.get("gateway", {})
-        fit = r.get("fit") or {"ms_per_token": 0.0, "wait_ms": 0.0}
-        reused = "-" if r["reused_share"] is None else f"{r['reused_share']:.3f}"
-        lines.append(f"{r['arm']:<15}{r['agents_rps']:>10.2f}{r['background_rps']:>8.2f}"
-                     f"{r['errors']:>5}{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
-                     f"{first['p90'] or 0:>12.0f}{reused:>8}{int(g.get(REFUSED, 0)):>8}"
-                     f"{int(g.get(LEASE_ROOM, 0)):>8}{int(r.get('prefill_stops') or 0):>7}"
-                     f"{fit['ms_per_token']:>8.2f}{fit['wait_ms']:>9.0f}")  # fmt: skip
-    by = {r["arm"]: r for r in rows}
-    alone, guarded = (
-        by["alone"]["ttft_ms_later"]["p90"],
-        by["flooded_guard"]["ttft_ms_later"]["p90"],
-    )
-    ok = bool(alone and guarded and guarded <= 1.2 * alone)
-    lines.append(f"flooded p90 within 20% of alone (guard on): {'ok' if ok else 'MISSED'}")
-    fit = by["alone"].get("fit")
-    step = fit["ms_per_token"] * chunk if fit and chunk else None
-    for name in ("flooded_guard", "flooded_batch"):  # what the flood adds to a first token
-        if name not in by:
-            continue
-        for q in ("p50", "p90"):
-            added = (by[name]["ttft_ms_later"][q] or 0) - (by["alone"]["ttft_ms_later"][q] or 0)
-            steps = f" = {added / step:.2f} steps of {chunk} tokens ({step:.0f} ms)" if step else ""
-            lines.append(f"{name} adds {added:.0f} ms to the later turns' TTFT {q}{steps}")
-    return "\n".join(lines), ok
-
-
-def fairness(args: argparse.Namespace) -> int:
-    """The fairness runs (or, with ``--render``, the table of runs already in ``--out``)."""
-    path = args.out / "fairness.json"
-    rows = json.loads(path.read_text()) if args.render else fairness_arms(args.out, args)
-    for r in rows:
-        r.update(rates(args.out, r["arm"]))
-        r["fit"] = prefill_fit(args.out, r["arm"])
-    text, ok = fairness_table(rows, args.long_prefill)
-    text += "\n\nthe agents' TTFT in the gateway by phase, ms mean / p90 (every turn):\n"
-    text += phases_table(rows)
-    print(text)
-    path.write_text(json.dumps(rows, indent=2))
-    (args.out / "fairness.txt").write_text(text + "\n")
-    return 0 if ok else 1
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm-router", default=None, help="the vllm-router executable")
@@ -421,12 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--second",
-        choices=("nostop", "noguard", "chunked", "nohold", "none"),
+        choices=("nostop", "noguard", "chunked", "nohold", "decodes", "none"),
         default="nostop",
         help="fairness: a second gateway without prefill stops, without the guard, "
         "with the agents' prompts chunked like the others' (engine.top_prefill_whole off), "
-        "or without the engine's hold of lower prefills (engine.top_prefill_alone off)",
+        "without the engine's hold of lower prefills (engine.top_prefill_alone off), "
+        "or with the lower decodes held too (engine.top_prefill_decodes on)",
     )
+    ap.add_argument("--rounds", type=int, default=1, help="fairness: each arm's turns")
     ap.add_argument(
         "--flood-ratio", type=float, default=10.0, help="background rate / the agents' alone"
     )
@@ -437,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.count = token_counter(None)
     if args.fairness:
+        from agent_fairness import fairness
+
         return fairness(args)
     arms = set(args.arms.split(","))
     rows: list[Any] = []
