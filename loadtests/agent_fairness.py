@@ -9,7 +9,7 @@ in every run.
 With ``--rounds N`` every arm runs N times, taking turns in an order reversed
 every round (the first round starts alone: the flood's rate is 10 times what
 it measured), both gateways up throughout, so the drift of a shared machine
-falls on every arm alike.  Each round is its own row (``alone#2``); the
+falls on every arm alike.  Each round is its own row (``alone.2``); the
 targets are judged on the rounds pooled: every later turn of an arm's rounds
 in one percentile, and the per-token fit over all of them.
 """
@@ -36,8 +36,8 @@ SECOND = {
 
 
 def base(name: str) -> str:
-    """The arm a round's row belongs to (``alone#2`` -> ``alone``)."""
-    return name.split("#")[0]
+    """The arm a round's row belongs to (``alone.2`` -> ``alone``)."""
+    return name.split(".")[0]
 
 
 def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
@@ -72,13 +72,13 @@ def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
 
 def order(rounds: int, batch: bool, second: str | None) -> list[str]:
     """The runs in the order they take turns: ``alone`` first (the flood's rate is
-    measured there), each round reversed from the one before; ``#n`` names the round
+    measured there), each round reversed from the one before; ``.n`` names the round
     when there are several."""
     names = ["alone", "flooded_guard"] + (["flooded_batch"] if batch else [])
     names += [f"flooded_{second}"] if second else []
     runs = []
     for i in range(rounds):
-        tag = f"#{i + 1}" if rounds > 1 else ""
+        tag = f".{i + 1}" if rounds > 1 else ""
         runs += [n + tag for n in (names if i % 2 == 0 else names[::-1])]
     return runs
 
@@ -183,6 +183,9 @@ def fairness(args: argparse.Namespace) -> int:
         r.update(rates(args.out, r["arm"]))
         r["fit"] = prefill_fit(args.out, [r["arm"]])
     text, ok = fairness_table(rows, pooled(args.out, rows), args.long_prefill)
+    if failed := [r["arm"] for r in rows if not r["turns"]]:
+        text += f"\nno turn answered in {', '.join(failed)}: see the gateway's log in {args.out}"
+        ok = False
     text += "\n\nthe agents' TTFT in the gateway by phase, ms mean / p90 (every turn):\n"
     text += phases_table(rows)
     print(text)

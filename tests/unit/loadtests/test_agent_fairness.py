@@ -33,21 +33,21 @@ def _run(out: Path, name: str, ttfts: list[float], tokens: int = 300) -> None:
 def test_runs_take_turns_alone_first_and_reversed_each_round() -> None:
     assert order(1, False, None) == ["alone", "flooded_guard"]
     assert order(2, True, "decodes") == [
-        "alone#1", "flooded_guard#1", "flooded_batch#1", "flooded_decodes#1",
-        "flooded_decodes#2", "flooded_batch#2", "flooded_guard#2", "alone#2",
+        "alone.1", "flooded_guard.1", "flooded_batch.1", "flooded_decodes.1",
+        "flooded_decodes.2", "flooded_batch.2", "flooded_guard.2", "alone.2",
     ]  # fmt: skip
-    assert base("flooded_batch#2") == "flooded_batch" and base("alone") == "alone"
+    assert base("flooded_batch.2") == "flooded_batch" and base("alone") == "alone"
 
 
 def test_rounds_pool_into_one_percentile(tmp_path: Path) -> None:
-    _run(tmp_path, "alone#1", [100.0] * 9 + [400.0])
-    _run(tmp_path, "alone#2", [100.0] * 10)
-    rows = [{"arm": "alone#1"}, {"arm": "alone#2"}]
+    _run(tmp_path, "alone.1", [100.0] * 9 + [400.0])
+    _run(tmp_path, "alone.2", [100.0] * 10)
+    rows = [{"arm": "alone.1"}, {"arm": "alone.2"}]
     got = pooled(tmp_path, rows)["alone"]
     # 20 later turns, one slow: the pooled p90 is not the first round's alone
     assert got["rounds"] == 2 and got["turns"] == 20
     assert got["p90"] == 100.0
-    assert prefill_fit(tmp_path, ["alone#1"]) is not None
+    assert prefill_fit(tmp_path, ["alone.1"]) is not None
 
 
 def _row(name: str, p90: float) -> dict[str, object]:
@@ -57,7 +57,7 @@ def _row(name: str, p90: float) -> dict[str, object]:
 
 
 def test_the_verdict_is_the_pooled_ratio() -> None:
-    rows = [_row("alone#1", 100), _row("flooded_guard#1", 130)]
+    rows = [_row("alone.1", 100), _row("flooded_guard.1", 130)]
 
     def pool(guard: float) -> dict[str, dict[str, object]]:
         one = {"rounds": 1, "turns": 10, "fit": {"ms_per_token": 0.1, "wait_ms": 5.0}}
