@@ -140,7 +140,7 @@ def fairness_table(
     lines = [
         f"{'run':<18}{'agent rps':>10}{'bg rps':>8}{'err':>5}{'ttft p50':>10}{'p90':>7}"
         f"{'turn-0 p90':>12}{'reused':>8}{'refused':>8}{'placed':>8}{'stops':>7}"
-        f"{'ms/tok':>8}{'wait ms':>9}"
+        f"{'ms/tok':>8}{'wait ms':>9}{'held':>6}{'unfit':>6}"
     ]
     for r in rows:
         later, first, g = r["ttft_ms_later"], r["ttft_ms_first"], r.get("gateway", {})
@@ -150,7 +150,8 @@ def fairness_table(
                      f"{r['errors']:>5}{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
                      f"{first['p90'] or 0:>12.0f}{reused:>8}{int(g.get(REFUSED, 0)):>8}"
                      f"{int(g.get(LEASE_ROOM, 0)):>8}{int(r.get('prefill_stops') or 0):>7}"
-                     f"{fit['ms_per_token']:>8.2f}{fit['wait_ms']:>9.0f}")  # fmt: skip
+                     f"{fit['ms_per_token']:>8.2f}{fit['wait_ms']:>9.0f}"
+                     f"{_steps(r, 'held')}{_steps(r, 'unfit')}")  # fmt: skip
     lines += ["", f"{'pooled':<18}{'rounds':>7}{'turns':>7}{'ttft p50':>10}{'p90':>7}"
                   f"{'ms/tok':>8}{'wait ms':>9}"]  # fmt: skip
     for name, p in pool.items():
@@ -173,6 +174,13 @@ def fairness_table(
             steps = f" = {added / step:.2f} steps of {chunk} tokens ({step:.0f} ms)" if step else ""
             lines.append(f"{name} adds {added:.0f} ms to the later turns' TTFT {q}{steps}")
     return "\n".join(lines), ok
+
+
+def _steps(row: Any, outcome: str) -> str:
+    """The engine steps the top-prefill patch changed in a run, by outcome (runs made
+    before it counted them: -)."""
+    n = (row.get("engine_steps") or {}).get(outcome)
+    return f"{'-':>6}" if n is None else f"{n:>6.0f}"
 
 
 def fairness(args: argparse.Namespace) -> int:

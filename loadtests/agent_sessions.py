@@ -54,6 +54,7 @@ LEASED = 'vcache_session_retention_total{outcome="leased"}'
 REFUSED = 'vcache_session_retention_total{outcome="refused"}'
 PREEMPTED = 'vcache_session_retention_total{outcome="preempted"}'
 LEASE_ROOM = 'vcache_routing_decisions_total{policy="kv",reason="lease_room"}'
+STEPS = "engine_top_prefill_steps"  # not a gateway metric: read off /v1/cache/stats
 ADMIN_KEY = "sk-agents-admin"
 BACKGROUND_KEY = "sk-agents-background"
 
@@ -172,6 +173,9 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
         )}  # fmt: skip
         row["step_ms"] = _step_ms(before, after)
         row["prefill_stops"] = _added(before, after, "vcache_prefill_stops_total")
+        row["engine_steps"] = {  # what the engines' top-prefill patch did
+            x: _added(before, after, STEPS, f'"{x}"') for x in ("uncapped", "held", "unfit")
+        }
         row["phases"] = ttft_phases(before, after, "interactive")  # the fairness runs' agents
         row["refreshed_blocks"] = {  # predicted blocks touched before the request ran
             x: _added(before, after, "vcache_kv_refreshed_blocks_total", f'result="{x}"')
@@ -200,10 +204,19 @@ def _step_ms(before: dict[str, float], after: dict[str, float]) -> float | None:
 
 
 def _metrics(host: str) -> dict[str, float]:
+    """The gateway's metrics, and the steps its engines' top-prefill patch changed (from
+    ``/v1/cache/stats``, summed over the replicas) as ``STEPS{outcome=...}``."""
     try:
-        return parse_metrics(httpx.get(f"{host}/metrics", timeout=10).text)
+        got = parse_metrics(httpx.get(f"{host}/metrics", timeout=10).text)
+        stats = httpx.get(f"{host}/v1/cache/stats", timeout=10,
+                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()  # fmt: skip
     except httpx.HTTPError:
         return {}
+    for replica in stats.get("replicas", {}).values():
+        for outcome, n in ((replica.get("engine") or {}).get("top_prefill_steps") or {}).items():
+            key = f'{STEPS}{{outcome="{outcome}"}}'
+            got[key] = got.get(key, 0.0) + n
+    return got
 
 
 @contextmanager

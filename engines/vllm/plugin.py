@@ -217,6 +217,8 @@ def vcache_cache_stats(core: Any) -> dict[str, Any]:
         "pinned_blocks": len(_pins(core)),
         "holders": len({k for by in _holds(core).values() for k in by}),
         "usage": float(pool.get_usage()),
+        # steps the top-priority patch changed (engines/vllm/top_prefill.py)
+        "top_prefill_steps": dict(getattr(core.scheduler, top_prefill.STEPS, {})),
     }
 
 

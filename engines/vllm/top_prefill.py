@@ -61,6 +61,7 @@ log = logging.getLogger("vllm.vcache.top_prefill")
 ENV = "VCACHE_TOP_PREFILL_UNCAPPED"  # "1": the lone top prefill computes whole
 ALONE_ENV = "VCACHE_TOP_PREFILL_ALONE"  # "1": lower classes' prefills wait for it
 DECODES_ENV = "VCACHE_TOP_PREFILL_DECODES"  # "1": ... and their decodes
+STEPS = "vcache_top_prefill_steps"  # the scheduler's attribute counting what was done
 
 
 def _in_prefill(r: Any) -> bool:
@@ -90,6 +91,7 @@ class Held:
 
     running: list[Any] = field(default_factory=list)
     waiting: list[Any] = field(default_factory=list)
+    unfit: bool = False  # a top prompt was in prefill, but did not fit: nothing held
 
     def __bool__(self) -> bool:
         return bool(self.running or self.waiting)
@@ -114,10 +116,10 @@ def lower_prefills(scheduler: Any, *, decodes: bool = False) -> Held:
     )
     pool, bs = scheduler.kv_cache_manager.block_pool, scheduler.block_size
     if sum(_blocks_needed(r, pool, bs) for r in tops) > pool.get_num_free_blocks():
-        return Held()  # vLLM preempts the lowest class to make room, as it would
+        return Held(unfit=True)  # vLLM preempts the lowest class to make room, as it would
     admitted = len(scheduler.waiting) - len(held.waiting) + len(scheduler.kv_holding_waiting)
     if len(scheduler.running) + admitted > scheduler.max_num_running_reqs:
-        return Held()
+        return Held(unfit=True)
     return held
 
 
@@ -169,6 +171,7 @@ def top_first(
         cap = cfg.long_prefill_token_threshold
         uncap = whole and cap > 0 and lone_top_prefill(self)
         held = lower_prefills(self, decodes=decodes) if alone else Held()
+        _count(self, uncap, held)
         if not uncap and not held:
             return schedule(self, *args, **kwargs)
         before = list(self.running)
@@ -184,6 +187,18 @@ def top_first(
 
     schedule_top_first.vcache_top_prefill = True  # type: ignore[attr-defined]
     return schedule_top_first
+
+
+def _count(scheduler: Any, uncap: bool, held: Held) -> None:
+    """Steps by what the patch did (``vcache_cache_stats`` reports them): the cap
+    lifted, lower requests held, a top prompt that did not fit (nothing held)."""
+    steps: dict[str, int] | None = getattr(scheduler, STEPS, None)
+    if steps is None:
+        steps = {"uncapped": 0, "held": 0, "unfit": 0}
+        setattr(scheduler, STEPS, steps)
+    steps["uncapped"] += uncap
+    steps["held"] += bool(held)
+    steps["unfit"] += held.unfit
 
 
 def install(*, whole: bool, alone: bool, decodes: bool = False) -> None:

@@ -9,6 +9,10 @@ stored, an interactive request makes the gateway abort it in the engine
 (``engine.preempt_prefills``); it waits for the interactive prompt's first
 token, then runs again.  The full blocks its first attempt computed stayed in
 vLLM's prefix cache, so the engine reports them as cached; its answer is whole.
+
+With the gateway's guard off, the engine's own hold (``engine.top_prefill_alone``)
+does it at the step boundary instead: the batch prompt skips the interactive
+prompt's steps, nothing is aborted, and the core counts the steps it held.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -43,7 +48,45 @@ def url(
         yield base
 
 
+@pytest.fixture(scope="module")
+def unguarded(
+    data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("engine-hold")
+    args = ["--replicas", "1", "--max-model-len", "2048"]
+    settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "8",
+                "VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false"}  # fmt: skip
+    with own_gateway(tmp, data_dir, args, settings) as base:
+        yield base
+
+
 def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
+    done = _interactive_beside_batch(url)
+    assert metric(url, STOPS) == 1
+    # its first attempt's full blocks were read back, nothing else could have been
+    cached = done["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 2 * BLOCK and cached % BLOCK == 0, done["usage"]
+
+
+def test_the_engine_holds_the_batch_prefill_itself(unguarded: str) -> None:
+    steps = _engine_steps(unguarded)
+    assert steps == {"uncapped": 0, "held": 0, "unfit": 0} or not steps  # nothing yet
+    _interactive_beside_batch(unguarded)
+    assert metric(unguarded, STOPS) == 0  # nothing aborted: the core held it
+    got = _engine_steps(unguarded)
+    # the interactive prompt's steps: the batch prompt held, the cap lifted
+    assert got["held"] >= 1 and got["uncapped"] >= 1 and got["unfit"] == 0, got
+
+
+def _engine_steps(url: str) -> dict[str, int]:
+    stats = httpx.get(f"{url}/v1/cache/stats", timeout=30).json()
+    steps: dict[str, int] = stats["replicas"]["replica-0"]["engine"]["top_prefill_steps"]
+    return steps
+
+
+def _interactive_beside_batch(url: str) -> dict[str, Any]:
+    """A long answer running, a batch prompt in prefill (two blocks of it stored), then
+    an interactive prompt; the batch request's answer, whole."""
     with httpx.Client(base_url=url, timeout=120) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
         words = " ".join(random.Random(time.time_ns()).choices(VOCAB, k=440))  # unique
@@ -73,10 +116,7 @@ def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
             done = bulk.result(timeout=120)
             assert running.result(timeout=120).status_code == 200
         assert done.status_code == 200, done.text
-        assert metric(url, STOPS) == 1
-        usage = done.json()["usage"]
-        assert usage["completion_tokens"] == 8
-        assert usage["prompt_tokens"] > 1024, usage  # 1,459 when written
-        # its first attempt's full blocks were read back, nothing else could have been
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= 2 * BLOCK and cached % BLOCK == 0, usage
+        body: dict[str, Any] = done.json()
+        assert body["usage"]["completion_tokens"] == 8
+        assert body["usage"]["prompt_tokens"] > 1024, body["usage"]  # 1,459 when written
+        return body

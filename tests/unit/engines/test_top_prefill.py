@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engines.vllm.top_prefill import Held, lone_top_prefill, lower_prefills, top_first
+from engines.vllm.top_prefill import STEPS, Held, lone_top_prefill, lower_prefills, top_first
 
 BS = 16
 CAP = 64
@@ -225,6 +225,8 @@ def test_a_turn_whose_prefix_is_held_needs_only_its_tail(demo_model: Path) -> No
     assert 7 < free < 47  # its new tail fits; the whole prompt would not
     # held: the batch prompt takes no chunk of the agent's step (its 40 blocks are hits)
     assert _step(scheduler, True, alone=True) == {"d": 1, "agent": 100}
+    # the steps the patch changed, as vcache_cache_stats reports them: the agent's only
+    assert getattr(scheduler, STEPS) == {"uncapped": 1, "held": 1, "unfit": 0}
 
 
 def test_a_top_prompt_that_does_not_fit_changes_nothing(demo_model: Path) -> None:
@@ -240,6 +242,7 @@ def test_a_top_prompt_that_does_not_fit_changes_nothing(demo_model: Path) -> Non
     assert not lone_top_prefill(scheduler) and not lower_prefills(scheduler)
     # vLLM's step as it would be: the batch prompt keeps its chunk, capped; the agent waits
     assert _step(scheduler, True, alone=True) == {"d": 1, "b": CAP}
+    assert getattr(scheduler, STEPS) == {"uncapped": 0, "held": 0, "unfit": 1}
 
 
 def test_what_is_held() -> None:

@@ -57,7 +57,8 @@ def _row(name: str, p90: float) -> dict[str, object]:
 
 
 def test_the_verdict_is_the_pooled_ratio() -> None:
-    rows = [_row("alone.1", 100), _row("flooded_guard.1", 130)]
+    steps = {"uncapped": 40, "held": 12, "unfit": 3}  # read off the engines' stats
+    rows = [_row("alone.1", 100), {**_row("flooded_guard.1", 130), "engine_steps": steps}]
 
     def pool(guard: float) -> dict[str, dict[str, object]]:
         one = {"rounds": 1, "turns": 10, "fit": {"ms_per_token": 0.1, "wait_ms": 5.0}}
@@ -70,3 +71,5 @@ def test_the_verdict_is_the_pooled_ratio() -> None:
     assert not ok and "MISSED (1.21x)" in text
     # 21 ms over alone's p90 at 0.1 ms a token: 0.82 of a 256-token step
     assert "flooded_guard adds 21 ms to the later turns' TTFT p90 = 0.82 steps" in text
+    alone, guard = text.splitlines()[1:3]
+    assert alone.split()[-2:] == ["-", "-"] and guard.split()[-2:] == ["12", "3"]
