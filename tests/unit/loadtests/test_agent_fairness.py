@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
 
-from agent_fairness import base, fairness_table, order, pooled, prefill_fit
+from agent_fairness import base, fairness_table, order, pooled, prefill_fit, theil_sen
 
 FIELDS = ["kind", "ok", "turn", "prompt_tokens", "cached_tokens", "ttft_ms", "t"]
 
@@ -48,6 +48,16 @@ def test_rounds_pool_into_one_percentile(tmp_path: Path) -> None:
     assert got["rounds"] == 2 and got["turns"] == 20
     assert got["p90"] == 100.0
     assert prefill_fit(tmp_path, ["alone.1"]) is not None
+
+
+def test_one_slow_turn_does_not_tilt_the_fit() -> None:
+    xs = list(range(100, 500, 10))  # 40 turns: 20 ms of wait, 0.1 ms a token
+    ys = [20.0 + 0.1 * x for x in xs]
+    ys[0] = 900.0  # the shortest prompt waited behind a preemption
+    fit = theil_sen(xs, ys)
+    assert fit is not None
+    assert abs(fit["ms_per_token"] - 0.1) < 1e-9 and abs(fit["wait_ms"] - 20.0) < 1e-9
+    assert theil_sen([300, 300], [10.0, 20.0]) is None  # no two prompts differ
 
 
 def _row(name: str, p90: float) -> dict[str, object]:
