@@ -33,6 +33,8 @@ SECOND = {
     "chunked": {"VCACHE_ENGINE__TOP_PREFILL_WHOLE": "false"},  # agents chunked like others
     "nohold": {"VCACHE_ENGINE__TOP_PREFILL_ALONE": "false"},  # lower prefills not held
     "decodes": {"VCACHE_ENGINE__TOP_PREFILL_DECODES": "true"},  # lower decodes held too
+    "nice": {"VCACHE_ENGINE__NICE": "10"},  # the engines' CPU priority below the gateway's
+    "nonice": {"VCACHE_ENGINE__NICE": "0"},  # ... level with it (a CPU host's default: 10)
 }
 
 

@@ -321,12 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--second",
-        choices=("nostop", "noguard", "chunked", "nohold", "decodes", "none"),
+        choices=("nostop", "noguard", "chunked", "nohold", "decodes", "nice", "nonice", "none"),
         default="nostop",
         help="fairness: a second gateway without prefill stops, without the guard, "
         "with the agents' prompts chunked like the others' (engine.top_prefill_whole off), "
         "without the engine's hold of lower prefills (engine.top_prefill_alone off), "
-        "or with the lower decodes held too (engine.top_prefill_decodes on)",
+        "with the lower decodes held too (engine.top_prefill_decodes on), "
+        "or with the engines at niceness 10 or 0 (engine.nice; a CPU host's default: 10)",
     )
     ap.add_argument("--rounds", type=int, default=1, help="fairness: each arm's turns")
     ap.add_argument(

@@ -38,7 +38,7 @@ from engines.errors import (
     EngineUnavailable,
 )
 from engines.tokenizer import ChatTokenizer
-from engines.vllm import top_prefill
+from engines.vllm import niceness, top_prefill
 from engines.vllm.lifeline import GATEWAY_PID_ENV
 from engines.vllm.placement import Env, core_env
 from engines.vllm.sampling import sampling_fields, stop_string
@@ -86,16 +86,21 @@ class VllmEngineConfig:
     top_prefill_whole: bool = False
     top_prefill_alone: bool = False
     top_prefill_decodes: bool = False  # with alone: the lower classes' decodes wait too
+    # the engine processes' niceness; None: by platform (engines/vllm/niceness.py)
+    nice: int | None = None
 
 
 def core_environment(c: VllmEngineConfig) -> Env:
-    """What the engine core's environment adds: its placement, the scheduler's patches."""
+    """What the engine core's environment adds: its placement, the scheduler's patches,
+    its niceness."""
     patches = (
         (top_prefill.ENV, c.top_prefill_whole),
         (top_prefill.ALONE_ENV, c.top_prefill_alone),
         (top_prefill.DECODES_ENV, c.top_prefill_decodes),
     )
-    return (*c.placement, *((env, "1") for env, on in patches if on))
+    n = niceness.engine_nice(c.nice, _on_cpu())
+    nice = ((niceness.NICE_ENV, str(n)),) if n else ()
+    return (*c.placement, *((env, "1") for env, on in patches if on), *nice)
 
 
 def engine_args(c: VllmEngineConfig) -> Any:

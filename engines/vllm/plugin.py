@@ -280,8 +280,10 @@ def register() -> None:
     from vllm.v1.engine.core import EngineCore
 
     from engines.vllm.lifeline import die_with_parent
+    from engines.vllm.niceness import apply_from_env
 
     die_with_parent()
+    apply_from_env()  # the niceness the gateway gave its engines (none: as it was)
 
     for name, fn in _METHODS.items():
         if getattr(EngineCore, name, None) is not fn:

@@ -57,6 +57,7 @@ def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[Vl
                 top_prefill_whole=e.top_prefill_whole,
                 top_prefill_alone=e.top_prefill_alone,
                 top_prefill_decodes=e.top_prefill_decodes,
+                nice=e.nice,
                 placement=placement,
             )
         )

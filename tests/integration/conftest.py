@@ -33,6 +33,7 @@ KEY_A = "sk-test-tenant-a"
 KEY_B = "sk-test-tenant-b"
 MAX_QUEUED = 3
 REPLICAS = 2
+ENGINE_NICE = 5  # the shared gateway's engine.nice
 KV_CACHE_BYTES = 32 << 20  # per replica: 128 blocks of 128 tokens with the demo model
 BODY_LIMIT = 256 * 1024
 STARTUP_TIMEOUT_S = 300
@@ -76,6 +77,9 @@ def gateway(
     sessions = tmp_path_factory.mktemp("sessions") / "sessions.db"
     env["VCACHE_SESSION_LOG__PATH"] = str(sessions)
     env["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
+    # the engines below the gateway and the tests' clients on these shared cores
+    # (engine.nice; tests/integration/test_placement.py reads it back)
+    env["VCACHE_ENGINE__NICE"] = str(ENGINE_NICE)
     cmd = [
         sys.executable, "-m", "gateway.cli", "serve",
         "--port", str(port),

@@ -1,4 +1,5 @@
-"""The shared gateway's two embedded replicas compute on their own CPU cores.
+"""The shared gateway's two embedded replicas compute on their own CPU cores, at the
+niceness engine.nice gives them.
 
 vLLM alone binds every engine's OpenMP threads to the first cores of the host
 (on a 2-core host all to core 0), so two replicas would take turns on one core;
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPLICAS, Gateway
+from tests.integration.conftest import ENGINE_NICE, REPLICAS, Gateway
 
 PROC = Path("/proc")
 
@@ -73,3 +74,27 @@ def test_each_replica_computes_on_its_own_cores(gateway: Gateway) -> None:
     assert sum(len(s) for s in sets) == len(set().union(*sets)), sets
     if len(host) > REPLICAS:
         assert set().union(*sets) < host, sets
+
+
+def _nices(pid: int) -> set[int]:
+    """The niceness of every thread of ``pid`` (the 19th field of each task's stat)."""
+    got: set[int] = set()
+    for task in (PROC / str(pid) / "task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # a thread gone since it was listed
+            continue
+        got.add(int(stat.rsplit(")", 1)[1].split()[16]))
+    return got
+
+
+def test_the_engine_processes_run_at_the_configured_niceness(gateway: Gateway) -> None:
+    if not (PROC / str(gateway.pid) / "task").is_dir():
+        pytest.skip("no /proc here to read the gateway's processes from")
+    engines = [p for p in _descendants(gateway.pid) if _comm(p).startswith("VLLM::")]
+    # per replica its engine core and its model runner
+    assert sorted(_comm(p) for p in engines).count("VLLM::Worker") == REPLICAS, engines
+    assert len(engines) >= 2 * REPLICAS, engines
+    for pid in engines:
+        assert _nices(pid) == {ENGINE_NICE}, (_comm(pid), _nices(pid))
+    assert _nices(gateway.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}  # the gateway's own

@@ -46,19 +46,21 @@ def test_the_top_prefill_patch_reaches_the_core_through_its_environment() -> Non
     from engines.vllm.engine import core_environment
 
     placed = (("CUDA_VISIBLE_DEVICES", "1"),)
-    on = VllmEngineConfig(model="m", served_name="s", placement=placed, top_prefill_whole=True)
+    on = VllmEngineConfig(
+        model="m", served_name="s", placement=placed, top_prefill_whole=True, nice=0
+    )
     assert core_environment(on) == (*placed, (top_prefill.ENV, "1"))
     both = VllmEngineConfig(
         model="m", served_name="s", placement=placed, top_prefill_whole=True,
-        top_prefill_alone=True,
+        top_prefill_alone=True, nice=0,
     )  # fmt: skip
     assert core_environment(both) == (*placed, (top_prefill.ENV, "1"), (top_prefill.ALONE_ENV, "1"))
     decodes = VllmEngineConfig(
-        model="m", served_name="s", top_prefill_alone=True, top_prefill_decodes=True
+        model="m", served_name="s", top_prefill_alone=True, top_prefill_decodes=True, nice=0
     )
     held = ((top_prefill.ALONE_ENV, "1"), (top_prefill.DECODES_ENV, "1"))
     assert core_environment(decodes) == held
-    off = VllmEngineConfig(model="m", served_name="s", placement=placed)
+    off = VllmEngineConfig(model="m", served_name="s", placement=placed, nice=0)
     assert core_environment(off) == placed
 
 

@@ -1,0 +1,91 @@
+"""engine.nice: the engine processes' threads take the niceness the gateway set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engines.vllm.engine import VllmEngineConfig, core_environment
+from engines.vllm.niceness import CPU_NICE, NICE_ENV, apply_from_env, engine_nice
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# A process with a thread already running (as an engine core has its ZMQ and
+# OpenMP threads) applies the niceness, then starts another thread; it prints
+# every thread's niceness as the kernel reports it.
+CHILD = """
+import os, threading, time
+from engines.vllm.niceness import apply_from_env
+
+stop = threading.Event()
+early = threading.Thread(target=stop.wait, daemon=True)
+early.start()
+print("applied", apply_from_env())
+late = threading.Thread(target=stop.wait, daemon=True)
+late.start()
+time.sleep(0.05)
+for tid in sorted(os.listdir("/proc/self/task")):
+    fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+    print("thread", tid, fields[16])  # the 19th field of stat: nice
+stop.set()
+"""
+
+
+def _child(env: dict[str, str]) -> list[str]:
+    full = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", CHILD], env=full, capture_output=True,
+                         text=True, timeout=60, check=True)  # fmt: skip
+    return run.stdout.split("\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_every_thread_of_the_engine_process_takes_the_niceness() -> None:
+    out = _child({NICE_ENV: "7"})
+    assert out[0] == "applied 7"
+    nices = [line.split()[2] for line in out if line.startswith("thread")]
+    assert len(nices) == 3  # the main thread, one started before, one after
+    assert set(nices) == {"7"}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_process_without_the_variable_keeps_its_niceness() -> None:
+    env = {k: v for k, v in os.environ.items() if k != NICE_ENV}
+    out = _child({**env})
+    assert out[0] == "applied None"
+    here = str(os.getpriority(os.PRIO_PROCESS, 0))
+    assert {line.split()[2] for line in out if line.startswith("thread")} == {here}
+
+
+@pytest.mark.parametrize("raw", ["high", "-5", "20"])
+def test_a_value_that_is_not_a_niceness_is_ignored(raw: str) -> None:
+    assert apply_from_env({NICE_ENV: raw}) is None
+
+
+def test_the_niceness_reaches_the_core_through_its_environment() -> None:
+    placed = (("VLLM_CPU_OMP_THREADS_BIND", "0"),)
+    niced = VllmEngineConfig(model="m", served_name="s", placement=placed, nice=10)
+    assert core_environment(niced) == (*placed, (NICE_ENV, "10"))
+    zero = VllmEngineConfig(model="m", served_name="s", placement=placed, nice=0)
+    assert core_environment(zero) == placed
+
+
+def test_unset_the_engines_yield_on_a_cpu_host_only() -> None:
+    assert engine_nice(None, cpu=True) == CPU_NICE > 0
+    assert engine_nice(None, cpu=False) == 0
+    assert engine_nice(0, cpu=True) == 0
+    assert engine_nice(3, cpu=False) == 3
+
+
+def test_the_setting_is_bounded() -> None:
+    from pydantic import ValidationError
+
+    from gateway.core.engine_settings import EngineSettings
+
+    assert EngineSettings().nice is None
+    assert EngineSettings(nice=19).nice == 19
+    with pytest.raises(ValidationError):
+        EngineSettings(nice=20)
