@@ -86,7 +86,8 @@ class VllmEngineConfig:
     top_prefill_whole: bool = False
     top_prefill_alone: bool = False
     top_prefill_decodes: bool = False  # with alone: the lower classes' decodes wait too
-    # the engine processes' niceness; None: by platform (engines/vllm/niceness.py)
+    # the engine processes' niceness above the gateway's; None: by platform
+    # (engines/vllm/niceness.py)
     nice: int | None = None
 
 
@@ -98,8 +99,9 @@ def core_environment(c: VllmEngineConfig) -> Env:
         (top_prefill.ALONE_ENV, c.top_prefill_alone),
         (top_prefill.DECODES_ENV, c.top_prefill_decodes),
     )
-    n = niceness.engine_nice(c.nice, _on_cpu())
-    nice = ((niceness.NICE_ENV, str(n)),) if n else ()
+    own = os.getpriority(os.PRIO_PROCESS, 0)  # the gateway's
+    n = niceness.engine_nice(c.nice, _on_cpu(), own)
+    nice = ((niceness.NICE_ENV, str(n)),) if n != own else ()
     return (*c.placement, *((env, "1") for env, on in patches if on), *nice)
 
 

@@ -32,9 +32,10 @@ class EngineSettings(BaseModel):
     # (["0", "1"] GPUs; ["0-7", "8-15"] CPU cores)
     placement: Literal["auto", "none"] | list[str] = "auto"
     dtype: str = "auto"
-    # the engine processes' CPU niceness (0-19): where the gateway shares cores with its
-    # engines, its own work for a request goes first (engines/vllm/niceness.py).
-    # None: 10 on a CPU host, where the engines compute on the gateway's cores; 0 else
+    # the engine processes' CPU niceness above the gateway's own (0-19, as `nice -n`):
+    # where the gateway shares cores with its engines, its own work for a request goes
+    # first (engines/vllm/niceness.py). None: 10 on a CPU host, where the engines
+    # compute on the gateway's cores; 0 elsewhere
     nice: int | None = Field(None, ge=0, le=19)
     watch_interval_s: float = Field(1.0, gt=0)  # how often replicas are checked for death
     restart_backoff_s: float = Field(1.0, ge=0)  # first restart delay of a dead replica

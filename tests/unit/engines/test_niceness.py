@@ -68,7 +68,8 @@ def test_a_value_that_is_not_a_niceness_is_ignored(raw: str) -> None:
 def test_the_niceness_reaches_the_core_through_its_environment() -> None:
     placed = (("VLLM_CPU_OMP_THREADS_BIND", "0"),)
     niced = VllmEngineConfig(model="m", served_name="s", placement=placed, nice=10)
-    assert core_environment(niced) == (*placed, (NICE_ENV, "10"))
+    own = os.getpriority(os.PRIO_PROCESS, 0)  # the engines' is above this process's
+    assert core_environment(niced) == (*placed, (NICE_ENV, str(min(19, own + 10))))
     zero = VllmEngineConfig(model="m", served_name="s", placement=placed, nice=0)
     assert core_environment(zero) == placed
 
@@ -78,6 +79,26 @@ def test_unset_the_engines_yield_on_a_cpu_host_only() -> None:
     assert engine_nice(None, cpu=False) == 0
     assert engine_nice(0, cpu=True) == 0
     assert engine_nice(3, cpu=False) == 3
+
+
+def test_the_niceness_is_counted_from_the_gateways_own() -> None:
+    assert engine_nice(5, cpu=True, own=4) == 9
+    assert engine_nice(None, cpu=True, own=15) == 19  # at most 19
+    assert engine_nice(None, cpu=False, own=6) == 6  # level with the gateway
+
+
+def test_a_niceness_below_the_process_own_is_refused_without_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # an engine process at 12 (its gateway run under `nice -n 12`, say) asked for 3:
+    # the kernel refuses an unprivileged process a lower niceness
+    def refuse(which: int, who: int, prio: int) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "getpriority", lambda which, who: 12)
+    monkeypatch.setattr(os, "setpriority", refuse)
+    assert apply_from_env({NICE_ENV: "3"}) is None
+    assert apply_from_env({NICE_ENV: "12"}) == 12  # already so: nothing to set
 
 
 def test_the_setting_is_bounded() -> None:
