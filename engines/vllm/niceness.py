@@ -54,17 +54,14 @@ def _threads() -> Iterable[int]:
         return [0]
 
 
-def set_niceness(nice: int) -> int:
-    """Give every thread of this process the niceness ``nice`` (0-19); returns how many
-    threads took it.  A thread that has exited since it was listed is skipped."""
-    done = 0
+def set_niceness(nice: int) -> None:
+    """Give every thread of this process the niceness ``nice`` (0-19); a thread that has
+    exited since it was listed is skipped."""
     for tid in _threads():
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
         except ProcessLookupError:
             continue
-        done += 1
-    return done
 
 
 def apply_from_env(environ: Mapping[str, str] = os.environ) -> int | None:
