@@ -35,6 +35,7 @@ SECOND = {
     "decodes": {"VCACHE_ENGINE__TOP_PREFILL_DECODES": "true"},  # lower decodes held too
     "nice": {"VCACHE_ENGINE__NICE": "10"},  # the engines' CPU priority below the gateway's
     "nonice": {"VCACHE_ENGINE__NICE": "0"},  # ... level with it (a CPU host's default: 10)
+    "replica": {"VCACHE_ENGINE__GUARD_SCOPE": "replica"},  # each replica's guard alone
 }
 
 

@@ -287,6 +287,8 @@ def table(rows: list[Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from agent_fairness import SECOND  # it imports this module
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm-router", default=None, help="the vllm-router executable")
     ap.add_argument("--agent-types", type=int, default=3)
@@ -321,13 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--second",
-        choices=("nostop", "noguard", "chunked", "nohold", "decodes", "nice", "nonice", "none"),
+        choices=(*SECOND, "none"),
         default="nostop",
         help="fairness: a second gateway without prefill stops, without the guard, "
         "with the agents' prompts chunked like the others' (engine.top_prefill_whole off), "
         "without the engine's hold of lower prefills (engine.top_prefill_alone off), "
         "with the lower decodes held too (engine.top_prefill_decodes on), "
-        "or with the engines at niceness 10 or 0 (engine.nice; a CPU host's default: 10)",
+        "with the engines at niceness 10 or 0 (engine.nice; a CPU host's default: 10), "
+        "or with each replica's guard on its own (engine.guard_scope: replica)",
     )
     ap.add_argument("--rounds", type=int, default=1, help="fairness: each arm's turns")
     ap.add_argument(

@@ -73,6 +73,10 @@ class EngineSettings(BaseModel):
     # (aborted in the engine, its computed blocks kept in the prefix cache) and starts
     # again after that first token
     preempt_prefills: bool = True
+    # where the guard and its stops act: "replica", on the replica of the waiting request;
+    # "host", on every embedded replica (their engines share the host's cores: a lower
+    # prefill on one slows the steps of another). None: "host" on a CPU host, else "replica"
+    guard_scope: Literal["replica", "host"] | None = None
     # at most this many requests of a priority prefilling at once on a replica (e.g.
     # {default: 1, batch: 1}); absent: no cap
     prefill_slots: dict[Priority, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)

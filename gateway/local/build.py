@@ -77,6 +77,16 @@ def _placements(settings: Settings) -> list[Env]:
     return envs
 
 
+def guard_scope(settings: Settings) -> str | None:
+    """``"host"`` where the embedded replicas' first-token guards act together
+    (``engine.guard_scope``; unset: on a CPU host, whose cores their engines share),
+    else None (each replica's guard on its own)."""
+    scope = settings.engine.guard_scope
+    if scope is None:
+        scope = "host" if host_units().cpu else "replica"
+    return "host" if scope == "host" and settings.engine.replicas > 1 else None
+
+
 def build_replicas(
     settings: Settings, runtime_dir: Path, slots: list[CoreSlot] | None = None
 ) -> list[Replica]:
@@ -89,16 +99,20 @@ def build_replicas(
     if not settings.has_local:
         return []  # a provider-only gateway
     model = resolve_model(settings)
+    shares = guard_scope(settings)
+    if shares:
+        log.info("the first-token guard acts across the %d embedded replicas "
+                 "(engine.guard_scope: host)", settings.engine.replicas)  # fmt: skip
     out: list[Replica] = []
     for i, config in enumerate(engine_configs(settings, runtime_dir, model)):
-        events, replay = config.kv_events_endpoint, config.kv_events_replay_endpoint
+        rid, events = LocationId(f"replica-{i}"), config.kv_events_endpoint
+        replay = config.kv_events_replay_endpoint
         if slots is not None:
-            out.append(
-                Replica(LocationId(f"replica-{i}"), VllmEngine(config, slots[i]), events, replay)
-            )
+            engine = VllmEngine(config, slots[i])
+            out.append(Replica(rid, engine, events, replay, shares=shares))
             continue
         factory = functools.partial(VllmEngine, config)
-        out.append(Replica(LocationId(f"replica-{i}"), factory(), events, replay, factory=factory))
+        out.append(Replica(rid, factory(), events, replay, factory=factory, shares=shares))
     e = settings.engine
     for i, r in enumerate(settings.remote_replicas):
         remote = RemoteVllmConfig(

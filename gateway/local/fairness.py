@@ -66,6 +66,28 @@ class _Waiter:
     )
 
 
+class Scope:
+    """The gates of replicas that share their compute (see the module): the first-token
+    guard and its stops act across all of them."""
+
+    def __init__(self) -> None:
+        self.gates: list[FairGate] = []
+
+    def prefilling_above(self, priority: int) -> bool:
+        """A request of a class above ``priority`` waits for its first token on one of
+        the gates."""
+        return any(g.prefilling_above(priority) for g in self.gates)
+
+    def stop_lower(self, priority: int) -> None:
+        for g in self.gates:
+            g.stop_lower(priority)
+
+    def grant(self) -> None:
+        """Slots to waiters on every gate: a first token here may free them all."""
+        for g in self.gates:
+            g.grant()
+
+
 class FairGate:
     def __init__(
         self,
@@ -73,6 +95,7 @@ class FairGate:
         guard: bool = True,
         prefill_slots: dict[int, int] | None = None,
         preempt: bool = False,
+        scope: Scope | None = None,
     ) -> None:
         self.slots = math.inf if slots is None else slots
         self.guard = guard  # the first-token guard (see the module's docstring)
@@ -87,6 +110,8 @@ class FairGate:
         self._prefilling: Counter[int] = Counter()  # by priority: admitted, no token yet
         self.waited = 0  # requests that had to wait for a slot
         self.held = 0  # of which, held by the guard or a prefill slot
+        self.scope = scope or Scope()  # the gates the guard acts across (this one at least)
+        self.scope.gates.append(self)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._waiting.values())
@@ -94,7 +119,7 @@ class FairGate:
     def _held(self, priority: int) -> bool:
         """A request of a higher class is waiting for its first token here (the guard),
         or its own class has every prefill slot."""
-        if self.guard and any(p < priority for p, n in self._prefilling.items() if n):
+        if self.guard and self.scope.prefilling_above(priority):
             return True
         cap = self.prefill_slots.get(priority)
         return cap is not None and self._prefilling[priority] >= cap
@@ -122,8 +147,12 @@ class FairGate:
         self._entries.add(entry)
         return entry
 
-    def _stop_lower(self, priority: int) -> None:
-        """Tell the requests of lower classes still in prefill to stop."""
+    def prefilling_above(self, priority: int) -> bool:
+        """A request of a class above ``priority`` waits for its first token here."""
+        return any(p < priority for p, n in self._prefilling.items() if n)
+
+    def stop_lower(self, priority: int) -> None:
+        """Tell the requests of lower classes still in prefill here to stop."""
         for e in self._entries:
             if e.prefilling and e.priority > priority:
                 e.stop.set()
@@ -132,14 +161,14 @@ class FairGate:
         """Let one request of ``tenant`` through (``cost``: the prompt tokens it
         computes); cancelled while waiting, it leaves the queue."""
         if self.preempt:
-            self._stop_lower(priority)
+            self.scope.stop_lower(priority)
         if self.free(priority):
             return self._admit(tenant, priority, cost)
         self._lift(tenant)
         w = _Waiter(tenant, priority, cost, self.waited)
         self._waiting.setdefault((priority, tenant), deque()).append(w)
         self.waited += 1
-        self._grant()  # a slot may be free to a waiter the guard does not hold (this one)
+        self.grant()  # a slot may be free to a waiter the guard does not hold (this one)
         if not w.ready.done() and self.running < self.slots:
             self.held += 1  # a slot is free: the guard or a prefill slot holds this one
         try:
@@ -156,7 +185,7 @@ class FairGate:
         if entry.prefilling:
             entry.prefilling = False
             self._prefilling[entry.priority] -= 1
-            self._grant()
+            self.scope.grant()
 
     def leave(self, entry: Entry, output_tokens: int) -> None:
         """The request ended: its output tokens are charged, its slot goes to the next."""
@@ -166,7 +195,7 @@ class FairGate:
         self._charge(entry.tenant, output_tokens)
         self._entries.discard(entry)
         self.running -= 1
-        self._grant()
+        self.scope.grant()
 
     def withdraw(self, entry: Entry) -> None:
         """A request stopped in its prefill (for a higher class) gives back its slot and
@@ -174,7 +203,8 @@ class FairGate:
         self._charge(entry.tenant, -entry.cost)
         self.leave(entry, 0)
 
-    def _grant(self) -> None:
+    def grant(self) -> None:
+        """Free slots here to the waiters the guard does not hold, in fair order."""
         while self.running < self.slots:
             nxt = self._next()
             if nxt is None:

@@ -20,3 +20,6 @@ class Replica:
     replay_endpoint: str | None = None
     factory: Callable[[], Engine] | None = None  # None: cannot be restarted
     inflight: int = 0
+    # the compute it shares with the replicas of the same name ("host": the embedded
+    # replicas of a CPU host); their first-token guards act together (local/fairness.py)
+    shares: str | None = None
