@@ -21,7 +21,7 @@ from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
-from gateway.local.fairness import Entry, FairGate, Scope
+from gateway.local.fairness import Entry, FairGate, gates
 from gateway.local.preempt import Held, chunks
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.refresh import Refresh
@@ -100,18 +100,9 @@ class Dispatcher:
         self._prefill_wait_s = prefill_wait_s
         # per replica, the requests its engine takes at once, the rest in fair order
         gated = slots is not None or first_token_guard or bool(prefill_slots)
-        scopes: dict[str, Scope] = {}  # replicas that share compute share a guard
-        self._gates = (
-            {
-                r.id: FairGate(
-                    slots,
-                    first_token_guard,
-                    prefill_slots,
-                    preempt_prefills,
-                    scopes.setdefault(r.shares, Scope()) if r.shares else None,
-                )
-                for r in self.replicas
-            }
+        shares = {r.id: r.shares for r in self.replicas}
+        self._gates: dict[str, FairGate] = (
+            gates(shares, slots, first_token_guard, prefill_slots, preempt_prefills)
             if gated
             else {}
         )

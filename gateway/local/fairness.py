@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -224,3 +225,21 @@ class FairGate:
                 if best is None or key < best:
                     best, pick = key, q
         return pick
+
+
+def gates(
+    shares: Mapping[str, str | None],
+    slots: int | None,
+    guard: bool,
+    prefill_slots: dict[int, int] | None,
+    preempt: bool,
+) -> dict[str, FairGate]:
+    """A gate for each replica of ``shares`` (its id: the compute it shares, or None);
+    replicas that name the same compute share a :class:`Scope`."""
+    scopes: dict[str, Scope] = {}
+    return {
+        rid: FairGate(
+            slots, guard, prefill_slots, preempt, scopes.setdefault(s, Scope()) if s else None
+        )
+        for rid, s in shares.items()
+    }
