@@ -101,7 +101,7 @@ class Dispatcher:
         # per replica, the requests its engine takes at once, the rest in fair order
         gated = slots is not None or first_token_guard or bool(prefill_slots)
         shares = {r.id: r.shares for r in self.replicas}
-        self._gates: dict[str, FairGate] = (
+        self._gates: dict[LocationId, FairGate] = (
             gates(shares, slots, first_token_guard, prefill_slots, preempt_prefills)
             if gated
             else {}

@@ -43,6 +43,9 @@ import math
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+K = TypeVar("K", bound=str)  # a replica's id
 
 
 @dataclass(eq=False)
@@ -118,8 +121,8 @@ class FairGate:
         return sum(len(q) for q in self._waiting.values())
 
     def _held(self, priority: int) -> bool:
-        """A request of a higher class is waiting for its first token here (the guard),
-        or its own class has every prefill slot."""
+        """A request of a higher class is waiting for its first token here or on a gate of
+        this one's scope (the guard), or its own class has every prefill slot here."""
         if self.guard and self.scope.prefilling_above(priority):
             return True
         cap = self.prefill_slots.get(priority)
@@ -228,12 +231,12 @@ class FairGate:
 
 
 def gates(
-    shares: Mapping[str, str | None],
+    shares: Mapping[K, str | None],
     slots: int | None,
     guard: bool,
     prefill_slots: dict[int, int] | None,
     preempt: bool,
-) -> dict[str, FairGate]:
+) -> dict[K, FairGate]:
     """A gate for each replica of ``shares`` (its id: the compute it shares, or None);
     replicas that name the same compute share a :class:`Scope`."""
     scopes: dict[str, Scope] = {}

@@ -13,6 +13,9 @@ vLLM's prefix cache, so the engine reports them as cached; its answer is whole.
 With the gateway's guard off, the engine's own hold (``engine.top_prefill_alone``)
 does it at the step boundary instead: the batch prompt skips the interactive
 prompt's steps, nothing is aborted, and the core counts the steps it held.
+
+On two replicas of this CPU host (``engine.guard_scope`` unset: ``host``), an
+interactive prompt on one stops the batch prompt in prefill on the other.
 """
 
 from __future__ import annotations
@@ -34,30 +37,38 @@ pytestmark = pytest.mark.integration
 
 BLOCK = 128
 STOPS = 'vcache_prefill_stops_total{replica="replica-0"}'
-RUNNING = 'vcache_engine_unfinished_requests{replica="replica-0"}'
+
+
+def _gateway(
+    factory: pytest.TempPathFactory, data_dir: Path, name: str, replicas: int, **extra: str
+) -> Iterator[str]:
+    """A gateway of its own whose replicas compute at most 8 tokens of a prompt a step."""
+    args = ["--replicas", str(replicas), "--max-model-len", "2048"]
+    settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "8", **extra}
+    with own_gateway(factory.mktemp(name), data_dir, args, settings) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
 def url(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("prefill-stops")
-    args = ["--replicas", "1", "--max-model-len", "2048"]
-    settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "8"}
-    with own_gateway(tmp, data_dir, args, settings) as base:
-        yield base
+    yield from _gateway(tmp_path_factory, data_dir, "prefill-stops", 1)
 
 
 @pytest.fixture(scope="module")
 def unguarded(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("engine-hold")
-    args = ["--replicas", "1", "--max-model-len", "2048"]
-    settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "8",
-                "VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false"}  # fmt: skip
-    with own_gateway(tmp, data_dir, args, settings) as base:
-        yield base
+    off = {"VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false"}
+    yield from _gateway(tmp_path_factory, data_dir, "engine-hold", 1, **off)
+
+
+@pytest.fixture(scope="module")
+def two(
+    data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    yield from _gateway(tmp_path_factory, data_dir, "host-guard", 2)
 
 
 def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
@@ -78,15 +89,26 @@ def test_the_engine_holds_the_batch_prefill_itself(unguarded: str) -> None:
     assert got["held"] >= 1 and got["uncapped"] >= 1 and got["unfit"] == 0, got
 
 
+def test_an_interactive_prompt_stops_a_batch_prefill_on_the_other_replica(two: str) -> None:
+    _interactive_beside_batch(two, batch_on="replica-1", interactive_on="replica-0")
+    assert metric(two, 'vcache_prefill_stops_total{replica="replica-1"}') == 1
+    assert metric(two, STOPS) == 0  # nothing ran on replica-0 to stop
+
+
 def _engine_steps(url: str) -> dict[str, int]:
     stats = httpx.get(f"{url}/v1/cache/stats", timeout=30).json()
     steps: dict[str, int] = stats["replicas"]["replica-0"]["engine"]["top_prefill_steps"]
     return steps
 
 
-def _interactive_beside_batch(url: str) -> dict[str, Any]:
-    """A long answer running, a batch prompt in prefill (two blocks of it stored), then
-    an interactive prompt; the batch request's answer, whole."""
+def _interactive_beside_batch(
+    url: str, batch_on: str = "replica-0", interactive_on: str = "replica-0"
+) -> dict[str, Any]:
+    """A long answer running, a batch prompt in prefill (two blocks of it stored), both
+    on ``batch_on``, then an interactive prompt on ``interactive_on``; the batch
+    request's answer, whole."""
+    on_batch = {"x-vcache-replica": batch_on}
+    running_there = f'vcache_engine_unfinished_requests{{replica="{batch_on}"}}'
     with httpx.Client(base_url=url, timeout=120) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
         words = " ".join(random.Random(time.time_ns()).choices(VOCAB, k=440))  # unique
@@ -96,22 +118,25 @@ def _interactive_beside_batch(url: str) -> dict[str, Any]:
                  "messages": [{"role": "user", "content": "Are the tests green?"}]}  # fmt: skip
         beside = {"model": model, "max_tokens": 600, "min_tokens": 600,
                   "messages": [{"role": "user", "content": "Count."}]}  # fmt: skip
-        assert metric(url, STOPS) == 0
+        assert metric(url, f'vcache_prefill_stops_total{{replica="{batch_on}"}}') == 0
 
         def stored() -> int:  # the batch prompt's tokens in the prefix cache, by the index
             r = c.post("/v1/cache/lookup", json={"model": model, "messages": batch["messages"]})
-            return int(r.json()["replicas"][0]["predicted_cached_tokens"])
+            by = {x["replica"]: x["predicted_cached_tokens"] for x in r.json()["replicas"]}
+            return int(by[batch_on])
 
         with ThreadPoolExecutor(2) as pool:
-            running = pool.submit(c.post, "/v1/chat/completions", json=beside)
-            wait_for(lambda: metric(url, RUNNING) >= 1, timeout_s=60, interval_s=0.02)
+            running = pool.submit(c.post, "/v1/chat/completions", json=beside, headers=on_batch)
+            wait_for(lambda: metric(url, running_there) >= 1, timeout_s=60, interval_s=0.02)
             bulk = pool.submit(
-                c.post, "/v1/chat/completions", json=batch, headers={"x-vcache-priority": "batch"}
-            )
+                c.post, "/v1/chat/completions", json=batch,
+                headers={"x-vcache-priority": "batch", **on_batch},
+            )  # fmt: skip
             wait_for(lambda: stored() >= 2 * BLOCK, timeout_s=60, interval_s=0.01)
             r = c.post(
-                "/v1/chat/completions", json=quick, headers={"x-vcache-priority": "interactive"}
-            )
+                "/v1/chat/completions", json=quick,
+                headers={"x-vcache-priority": "interactive", "x-vcache-replica": interactive_on},
+            )  # fmt: skip
             assert r.status_code == 200, r.text
             done = bulk.result(timeout=120)
             assert running.result(timeout=120).status_code == 200
