@@ -22,6 +22,7 @@ from engines.providers.specs import adapter_for
 from engines.providers.transport import Transport
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import Settings
+from gateway.core.loop_watch import LoopWatch, freeze_startup_heap
 from gateway.core.metrics import MULTIPROC_ENV, Metrics
 from gateway.core.tracing import Tracing
 from gateway.core.types import ENGINE_PRIORITY
@@ -204,10 +205,18 @@ def create_app(
 
         async def boot() -> None:
             await supervisor.boot()
+            frozen = freeze_startup_heap()  # the collector's oldest passes skip it
+            log.info("froze the startup heap: %d objects out of the collector's passes", frozen)
             if app.state.service.ready:
                 port = grpc_server.port if grpc_server is not None else None
                 log.info("%s", banner(settings, app.state.service, port))
 
+        watch = LoopWatch(
+            asyncio.get_running_loop(),
+            metrics.loop_lag.observe,
+            lambda generation, s: metrics.gc_pause.labels(str(generation)).observe(s),
+        )
+        watch.start()
         await bus.start()
         starting = asyncio.create_task(boot(), name="engine-start")
         steering = []
@@ -237,6 +246,7 @@ def create_app(
                 await starting
             await supervisor.close()
             await bus.close()
+            watch.stop()
             if providers is not None:
                 await providers.close()
             if session_log is not None:

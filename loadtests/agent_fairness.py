@@ -154,7 +154,7 @@ def fairness_table(
     lines = [
         f"{'run':<18}{'agent rps':>10}{'bg rps':>8}{'err':>5}{'ttft p50':>10}{'p90':>7}"
         f"{'turn-0 p90':>12}{'reused':>8}{'refused':>8}{'placed':>8}{'stops':>7}"
-        f"{'ms/tok':>8}{'wait ms':>9}{'held':>6}{'unfit':>6}"
+        f"{'ms/tok':>8}{'wait ms':>9}{'held':>6}{'unfit':>6}{'stalls':>7}{'gc ms':>7}{'gc2':>5}"
     ]
     for r in rows:
         later, first, g = r["ttft_ms_later"], r["ttft_ms_first"], r.get("gateway", {})
@@ -165,7 +165,7 @@ def fairness_table(
                      f"{first['p90'] or 0:>12.0f}{reused:>8}{int(g.get(REFUSED, 0)):>8}"
                      f"{int(g.get(LEASE_ROOM, 0)):>8}{int(r.get('prefill_stops') or 0):>7}"
                      f"{fit['ms_per_token']:>8.2f}{fit['wait_ms']:>9.0f}"
-                     f"{_steps(r, 'held')}{_steps(r, 'unfit')}")  # fmt: skip
+                     f"{_steps(r, 'held')}{_steps(r, 'unfit')}{_loop(r)}")  # fmt: skip
     lines += ["", f"{'pooled':<18}{'rounds':>7}{'turns':>7}{'ttft p50':>10}{'p90':>7}"
                   f"{'ms/tok':>8}{'wait ms':>9}"]  # fmt: skip
     for name, p in pool.items():
@@ -195,6 +195,18 @@ def _steps(row: Any, outcome: str) -> str:
     before it counted them: -)."""
     n = (row.get("engine_steps") or {}).get(outcome)
     return f"{'-':>6}" if n is None else f"{n:>6.0f}"
+
+
+def _loop(row: Any) -> str:
+    """The gateway's event-loop stalls and garbage-collection time in a run, all and of
+    the oldest generation (runs made before the gateway measured them: -)."""
+    loop = row.get("loop")
+    if loop is None:
+        return f"{'-':>7}{'-':>7}{'-':>5}"
+    gc2 = loop.get("gc2_ms")
+    return f"{loop['stalls']:>7.0f}{loop['gc_ms']:>7.0f}" + (
+        f"{'-':>5}" if gc2 is None else f"{gc2:>5.0f}"
+    )
 
 
 def fairness(args: argparse.Namespace) -> int:

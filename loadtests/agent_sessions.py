@@ -177,6 +177,7 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
             x: _added(before, after, STEPS, f'"{x}"') for x in ("uncapped", "held", "unfit")
         }
         row["phases"] = ttft_phases(before, after, "interactive")  # the fairness runs' agents
+        row["loop"] = _loop(before, after)
         row["refreshed_blocks"] = {  # predicted blocks touched before the request ran
             x: _added(before, after, "vcache_kv_refreshed_blocks_total", f'result="{x}"')
             for x in ("touched", "missing")
@@ -201,6 +202,18 @@ def _step_ms(before: dict[str, float], after: dict[str, float]) -> float | None:
     n = _added(before, after, "vcache_inter_token_latency_seconds_count")
     s = _added(before, after, "vcache_inter_token_latency_seconds_sum")
     return 1000 * s / n if n else None
+
+
+def _loop(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The gateway's event loop in the run: its stalls (a ready callback waiting over
+    250 ms), and the time its garbage collections took (ms, every generation; the
+    oldest's full passes alone)."""
+    lag, gc = "vcache_event_loop_lag_seconds", "vcache_gc_pause_seconds_sum"
+    stalls = _added(before, after, f"{lag}_count") - _added(
+        before, after, f"{lag}_bucket", 'le="0.25"'
+    )
+    return {"stalls": stalls, "gc_ms": 1000 * _added(before, after, gc),
+            "gc2_ms": 1000 * _added(before, after, gc, 'generation="2"')}  # fmt: skip
 
 
 def _metrics(host: str) -> dict[str, float]:

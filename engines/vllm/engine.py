@@ -13,6 +13,7 @@ Code that starts this engine needs an ``if __name__ == "__main__"`` guard
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 from collections.abc import AsyncGenerator
@@ -191,6 +192,8 @@ class VllmEngine:
             os.environ["PYTHONHASHSEED"] = self._config.hash_seed
             # ...and dies with this process (engines/vllm/lifeline.py).
             os.environ[GATEWAY_PID_ENV] = str(os.getpid())
+        # vLLM's first import takes seconds: off the loop, which serves /healthz meanwhile
+        await asyncio.to_thread(importlib.import_module, "vllm.v1.engine.async_llm")
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = engine_args(self._config)

@@ -108,6 +108,20 @@ class Metrics:
             buckets=_PHASE_BUCKETS,
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "vcache_event_loop_lag_seconds",
+            "How long a callback made ready on the gateway's event loop waited to run "
+            "(gateway/core/loop_watch.py): every request in flight waits as long",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.gc_pause = Histogram(
+            "vcache_gc_pause_seconds",
+            "The gateway's garbage collections, by generation: the loop runs nothing meanwhile",
+            ["generation"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
         self.queue_time = Histogram(
             "vcache_queue_time_seconds",
             "Time a local request waited in the engine's queue before it was scheduled",

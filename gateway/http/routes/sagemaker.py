@@ -28,12 +28,12 @@ class PingStatus(BaseModel):
     status: Literal["ok", "unavailable"]
 
 
-@router.api_route(
-    "/ping",
-    methods=["GET", "POST"],
-    response_model=PingStatus,
-    responses={503: {"model": PingStatus, "description": "Not ready to serve a request"}},
-)
+_NOT_READY = {503: {"model": PingStatus, "description": "Not ready to serve a request"}}
+
+
+# one route per method: OpenAPI gives each its own operation id
+@router.get("/ping", response_model=PingStatus, responses=_NOT_READY)
+@router.post("/ping", response_model=PingStatus, responses=_NOT_READY)
 async def ping(svc: Annotated[GatewayService, Depends(service)]) -> JSONResponse:
     """200 when a request can be served now, 503 otherwise (as /readyz)."""
     ok = svc.ready

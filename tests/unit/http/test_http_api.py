@@ -7,6 +7,7 @@ never a 500.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -417,6 +418,21 @@ def test_metrics_count_requests_tokens_and_errors(client: TestClient, engine: Fa
     # 4 tokens streamed one step apart make 3 inter-token gaps
     text = client.get("/metrics").text
     assert f"vcache_inter_token_latency_seconds_count{{{itl}}} 3.0" in text
+
+
+def test_the_event_loop_is_watched_from_startup(client: TestClient) -> None:
+    """The app's watch thread times its loop (one sample every 0.1 s)."""
+
+    def samples() -> float:
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith("vcache_event_loop_lag_seconds_count "):
+                return float(line.split()[-1])
+        return 0.0
+
+    deadline = time.monotonic() + 5
+    while samples() < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert samples() >= 2
 
 
 def test_cache_api_validation_and_access(engine: FakeEngine) -> None:

@@ -1,0 +1,131 @@
+"""How long the gateway's event loop keeps ready work waiting, and what held it.
+
+Every request's work in the gateway (tokenizing, the plan, the session log,
+each streamed token) runs on one event loop.  A callback that runs long (a
+synchronous write, a CPU-bound step, a garbage collection over a large heap)
+delays every request in flight at once; the TTFT phases show it only as a
+longer ``prepare`` or ``return`` on many requests at the same moment.
+
+:class:`LoopWatch` measures it from a thread of its own: every ``interval_s``
+it schedules a no-op on the loop and times how long the no-op waits to run
+(``vcache_event_loop_lag_seconds``).  When the loop has not run it within
+``stall_s``, the thread reads the loop thread's Python stack
+(``sys._current_frames``) and logs it once for that stall, with whether a
+garbage collection was running, so a stall has a name in the log.  The
+collector's own passes are timed as well (``gc.callbacks``:
+``vcache_gc_pause_seconds{generation}``).  The cost is one no-op on the loop
+per interval and a thread that sleeps in between.
+
+Once the replicas are up, :func:`freeze_startup_heap` moves everything
+allocated so far (the modules of torch, transformers and vLLM, the tokenizer,
+the settings) out of the collector's sight, as vLLM's own API server does
+after its start: an oldest-generation pass then walks what serving
+allocated, not the whole startup heap, and pauses the loop for that much less.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def freeze_startup_heap() -> int:
+    """Collect every generation, then freeze what survives (``gc.freeze``): the
+    collector skips it from now on.  Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class LoopWatch:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_lag: Callable[[float], None],
+        on_gc: Callable[[int, float], None],
+        interval_s: float = 0.1,
+        stall_s: float = 0.25,
+    ) -> None:
+        self.loop = loop
+        self.on_lag = on_lag  # seconds a ready callback waited
+        self.on_gc = on_gc  # (generation, seconds) of each collection
+        self.interval_s = interval_s
+        self.stall_s = stall_s
+        self.stalls = 0  # stalls logged
+        self._loop_thread = threading.get_ident()  # started from the loop's own thread
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._gc_started: dict[int, float] = {}  # by thread: when its collection began
+        self._gc_generation: int | None = None  # of the collection running now
+
+    def start(self) -> None:
+        gc.callbacks.append(self._gc)
+        self._thread = threading.Thread(target=self._run, name="vcache-loop-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _gc(self, phase: str, info: dict[str, Any]) -> None:
+        tid = threading.get_ident()
+        if phase == "start":
+            self._gc_started[tid] = time.perf_counter()
+            self._gc_generation = int(info["generation"])
+            return
+        self._gc_generation = None
+        began = self._gc_started.pop(tid, None)
+        if began is None:
+            return
+        took, generation = time.perf_counter() - began, int(info["generation"])
+        self.on_gc(generation, took)
+        if took >= self.stall_s:  # on any thread: it held the GIL, the loop waited
+            log.warning(
+                "a garbage collection of generation %d took %.0f ms (%d objects freed)",
+                generation,
+                took * 1000,
+                int(info.get("collected", 0)),
+            )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            t0 = time.perf_counter()
+            ran = threading.Event()
+            try:
+                self.loop.call_soon_threadsafe(ran.set)
+            except RuntimeError:  # the loop is closed
+                return
+            if not ran.wait(self.stall_s):
+                self._log_stall()
+                while not ran.wait(0.5):
+                    if self._stop.is_set() or self.loop.is_closed():
+                        return
+            self.on_lag(time.perf_counter() - t0)
+
+    def _log_stall(self) -> None:
+        """The loop thread's stack now, while it holds the loop."""
+        self.stalls += 1
+        frame = sys._current_frames().get(self._loop_thread)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+        generation = self._gc_generation
+        collecting = f"; a garbage collection of generation {generation} is running" if (
+            generation is not None
+        ) else ""  # fmt: skip
+        log.warning(
+            "the event loop has not run ready work for %.0f ms%s; its thread is in:\n%s",
+            self.stall_s * 1000,
+            collecting,
+            stack.rstrip(),
+        )

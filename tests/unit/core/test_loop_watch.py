@@ -1,0 +1,102 @@
+"""The event loop's watch: the lag of a ready callback, a stall named by the loop
+thread's stack, and the garbage collector's passes timed."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+
+import pytest
+
+from gateway.core.loop_watch import LoopWatch, freeze_startup_heap
+
+
+def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # a synchronous call on the loop: nothing else runs meanwhile
+
+
+def test_a_blocked_loop_is_measured_and_its_stack_logged(caplog: pytest.LogCaptureFixture) -> None:
+    lags: list[float] = []
+
+    async def main() -> int:
+        watch = LoopWatch(asyncio.get_running_loop(), lags.append, lambda g, s: None,
+                          interval_s=0.02, stall_s=0.1)  # fmt: skip
+        watch.start()
+        try:
+            await asyncio.sleep(0.1)  # a few quiet rounds
+            _hold_the_loop(0.4)
+            await asyncio.sleep(0.1)
+        finally:
+            watch.stop()
+        return watch.stalls
+
+    with caplog.at_level(logging.WARNING, logger="gateway.core.loop_watch"):
+        stalls = asyncio.run(main())
+    assert stalls == 1
+    assert max(lags) >= 0.3 and min(lags) < 0.1  # the stall, and the quiet rounds
+    (record,) = [r for r in caplog.records if "has not run" in r.getMessage()]
+    assert "_hold_the_loop" in record.getMessage()  # the stack names what held it
+
+
+def test_garbage_collections_are_timed_by_generation() -> None:
+    seen: list[tuple[int, float]] = []
+
+    async def main() -> None:
+        watch = LoopWatch(asyncio.get_running_loop(), lambda s: None,
+                          lambda g, s: seen.append((g, s)))  # fmt: skip
+        watch.start()
+        gc.collect()
+        watch.stop()
+        gc.collect()  # after stop: not seen
+
+    gc.disable()  # no automatic pass in between: only the two above
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()
+    assert [g for g, _ in seen] == [2] and seen[0][1] >= 0
+
+
+def test_the_watch_ends_with_its_loop() -> None:
+    async def main() -> LoopWatch:
+        watch = LoopWatch(asyncio.get_running_loop(), lambda s: None, lambda g, s: None,
+                          interval_s=0.01)  # fmt: skip
+        watch.start()
+        await asyncio.sleep(0.05)
+        return watch
+
+    watch = asyncio.run(main())  # the loop closes without stop()
+    assert watch._thread is not None
+    watch._thread.join(timeout=2)
+    assert not watch._thread.is_alive()
+    watch.stop()
+
+
+def test_a_long_collection_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        # every pass counts as long here
+        watch = LoopWatch(
+            asyncio.get_running_loop(), lambda s: None, lambda g, s: None, stall_s=0.0
+        )
+        watch.start()
+        gc.collect()
+        watch.stop()
+
+    with caplog.at_level(logging.WARNING, logger="gateway.core.loop_watch"):
+        asyncio.run(main())
+    assert any("a garbage collection of generation 2 took" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+def test_the_startup_heap_is_frozen_out_of_the_collectors_passes() -> None:
+    kept = [[i] for i in range(1000)]  # tracked containers, alive
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() and frozen >= len(kept)
+        oldest = {id(o) for o in gc.get_objects(2)}  # what the next full pass walks
+        assert all(gc.is_tracked(x) and id(x) not in oldest for x in kept)
+    finally:
+        gc.unfreeze()  # back where the other tests expect it
+    assert gc.get_freeze_count() == 0
