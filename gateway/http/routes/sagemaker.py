@@ -28,7 +28,9 @@ class PingStatus(BaseModel):
     status: Literal["ok", "unavailable"]
 
 
-_NOT_READY = {503: {"model": PingStatus, "description": "Not ready to serve a request"}}
+_NOT_READY: dict[int | str, dict[str, Any]] = {
+    503: {"model": PingStatus, "description": "Not ready to serve a request"}
+}
 
 
 # one route per method: OpenAPI gives each its own operation id
