@@ -6,21 +6,21 @@ One path for every request, whichever edge it came from.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import zlib
 from array import array
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.errors import EngineError
-from gateway.core.config import PRIORITIES, Priority
+from gateway.core.config import Priority
 from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.types import RouteOverride
+from gateway.local.admission import Admission
 from gateway.local.fairness import Entry, FairGate, gates
 from gateway.local.preempt import Held, chunks
 from gateway.local.prefills import Prefill, Prefills
@@ -91,11 +91,9 @@ class Dispatcher:
         self.router = router
         self.kv = kv
         self._metrics = metrics
-        self._max_inflight = max_inflight
-        # how many requests in flight each priority may find and still be admitted
-        self._room = {p: (room or {}).get(p, max_inflight) for p in PRIORITIES}
+        self.admission = Admission(max_inflight, room, metrics)  # queue_full, by priority
+        self.admit = self.admission.admit
         self.model = model  # the served name: the ``model`` label of the local metrics
-        self._inflight = 0
         self.prefills = Prefills(prefill_wait_s)  # prompts being prefilled, by replica
         self._prefill_wait_s = prefill_wait_s
         # per replica, the requests its engine takes at once, the rest in fair order
@@ -237,26 +235,6 @@ class Dispatcher:
         self._metrics.prefill_waits.labels(outcome).inc()
         await self.kv.sync()
         return self.kv.predict(hashes, greq.num_prompt_tokens)
-
-    @contextlib.contextmanager
-    def admit(self, priority: Priority = "default") -> Iterator[None]:
-        """Admission control, first: a request refused here (503 queue_full) has cost no
-        tokenizing and left nothing in the session log.  Held until the request ends.
-        Each priority may fill its room (``engine.admission_shares`` of the limit):
-        batch is refused first, interactive last (it has a reserve beyond the limit)."""
-        if self._inflight >= self._room[priority]:
-            self._metrics.shed.labels(priority).inc()
-            whom = "" if priority == "default" else f" for {priority} requests"
-            raise Unavailable(
-                f"The gateway's request queue is full{whom}; retry shortly",
-                code="queue_full",
-                retry_after_s=1,
-            )
-        self._inflight += 1
-        try:
-            yield
-        finally:
-            self._inflight -= 1
 
     async def run(
         self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, totals: Totals
