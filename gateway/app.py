@@ -203,20 +203,22 @@ def create_app(
 
         supervisor.on_change = health_changed
 
-        async def boot() -> None:
-            await supervisor.boot()
-            frozen = freeze_startup_heap()  # the collector's oldest passes skip it
-            log.info("froze the startup heap: %d objects out of the collector's passes", frozen)
-            if app.state.service.ready:
-                port = grpc_server.port if grpc_server is not None else None
-                log.info("%s", banner(settings, app.state.service, port))
-
         watch = LoopWatch(
             asyncio.get_running_loop(),
             metrics.loop_lag.observe,
             lambda generation, s: metrics.gc_pause.labels(str(generation)).observe(s),
         )
         watch.start()
+
+        async def boot() -> None:
+            await supervisor.boot()
+            with watch.expected():  # one full collection, then the collector skips it all
+                frozen = freeze_startup_heap()
+            log.info("froze the startup heap: %d objects out of the collector's passes", frozen)
+            if app.state.service.ready:
+                port = grpc_server.port if grpc_server is not None else None
+                log.info("%s", banner(settings, app.state.service, port))
+
         await bus.start()
         starting = asyncio.create_task(boot(), name="engine-start")
         steering = []

@@ -26,13 +26,14 @@ allocated, not the whole startup heap, and pauses the loop for that much less.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class LoopWatch:
         self._thread: threading.Thread | None = None
         self._gc_started: dict[int, float] = {}  # by thread: when its collection began
         self._gc_generation: int | None = None  # of the collection running now
+        self._quiet = 0  # > 0: a pause is expected (measured, not logged)
 
     def start(self) -> None:
         gc.callbacks.append(self._gc)
@@ -79,6 +81,15 @@ class LoopWatch:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    @contextlib.contextmanager
+    def expected(self) -> Iterator[None]:
+        """A pause the caller means (the startup heap's freeze): measured, not logged."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
     def _gc(self, phase: str, info: dict[str, Any]) -> None:
         tid = threading.get_ident()
         if phase == "start":
@@ -91,7 +102,7 @@ class LoopWatch:
             return
         took, generation = time.perf_counter() - began, int(info["generation"])
         self.on_gc(generation, took)
-        if took >= self.stall_s:  # on any thread: it held the GIL, the loop waited
+        if took >= self.stall_s and not self._quiet:  # on any thread: the loop waited
             log.warning(
                 "a garbage collection of generation %d took %.0f ms (%d objects freed)",
                 generation,
@@ -108,7 +119,8 @@ class LoopWatch:
             except RuntimeError:  # the loop is closed
                 return
             if not ran.wait(self.stall_s):
-                self._log_stall()
+                if not self._quiet:
+                    self._log_stall()
                 while not ran.wait(0.5):
                     if self._stop.is_set() or self.loop.is_closed():
                         return

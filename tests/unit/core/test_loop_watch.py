@@ -100,3 +100,25 @@ def test_the_startup_heap_is_frozen_out_of_the_collectors_passes() -> None:
     finally:
         gc.unfreeze()  # back where the other tests expect it
     assert gc.get_freeze_count() == 0
+
+
+def test_an_expected_pause_is_measured_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    lags: list[float] = []
+
+    async def main() -> int:
+        watch = LoopWatch(asyncio.get_running_loop(), lags.append, lambda g, s: None,
+                          interval_s=0.02, stall_s=0.1)  # fmt: skip
+        watch.start()
+        try:
+            await asyncio.sleep(0.05)
+            with watch.expected():
+                _hold_the_loop(0.3)
+                await asyncio.sleep(0.05)  # the watch's sample of it comes in
+        finally:
+            watch.stop()
+        return watch.stalls
+
+    with caplog.at_level(logging.WARNING, logger="gateway.core.loop_watch"):
+        stalls = asyncio.run(main())
+    assert stalls == 0 and not caplog.records
+    assert max(lags) >= 0.2  # measured all the same
