@@ -4,6 +4,7 @@ thread's stack, and the garbage collector's passes timed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -17,7 +18,9 @@ def _hold_the_loop(seconds: float) -> None:
     time.sleep(seconds)  # a synchronous call on the loop: nothing else runs meanwhile
 
 
-def test_a_blocked_loop_is_measured_and_its_stack_logged(caplog: pytest.LogCaptureFixture) -> None:
+def _watched_hold(seconds: float, expected: bool) -> tuple[int, list[float]]:
+    """The loop held for ``seconds`` under a watch that calls 0.1 s a stall (inside
+    ``expected()`` or not): the stalls it logged, and the lags it measured."""
     lags: list[float] = []
 
     async def main() -> int:
@@ -26,14 +29,19 @@ def test_a_blocked_loop_is_measured_and_its_stack_logged(caplog: pytest.LogCaptu
         watch.start()
         try:
             await asyncio.sleep(0.1)  # a few quiet rounds
-            _hold_the_loop(0.4)
-            await asyncio.sleep(0.1)
+            with watch.expected() if expected else contextlib.nullcontext():
+                _hold_the_loop(seconds)
+                await asyncio.sleep(0.1)  # the watch's sample of it comes in
         finally:
             watch.stop()
         return watch.stalls
 
+    return asyncio.run(main()), lags
+
+
+def test_a_blocked_loop_is_measured_and_its_stack_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="gateway.core.loop_watch"):
-        stalls = asyncio.run(main())
+        stalls, lags = _watched_hold(0.4, expected=False)
     assert stalls == 1
     assert max(lags) >= 0.3 and min(lags) < 0.1  # the stall, and the quiet rounds
     (record,) = [r for r in caplog.records if "has not run" in r.getMessage()]
@@ -103,22 +111,7 @@ def test_the_startup_heap_is_frozen_out_of_the_collectors_passes() -> None:
 
 
 def test_an_expected_pause_is_measured_not_logged(caplog: pytest.LogCaptureFixture) -> None:
-    lags: list[float] = []
-
-    async def main() -> int:
-        watch = LoopWatch(asyncio.get_running_loop(), lags.append, lambda g, s: None,
-                          interval_s=0.02, stall_s=0.1)  # fmt: skip
-        watch.start()
-        try:
-            await asyncio.sleep(0.05)
-            with watch.expected():
-                _hold_the_loop(0.3)
-                await asyncio.sleep(0.05)  # the watch's sample of it comes in
-        finally:
-            watch.stop()
-        return watch.stalls
-
     with caplog.at_level(logging.WARNING, logger="gateway.core.loop_watch"):
-        stalls = asyncio.run(main())
+        stalls, lags = _watched_hold(0.3, expected=True)
     assert stalls == 0 and not caplog.records
     assert max(lags) >= 0.2  # measured all the same
