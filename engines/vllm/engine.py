@@ -41,7 +41,7 @@ from engines.errors import (
 from engines.tokenizer import ChatTokenizer
 from engines.vllm import niceness, top_prefill
 from engines.vllm.lifeline import GATEWAY_PID_ENV
-from engines.vllm.placement import Env, core_env, on_cpu
+from engines.vllm.placement import Env, core_env
 from engines.vllm.sampling import sampling_fields, stop_string
 from engines.vllm.shared_core import CoreSlot
 from engines.vllm.stats import CoreStats
@@ -53,6 +53,12 @@ log = logging.getLogger(__name__)
 
 HASH_ALGO = "sha256_cbor"
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ def core_environment(c: VllmEngineConfig) -> Env:
         (top_prefill.DECODES_ENV, c.top_prefill_decodes),
     )
     own = os.getpriority(os.PRIO_PROCESS, 0)  # the gateway's
-    n = niceness.engine_nice(c.nice, on_cpu(), own)
+    n = niceness.engine_nice(c.nice, _on_cpu(), own)
     nice = ((niceness.NICE_ENV, str(n)),) if n != own else ()
     return (*c.placement, *((env, "1") for env, on in patches if on), *nice)
 
@@ -125,7 +131,7 @@ def engine_args(c: VllmEngineConfig) -> Any:
     if c.long_prefill_token_threshold is not None:
         kwargs["long_prefill_token_threshold"] = c.long_prefill_token_threshold
     kv_bytes = c.kv_cache_bytes
-    if kv_bytes is None and on_cpu():
+    if kv_bytes is None and _on_cpu():
         # On CPU, gpu_memory_utilization reserves that share of a NUMA node's
         # memory and fails when other processes use some: size the cache instead.
         kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES

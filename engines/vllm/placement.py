@@ -103,19 +103,12 @@ def one_per_core(cpus: Iterable[Any]) -> list[int]:
     return list(last.values())
 
 
-def on_cpu() -> bool:
-    """Whether vLLM's platform here is the CPU (no accelerator)."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
 def host_units(environ: Mapping[str, str] = os.environ) -> HostUnits:
     """This host's devices, or its CPU cores, as vLLM's platform sees them (none on a
     CPU host whose ``VLLM_CPU_OMP_THREADS_BIND`` the user set: theirs stands)."""
     from vllm.platforms import current_platform
 
-    if on_cpu():
+    if current_platform.is_cpu():
         if environ.get(CPU_BIND_ENV, "auto") != "auto":
             return HostUnits(cpu=True, variable=CPU_BIND_ENV, ids=())
         from vllm.utils.cpu_resource_utils import get_allowed_cpu_list

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engines.vllm.demo_model import ensure_demo_model
 from engines.vllm.engine import VllmEngine, VllmEngineConfig
-from engines.vllm.placement import Env, host_units, on_cpu, plan
+from engines.vllm.placement import Env, host_units, plan
 from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
 from engines.vllm.shared_core import CoreSlot
 from gateway.core.config import Settings
@@ -83,7 +83,7 @@ def guard_scope(settings: Settings) -> str | None:
     else None (each replica's guard on its own)."""
     scope = settings.engine.guard_scope
     if scope is None:
-        scope = "host" if on_cpu() else "replica"
+        scope = "host" if host_units().cpu else "replica"
     return "host" if scope == "host" and settings.engine.replicas > 1 else None
 
 

@@ -12,6 +12,7 @@ import pytest
 from engines.base import GenerateRequest, SamplingOptions
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
+from engines.vllm.placement import HostUnits
 from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
 from gateway.local import build
@@ -149,6 +150,7 @@ def test_the_guard_scope_by_setting_and_host(
     monkeypatch: pytest.MonkeyPatch, scope: str | None, replicas: int, cpu: bool,
     expected: str | None,
 ) -> None:  # fmt: skip
-    monkeypatch.setattr(build, "on_cpu", lambda: cpu)
+    units = HostUnits(cpu=cpu, variable="X", ids=("0", "1"))
+    monkeypatch.setattr(build, "host_units", lambda: units)
     settings = Settings(engine={"replicas": replicas, "guard_scope": scope})
     assert build.guard_scope(settings) == expected
