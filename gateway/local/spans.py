@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -148,8 +149,12 @@ class KVSpans:
     # ------------------------------------------------------ probe, warm
 
     async def probe(self, replica: LocationId, tokens: Sequence[int]) -> Agreement:
-        """Compare the engine's block hashes with ours on a probe prompt."""
-        salt = f"vcache-probe:{replica}"
+        """Compare the engine's block hashes with ours on a probe prompt.
+
+        The salt is this probe's own: gateway workers sharing one engine core probe it
+        at the same time, and a probe whose prompt hit another's blocks (then evicted by
+        that probe) would see no blocks of its own stored."""
+        salt = f"vcache-probe:{replica}:{secrets.token_hex(8)}"
         expected = self.hashes(tokens, salt)
         return await kv_probe.probe(self.events, replica, tokens, expected, salt, self._clock)
 

@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import _free_port, rebuild_all, running, wait_for
+from tests.integration.conftest import _free_port, _log_tail, rebuild_all, running, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +34,7 @@ BLOCK = 128
 class Pool:
     port: int
     parent: psutil.Process
+    log: Path
 
     @property
     def url(self) -> str:
@@ -64,6 +66,15 @@ def _ready_everywhere(pool: Pool) -> bool:
     return len(pool.workers()) == 2 and all(c == 200 for c in codes)
 
 
+def _await_ready(pool: Pool, timeout_s: float) -> None:
+    """Both workers ready within ``timeout_s``, or fail with what the pool logged."""
+    deadline = time.monotonic() + timeout_s
+    while not _ready_everywhere(pool):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the pool is not ready in {timeout_s}s; its log:\n{_log_tail(pool.log)}")
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def pool(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -80,8 +91,8 @@ def pool(
         "--kv-cache-bytes", str(KV_CACHE_BYTES), "--max-model-len", "2048", "--enforce-eager",
     ]  # fmt: skip
     with running(cmd, env, f"http://127.0.0.1:{port}/readyz", tmp / "gateway.log", "workers") as p:
-        pool = Pool(port, psutil.Process(p.pid))
-        wait_for(lambda: _ready_everywhere(pool), timeout_s=120)
+        pool = Pool(port, psutil.Process(p.pid), tmp / "gateway.log")
+        _await_ready(pool, timeout_s=120)
         yield pool
     rebuilt, failed = rebuild_all(sessions, demo_model)
     assert rebuilt > 0 and not failed, f"requests that do not rebuild: {failed}"
@@ -167,7 +178,7 @@ def test_a_lost_worker_leaves_the_other_serving_and_a_lost_core_restarts_the_set
     core.send_signal(signal.SIGKILL)
     # the parent stops the survivor and starts the core and both workers again
     wait_for(lambda: _gone(survivor), timeout_s=30)
-    wait_for(lambda: _ready_everywhere(pool), timeout_s=180)
+    _await_ready(pool, timeout_s=180)
     assert len(pool.cores()) == 1 and core.pid not in [c.pid for c in pool.cores()]
     status, usage, predicted = _chat(pool.connect(pool.workers()[0]), _text(1))
     assert status == 200  # the restarted core's cache is empty: nothing predicted
