@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -127,6 +128,8 @@ def serve(settings: Settings, argv: list[str]) -> int:
     from gateway.workers import WORKER_ENV, reuse_port_socket
 
     setup_logging(settings.log_level, settings.log_format)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: a process that hangs says where
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if settings.workers > 1 and WORKER_ENV not in os.environ:  # the parent of the workers
         return serve_workers(settings, argv)
     attached = slots_from_env(os.environ)  # a worker beside its parent's engine cores
