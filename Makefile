@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration bench bench-memory bench-proxy bench-workers fuzz loadtest loadtest-control loadtest-agents clean
+.PHONY: setup serve test lint typecheck unit integration bench bench-memory bench-render bench-proxy bench-workers fuzz loadtest loadtest-control loadtest-agents clean
 
 setup:
 	@bash scripts/setup.sh
@@ -36,6 +36,9 @@ bench: setup
 
 bench-memory: setup
 	$(BIN)/python loadtests/bench_memory.py
+
+bench-render: setup
+	$(BIN)/python loadtests/bench_render.py $(RENDER_ARGS)
 
 bench-workers: setup
 	$(BIN)/python loadtests/bench_workers.py $(WORKERS_ARGS)

@@ -6,6 +6,8 @@ the engine, so the tokens that end up in the prefix cache are known exactly.
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
@@ -29,6 +31,10 @@ class ChatTokenizer:
 
         hf = cast(_HFTokenizer, AutoTokenizer.from_pretrained(path_or_id))
         return cls(hf, name=path_or_id)
+
+    def clone(self) -> ChatTokenizer:
+        """A copy of its own, for another thread (a fast tokenizer is not shared safely)."""
+        return ChatTokenizer(copy.deepcopy(self._tok), self.name)
 
     @property
     def hf(self) -> Any:
@@ -84,3 +90,20 @@ class ChatTokenizer:
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding on some versions
             out = out["input_ids"]
         return [int(t) for t in out]
+
+
+class ThreadCopies:
+    """A copy of a tokenizer for each thread that asks for one, made again when the
+    tokenizer asked for is another (a restarted engine's): a Hugging Face fast
+    tokenizer is not safe to use from two threads at once ("Already borrowed",
+    huggingface/tokenizers#537)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self, tok: ChatTokenizer) -> ChatTokenizer:
+        pair: tuple[ChatTokenizer, ChatTokenizer] | None = getattr(self._local, "pair", None)
+        if pair is None or pair[0] is not tok:
+            pair = (tok, tok.clone())
+            self._local.pair = pair
+        return pair[1]

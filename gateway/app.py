@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from engines.base import Engine
 from engines.providers.specs import adapter_for
 from engines.providers.transport import Transport
-from engines.tokenizer import ChatTokenizer
+from engines.tokenizer import ChatTokenizer, ThreadCopies
 from gateway.core.config import Settings
 from gateway.core.loop_watch import LoopWatch, freeze_startup_heap
 from gateway.core.metrics import MULTIPROC_ENV, Metrics
@@ -74,9 +74,11 @@ def _session_log(settings: Settings, replicas: Sequence[Replica]) -> SessionLog 
         return None
     store = SessionStore(cfg.db_path(settings.data_dir), cfg.fsync, url=cfg.url)
 
+    copies = ThreadCopies()  # a rebuild to verify runs on a worker thread: a copy there
+
     def tokenizer() -> ChatTokenizer | None:
         ready = [r.engine for r in replicas if r.engine.ready]
-        return ready[0].tokenizer if ready else None
+        return copies(ready[0].tokenizer) if ready else None
 
     rebuild = Reconstructor(adapter_for, tokenizer)
     return SessionLog(store, rebuild, cfg.verify_reconstruction, cfg.cached_sessions)
@@ -247,6 +249,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
             await supervisor.close()
+            app.state.service.close()
             await bus.close()
             watch.stop()
             if providers is not None:

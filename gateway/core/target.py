@@ -136,10 +136,11 @@ class Target(Protocol[P]):
         priority first)."""
         ...
 
-    def quote(self, name: str, call: Call) -> Quote | None:
-        """What ``call`` would cost on target ``name`` now, from what is known (no I/O,
-        no side effects: a target not chosen is left as it was); None where it cannot
-        say (not ready, or the call is one it refuses: its prepare says why)."""
+    async def quote(self, name: str, call: Call) -> Quote | None:
+        """What ``call`` would cost on target ``name`` now, from what is known (no I/O:
+        awaited only for a render off the event loop; no side effects: a target not
+        chosen is left as it was); None where it cannot say (not ready, or the call is
+        one it refuses: its prepare says why)."""
         ...
 
     async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> P:

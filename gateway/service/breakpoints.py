@@ -34,14 +34,16 @@ REMEMBERED = 1024
 
 
 class PrefixLengths:
-    """How many leading tokens of a prompt a prefix of its conversation renders to."""
+    """How many leading tokens of a prompt a prefix of its conversation renders to
+    (``render``: the render thread's, :mod:`gateway.service.render_thread`, the one
+    thread that asks)."""
 
-    def __init__(self, render: Render) -> None:
-        self._render = render
+    def __init__(self) -> None:
         self._seen: OrderedDict[tuple[SystemPrompts, bytes, Turns], int] = OrderedDict()
 
     def __call__(
         self,
+        render: Render,
         system: SystemPrompts,
         turns: Turns,
         tools: list[dict[str, Any]],
@@ -52,7 +54,7 @@ class PrefixLengths:
         if n is not None:
             self._seen.move_to_end(key)
             return n
-        head = self._render(system, turns, tools)
+        head = render(system, turns, tools)
         n = 0
         while n < min(len(head), len(ids)) and head[n] == ids[n]:
             n += 1
@@ -63,6 +65,7 @@ class PrefixLengths:
 
     def ends(
         self,
+        render: Render,
         marks: Sequence[Breakpoint],
         system: SystemPrompts,
         turns: Turns,
@@ -72,11 +75,11 @@ class PrefixLengths:
         out = []
         for bp in marks:
             if bp.segment in ("tools", "system"):
-                pos = self(system, (), tools, ids)
+                pos = self(render, system, (), tools, ids)
             else:
                 i = int(bp.segment.partition(":")[2])
                 last = i >= len(turns) - 1
-                pos = len(ids) if last else self(system, turns[: i + 1], tools, ids)
+                pos = len(ids) if last else self(render, system, turns[: i + 1], tools, ids)
             out.append((pos, bp.ttl_s))
         return out
 

@@ -142,15 +142,9 @@ WarmProvider = Callable[[ChatCompletionRequest, str, str, str], Awaitable[Usage]
 class _Spans:
     """A cache request resolved to tokens (when given), block hashes and replicas."""
 
-    def __init__(self, body: CacheRequest, who: Principal, local: LocalChat, kv: KVSpans):
+    def __init__(self, body: CacheRequest, who: Principal, tokens: list[int] | None, kv: KVSpans):
         self.salt = tenant_salt(body.tenant or who.tenant)
-        self.tokens: list[int] | None = None
-        if body.messages:
-            self.tokens = local.chat_tokens(body.messages)
-        elif body.prompt:
-            self.tokens = local.text_tokens(body.prompt, add_special_tokens=True)  # as completions
-        elif body.token_ids:
-            self.tokens = local.check_token_ids(list(body.token_ids), "token_ids")
+        self.tokens = tokens
         self.hashes: list[BlockHash]
         if self.tokens is not None:
             self.hashes = kv.hashes(self.tokens, self.salt)
@@ -202,11 +196,19 @@ class CacheService:
             )
         return self._kv
 
-    def _spans(self, body: CacheRequest, who: Principal) -> tuple[KVSpans, _Spans]:
+    async def _spans(self, body: CacheRequest, who: Principal) -> tuple[KVSpans, _Spans]:
         check_scope(body, who)
-        self._local.check_model(body.model, self._model)
+        local = self._local
+        local.check_model(body.model, self._model)
         kv = self._manager()
-        return kv, _Spans(body, who, self._local, kv)
+        tokens: list[int] | None = None
+        if body.messages:
+            tokens = await local.chat_tokens(body.messages)
+        elif body.prompt:
+            tokens = await local.text_tokens(body.prompt, add_special_tokens=True)  # as completions
+        elif body.token_ids:
+            tokens = local.check_token_ids(list(body.token_ids), "token_ids")
+        return kv, _Spans(body, who, tokens, kv)
 
     @staticmethod
     def require_admin(who: Principal) -> None:
@@ -215,7 +217,7 @@ class CacheService:
 
     @maps_engine_errors
     async def lookup(self, body: CacheRequest, who: Principal) -> LookupResponse:
-        kv, spans = self._spans(body, who)
+        kv, spans = await self._spans(body, who)
         await kv.sync(barrier=True)
         n = len(spans.tokens) if spans.tokens is not None else len(spans.hashes) * kv.block_size + 1
         predicted = kv.predict(spans.hashes, n)
@@ -239,7 +241,7 @@ class CacheService:
 
     @maps_engine_errors
     async def pin(self, body: CacheRequest, who: Principal) -> PinResponse:
-        kv, spans = self._spans(body, who)
+        kv, spans = await self._spans(body, who)
         await kv.sync(barrier=True)
         owner = who.key_name or who.tenant
         results = [await kv.pin(r, spans.hashes, owner, body.lease_s) for r in spans.replicas]
@@ -256,7 +258,7 @@ class CacheService:
 
     @maps_engine_errors
     async def unpin(self, body: CacheRequest, who: Principal) -> UnpinResponse:
-        kv, spans = self._spans(body, who)
+        kv, spans = await self._spans(body, who)
         owner = who.key_name or who.tenant
         return UnpinResponse(
             replicas=[
@@ -283,7 +285,7 @@ class CacheService:
             return EvictResponse(
                 replicas=[ReplicaEvictions(replica=target, evicted=[str(n)], busy=[])]
             )
-        kv, spans = self._spans(body, who)
+        kv, spans = await self._spans(body, who)
         out = []
         for r in spans.replicas:
             evicted, busy = await kv.evict(r, spans.hashes)
@@ -313,7 +315,7 @@ class CacheService:
 
     @maps_engine_errors
     async def warm(self, body: CacheRequest, who: Principal) -> WarmResponse:
-        kv, spans = self._spans(body, who)
+        kv, spans = await self._spans(body, who)
         if spans.tokens is None:
             raise InvalidRequest(
                 "warm needs a prompt (messages, prompt or token_ids), not block hashes",

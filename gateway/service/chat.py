@@ -32,7 +32,6 @@ from gateway.core.outputs import (
 )
 from gateway.core.schemas import (
     ChatCompletionRequest,
-    ChatMessage,
     SamplingFields,
 )
 from gateway.core.shaping import (
@@ -183,14 +182,12 @@ class GatewayService:
         """``model`` is the local model and it can serve now."""
         self.local.check_model(model, self._model)
 
-    def chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
-        return self.local.chat_tokens(messages)
-
-    def text_tokens(self, text: str) -> list[int]:
-        return self.local.text_tokens(text)
-
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
         return self.local.check_token_ids(ids, param)
+
+    def close(self) -> None:
+        """Stop the local path's render thread."""
+        self.local.close()
 
     # ------------------------------------------------------------ chat
 

@@ -12,9 +12,10 @@ vLLM reports it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from gateway.core.config import LOCAL_TARGET, RetentionSettings
 from gateway.core.errors import APIError, InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import Usage
 from gateway.core.schemas import (
+    Breakpoint,
     ChatCompletionRequest,
     ChatMessage,
     SamplingFields,
@@ -43,9 +45,10 @@ from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
-from gateway.service.breakpoints import PrefixLengths, retained
+from gateway.service.breakpoints import Ends, PrefixLengths, retained
 from gateway.service.engine_request import Room, check_token_ids, generate_request, vocab_size
 from gateway.service.json_text import escaped_json, json_answer
+from gateway.service.render_thread import RenderThread
 from gateway.service.tools import ToolPlan
 from gateway.sessions.render import (
     chat_prompt,
@@ -64,6 +67,16 @@ Turns = tuple[MessageEvent, ...]
 
 
 @dataclass(frozen=True)
+class Rendered:
+    """A chat prompt's token ids, with where its parts end: the system prompts and tools
+    (the governor's anchor, when there are system prompts) and each client breakpoint."""
+
+    ids: list[int]
+    anchor: int = 0
+    ends: Ends = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class LocalPrepared:
     """A chat call tokenized and routed to a replica: what vLLM will be handed."""
 
@@ -76,6 +89,7 @@ class LocalPrepared:
     system: SystemPrompts
     tools: list[dict[str, Any]]
     t0: float
+    ends: Ends = field(default_factory=list)  # the client's breakpoints, in tokens
     notes: Mapping[str, str] = field(default_factory=dict)
     template: Mapping[str, Any] = field(default_factory=dict)  # the prompt shaping, resolved
     target: str = LOCAL_TARGET
@@ -110,7 +124,8 @@ class LocalChat:
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
         self.governor: LocalGovernor | None = None  # pins anchors worth holding
-        self._prefix = PrefixLengths(self._render)  # prefix token lengths, remembered
+        self._prefix = PrefixLengths()  # prefix token lengths, remembered
+        self._renders = RenderThread()  # templates and tokenizers run off the event loop
         self.leases = BreakpointLeases()  # the KV blocks through clients' breakpoints
         # agent sessions: the replica of the last turn, KV leased across tool-call pauses
         self.turns = turns or SessionTurns(RetentionSettings(), self.leases)
@@ -155,7 +170,10 @@ class LocalChat:
                 f"The model '{model}' does not exist", param="model", code="model_not_found"
             )
 
-    def chat_tokens(
+    def close(self) -> None:
+        self._renders.close()
+
+    async def chat_tokens(
         self,
         messages: list[ChatMessage],
         tools: list[dict[str, Any]] | None = None,
@@ -163,19 +181,32 @@ class LocalChat:
     ) -> list[int]:
         """Token ids of ``messages`` through the model's chat template, rendered from the
         parts the session log keeps (so a rebuilt request renders the same)."""
-        return self._render(*split_messages(messages), tools, template)
+        system, turns = split_messages(messages)
+        return await self._renders.run(
+            self.engine.tokenizer, lambda tok: _render(tok, system, turns, tools, template)
+        )
 
-    def _render(
+    async def _rendered(
         self,
         system: SystemPrompts,
         turns: Turns,
-        tools: list[dict[str, Any]] | None,
-        template: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        # the tools as the log keeps them (canonical JSON), so a rebuilt prompt is the same
-        kept = json.loads(canonical_json(tools)) if tools else None
-        messages = local_messages(system, turns)
-        return chat_prompt(self.engine.tokenizer, messages, kept, template)
+        tools: list[dict[str, Any]],
+        template: Mapping[str, Any],
+        marks: Sequence[Breakpoint] = (),
+        memo: list[int] | None = None,
+    ) -> Rendered:
+        """The prompt (``memo``: rendered already, to quote), and where the governor's
+        anchor and the client's breakpoints ``marks`` end in it: one render-thread job."""
+        anchor = self.governor is not None and bool(system)
+
+        def job(tok: ChatTokenizer) -> Rendered:
+            render = functools.partial(_render, tok)
+            ids = memo if memo is not None else render(system, turns, tools, template)
+            n = self._prefix(render, system, (), tools, ids) if anchor else 0
+            ends = self._prefix.ends(render, marks, system, turns, tools, ids) if marks else []
+            return Rendered(ids, n, ends)
+
+        return await self._renders.run(self.engine.tokenizer, job)
 
     def _shaping(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """The request's prompt shaping as rendered and journaled: a request's own chat
@@ -193,8 +224,10 @@ class LocalChat:
             template["truncate_prompt_tokens"] = keep
         return template
 
-    def text_tokens(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens)
+    async def text_tokens(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return await self._renders.run(
+            self.engine.tokenizer, lambda tok: tok.encode(text, add_special_tokens)
+        )
 
     def _vocab(self) -> int:
         return vocab_size(self.engine)
@@ -206,20 +239,9 @@ class LocalChat:
     # ------------------------------------------------------------ chat
 
     def _chat_request(
-        self,
-        req: ChatCompletionRequest,
-        who: Principal,
-        rid: str,
-        system: SystemPrompts,
-        turns: Turns,
-        tools: list[dict[str, Any]],
-        template: Mapping[str, Any],
-        ids: list[int] | None = None,
+        self, req: ChatCompletionRequest, who: Principal, rid: str, ids: list[int]
     ) -> tuple[GenerateRequest, ToolPlan | None]:
-        self.check_ready()
         plan = self._tool_plan(req)
-        if ids is None:  # else rendered already, to quote
-            ids = self._render(system, turns, tools, template)
         limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         fmt = req.structured()
         structured = plan.structured() if plan is not None else None
@@ -240,14 +262,18 @@ class LocalChat:
     def admission(self, call: Call) -> AbstractContextManager[None]:
         return self.dispatcher.admit(call.who.priority)
 
-    def quote(self, name: str, call: Call) -> Quote | None:
+    async def quote(self, name: str, call: Call) -> Quote | None:
         """The prompt's tokens and the most of them a serving replica holds now (the
         exact index as it stands: no sync, nothing routed), at the local price."""
         if not self.ready:
             return None
         req = call.request
         try:
-            ids = self._render(*request_parts(req), req.tool_dicts(), self._shaping(req))
+            system, turns = request_parts(req)
+            tools, template = req.tool_dicts(), self._shaping(req)
+            ids = await self._renders.run(
+                self.engine.tokenizer, lambda t: _render(t, system, turns, tools, template)
+            )
         except APIError:
             return None  # its prepare says what is wrong, in the API's terms
         cached = 0  # free replicas cost nothing whatever they hold: no index walk then
@@ -263,25 +289,29 @@ class LocalChat:
         system, turns = request_parts(req)  # what is rendered is what is journaled
         tools = req.tool_dicts()  # dumped once: the render, the anchor, the header
         with trace.step("tokenize") as span:
+            self.check_ready()
             template = self._shaping(req)
-            ids = quote.memo if quote is not None else None
-            greq, plan = self._chat_request(req, who, rid, system, turns, tools, template, ids)
+            memo = quote.memo if quote is not None else None
+            marks = req.hints.breakpoints
+            r = await self._rendered(system, turns, tools, template, marks, memo)
+            greq, plan = self._chat_request(req, who, rid, r.ids)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
         key = _session_key(call)
         home = self.turns.replica(key)
         size = self.turns.lease_blocks(who.tenant) if key is not None and home is None else None
         d = await self.route(greq, call.route, trace, home, size)
         kv = self.dispatcher.kv
-        if self.governor is not None and kv is not None and d.hashes and system:
-            n = self._prefix(system, (), tools, greq.prompt_token_ids)
-            self.governor.observe(d.replica_id, d.hashes, n // kv.block_size)
+        if self.governor is not None and kv is not None and d.hashes and r.anchor:
+            self.governor.observe(d.replica_id, d.hashes, r.anchor // kv.block_size)
         notes: dict[str, str] = {}
         asked = req.output_limit()
         if asked is not None and greq.sampling.max_tokens < asked:
             notes["x-vcache-max-tokens-clamped"] = str(greq.sampling.max_tokens)
         config = request_config(req, None)
         header = Header.make(req.model, LOCAL_TARGET, system, tools or None, config)
-        return LocalPrepared(call, greq, plan, d, header, turns, system, tools, t0, notes, template)
+        return LocalPrepared(
+            call, greq, plan, d, header, turns, system, tools, t0, r.ends, notes, template
+        )
 
     def send(self, p: LocalPrepared, session: str | None) -> Pieces:
         pieces = self.pieces(p.greq, p.dispatch, "chat", p.t0, p.call.trace)
@@ -289,14 +319,11 @@ class LocalChat:
             pieces = p.plan.stream(pieces)
         elif json_answer(p.greq):
             pieces = escaped_json(pieces)
-        req = p.call.request
-        if req.hints.breakpoints:
-            ids = p.greq.prompt_token_ids
-            ends = self._prefix.ends(req.hints.breakpoints, p.system, p.turns, p.tools, ids)
+        if p.ends:
             owner = f"breakpoints:{p.call.who.tenant}:{session or p.call.request_id}"
             kv = self.dispatcher.kv
             block = kv.block_size if kv is not None else self.engine.capabilities.block_size
-            pieces = retained(pieces, p.dispatch, ends, owner, kv, block, self.leases)
+            pieces = retained(pieces, p.dispatch, p.ends, owner, kv, block, self.leases)
         key = _session_key(p.call) or (f"{p.call.who.tenant}:log:{session}" if session else None)
         if key is not None:
             self.turns.began(key, p.call.who.tenant)
@@ -389,6 +416,19 @@ class LocalChat:
         return generate_request(
             rid, ids, req, limit, params, who, room, logprobs, structured, top_k, prompt_logprobs
         )
+
+
+def _render(
+    tok: ChatTokenizer,
+    system: SystemPrompts,
+    turns: Turns,
+    tools: list[dict[str, Any]] | None,
+    template: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """The prompt's token ids through the chat template (on the render thread)."""
+    # the tools as the log keeps them (canonical JSON), so a rebuilt prompt is the same
+    kept = json.loads(canonical_json(tools)) if tools else None
+    return chat_prompt(tok, local_messages(system, turns), kept, template)
 
 
 def _session_key(call: Call) -> str | None:

@@ -48,7 +48,7 @@ class ServiceLoop:
         self._resolve = resolve  # a target name → the Target that serves it
         self.routing = routing or RoutingSettings()
 
-    def order(
+    async def order(
         self, names: Sequence[str], call: Call, served: Served
     ) -> list[tuple[str, Quote | None]]:
         """``names`` in the order they are tried, each with its quote: cheapest first when
@@ -61,7 +61,7 @@ class ServiceLoop:
         quotes: list[Quote] = []
         with call.trace.step("quote"):
             for n in names:
-                q = self._resolve(n).quote(n, call)
+                q = await self._resolve(n).quote(n, call)
                 if q is None:
                     return alias
                 quotes.append(q)
@@ -83,7 +83,7 @@ class ServiceLoop:
         ``call``, its first piece produced (each fallback is a request of its own, with an
         id of its own).  ``whole``: the answer is read to its end here, so a target that
         fails at any point before it ends falls back too."""
-        order = self.order(names, call, served)
+        order = await self.order(names, call, served)
         for i, (name, quote) in enumerate(order):
             attempt = (
                 call if i == 0 else dataclasses.replace(call, request_id=f"{call.request_id}-{i}")

@@ -232,11 +232,11 @@ class Messages:
         events = stream_events(message_id(), req.model, routed.body.pieces)
         return Routed(events, routed.served)
 
-    def count_tokens(self, req: MessagesRequest) -> TokenCount:
+    async def count_tokens(self, req: MessagesRequest) -> TokenCount:
         """The prompt's tokens as the local model renders it: what the next request
         reports as input + cache read + cache creation tokens."""
         chat = chat_request(req)
         self._svc.local_only(req.model, "token counts")
         self._svc.local.check_ready()
-        ids = self._svc.local.chat_tokens(chat.messages, chat.tool_dicts() or None)
+        ids = await self._svc.local.chat_tokens(chat.messages, chat.tool_dicts() or None)
         return TokenCount(input_tokens=len(ids))

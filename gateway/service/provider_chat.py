@@ -164,7 +164,7 @@ class ProviderChat:
         chat, lint = provider_call(header, turns, self.layouts)
         return header, turns, chat, lint
 
-    def quote(self, name: str, call: Call) -> Quote | None:
+    async def quote(self, name: str, call: Call) -> Quote | None:
         """The prompt's estimated tokens and those believed warm (weighed by the belief's
         probability), at the target's prices: nothing planned, nothing counted."""
         try:

@@ -60,7 +60,7 @@ def _shaping(req: TokenizeRequest) -> dict[str, Any]:
     return out
 
 
-def tokenize(svc: GatewayService, req: TokenizeRequest, who: Principal) -> TokenizeResponse:
+async def tokenize(svc: GatewayService, req: TokenizeRequest, who: Principal) -> TokenizeResponse:
     """The ids the request path would send; ``add_special_tokens`` defaults as vLLM's:
     on for a prompt (as text completions tokenize it), off for messages."""
     svc.check_model(req.model or svc.model_name)
@@ -69,10 +69,10 @@ def tokenize(svc: GatewayService, req: TokenizeRequest, who: Principal) -> Token
         tools: list[dict[str, Any]] | None = (
             [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         )
-        ids = local.chat_tokens(req.messages, tools, _shaping(req))
+        ids = await local.chat_tokens(req.messages, tools, _shaping(req))
     else:
         special = req.add_special_tokens is not False
-        ids = local.text_tokens(req.prompt or "", add_special_tokens=special)
+        ids = await local.text_tokens(req.prompt or "", add_special_tokens=special)
     tok = local.engine.tokenizer
     kv = svc.dispatcher.kv
     return TokenizeResponse(

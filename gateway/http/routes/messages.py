@@ -112,4 +112,4 @@ async def create_message(body: MessagesRequest, call: Caller, request: Request) 
 )
 async def count_tokens(body: CountTokensRequest, call: Caller, response: Response) -> TokenCount:
     response.headers["request-id"] = call.request_id
-    return call.api.count_tokens(body)
+    return await call.api.count_tokens(body)

@@ -27,7 +27,7 @@ Who = Annotated[Principal, Depends(require_principal)]
 
 @router.post("/tokenize", responses=errors(400, 401, 404, 503))
 async def tokenize_route(body: TokenizeRequest, who: Who, svc: Svc) -> TokenizeResponse:
-    return tokenize(svc, body, who)
+    return await tokenize(svc, body, who)
 
 
 @router.post("/detokenize", responses=errors(400, 401, 404, 503))

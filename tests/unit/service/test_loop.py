@@ -64,7 +64,7 @@ class FakeTarget:
     def admission(self, call: Call) -> AbstractContextManager[None]:
         return self._admitted()
 
-    def quote(self, name: str, call: Call) -> Quote | None:
+    async def quote(self, name: str, call: Call) -> Quote | None:
         self.log.append(f"quote {name}")
         if self.cached is None:
             return None
