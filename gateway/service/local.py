@@ -12,10 +12,8 @@ vLLM reports it.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +25,6 @@ from gateway.core.config import LOCAL_TARGET, RetentionSettings
 from gateway.core.errors import APIError, InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import Usage
 from gateway.core.schemas import (
-    Breakpoint,
     ChatCompletionRequest,
     ChatMessage,
     SamplingFields,
@@ -45,14 +42,12 @@ from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
-from gateway.service.breakpoints import Ends, PrefixLengths, retained
+from gateway.service.breakpoints import Ends, SystemPrompts, Turns, retained
 from gateway.service.engine_request import Room, check_token_ids, generate_request, vocab_size
 from gateway.service.json_text import escaped_json, json_answer
-from gateway.service.render_thread import RenderThread
+from gateway.service.prompts import Prompts
 from gateway.service.tools import ToolPlan
 from gateway.sessions.render import (
-    chat_prompt,
-    local_messages,
     request_config,
     request_parts,
     split_messages,
@@ -60,20 +55,7 @@ from gateway.sessions.render import (
 )
 from manifest.canonical import canonical_json
 from manifest.index import LocationId
-from manifest.sessionlog import Header, MessageEvent
-
-SystemPrompts = tuple[str, ...]
-Turns = tuple[MessageEvent, ...]
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """A chat prompt's token ids, with where its parts end: the system prompts and tools
-    (the governor's anchor, when there are system prompts) and each client breakpoint."""
-
-    ids: list[int]
-    anchor: int = 0
-    ends: Ends = field(default_factory=list)
+from manifest.sessionlog import Header
 
 
 @dataclass(frozen=True)
@@ -124,8 +106,7 @@ class LocalChat:
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
         self.governor: LocalGovernor | None = None  # pins anchors worth holding
-        self._prefix = PrefixLengths()  # prefix token lengths, remembered
-        self._renders = RenderThread()  # templates and tokenizers run off the event loop
+        self._prompts = Prompts()  # templates and tokenizers run off the event loop
         self.leases = BreakpointLeases()  # the KV blocks through clients' breakpoints
         # agent sessions: the replica of the last turn, KV leased across tool-call pauses
         self.turns = turns or SessionTurns(RetentionSettings(), self.leases)
@@ -171,7 +152,7 @@ class LocalChat:
             )
 
     def close(self) -> None:
-        self._renders.close()
+        self._prompts.close()
 
     async def chat_tokens(
         self,
@@ -182,31 +163,7 @@ class LocalChat:
         """Token ids of ``messages`` through the model's chat template, rendered from the
         parts the session log keeps (so a rebuilt request renders the same)."""
         system, turns = split_messages(messages)
-        return await self._renders.run(
-            self.engine.tokenizer, lambda tok: _render(tok, system, turns, tools, template)
-        )
-
-    async def _rendered(
-        self,
-        system: SystemPrompts,
-        turns: Turns,
-        tools: list[dict[str, Any]],
-        template: Mapping[str, Any],
-        marks: Sequence[Breakpoint] = (),
-        memo: list[int] | None = None,
-    ) -> Rendered:
-        """The prompt (``memo``: rendered already, to quote), and where the governor's
-        anchor and the client's breakpoints ``marks`` end in it: one render-thread job."""
-        anchor = self.governor is not None and bool(system)
-
-        def job(tok: ChatTokenizer) -> Rendered:
-            render = functools.partial(_render, tok)
-            ids = memo if memo is not None else render(system, turns, tools, template)
-            n = self._prefix(render, system, (), tools, ids) if anchor else 0
-            ends = self._prefix.ends(render, marks, system, turns, tools, ids) if marks else []
-            return Rendered(ids, n, ends)
-
-        return await self._renders.run(self.engine.tokenizer, job)
+        return await self._prompts.chat(self.engine.tokenizer, system, turns, tools, template)
 
     def _shaping(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """The request's prompt shaping as rendered and journaled: a request's own chat
@@ -225,9 +182,7 @@ class LocalChat:
         return template
 
     async def text_tokens(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return await self._renders.run(
-            self.engine.tokenizer, lambda tok: tok.encode(text, add_special_tokens)
-        )
+        return await self._prompts.text(self.engine.tokenizer, text, add_special_tokens)
 
     def _vocab(self) -> int:
         return vocab_size(self.engine)
@@ -271,9 +226,7 @@ class LocalChat:
         try:
             system, turns = request_parts(req)
             tools, template = req.tool_dicts(), self._shaping(req)
-            ids = await self._renders.run(
-                self.engine.tokenizer, lambda t: _render(t, system, turns, tools, template)
-            )
+            ids = await self._prompts.chat(self.engine.tokenizer, system, turns, tools, template)
         except APIError:
             return None  # its prepare says what is wrong, in the API's terms
         cached = 0  # free replicas cost nothing whatever they hold: no index walk then
@@ -292,8 +245,10 @@ class LocalChat:
             self.check_ready()
             template = self._shaping(req)
             memo = quote.memo if quote is not None else None
-            marks = req.hints.breakpoints
-            r = await self._rendered(system, turns, tools, template, marks, memo)
+            anchor, marks = self.governor is not None, req.hints.breakpoints
+            r = await self._prompts.rendered(
+                self.engine.tokenizer, system, turns, tools, template, anchor, marks, memo
+            )
             greq, plan = self._chat_request(req, who, rid, r.ids)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
         key = _session_key(call)
@@ -416,19 +371,6 @@ class LocalChat:
         return generate_request(
             rid, ids, req, limit, params, who, room, logprobs, structured, top_k, prompt_logprobs
         )
-
-
-def _render(
-    tok: ChatTokenizer,
-    system: SystemPrompts,
-    turns: Turns,
-    tools: list[dict[str, Any]] | None,
-    template: Mapping[str, Any] | None = None,
-) -> list[int]:
-    """The prompt's token ids through the chat template (on the render thread)."""
-    # the tools as the log keeps them (canonical JSON), so a rebuilt prompt is the same
-    kept = json.loads(canonical_json(tools)) if tools else None
-    return chat_prompt(tok, local_messages(system, turns), kept, template)
 
 
 def _session_key(call: Call) -> str | None:

@@ -1,0 +1,101 @@
+"""The local model's prompts, rendered on the render thread.
+
+A chat renders through the model's template from the parts the session log
+keeps (system prompts, turns, tools in canonical JSON), so a rebuilt request
+renders the same.  One job per request gives the prompt's ids and where the
+governor's anchor (the system prompts and tools) and each client breakpoint
+end in them (:class:`~gateway.service.breakpoints.PrefixLengths`, whose
+memory only the render thread touches).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.tokenizer import ChatTokenizer
+from gateway.core.schemas import Breakpoint
+from gateway.service.breakpoints import Ends, PrefixLengths, SystemPrompts, Turns
+from gateway.service.render_thread import RenderThread
+from gateway.sessions.render import chat_prompt, local_messages
+from manifest.canonical import canonical_json
+
+Tools = list[dict[str, Any]] | None
+Template = Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A chat prompt's token ids, with where its parts end: the system prompts and tools
+    (the governor's anchor, when asked and there are system prompts) and each client
+    breakpoint."""
+
+    ids: list[int]
+    anchor: int = 0
+    ends: Ends = field(default_factory=list)
+
+
+class Prompts:
+    """Renders and tokenizes with a copy of the model's tokenizer, off the event loop."""
+
+    def __init__(self) -> None:
+        self._thread = RenderThread()
+        self._prefix = PrefixLengths()  # prefix token lengths, remembered
+
+    async def chat(
+        self,
+        tok: ChatTokenizer,
+        system: SystemPrompts,
+        turns: Turns,
+        tools: Tools,
+        template: Template = None,
+    ) -> list[int]:
+        """The prompt's token ids through the chat template."""
+        return await self._thread.run(tok, lambda t: render(t, system, turns, tools, template))
+
+    async def rendered(
+        self,
+        tok: ChatTokenizer,
+        system: SystemPrompts,
+        turns: Turns,
+        tools: list[dict[str, Any]],
+        template: Mapping[str, Any],
+        anchor: bool = False,
+        marks: Sequence[Breakpoint] = (),
+        memo: list[int] | None = None,
+    ) -> Rendered:
+        """The prompt (``memo``: rendered already, to quote), and where the anchor (if
+        ``anchor`` and there are system prompts) and the breakpoints ``marks`` end in it."""
+        anchor = anchor and bool(system)
+        prefix = self._prefix
+
+        def job(t: ChatTokenizer) -> Rendered:
+            r = functools.partial(render, t)
+            ids = memo if memo is not None else r(system, turns, tools, template)
+            n = prefix(r, system, (), tools, ids) if anchor else 0
+            ends = prefix.ends(r, marks, system, turns, tools, ids) if marks else []
+            return Rendered(ids, n, ends)
+
+        return await self._thread.run(tok, job)
+
+    async def text(self, tok: ChatTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+        return await self._thread.run(tok, lambda t: t.encode(text, add_special_tokens))
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+def render(
+    tok: ChatTokenizer,
+    system: SystemPrompts,
+    turns: Turns,
+    tools: Tools,
+    template: Template = None,
+) -> list[int]:
+    """The prompt's token ids through the chat template (on the render thread)."""
+    # the tools as the log keeps them (canonical JSON), so a rebuilt prompt is the same
+    kept = json.loads(canonical_json(tools)) if tools else None
+    return chat_prompt(tok, local_messages(system, turns), kept, template)
