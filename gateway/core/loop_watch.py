@@ -16,6 +16,13 @@ collector's own passes are timed as well (``gc.callbacks``:
 ``vcache_gc_pause_seconds{generation}``).  The cost is one no-op on the loop
 per interval and a thread that sleeps in between.
 
+A collection runs in whichever thread allocated when it was due, at any
+point of that thread's code, including inside a lock it holds.  Prometheus's
+multiprocess values (``--workers``) share one lock that is not reentrant: a
+pass that began under it, recording its own time into a histogram, waited on
+that lock for ever (a worker hung while vLLM built its metrics).  So the
+callback only notes the pass; the watch thread records and logs it.
+
 Once the replicas are up, :func:`freeze_startup_heap` moves everything
 allocated so far (the modules of torch, transformers and vLLM, the tokenizer,
 the settings) out of the collector's sight, as vLLM's own API server does
@@ -26,6 +33,7 @@ allocated, not the whole startup heap, and pauses the loop for that much less.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import logging
@@ -68,6 +76,12 @@ class LoopWatch:
         self._gc_started: dict[int, float] = {}  # by thread: when its collection began
         self._gc_generation: int | None = None  # of the collection running now
         self._quiet = 0  # > 0: a pause is expected (measured, not logged)
+        # the passes noted by the gc callback, for the watch thread: (generation, seconds,
+        # objects freed, expected); a deque's append and popleft need no lock, and with the
+        # loop closed (no thread to read them) the oldest fall off
+        self._passes: collections.deque[tuple[int, float, int, bool]] = collections.deque(
+            maxlen=1024
+        )
 
     def start(self) -> None:
         gc.callbacks.append(self._gc)
@@ -80,6 +94,7 @@ class LoopWatch:
             gc.callbacks.remove(self._gc)
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._record_passes()
 
     @contextlib.contextmanager
     def expected(self) -> Iterator[None]:
@@ -91,6 +106,8 @@ class LoopWatch:
             self._quiet -= 1
 
     def _gc(self, phase: str, info: dict[str, Any]) -> None:
+        """The collector's callback, in the collecting thread: note the pass, nothing
+        more (no metric, no log: their locks may be held by this very thread)."""
         tid = threading.get_ident()
         if phase == "start":
             self._gc_started[tid] = time.perf_counter()
@@ -98,20 +115,29 @@ class LoopWatch:
             return
         self._gc_generation = None
         began = self._gc_started.pop(tid, None)
-        if began is None:
-            return
-        took, generation = time.perf_counter() - began, int(info["generation"])
-        self.on_gc(generation, took)
-        if took >= self.stall_s and not self._quiet:  # on any thread: the loop waited
-            log.warning(
-                "a garbage collection of generation %d took %.0f ms (%d objects freed)",
-                generation,
-                took * 1000,
-                int(info.get("collected", 0)),
-            )
+        if began is not None:
+            took, freed = time.perf_counter() - began, int(info.get("collected", 0))
+            self._passes.append((int(info["generation"]), took, freed, self._quiet > 0))
+
+    def _record_passes(self) -> None:
+        """The passes noted since the last call, into ``on_gc``; a long one is logged."""
+        while True:
+            try:
+                generation, took, freed, expected = self._passes.popleft()
+            except IndexError:  # none left (stop() and the thread may both ask)
+                return
+            self.on_gc(generation, took)
+            if took >= self.stall_s and not expected:  # on any thread: the loop waited
+                log.warning(
+                    "a garbage collection of generation %d took %.0f ms (%d objects freed)",
+                    generation,
+                    took * 1000,
+                    freed,
+                )
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            self._record_passes()
             t0 = time.perf_counter()
             ran = threading.Event()
             try:
@@ -122,6 +148,7 @@ class LoopWatch:
                 if not self._quiet:
                     self._log_stall()
                 while not ran.wait(0.5):
+                    self._record_passes()
                     if self._stop.is_set() or self.loop.is_closed():
                         return
             self.on_lag(time.perf_counter() - t0)

@@ -175,11 +175,6 @@ def test_a_lost_worker_leaves_the_other_serving(pool: Pool) -> None:
         assert status == 200
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="in CI, after the whole suite, one of the two restarted workers hangs after "
-    "attaching to the new core (2026-12-05, two runs; not seen run alone): open",
-)
 def test_a_lost_core_restarts_the_set(pool: Pool) -> None:
     (survivor,) = pool.workers()  # the test above lost the other
     (core,) = pool.cores()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import threading
 import time
 
 import pytest
@@ -115,3 +116,36 @@ def test_an_expected_pause_is_measured_not_logged(caplog: pytest.LogCaptureFixtu
         stalls, lags = _watched_hold(0.3, expected=True)
     assert stalls == 0 and not caplog.records
     assert max(lags) >= 0.2  # measured all the same
+
+
+def test_a_collection_under_a_lock_its_recording_needs_does_not_wait_for_it() -> None:
+    """A pass runs in the thread that allocated, inside whatever lock that thread holds.
+    Prometheus's multiprocess values share one lock that is not reentrant; recording the
+    pass from the callback, under it, waited for ever.  The watch records it later, on
+    its own thread, once the lock is free."""
+    metric_lock = threading.Lock()  # as prometheus_client's values.MultiProcessValue
+    took_it: list[bool] = []
+    threads: list[str] = []
+
+    def on_gc(generation: int, seconds: float) -> None:
+        took_it.append(metric_lock.acquire(timeout=1))  # in the same thread: False
+        if took_it[-1]:
+            metric_lock.release()
+        threads.append(threading.current_thread().name)
+
+    async def main() -> None:
+        watch = LoopWatch(asyncio.get_running_loop(), lambda s: None, on_gc, interval_s=0.01)
+        watch.start()
+        try:
+            with metric_lock:  # a metric's write, which allocates, and a pass is due
+                gc.collect()
+            for _ in range(200):
+                if threads:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            watch.stop()
+
+    asyncio.run(main())
+    assert took_it and all(took_it)
+    assert threads[0] == "vcache-loop-watch"
