@@ -88,19 +88,22 @@ class SessionLogSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # false: no session log (requests are not rebuildable; the Responses API answers 503)
     enabled: bool = True
     path: Path | None = None  # default: <data_dir>/sessions.db
     # postgresql://user@host/db: one log shared by every gateway (path is then unused)
     url: str | None = Field(None, pattern=r"^(postgres(ql)?|sqlite)://")
     # readiness fails once every commit has failed for this long (the store is down)
     unavailable_grace_s: float = Field(10.0, ge=0)
+    # full: every commit reaches the disk; normal: a power cut may lose the last commits,
+    # never corrupt the log; off: left to the OS
     fsync: Literal["full", "normal", "off"] = "normal"
     verify_reconstruction: bool = False  # rebuild each request from the log before sending
     # Whole sessions older than this, or the oldest beyond the size cap, are deleted at
     # start and every retention_interval_s; None keeps them (no default keeps them forever).
     retention_days: float | None = Field(30, gt=0)
-    retention_max_bytes: int | None = Field(16 << 30, ge=1 << 20)
-    retention_interval_s: float = Field(3600, gt=0)
+    retention_max_bytes: int | None = Field(16 << 30, ge=1 << 20)  # size cap; None: none
+    retention_interval_s: float = Field(3600, gt=0)  # how often retention runs
     cached_sessions: int = Field(4096, ge=1)  # folded session states kept in memory (LRU)
 
     def db_path(self, data_dir: Path) -> Path:
@@ -113,7 +116,7 @@ class StateSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str | None = Field(None, pattern=r"^rediss?://")
+    url: str | None = Field(None, pattern=r"^rediss?://")  # redis://host:port/db; None: in-process
     prefix: str = Field("vcache:", min_length=1, max_length=64)  # every key starts with it
     role_ttl_s: float = Field(10.0, gt=0)  # a dead holder's role passes on after this
     unavailable_grace_s: float = Field(30.0, ge=0)  # readiness fails past it
@@ -135,11 +138,13 @@ class HttpSettings(BaseModel):
 
 
 def _default_data_dir() -> Path:
+    """`$XDG_CACHE_HOME/vcache`, else `~/.cache/vcache`"""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "vcache"
 
 
 def _default_instance_id() -> str:
+    """`<hostname>-<pid>-<8 random hex digits>`"""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
@@ -148,12 +153,15 @@ class Settings(BaseSettings):
         env_prefix="VCACHE_", env_nested_delimiter="__", extra="forbid"
     )
 
-    config_file: Path | None = None
+    config_file: Path | None = None  # the YAML file beneath environment and flags
     model: str | None = None  # local path or hub id; None builds the demo model
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # the name clients send as model; None: model's
+    # the HTTP and gRPC bind address; one other than loopback needs api_keys or
+    # allow_anonymous (`vcache serve` refuses it otherwise)
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=0, le=65535)  # HTTP (0: a free port)
     grpc_port: int | None = Field(50051, ge=0, le=65535)  # None: no gRPC server
+    # the demo model, the session log's SQLite file and provider calibrations
     data_dir: Path = Field(default_factory=_default_data_dir)
     # this gateway among several in front of the same replicas and stores (the engines'
     # pin holds, the shared state's leader); unique per process by default
@@ -165,8 +173,13 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
     control: ControlSettings = Field(default_factory=ControlSettings)
+    # `vllm serve` replicas with the vcache plugins, beside or instead of embedded ones
     remote_replicas: list[RemoteReplicaConfig] = Field(default_factory=list)
+    # accepted keys; none: every caller is the anonymous tenant "default", never an admin
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    # serve a host other than loopback with no api_keys (`vcache serve` refuses it otherwise)
+    allow_anonymous: bool = False
+    # hosted providers by name (anthropic, openai, gemini, deepseek)
     providers: dict[str, ProviderConfig] = Field(default_factory=dict)
     # model alias → ordered targets: "local" (the vLLM replicas) or "provider/model"
     aliases: dict[str, list[str]] = Field(default_factory=dict)
@@ -174,9 +187,9 @@ class Settings(BaseSettings):
     prompt_layout: Literal["canonical", "passthrough"] = "canonical"  # providers only
     session_log: SessionLogSettings = Field(default_factory=SessionLogSettings)
     state: StateSettings = Field(default_factory=StateSettings)
-    max_request_body_bytes: int = Field(4 << 20, ge=1024)
+    max_request_body_bytes: int = Field(4 << 20, ge=1024)  # a larger body is a 413
     http: HttpSettings = Field(default_factory=HttpSettings)
-    log_level: str = "info"
+    log_level: str = "info"  # debug, info, warning or error
     log_format: Literal["text", "json"] = "text"  # json: one object per line
     otlp_endpoint: str | None = None  # OTLP/HTTP traces, e.g. http://collector:4318/v1/traces
 

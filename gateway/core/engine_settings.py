@@ -18,20 +18,22 @@ class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replicas: int = Field(1, ge=0, le=64)  # embedded vLLM engines, one per GPU / TP group
-    max_model_len: int = Field(2048, ge=16)
-    block_size: int | None = Field(None, ge=1)
+    max_model_len: int = Field(2048, ge=16)  # context length, prompt and answer
+    block_size: int | None = Field(None, ge=1)  # KV block tokens; None: vLLM's (128 on CPU)
+    # each replica's KV cache; None: gpu_memory_utilization on a GPU, 1 GiB on CPU
     kv_cache_bytes: int | None = Field(None, ge=1 << 20)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enforce_eager: bool = False
-    hash_seed: str = "0"
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # share of GPU memory vLLM takes
+    enforce_eager: bool = False  # no CUDA graphs or compilation (faster start)
+    hash_seed: str = "0"  # the engines' PYTHONHASHSEED: block hashes depend on it
+    # requests admitted at once (then 503 with Retry-After): see admission_shares
     max_queued_requests: int = Field(256, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)  # GPUs per replica
     # where each embedded replica computes (engines/vllm/placement.py): "auto" gives
     # each its own devices (CUDA_VISIBLE_DEVICES) or CPU cores (VLLM_CPU_OMP_THREADS_BIND)
     # where there are enough, "none" leaves it to vLLM, a list names each replica's own
     # (["0", "1"] GPUs; ["0-7", "8-15"] CPU cores)
     placement: Literal["auto", "none"] | list[str] = "auto"
-    dtype: str = "auto"
+    dtype: str = "auto"  # vLLM's dtype of the weights (auto, float16, bfloat16, ...)
     # the engine processes' CPU niceness above the gateway's own (0-19, as `nice -n`):
     # where the gateway shares cores with its engines, its own work for a request goes
     # first (engines/vllm/niceness.py). None: 10 on a CPU host, where the engines
@@ -53,14 +55,14 @@ class EngineSettings(BaseModel):
     # tokens a step, so a long prompt shares each step with others' first tokens in
     # small pieces (None: vLLM's default, the whole step's budget)
     long_prefill_token_threshold: int | None = Field(None, ge=1)
-    # ... except the prompt of a request whose priority is above every other request's on
-    # its replica: it computes whole (engines/vllm/top_prefill.py)
+    # the prompt of a request whose priority is above every other request's on its
+    # replica computes whole, past long_prefill_token_threshold (engines/vllm/top_prefill.py)
     top_prefill_whole: bool = True
     # while a prompt of the highest priority on a replica is in its prefill, the prompts
     # of lower priorities there compute nothing (their decodes go on); held in vLLM's
     # scheduler at the step boundary (engines/vllm/top_prefill.py)
     top_prefill_alone: bool = True
-    # ... and (with top_prefill_alone) their decodes skip those steps too: the top
+    # with top_prefill_alone, the lower priorities' decodes skip those steps too: the top
     # prefill's steps compute it alone; each lower answer pauses for that prefill
     top_prefill_decodes: bool = False
     # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
@@ -120,8 +122,8 @@ class RemoteReplicaConfig(BaseModel):
     kv_events_replay: str | None = None  # its replay ROUTER endpoint, e.g. tcp://host:5558
     # the replicas' VCACHE_CONTROL_SECRET; unset: the gateway's own VCACHE_CONTROL_SECRET
     control_secret: SecretStr
-    api_key: SecretStr | None = None
-    served_model_name: str | None = None
+    api_key: SecretStr | None = None  # the replica's --api-key, sent as a bearer token
+    served_model_name: str | None = None  # its model's name there; None: its first model
     # the route token ids go to: vLLM's token-in/token-out /inference/v1/generate
     # (generate: the replica runs with --enable-scale-out), /v1/completions, or auto:
     # generate where the replica's OpenAPI document lists it
@@ -141,11 +143,11 @@ class RetentionSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
+    enabled: bool = True  # lease a paused session's blocks on its replica
     quantile: float = Field(0.9, gt=0, lt=1)  # of the session's (else tenant's) gaps
     margin: float = Field(1.5, ge=1)  # the lease is the quantile times this
-    min_lease_s: float = Field(5.0, gt=0)
-    max_lease_s: float = Field(120.0, gt=0)
+    min_lease_s: float = Field(5.0, gt=0)  # the shortest lease
+    max_lease_s: float = Field(120.0, gt=0)  # the longest lease
     default_gap_s: float = Field(30.0, gt=0)  # before any gap has been seen
     min_blocks: int = Field(2, ge=1)  # a shorter prompt is cheaper to prefill again
     max_sessions: int = Field(4096, ge=1)  # sessions remembered (least recent forgotten)
@@ -160,10 +162,12 @@ class CacheSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kv_events: bool = True  # subscribe to the engines' KV events; predictions need them
+    # kv: the replica with the longest predicted cached prefix (within load_imbalance);
+    # round_robin and least_loaded for comparison
     routing: Literal["kv", "round_robin", "least_loaded"] = "kv"
     load_imbalance: int = Field(4, ge=0)  # kv routing falls back to least loaded beyond it
     pin_max_share: float = Field(0.5, gt=0, le=1)  # most of the KV blocks pins may hold
-    default_lease_s: float = Field(300, gt=0)
+    default_lease_s: float = Field(300, gt=0)  # a pin's lease when /v1/cache/pin names none
     # a request's predicted cached blocks are made the last its replica evicts before it
     # runs (gateway/local/refresh.py)
     refresh_predicted: bool = True

@@ -23,9 +23,9 @@ class KeyLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    requests_per_minute: int | None = Field(None, ge=1)
+    requests_per_minute: int | None = Field(None, ge=1)  # requests a minute
     tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion
-    max_concurrent: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)  # requests in flight at once
 
     def empty(self) -> bool:
         return (self.requests_per_minute, self.tokens_per_minute, self.max_concurrent) == (
@@ -38,14 +38,14 @@ class ApiKeyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # the key's hex sha256 (vcache hash-key)
+    # its callers' tenant: their cache salt (no KV shared across tenants) and sessions
     tenant: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    name: str = ""
+    name: str = ""  # names the key in rate-limit errors, metrics and pin owners
     admin: bool = False  # the cache API and routing overrides, within its own tenant
     scope: Literal["tenant", "global"] = "tenant"  # global: an admin over every tenant
-    # x-vcache-priority when the request sends none, and the highest it may ask for
-    priority: Priority = "default"
-    max_priority: Priority = "interactive"
+    priority: Priority = "default"  # x-vcache-priority when the request sends none
+    max_priority: Priority = "interactive"  # the highest x-vcache-priority it may ask for
     limits: KeyLimits = Field(default_factory=KeyLimits)
 
     @model_validator(mode="after")

@@ -21,15 +21,15 @@ class ControlSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["off", "govern", "heartbeat_all"] = "off"
+    mode: Literal["off", "govern", "heartbeat_all"] = "off"  # see above
     tick_s: float = Field(5.0, gt=0)  # real seconds between decisions
     horizon_s: float = Field(3600.0, gt=0)  # arrivals older than this are forgotten
     latency_value: float = Field(1.0, ge=0)  # L: a warm first token, per anchor token
     heartbeat_at: float = Field(0.8, gt=0, lt=1)  # share of the TTL before a heartbeat
     reserve: float = Field(0.25, ge=0, lt=1)  # headroom share kept for real traffic
-    max_warms_per_tick: int = Field(8, ge=0)
+    max_warms_per_tick: int = Field(8, ge=0)  # warms and heartbeats sent per tick, at most
     fan_wait_s: float = Field(10.0, ge=0)  # send-one-then-fan: longest hold of a sibling
-    max_anchors: int = Field(4096, ge=1)
+    max_anchors: int = Field(4096, ge=1)  # anchors tracked at most (new ones past it are not)
     # an agent session's predicted pause, at most (its tip's heartbeats stop there)
     session_max_gap_s: float = Field(3600.0, gt=0)
     # The provider clock runs this many times faster than real time: only for load
@@ -42,8 +42,8 @@ class PriceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    read_mult: float = Field(ge=0, le=1)
-    write_mult: float = Field(ge=0)
+    read_mult: float = Field(ge=0, le=1)  # a cache read, times the uncached input price
+    write_mult: float = Field(ge=0)  # a cache write, times the uncached input price
 
 
 class ProviderConfig(BaseModel):
@@ -53,13 +53,14 @@ class ProviderConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    base_url: str | None = None
-    api_key: SecretStr | None = None
-    api_key_env: str | None = None
-    timeout_s: float = Field(60, gt=0)
-    max_retries: int = Field(2, ge=0, le=10)
-    backoff_base_s: float = Field(0.5, ge=0)
-    backoff_cap_s: float = Field(8, ge=0)
+    base_url: str | None = None  # None: the provider's public API
+    api_key: SecretStr | None = None  # None: from api_key_env
+    api_key_env: str | None = None  # None: the provider's usual variable (ANTHROPIC_API_KEY...)
+    timeout_s: float = Field(60, gt=0)  # longest wait for the next bytes (connect: <= 10 s)
+    max_retries: int = Field(2, ge=0, le=10)  # retries of a failed request before fallback
+    backoff_base_s: float = Field(0.5, ge=0)  # first retry's delay, doubling, with jitter
+    backoff_cap_s: float = Field(8, ge=0)  # the longest backoff delay
+    # a retry-after longer than this is not waited for: the error goes to fallback at once
     max_retry_after_s: float = Field(30, ge=0)
     cache_ttl_s: Literal[300, 3600] = 300  # Anthropic breakpoints: 5m or 1h
     # OpenAI: "24h" asks for extended prompt caching (prefixes kept up to a day); set
@@ -91,7 +92,7 @@ class RoutingSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    by: Literal["cost", "order"] = "cost"
+    by: Literal["cost", "order"] = "cost"  # see above
     # the local replicas' price per million uncached prompt tokens, in the providers'
     # input_prices unit: 0 (owned GPUs) keeps them first wherever they serve
     local_input_price: float = Field(0.0, ge=0)
