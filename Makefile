@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration bench bench-memory bench-render bench-proxy bench-workers fuzz loadtest loadtest-control loadtest-agents clean
+.PHONY: setup serve test lint typecheck unit integration config-docs bench bench-memory bench-render bench-proxy bench-workers fuzz loadtest loadtest-control loadtest-agents clean
 
 setup:
 	@bash scripts/setup.sh
@@ -46,6 +46,9 @@ bench-workers: setup
 bench-proxy: setup
 	@bash scripts/litellm_venv.sh
 	$(BIN)/python loadtests/bench_proxy.py --litellm .bench/litellm/bin/litellm $(PROXY_ARGS)
+
+config-docs: setup
+	$(BIN)/python scripts/gen_config_docs.py
 
 fuzz: setup
 	$(BIN)/python scripts/fuzz_api.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import ipaddress
 import os
 import signal
 import sys
@@ -50,6 +51,22 @@ _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--routing", "cache.routing", str, "kv, round_robin or least_loaded"),
     ("--pin-max-share", "cache.pin_max_share", float, "most of the KV blocks pins may hold"),
 ]
+# Switches of `vcache serve` (--x and --no-x), where they land, and their help.
+_SERVE_SWITCHES: list[tuple[str, str, str]] = [
+    ("--enforce-eager", "engine.enforce_eager", "disable CUDA graphs / compilation"),
+    (
+        "--allow-anonymous",
+        "allow_anonymous",
+        "serve a host other than loopback with no API keys (anonymous callers, never admins)",
+    ),
+]
+
+
+def serve_flags() -> dict[str, str]:
+    """The settings `vcache serve` flags set: dotted setting name to the flag."""
+    out = {dest: flag for flag, dest, _, _ in _SERVE_FLAGS}
+    out |= {dest: f"--[no-]{flag.removeprefix('--')}" for flag, dest, _ in _SERVE_SWITCHES}
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,13 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the gateway")
     for flag, dest, typ, help_ in _SERVE_FLAGS:
         serve.add_argument(flag, dest=dest, type=typ, help=help_, default=argparse.SUPPRESS)
-    serve.add_argument(
-        "--enforce-eager",
-        dest="engine.enforce_eager",
-        action=argparse.BooleanOptionalAction,
-        default=argparse.SUPPRESS,
-        help="disable CUDA graphs / compilation",
-    )
+    for flag, dest, help_ in _SERVE_SWITCHES:
+        serve.add_argument(
+            flag,
+            dest=dest,
+            action=argparse.BooleanOptionalAction,
+            default=argparse.SUPPRESS,
+            help=help_,
+        )
     hk = sub.add_parser("hash-key", help="print the sha256 to put in api_keys")
     hk.add_argument("key")
     dm = sub.add_parser("demo-model", help="build the demo model and print its path")
@@ -115,6 +133,33 @@ def overrides_from_flags(ns: argparse.Namespace) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[leaf] = value
     return out
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this host reaches: 127.0.0.0/8, ::1 (an IPv4-mapped
+    127.x too) or ``localhost``.  Other names are not resolved: they count as public."""
+    name = host.strip().removeprefix("[").removesuffix("]").lower()
+    if name == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def anonymous_bind_refusal(host: str, keyed: bool, allow_anonymous: bool) -> str | None:
+    """Why ``vcache serve`` must not start on ``host`` (None when it may): a host other
+    than loopback with no API keys serves anyone who reaches it, unless asked for by name."""
+    if keyed or allow_anonymous or is_loopback(host):
+        return None
+    return (
+        f"refusing to serve {host} with no API keys (anyone who reaches it could call the "
+        "gateway): configure api_keys, or pass --allow-anonymous (setting allow_anonymous, "
+        "env VCACHE_ALLOW_ANONYMOUS=true) to serve it anonymously"
+    )
 
 
 def serve(settings: Settings, argv: list[str]) -> int:
@@ -233,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_demo_model(settings.data_dir))
         return 0
+    refusal = anonymous_bind_refusal(
+        settings.host, bool(settings.api_keys), settings.allow_anonymous
+    )
+    if refusal is not None:
+        print(f"vcache: {refusal}", file=sys.stderr)
+        raise SystemExit(2)
     return serve(settings, list(argv if argv is not None else sys.argv[1:]))
 
 

@@ -155,12 +155,13 @@ class Settings(BaseSettings):
 
     config_file: Path | None = None  # the YAML file beneath environment and flags
     model: str | None = None  # local path or hub id; None builds the demo model
-    served_model_name: str | None = None  # the name clients send as model; None: model's
+    # the name clients send as `model`; None: `model` itself (vcache-demo for the demo model)
+    served_model_name: str | None = None
     # the HTTP and gRPC bind address; one other than loopback needs api_keys or
     # allow_anonymous (`vcache serve` refuses it otherwise)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)  # HTTP (0: a free port)
-    grpc_port: int | None = Field(50051, ge=0, le=65535)  # None: no gRPC server
+    grpc_port: int | None = Field(50051, ge=0, le=65535)  # gRPC; None: no gRPC server
     # the demo model, the session log's SQLite file and provider calibrations
     data_dir: Path = Field(default_factory=_default_data_dir)
     # this gateway among several in front of the same replicas and stores (the engines'
@@ -184,7 +185,10 @@ class Settings(BaseSettings):
     # model alias → ordered targets: "local" (the vLLM replicas) or "provider/model"
     aliases: dict[str, list[str]] = Field(default_factory=dict)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
-    prompt_layout: Literal["canonical", "passthrough"] = "canonical"  # providers only
+    # hosted providers' system prompts: canonical moves the lines the prefix lint flags (a
+    # timestamp, an id) after the stable part, so the anchor stays byte-stable;
+    # passthrough sends them where they are
+    prompt_layout: Literal["canonical", "passthrough"] = "canonical"
     session_log: SessionLogSettings = Field(default_factory=SessionLogSettings)
     state: StateSettings = Field(default_factory=StateSettings)
     max_request_body_bytes: int = Field(4 << 20, ge=1024)  # a larger body is a 413

@@ -15,6 +15,9 @@ _SHARES: dict[Priority, float] = {"batch": 0.5, "default": 1.0, "interactive": 1
 
 
 class EngineSettings(BaseModel):
+    """The embedded vLLM replicas: the engine each runs (context, KV cache, devices), their
+    restarts, and how requests of different priorities share them (docs/agents.md)."""
+
     model_config = ConfigDict(extra="forbid")
 
     replicas: int = Field(1, ge=0, le=64)  # embedded vLLM engines, one per GPU / TP group

@@ -24,7 +24,7 @@ class KeyLimits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     requests_per_minute: int | None = Field(None, ge=1)  # requests a minute
-    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion
+    tokens_per_minute: int | None = Field(None, ge=1)  # tokens a minute, prompt + completion
     max_concurrent: int | None = Field(None, ge=1)  # requests in flight at once
 
     def empty(self) -> bool:

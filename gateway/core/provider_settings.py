@@ -70,8 +70,8 @@ class ProviderConfig(BaseModel):
     cached_content_ttl_s: int = Field(3600, ge=60)  # Gemini explicit caches
     min_prefix_tokens: dict[str, int] = Field(default_factory=dict)  # model prefix → tokens
     prices: dict[str, PriceConfig] = Field(default_factory=dict)  # model prefix → prices
-    # model prefix → uncached input price per million tokens, in the unit routing.local_
-    # input_price uses (USD, say); a model without one is priced 1.0
+    # model prefix → uncached input price per million tokens, in the unit
+    # routing.local_input_price uses (USD, say); a model without one is priced 1.0
     input_prices: dict[str, NonNegativeFloat] = Field(default_factory=dict)
 
     def resolved_base_url(self, provider: str) -> str:

@@ -44,7 +44,9 @@ def routing_override(request: Request, who: Principal, svc: GatewayService) -> R
         return None
     if not who.admin:
         raise PermissionDenied(
-            "x-vcache-routing and x-vcache-replica need an admin key", code="admin_required"
+            "x-vcache-routing and x-vcache-replica need an admin key: configure one with "
+            "'admin: true' in api_keys and send it as 'Authorization: Bearer KEY'",
+            code="admin_required",
         )
     if policy is not None and policy not in svc.routing_policies:
         raise InvalidRequest(

@@ -13,7 +13,9 @@ from gateway.core.types import Principal
 
 PRIORITY_HEADER = "x-vcache-priority"
 
-ANONYMOUS = Principal(tenant="default", key_name="anonymous", admin=True, global_admin=True)
+# The caller when no key is configured: never an admin (the cache API and the routing
+# headers need a key with ``admin: true`` in ``api_keys``).
+ANONYMOUS = Principal(tenant="default", key_name="anonymous", admin=False, global_admin=False)
 
 
 class KeyRing:

@@ -213,7 +213,11 @@ class CacheService:
     @staticmethod
     def require_admin(who: Principal) -> None:
         if not who.admin:
-            raise PermissionDenied("The cache API needs an admin key", code="admin_required")
+            raise PermissionDenied(
+                "The cache API needs an admin key: configure one with 'admin: true' in "
+                "api_keys and send it as 'Authorization: Bearer KEY'",
+                code="admin_required",
+            )
 
     @maps_engine_errors
     async def lookup(self, body: CacheRequest, who: Principal) -> LookupResponse:

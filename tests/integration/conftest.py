@@ -31,6 +31,16 @@ from report import parse_metrics
 
 KEY_A = "sk-test-tenant-a"
 KEY_B = "sk-test-tenant-b"
+# The key of a test's own gateway that uses the admin API or headers: an admin over every
+# tenant whose own tenant is "default", the tenant of a caller without a key (who is never
+# an admin).  ADMIN_KEYS is the setting that configures it, ADMIN the header that sends it.
+ADMIN_KEY = "sk-test-admin"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+ADMIN_KEYS = {
+    "VCACHE_API_KEYS": json.dumps(
+        [{"sha256": hash_api_key(ADMIN_KEY), "name": "admin", "admin": True, "scope": "global"}]
+    )
+}
 MAX_QUEUED = 3
 REPLICAS = 2
 ENGINE_NICE = 5  # the shared gateway's engine.nice

@@ -23,7 +23,16 @@ import openai
 import psycopg
 import pytest
 
-from tests.integration.conftest import RemoteVllm, _free_port, rebuild_all, running, wait_for
+from tests.integration.conftest import (
+    ADMIN,
+    ADMIN_KEY,
+    ADMIN_KEYS,
+    RemoteVllm,
+    _free_port,
+    rebuild_all,
+    running,
+    wait_for,
+)
 from tests.stores import postgres_database, redis_keys
 
 pytestmark = pytest.mark.integration
@@ -53,6 +62,7 @@ class Shared:
             "VCACHE_STATE__URL": self.redis,
             "VCACHE_STATE__PREFIX": self.prefix,
             "VCACHE_INSTANCE_ID": name,
+            **ADMIN_KEYS,
         }
         cmd = [
             sys.executable, "-m", "gateway.cli", "serve", "--replicas", "0", "--port", str(port),
@@ -78,7 +88,7 @@ def pair(shared: Shared) -> Iterator[tuple[str, str]]:
 
 
 def _openai(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=ADMIN_KEY, max_retries=0)
 
 
 def _exact(headers: Any, cached: int) -> bool:
@@ -118,7 +128,7 @@ def test_a_conversation_moves_between_gateways_and_rebuilds_from_the_shared_log(
     assert _openai(a).responses.retrieve(second.parse().id).id == second.parse().id
 
     msgs: list[Any] = [{"role": "user", "content": "a message on A"}]
-    sdk = {u: anthropic.Anthropic(base_url=u, api_key="unused", max_retries=0) for u in (a, b)}
+    sdk = {u: anthropic.Anthropic(base_url=u, api_key=ADMIN_KEY, max_retries=0) for u in (a, b)}
     one = sdk[a].messages.with_raw_response.create(
         model="vcache-demo", max_tokens=3, system=SYSTEM, messages=msgs,
         extra_headers={"x-vcache-session": "moving-messages"},
@@ -147,24 +157,24 @@ def test_a_conversation_moves_between_gateways_and_rebuilds_from_the_shared_log(
 
 
 def _engine_pins(url: str) -> int:
-    stats = httpx.get(f"{url}/v1/cache/stats", timeout=30).json()
+    stats = httpx.get(f"{url}/v1/cache/stats", headers=ADMIN, timeout=30).json()
     return int(stats["replicas"]["remote-0"]["engine"]["pinned_blocks"])
 
 
 def test_pins_of_two_gateways_live_side_by_side(pair: tuple[str, str]) -> None:
     a, b = pair
     body = {"model": "vcache-demo", "prompt": "pinned by both gateways " * 60, "lease_s": 600}
-    warmed = httpx.post(f"{a}/v1/cache/warm", json=body, timeout=60).json()
+    warmed = httpx.post(f"{a}/v1/cache/warm", json=body, headers=ADMIN, timeout=60).json()
     blocks = warmed["cached_tokens_after"] // BLOCK
     assert blocks >= 2
     base = _engine_pins(a)
     for url in (a, b):
-        pinned = httpx.post(f"{url}/v1/cache/pin", json=body, timeout=60).json()
+        pinned = httpx.post(f"{url}/v1/cache/pin", json=body, headers=ADMIN, timeout=60).json()
         assert len(pinned["replicas"][0]["pinned"]) == blocks
     assert _engine_pins(a) == base + blocks  # one engine pin per block, two holders
-    httpx.post(f"{a}/v1/cache/unpin", json=body, timeout=60).raise_for_status()
+    httpx.post(f"{a}/v1/cache/unpin", json=body, headers=ADMIN, timeout=60).raise_for_status()
     assert _engine_pins(b) == base + blocks  # A let go; B's hold keeps them
-    httpx.post(f"{b}/v1/cache/unpin", json=body, timeout=60).raise_for_status()
+    httpx.post(f"{b}/v1/cache/unpin", json=body, headers=ADMIN, timeout=60).raise_for_status()
     assert _engine_pins(a) == base
 
 
@@ -187,7 +197,7 @@ class Load:
     def user(self, n: int) -> None:
         i = 0
         fresh = httpx.Limits(max_keepalive_connections=0)
-        with httpx.Client(timeout=60, limits=fresh) as c:
+        with httpx.Client(headers=ADMIN, timeout=60, limits=fresh) as c:
             while not self.stop.is_set():
                 i += 1
                 ask = [{"role": "user", "content": f"user {n} asks {i}"}]
@@ -225,9 +235,11 @@ def test_a_gateway_killed_under_load_loses_nothing_it_acknowledged(
     with shared.gateway("gw-victim") as (victim, proc):
         # a lease that outlives the victim: it dies holding it (held LEASE + 10 s)
         body = {"model": "vcache-demo", "prompt": "held by the victim " * 60, "lease_s": LEASE}
-        httpx.post(f"{victim}/v1/cache/warm", json=body, timeout=60).raise_for_status()
-        held = len(httpx.post(f"{victim}/v1/cache/pin", json=body, timeout=60).json()
-                   ["replicas"][0]["pinned"])  # fmt: skip
+        httpx.post(
+            f"{victim}/v1/cache/warm", json=body, headers=ADMIN, timeout=60
+        ).raise_for_status()
+        pin = httpx.post(f"{victim}/v1/cache/pin", json=body, headers=ADMIN, timeout=60)
+        held = len(pin.json()["replicas"][0]["pinned"])
         pinned_at = time.monotonic()
         assert held >= 2 and _engine_pins(a) == base + held
         load = Load({"a": a, "victim": victim})

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import metric, own_gateway
+from tests.integration.conftest import ADMIN, ADMIN_KEYS, metric, own_gateway
 from tests.integration.test_agent_sessions import FORCED, TOOL, VOCAB
 
 pytestmark = pytest.mark.integration
@@ -37,7 +37,7 @@ def url(
     tmp = tmp_path_factory.mktemp("lease-room")
     args = ["--kv-cache-bytes", str(KV_BYTES), "--replicas", "1", "--max-model-len", "2048",
             "--pin-max-share", "0.75"]  # fmt: skip
-    with own_gateway(tmp, data_dir, args) as base:
+    with own_gateway(tmp, data_dir, args, ADMIN_KEYS) as base:
         yield base
 
 
@@ -52,7 +52,7 @@ def _stats(c: httpx.Client) -> dict[str, Any]:
 
 
 def test_a_paused_sessions_lease_gives_way_to_a_request_that_needs_its_blocks(url: str) -> None:
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with httpx.Client(base_url=url, headers=ADMIN, timeout=60) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
         a = [{"role": "system", "content": "You are a coding agent. " + _text(1, 440)},
              {"role": "user", "content": "Run the unit tests, please."}]  # fmt: skip

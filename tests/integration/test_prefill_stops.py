@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import metric, own_gateway, wait_for
+from tests.integration.conftest import ADMIN, ADMIN_KEYS, metric, own_gateway, wait_for
 from tests.integration.test_agent_sessions import VOCAB
 
 pytestmark = pytest.mark.integration
@@ -44,7 +44,7 @@ def _gateway(
 ) -> Iterator[str]:
     """A gateway of its own whose replicas compute at most 8 tokens of a prompt a step."""
     args = ["--replicas", str(replicas), "--max-model-len", "2048"]
-    settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "8", **extra}
+    settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "8", **ADMIN_KEYS, **extra}
     with own_gateway(factory.mktemp(name), data_dir, args, settings) as base:
         yield base
 
@@ -96,7 +96,7 @@ def test_an_interactive_prompt_stops_a_batch_prefill_on_the_other_replica(two: s
 
 
 def _engine_steps(url: str) -> dict[str, int]:
-    stats = httpx.get(f"{url}/v1/cache/stats", timeout=30).json()
+    stats = httpx.get(f"{url}/v1/cache/stats", headers=ADMIN, timeout=30).json()
     steps: dict[str, int] = stats["replicas"]["replica-0"]["engine"]["top_prefill_steps"]
     return steps
 
@@ -109,7 +109,7 @@ def _interactive_beside_batch(
     request's answer, whole."""
     on_batch = {"x-vcache-replica": batch_on}
     running_there = f'vcache_engine_unfinished_requests{{replica="{batch_on}"}}'
-    with httpx.Client(base_url=url, timeout=120) as c:
+    with httpx.Client(base_url=url, headers=ADMIN, timeout=120) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
         words = " ".join(random.Random(time.time_ns()).choices(VOCAB, k=440))  # unique
         batch = {"model": model, "max_tokens": 8, "temperature": 0,

@@ -13,6 +13,8 @@ import httpx
 import pytest
 
 from tests.integration.conftest import (
+    ADMIN,
+    ADMIN_KEYS,
     SECRET,
     RemoteVllm,
     _free_port,
@@ -49,7 +51,7 @@ def remote(
     gw_port = _free_port()
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     replica = remote_vllm.replica() | ({} if api == "generate" else {"api": api})
-    gw_env = {**base_env, "VCACHE_REMOTE_REPLICAS": json.dumps([replica])}
+    gw_env = {**base_env, "VCACHE_REMOTE_REPLICAS": json.dumps([replica]), **ADMIN_KEYS}
     gateway = [
         sys.executable, "-m", "gateway.cli", "serve", "--replicas", "0",
         "--port", str(gw_port), "--grpc-port", str(_free_port()), "--data-dir", str(data_dir),
@@ -60,7 +62,7 @@ def remote(
 
 
 def test_remote_replica_agrees_and_predicts_exactly(remote: Remote) -> None:
-    stats = httpx.get(f"{remote.gateway_url}/v1/cache/stats", timeout=30).json()
+    stats = httpx.get(f"{remote.gateway_url}/v1/cache/stats", headers=ADMIN, timeout=30).json()
     assert stats["replicas"]["remote-0"]["hash_agreement"] == "exact"
     text = f"Remote replicas keep their own prefix cache ({remote.api}). "
     system = {"role": "system", "content": text * 40}  # a prompt of this gateway's own
@@ -73,6 +75,7 @@ def test_remote_replica_agrees_and_predicts_exactly(remote: Remote) -> None:
                 "max_tokens": 2,
                 "messages": [system, {"role": "user", "content": q}],
             },
+            headers=ADMIN,
             timeout=60,
         )
         assert r.status_code == 200, r.text
@@ -92,6 +95,7 @@ def test_token_ids_go_to_the_route_the_gateway_picked(remote: Remote) -> None:
             f"{remote.gateway_url}/v1/chat/completions",
             json={"model": "vcache-demo", "max_tokens": 3, "stream": stream,
                   "messages": [{"role": "user", "content": f"which route, {stream}?"}]},
+            headers=ADMIN,
             timeout=60,
         )  # fmt: skip
         assert r.status_code == 200, r.text
@@ -100,13 +104,13 @@ def test_token_ids_go_to_the_route_the_gateway_picked(remote: Remote) -> None:
 
 
 def test_vllm_sampling_extensions_reach_the_remote_replica(remote: Remote) -> None:
-    check_vllm_sampling(remote.gateway_url, "vcache-demo", {})
-    check_vllm_logprobs(remote.gateway_url, "vcache-demo", {})
+    check_vllm_sampling(remote.gateway_url, "vcache-demo", ADMIN)
+    check_vllm_logprobs(remote.gateway_url, "vcache-demo", ADMIN)
 
 
 def test_pin_and_unpin_through_the_control_endpoint(remote: Remote) -> None:
     body = {"model": "vcache-demo", "prompt": "pinned on a remote replica " * 60}
-    with httpx.Client(base_url=remote.gateway_url, timeout=60) as c:
+    with httpx.Client(base_url=remote.gateway_url, headers=ADMIN, timeout=60) as c:
         warmed = c.post("/v1/cache/warm", json=body).json()
         assert warmed["replica"] == "remote-0" and warmed["cached_tokens_after"] >= 2 * BLOCK
         pinned = c.post("/v1/cache/pin", json=body).json()["replicas"][0]
@@ -139,7 +143,7 @@ def test_disconnect_aborts_on_the_remote_replica(remote: Remote) -> None:
     body = {"model": "vcache-demo", "stream": True, "max_tokens": 1900, "ignore_eos": True,
             "messages": [{"role": "user", "content": "talk for a long while"}]}  # fmt: skip
     with (
-        httpx.Client(timeout=60) as c,
+        httpx.Client(headers=ADMIN, timeout=60) as c,
         c.stream("POST", f"{remote.gateway_url}/v1/chat/completions", json=body) as resp,
     ):
         lines = resp.iter_lines()

@@ -23,7 +23,15 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import _free_port, _log_tail, rebuild_all, running, wait_for
+from tests.integration.conftest import (
+    ADMIN,
+    ADMIN_KEYS,
+    _free_port,
+    _log_tail,
+    rebuild_all,
+    running,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -85,6 +93,7 @@ def pool(
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     env["VCACHE_SESSION_LOG__PATH"] = str(sessions)
     env["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
+    env |= ADMIN_KEYS
     port = _free_port()
     cmd = [
         sys.executable, "-m", "gateway.cli", "serve", "--workers", "2", "--replicas", "1",
@@ -114,7 +123,7 @@ def _text(seed: int, words: int = 600) -> str:
 def _post(
     conn: http.client.HTTPConnection, path: str, body: dict[str, Any]
 ) -> tuple[http.client.HTTPResponse, Any]:
-    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json", **ADMIN})
     r = conn.getresponse()
     return r, json.loads(r.read())
 
@@ -135,7 +144,7 @@ def test_one_engine_core_serves_both_workers_with_exact_spans(pool: Pool) -> Non
     assert len(pool.cores()) == 1 and len(pool.workers()) == 2
     for worker in pool.workers():
         conn = pool.connect(worker)
-        conn.request("GET", "/v1/cache/stats")
+        conn.request("GET", "/v1/cache/stats", headers=ADMIN)
         stats = json.loads(conn.getresponse().read())
         replica = stats["replicas"]["replica-0"]
         # the probe and the stats are core calls, each answered to the worker that asked
