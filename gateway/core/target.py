@@ -1,16 +1,27 @@
 """One request shape for every target: a :class:`Call` in, a prepared request out,
-journaled once, sent, settled.
+journaled once, acquired, sent, settled, released.
 
 ::
 
     edge ──Call──▶ service loop ──▶ target.quote(name, call) ─▶ Quote   (several targets:
                        │                the cheapest goes first, alias order on ties)
                        ├── target.prepare(name, call, quote) ─▶ Prepared
-                       │                (plan, render: sends nothing)
+                       │                (decide, render: claims nothing, waits for nothing)
                        ├── journal(prepared.sent)        the session log, before sending
+                       ├── target.acquire(prepared) ─▶ Prepared holding its claims
+                       │                (what waits: an index sync, room for pins, a running
+                       │                 prefill to join, a fan-in hold; traced as a step)
                        ├── target.send(prepared) ─▶ pieces (first piece = first token)
                        ├── target.retry(prepared, error) ─▶ Prepared | None
-                       └── target.settle(prepared, usage)    telemetry into index / belief
+                       ├── target.settle(prepared, usage)    telemetry into index / belief
+                       └── target.release(prepared)     in the loop's ``finally``: every path
+
+Claims are receipts (STYLE 15): what ``acquire`` claims (a prefill registration
+siblings wait on, the fan-in hold of a cold anchor) is a value in the Prepared
+it returns, and the loop hands every Prepared it held back to ``release``
+whatever happened: an answer, an error, a fallback to the next target, a
+journal that failed, a client that left.  ``send`` may give a claim back
+earlier (a prefill at its first token); ``release`` after it does nothing.
 
 The local replicas and every hosted provider implement :class:`Target`; the loop
 (:mod:`gateway.service.loop`) is the only place that journals, falls back and
@@ -104,7 +115,9 @@ class Quote:
 
 
 class Prepared(Protocol):
-    """A call planned and rendered for one target; nothing sent yet."""
+    """A call planned and rendered for one target; nothing sent yet.  As ``prepare``
+    returns it, it holds no claim; as ``acquire`` returns it, it holds the claims its send
+    needs, until ``release`` gives them back (the send may give one back sooner)."""
 
     @property
     def target(self) -> str: ...
@@ -145,7 +158,16 @@ class Target(Protocol[P]):
 
     async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> P:
         """Plan and render ``call`` for target ``name`` (``quote``: this target's, when
-        the call was quoted); errors in the API's terms."""
+        the call was quoted); errors in the API's terms.  Decides only: it claims nothing
+        and waits for nothing (awaited only for a render off the event loop), so a call
+        that goes no further (its journal fails, its client leaves) leaves nothing behind."""
+        ...
+
+    async def acquire(self, prepared: P) -> P:
+        """What must wait before ``prepared`` is sent, after it is journaled (an index
+        sync, room for pins, a running prefill to join, a fan-in hold), traced as a step
+        of its own; ``prepared`` again, holding what it claimed for the send.  An acquire
+        that fails or is cancelled has given back what it claimed before it raises."""
         ...
 
     def send(self, prepared: P, session: str | None) -> AsyncGenerator[Piece, None]:
@@ -156,9 +178,16 @@ class Target(Protocol[P]):
 
     def retry(self, prepared: P, error: Exception) -> P | None:
         """After ``error`` before the first token: the same call prepared again (a
-        provider's cached content that is gone: the prompt inline), or None."""
+        provider's cached content that is gone: the prompt inline), or None.  It is not
+        acquired again: it holds ``prepared``'s claims."""
         ...
 
     def settle(self, prepared: P, usage: Usage) -> None:
         """Fold the answer's usage telemetry (verify, then account)."""
+        ...
+
+    def release(self, prepared: P) -> None:
+        """Give back every claim ``prepared`` holds (none before ``acquire``); called on
+        every path, once the send has ended or will never run.  Idempotent, and it never
+        waits (it runs in ``finally`` blocks, also of a cancelled task)."""
         ...

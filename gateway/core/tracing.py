@@ -2,11 +2,15 @@
 
 Off by default (no endpoint: a no-op tracer, nothing is recorded).  With
 ``otlp_endpoint`` set, each request is one ``vcache.chat`` (or
-``vcache.completion``) span with a child per step: ``tokenize``, ``journal``,
-``route`` (the replica and the predicted cached tokens), ``plan`` (a
-provider's breakpoints and render), ``dispatch`` (from the send to the first
-token; on a local replica, its TTFT by phase, ``vcache.ttft.<phase>_s``, as
-``gateway/local/ttft.py`` splits it) and ``generate`` (to the last).  Spans
+``vcache.completion``) span with a child per step: ``tokenize`` or ``plan``
+(a local prompt's template and tokens; a provider's breakpoints and render),
+``journal``, the target's acquire (``route`` on the local replicas: the index
+sync, the choice, a prefill joined, with the replica and the predicted cached
+tokens; ``fan_in`` on a provider whose control loop runs: the
+send-one-then-fan hold, ``vcache.fan_first`` when this request writes the
+anchor), ``dispatch`` (from the send to the first token; on a local replica,
+its TTFT by phase, ``vcache.ttft.<phase>_s``, as ``gateway/local/ttft.py``
+splits it) and ``generate`` (to the last).  Spans
 are parented explicitly, not through the current context, so they survive the
 hops a streamed answer makes between tasks.  The provider is the app's own,
 never the process-global one.

@@ -1,6 +1,16 @@
 """Route and dispatch: pick a replica (by predicted cached prefix), admit, stream, fold.
 
-One path for every request, whichever edge it came from.
+One path for every request, whichever edge it came from.  :meth:`Dispatcher.route`
+is the local target's wait before a send (an index sync, room for a new session's
+lease, a running prefill of the same prefix to join), and it ends with the one
+claim routing makes: the prompt registered as a running prefill, which siblings
+routed after it wait for.  The :class:`Dispatch` it returns is the receipt:
+:meth:`Dispatcher.run` gives the registration back at the first token (or its
+end), and :meth:`Dispatcher.release` on every other path (the service loop's
+``finally``: a journal that failed, a client that left before the send, a
+fallback).  Inside :meth:`Dispatcher.run`, what the send itself claims (the
+replica's in-flight count, a place in its fair gate, the room keeper) is given
+back in one ``finally``.
 """
 
 from __future__ import annotations
@@ -9,7 +19,7 @@ import asyncio
 import time
 import zlib
 from array import array
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
@@ -60,7 +70,8 @@ class Dispatch:
     replica_id: str
     predicted_cached_tokens: int | None  # None: no exact prediction for this replica
     hashes: Sequence[BlockHash] = ()  # the prompt's full blocks (empty without a KV index)
-    # its prompt as a running prefill, from routing to its first token (others may wait)
+    # its prompt as a running prefill, from routing to its first token (others may wait):
+    # the claim this receipt gives back (Dispatcher.run at the first token, else release)
     prefill: Prefill | None = field(default=None, compare=False, repr=False)
 
     def headers(self) -> dict[str, str]:
@@ -133,6 +144,21 @@ class Dispatcher:
     def replica(self, replica_id: str) -> Replica | None:
         return next((r for r in self.replicas if r.id == replica_id), None)
 
+    def forced(self, override: RouteOverride | None) -> Replica | None:
+        """An admin's forced replica (None: the router chooses); 404 when it is unknown.
+        Asked before the journal (a request refused here leaves nothing in the log) and
+        again by :meth:`route`."""
+        if override is None or override.replica is None:
+            return None
+        forced = self.replica(override.replica)
+        if forced is None:
+            raise NotFound(
+                f"Unknown replica '{override.replica}'",
+                param="x-vcache-replica",
+                code="replica_not_found",
+            )
+        return forced
+
     async def route(
         self,
         greq: GenerateRequest,
@@ -143,7 +169,13 @@ class Dispatcher:
         """The replica for ``greq``: the router's choice over the serving replicas (an
         admin's forced replica aside); ``session``, the replica of the session's last turn;
         ``lease_blocks``, for a new session's turn, the blocks its lease is expected to hold
-        (the prompt's, if more): the router weighs each replica's pin budget left."""
+        (the prompt's, if more): the router weighs each replica's pin budget left.
+
+        It waits: the index sync, each replica's pin budget (a new session's turn), and
+        (bounded) a running prefill of the same prefix on the chosen replica.  Then, with
+        no await after it, it claims: ``greq``'s prompt is registered as a running
+        prefill (``Dispatch.prefill``).  The caller owns that receipt: :meth:`run` gives
+        it back at the first token, :meth:`release` wherever ``run`` never starts."""
         predicted: dict[LocationId, int] | None = None
         hashes: list[BlockHash] = []
         affinity = hash_tokens(greq.prompt_token_ids[:AFFINITY_TOKENS])
@@ -157,14 +189,8 @@ class Dispatcher:
             bs = self.kv.block_size
             view = {r: max(n, pending[r][0] * bs if r in pending else 0)
                     for r, n in predicted.items()}  # fmt: skip
-        if override is not None and override.replica is not None:
-            forced = self.replica(override.replica)
-            if forced is None:
-                raise NotFound(
-                    f"Unknown replica '{override.replica}'",
-                    param="x-vcache-replica",
-                    code="replica_not_found",
-                )
+        forced = self.forced(override)
+        if forced is not None:
             replica = forced
         else:
             policy = override.policy if override is not None else None
@@ -183,9 +209,16 @@ class Dispatcher:
             predicted = await self._join(greq, hashes, predicted, replica.id, pending[replica.id])
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p = predicted.get(replica.id) if predicted is not None and exact else None
-        # registered now, before any await: a sibling routed next waits for this prefill
+        # registered now, with no await before the caller holds it: a sibling routed next
+        # waits for this prefill
         prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)])
         return Dispatch(replica, replica.id, p, hashes, prefill)
+
+    def release(self, d: Dispatch) -> None:
+        """Give back what routing claimed for ``d`` (its prompt's registration as a
+        running prefill): a request whose send never ran makes nobody wait.  Idempotent:
+        after :meth:`run` gave it back at the first token, nothing is left."""
+        self.prefills.finish(d.prefill)
 
     async def _with_room(
         self, ctx: RouteContext, serving: Sequence[Replica], blocks: int
@@ -241,97 +274,88 @@ class Dispatcher:
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives.
         Until its first token, its prompt is a running prefill others may wait for; the
-        blocks it was predicted to read are the last its replica evicts."""
+        blocks it was predicted to read are the last its replica evicts.  What it claims
+        (the replica's in-flight count, a place in the fair gate, the room keeper) and
+        ``d``'s prefill registration are given back in one ``finally``, however it ends
+        (also cancelled while it waits for room or for its place)."""
         stamps = Stamps(t0, time.perf_counter())
-        if self._touch(d):
-            await asyncio.sleep(0)  # the touch is sent before the request
-        if self.make_room is not None and self.kv is not None:
-            try:
-                await self.make_room(self.kv, d.replica.id, d.hashes, self._blocks(greq))
-            except BaseException:
-                self.prefills.finish(d.prefill)
-                raise
-        d.replica.inflight += 1
         gate = self._gates.get(d.replica.id)
-        tenant = greq.tenant or greq.cache_salt or ""  # a client's own salt is not a tenant
-        entry: Entry | None = None
-        if gate is not None:
-            waits = not gate.free(greq.priority)
-            try:
-                entry = await self._enter(gate, greq, d, tenant)
-            except BaseException:
-                d.replica.inflight -= 1
-                self.prefills.finish(d.prefill)
-                raise
-            if waits and self._touch(d):  # others ran meanwhile: touched again
-                await asyncio.sleep(0)
-        prefill = d.prefill
-        first = True
-        cached_known = False
+        held = Held(None)  # its place in the gate: a higher class may stop its prefill
+        keeper: asyncio.Task[None] | None = None
+        counted = False  # in the replica's in-flight count
         m = self._metrics
-        itl = m.inter_token.labels(self.model, "local", d.replica_id)
-        per_token = greq.sampling.stream_interval is None  # else outputs come coalesced
-        prompt_tokens = m.prompt_tokens.labels(self.model, d.replica_id)
-        completion_tokens = m.completion_tokens.labels(self.model, d.replica_id)
-        last = t0
-        held = Held(entry)  # its place in the gate: a higher class may stop its prefill
-        stops = m.prefill_stops.labels(d.replica_id)
-        keeper = (
-            keep_room(self.make_room, self.kv, d.replica.id, d.hashes, self._blocks(greq),
-                      greq.request_id)
-            if self.make_room is not None and self.kv is not None
-            else None
-        )  # fmt: skip
-
-        def send() -> AsyncGenerator[GenerateChunk, None]:
-            stamps.send()
-            return d.replica.engine.generate(greq)
-
-        attempts = chunks(
-            send,
-            gate,
-            held,
-            lambda g: self._enter(g, greq, d, tenant),
-            stops.inc,
-        )
         try:
-            async with aclosing(attempts) as stream:
-                async for chunk in stream:
-                    now = time.perf_counter()
-                    if not first and per_token:
-                        itl.observe(now - last)
-                    last = now
-                    if first:
-                        totals.phases = stamps.phases(chunk.core_times, now)
-                        self._first_output(d, chunk, endpoint, now - t0, greq.priority, totals)
-                        self.prefills.finish(prefill)
-                        if keeper is not None:
-                            keeper.cancel()
-                        if gate is not None and held.entry is not None:
-                            gate.first_token(held.entry)
-                        totals.prompt = chunk.num_prompt_tokens
-                        prompt_tokens.inc(totals.prompt)
-                        first = False
-                    if chunk.num_cached_tokens is not None and not cached_known:
-                        # embedded engines know it at the first token, remote ones at the end
-                        totals.cached = chunk.num_cached_tokens
-                        m.cached_tokens.labels(self.model, d.replica_id).inc(totals.cached)
-                        if not held.stops:  # a stopped prefill stored blocks since routing
-                            self._fold_prediction(d, totals.cached)
-                        cached_known = True
-                    totals.completion += len(chunk.token_ids)
-                    completion_tokens.inc(len(chunk.token_ids))
-                    if chunk.finish_reason is not None:
-                        totals.finish_reason = chunk.finish_reason
-                    yield chunk
-        except EngineError as exc:
-            raise from_engine_error(exc) from exc
-        except (GeneratorExit, asyncio.CancelledError):
-            m.aborted.labels(endpoint).inc()  # the client went away
-            raise
+            if self._touch(d):
+                await asyncio.sleep(0)  # the touch is sent before the request
+            if self.make_room is not None and self.kv is not None:
+                await self.make_room(self.kv, d.replica.id, d.hashes, self._blocks(greq))
+            d.replica.inflight += 1
+            counted = True
+            tenant = greq.tenant or greq.cache_salt or ""  # a client's own salt is not a tenant
+            if gate is not None:
+                waits = not gate.free(greq.priority)
+                held.entry = await self._enter(gate, greq, d, tenant)
+                if waits and self._touch(d):  # others ran meanwhile: touched again
+                    await asyncio.sleep(0)
+            first = True
+            cached_known = False
+            itl = m.inter_token.labels(self.model, "local", d.replica_id)
+            per_token = greq.sampling.stream_interval is None  # else outputs come coalesced
+            prompt_tokens = m.prompt_tokens.labels(self.model, d.replica_id)
+            completion_tokens = m.completion_tokens.labels(self.model, d.replica_id)
+            last = t0
+            stops = m.prefill_stops.labels(d.replica_id)
+            if self.make_room is not None and self.kv is not None:
+                keeper = keep_room(self.make_room, self.kv, d.replica.id, d.hashes,
+                                   self._blocks(greq), greq.request_id)  # fmt: skip
+
+            def send() -> AsyncGenerator[GenerateChunk, None]:
+                stamps.send()
+                return d.replica.engine.generate(greq)
+
+            def enter(g: FairGate) -> Awaitable[Entry]:
+                return self._enter(g, greq, d, tenant)
+
+            attempts = chunks(send, gate, held, enter, stops.inc)
+            try:
+                async with aclosing(attempts) as stream:
+                    async for chunk in stream:
+                        now = time.perf_counter()
+                        if not first and per_token:
+                            itl.observe(now - last)
+                        last = now
+                        if first:
+                            totals.phases = stamps.phases(chunk.core_times, now)
+                            self._first_output(d, chunk, endpoint, now - t0, greq.priority, totals)
+                            self.prefills.finish(d.prefill)
+                            if keeper is not None:
+                                keeper.cancel()
+                            if gate is not None and held.entry is not None:
+                                gate.first_token(held.entry)
+                            totals.prompt = chunk.num_prompt_tokens
+                            prompt_tokens.inc(totals.prompt)
+                            first = False
+                        if chunk.num_cached_tokens is not None and not cached_known:
+                            # embedded engines know it at the first token, remote ones at the end
+                            totals.cached = chunk.num_cached_tokens
+                            m.cached_tokens.labels(self.model, d.replica_id).inc(totals.cached)
+                            if not held.stops:  # a stopped prefill stored blocks since routing
+                                self._fold_prediction(d, totals.cached)
+                            cached_known = True
+                        totals.completion += len(chunk.token_ids)
+                        completion_tokens.inc(len(chunk.token_ids))
+                        if chunk.finish_reason is not None:
+                            totals.finish_reason = chunk.finish_reason
+                        yield chunk
+            except EngineError as exc:
+                raise from_engine_error(exc) from exc
+            except (GeneratorExit, asyncio.CancelledError):
+                m.aborted.labels(endpoint).inc()  # the client went away
+                raise
         finally:
-            d.replica.inflight -= 1
-            self.prefills.finish(prefill)
+            if counted:
+                d.replica.inflight -= 1
+            self.prefills.finish(d.prefill)
             if keeper is not None:
                 keeper.cancel()
             if gate is not None and held.entry is not None:

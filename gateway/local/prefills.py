@@ -10,6 +10,13 @@ blocks) and then waits, bounded, for the prefill it overlaps to produce its
 first token: the engine has stored those blocks, the next index sync has
 seen them, and the request is predicted exactly and served from them
 instead of computing them a second time.
+
+A registration is a claim with a receipt: :meth:`Prefills.start` returns the
+:class:`Prefill`, and its owner gives it back with :meth:`Prefills.finish` at
+the first token, at the request's end, or, when the request never reached the
+engine (its journal failed, its client left, it fell back elsewhere), as soon
+as that is known (the service loop's ``finally``), so no sibling waits for a
+prefill that will never run.
 """
 
 from __future__ import annotations
@@ -45,9 +52,10 @@ def _common(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
 
 
 class Prefills:
-    """Registered when a request is routed, finished at its first token (or its end).
-    One older than ``max_age_s`` is forgotten: its request never reached the engine, or
-    waits in its queue longer than anyone should wait for it."""
+    """Registered when a request is routed, finished at its first token (or its end, or
+    when its send will never run).  One older than ``max_age_s`` is forgotten: its
+    request waits in the engine's queue longer than anyone should wait for it (or an
+    owner lost its receipt: the age is a backstop, not the release)."""
 
     def __init__(self, max_age_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self._running: dict[LocationId, list[Prefill]] = {}

@@ -9,6 +9,13 @@ cached-content handle where one lives (creating one once the anchor's reuse
 passes the break-even, and deleting an expired one, are actions the send runs
 after the answer: planning decides and hands over), send with retries, then
 settle the usage telemetry (verify, then account).
+
+:meth:`ProviderPath.prepare` decides and renders only.  What waits is
+:meth:`ProviderPath.acquire`, after the journal: the send-one-then-fan hold
+(:meth:`~gateway.providers.control.Control.fan_in`).  The first sibling of a
+cold anchor gets a :class:`~gateway.providers.control.Fan`, the claim its
+siblings wait on; :meth:`Prepared.release` gives it back (at the answer's
+first delta, or on any path where the answer never comes).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.providers.book import Believed, PromptView, ProviderCacheBook, Settlement
-from gateway.providers.control import Control, Fan
+from gateway.providers.control import Anchor, Control, Fan
 from gateway.providers.gemini import CacheAction, CachedContents, Handle
 from gateway.providers.targets import ProviderTarget, ProviderTargets
 from gateway.providers.tips import Tip
@@ -66,7 +73,9 @@ class Prepared:
     handle: Handle | None
     directives: CacheDirectives
     rendered: Rendered
-    fan: Fan | None = None  # the first of a cold anchor's siblings releases the rest
+    anchor: Anchor | None = None  # the prompt's anchor, where the control loop runs
+    warm: bool = False  # prefill only: no arrival, no fan-in hold
+    fan: Fan | None = None  # acquired: the first of a cold anchor's siblings releases the rest
     tip: Tip | None = None  # an agent session's turn: its conversation across the pause
     actions: tuple[CacheAction, ...] = ()  # run by send after the answer (Gemini caches)
     # whose breakpoints these are when the client placed its own: "client" (taken as
@@ -74,7 +83,8 @@ class Prepared:
     placed_by: str | None = None
 
     def release(self) -> None:
-        """Let the anchor's held siblings go (the provider has written it)."""
+        """Let the anchor's held siblings go (the provider has written it, or never will
+        for this call); idempotent."""
         if self.fan is not None:
             self.fan.release()
 
@@ -123,7 +133,7 @@ class ProviderPath:
         sharing the anchor reach the same cache shard."""
         return f"vcache-{view.digests[0][:24]}" if view.digests else None
 
-    async def prepare(
+    def prepare(
         self,
         t: ProviderTarget,
         call: ChatCall,
@@ -133,18 +143,17 @@ class ProviderPath:
         view: PromptView | None = None,
         session: str | None = None,
     ) -> Prepared:
-        """Plan the cache for ``call`` and render it, once, before anything is sent.
+        """Plan the cache for ``call`` and render it, once, before anything is sent; it
+        waits for nothing and claims nothing (the fan-in hold is :meth:`acquire`).
         ``warm``: prefill only, where the provider has a primitive for it.  With the
         control loop on, the request counts as an arrival on its anchor (``req`` is what
-        a heartbeat of a new anchor will send) and may wait for a sibling to write it.
-        ``view``: the prompt's plain view, where the call was quoted on it.  ``session``:
-        a named agent session, whose turn plans its tip for the pause after it."""
+        a heartbeat of a new anchor will send).  ``view``: the prompt's plain view, where
+        the call was quoted on it.  ``session``: a named agent session, whose turn plans
+        its tip for the pause after it."""
         view = view or self.view(t, call, tenant)  # given: rendered to quote
-        c, anchor, fan, tip = self.control, None, None, None
+        c, anchor, tip = self.control, None, None
         if c is not None and c.enabled:
             anchor = c.observe(t, tenant, view, req, arrival=not warm)
-            if not warm:
-                fan = await c.fan_in(anchor, self.book.believed(view).index, view.anchor())
             if session is not None and req is not None and not warm:
                 tip = c.session_turn(t, tenant, session, req, view)
         believed = self.book.believed(view)
@@ -184,9 +193,20 @@ class ProviderPath:
         )
         rendered = t.client.adapter.render(call, directives)
         return Prepared(
-            t, call, view, believed, marked, handle, directives, rendered, fan, tip, actions,
-            placed_by,
+            t, call, view, believed, marked, handle, directives, rendered, anchor, warm,
+            None, tip, actions, placed_by,
         )  # fmt: skip
+
+    async def acquire(self, p: Prepared) -> Prepared:
+        """The send-one-then-fan hold, after the journal: a sibling of a cold anchor whose
+        first is on its way waits (at most ``fan_wait_s``) for its answer to begin; the
+        first gets the :class:`Fan` (``p`` with it: :meth:`Prepared.release` gives it
+        back).  Nothing for a warm, or without the control loop."""
+        c = self.control
+        if c is None or not c.enabled or p.warm or p.anchor is None or p.fan is not None:
+            return p
+        fan = await c.fan_in(p.anchor, self.book.believed(p.view).index, p.view.anchor())
+        return p if fan is None else dataclasses.replace(p, fan=fan)
 
     def inline(self, p: Prepared) -> Prepared | None:
         """After :class:`ProviderNotFound` on a request that used a cached-content handle:

@@ -1,8 +1,11 @@
 """The session log as both request paths use it (shared/seeds/000).
 
-Journal before route: a request's place in the log is opened, and what will be
-sent is recorded (and, with verification on, rebuilt from the log and
-compared) before it is routed or sent; the answer is appended when it ends.
+Journal before anything is claimed: a request's place in the log is opened,
+and what will be sent is recorded (and, with verification on, rebuilt from
+the log and compared) after it is planned and rendered, and before anything
+waits or is claimed for it (the target's ``acquire``: a local request is
+routed then) or sent; the answer is appended when it ends.  A record that
+fails (503 ``session_log_unavailable``) leaves nothing claimed to give back.
 Without a session log every call here is a no-op.
 """
 

@@ -1,12 +1,16 @@
 """The local replicas as a :class:`~gateway.core.target.Target`, and text completions.
 
 prepare: tokenize with the model's template (tools and tool turns through it),
-check the context, route to a replica by the predicted cached prefix
-(:mod:`gateway.local.dispatch`; the index sync before it is its own step) →
-the service loop journals what vLLM will be handed (token ids, cache salt,
-sampling) → send: stream from the replica, read tool calls out of the text,
-lease the blocks through a client's breakpoints → the usage is folded as
-vLLM reports it.
+check the context and a forced replica; nothing claimed → the service loop
+journals what vLLM will be handed (token ids, cache salt, sampling) →
+acquire (the ``route`` step): sync the index, weigh pin room for a new session's
+lease, route to a replica by the predicted cached prefix, join a running
+prefill of the same prefix there, and register this prompt as one
+(:meth:`~gateway.local.dispatch.Dispatcher.route`; the claim is the
+:class:`~gateway.local.dispatch.Dispatch`, given back by ``release`` on every
+path) → send: stream from the replica, read tool calls out of the text, lease
+the blocks through a client's breakpoints → the usage is folded as vLLM
+reports it.
 """
 
 from __future__ import annotations
@@ -60,12 +64,12 @@ from manifest.sessionlog import Header
 
 @dataclass(frozen=True)
 class LocalPrepared:
-    """A chat call tokenized and routed to a replica: what vLLM will be handed."""
+    """A chat call tokenized: what vLLM will be handed.  Acquired, it is routed to a
+    replica: ``dispatch`` holds the replica and the prompt's prefill registration."""
 
     call: Call
     greq: GenerateRequest
     plan: ToolPlan | None
-    dispatch: Dispatch
     header: Header
     turns: Turns
     system: SystemPrompts
@@ -74,10 +78,19 @@ class LocalPrepared:
     ends: Ends = field(default_factory=list)  # the client's breakpoints, in tokens
     notes: Mapping[str, str] = field(default_factory=dict)
     template: Mapping[str, Any] = field(default_factory=dict)  # the prompt shaping, resolved
+    anchor: int = 0  # the tokens of the governor's anchor (0: none)
     target: str = LOCAL_TARGET
+    dispatch: Dispatch | None = None  # set by acquire: the claim release gives back
 
     @property
-    def placement(self) -> Placement:
+    def placement(self) -> Placement | None:
+        return self.dispatch
+
+    @property
+    def routed(self) -> Dispatch:
+        """Where acquire routed it (sending what was never acquired is a bug)."""
+        if self.dispatch is None:
+            raise RuntimeError(f"{self.greq.request_id}: sent before it was routed")
         return self.dispatch
 
     @property
@@ -235,14 +248,15 @@ class LocalChat:
         return Quote(name, len(ids), cached, self.input_price, memo=ids)
 
     async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> LocalPrepared:
-        """Tokenize with the model's template, check the context, route to a replica by
-        the predicted cached prefix (the index sync before it is its own step)."""
+        """Tokenize with the model's template, check the context and a forced replica.
+        Nothing is routed or claimed: that is :meth:`acquire`, after the journal."""
         t0 = time.perf_counter()
         req, who, rid, trace = call.request, call.who, call.request_id, call.trace
         system, turns = request_parts(req)  # what is rendered is what is journaled
         tools = req.tool_dicts()  # dumped once: the render, the anchor, the header
         with trace.step("tokenize") as span:
             self.check_ready()
+            self.dispatcher.forced(call.route)  # an unknown replica: 404, nothing journaled
             template = self._shaping(req)
             memo = quote.memo if quote is not None else None
             anchor, marks = self.governor is not None, req.hints.breakpoints
@@ -251,13 +265,6 @@ class LocalChat:
             )
             greq, plan = self._chat_request(req, who, rid, r.ids)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
-        key = _session_key(call)
-        home = self.turns.replica(key)
-        size = self.turns.lease_blocks(who.tenant) if key is not None and home is None else None
-        d = await self.route(greq, call.route, trace, home, size)
-        kv = self.dispatcher.kv
-        if self.governor is not None and kv is not None and d.hashes and r.anchor:
-            self.governor.observe(d.replica_id, d.hashes, r.anchor // kv.block_size)
         notes: dict[str, str] = {}
         asked = req.output_limit()
         if asked is not None and greq.sampling.max_tokens < asked:
@@ -265,11 +272,40 @@ class LocalChat:
         config = request_config(req, None)
         header = Header.make(req.model, LOCAL_TARGET, system, tools or None, config)
         return LocalPrepared(
-            call, greq, plan, d, header, turns, system, tools, t0, r.ends, notes, template
+            call, greq, plan, header, turns, system, tools, t0, r.ends, notes, template, r.anchor
         )
 
+    async def acquire(self, p: LocalPrepared) -> LocalPrepared:
+        """Route ``p`` (the ``route`` step: the index sync, pin room for a new session's
+        lease, the router's choice, a running prefill of the same prefix to join) and
+        register its prompt as a running prefill; ``p`` with that
+        :class:`~gateway.local.dispatch.Dispatch`, which :meth:`release` gives back."""
+        if p.dispatch is not None:
+            return p
+        call = p.call
+        key = _session_key(call)
+        home = self.turns.replica(key)
+        new = key is not None and home is None  # a new session: its lease is to be placed
+        size = self.turns.lease_blocks(call.who.tenant) if new else None
+        d = await self.route(p.greq, call.route, call.trace, home, size)
+        try:
+            kv = self.dispatcher.kv
+            if self.governor is not None and kv is not None and d.hashes and p.anchor:
+                self.governor.observe(d.replica_id, d.hashes, p.anchor // kv.block_size)
+            return dataclasses.replace(p, dispatch=d)
+        except BaseException:
+            self.dispatcher.release(d)
+            raise
+
+    def release(self, p: LocalPrepared) -> None:
+        """Give back the prefill registration routing made (nothing once its first token
+        came, or before it was routed)."""
+        if p.dispatch is not None:
+            self.dispatcher.release(p.dispatch)
+
     def send(self, p: LocalPrepared, session: str | None) -> Pieces:
-        pieces = self.pieces(p.greq, p.dispatch, "chat", p.t0, p.call.trace)
+        d = p.routed
+        pieces = self.pieces(p.greq, d, "chat", p.t0, p.call.trace)
         if p.plan is not None:
             pieces = p.plan.stream(pieces)
         elif json_answer(p.greq):
@@ -278,11 +314,10 @@ class LocalChat:
             owner = f"breakpoints:{p.call.who.tenant}:{session or p.call.request_id}"
             kv = self.dispatcher.kv
             block = kv.block_size if kv is not None else self.engine.capabilities.block_size
-            pieces = retained(pieces, p.dispatch, p.ends, owner, kv, block, self.leases)
+            pieces = retained(pieces, d, p.ends, owner, kv, block, self.leases)
         key = _session_key(p.call) or (f"{p.call.who.tenant}:log:{session}" if session else None)
         if key is not None:
             self.turns.began(key, p.call.who.tenant)
-            d = p.dispatch
             pieces = paused(pieces, self.turns, self.dispatcher.kv, key, d.replica.id, d.hashes)
         return pieces
 

@@ -2,11 +2,16 @@
 
 For each target of the request's model, cheapest first (each quotes what the
 prompt would cost there; :func:`by_cost`), else in alias order: admit,
-prepare (plan and render; nothing sent), journal what will be sent, send,
-and journal the answer before its usage goes out; then settle.  A target
-that fails before the first token (unavailable, overloaded, a context too
-small, a provider that still fails after its retries) gives way to the
-next, and ``served.fallback_from`` says so.  This is the only place that
+prepare (decide and render; nothing claimed, nothing sent), journal what
+will be sent, acquire (what waits before the send, and what the target
+claims for it), send, and journal the answer before its usage goes out;
+then settle.  A target that fails before the first token (unavailable,
+overloaded, a context too small, a provider that still fails after its
+retries) gives way to the next, and ``served.fallback_from`` says so.  What
+a target acquired is released in one ``finally`` (:meth:`ServiceLoop.serve`)
+on every path: the answer, an error, a fallback, a journal that failed (503
+``session_log_unavailable``), a client that left; so a client's retry never
+waits on a claim whose request is gone.  This is the only place that
 journals, falls back and writes where a request was served.
 """
 
@@ -24,7 +29,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.schemas import tool_calls_json
 from gateway.core.shaping import Pieces, Sample, primed
-from gateway.core.target import Call, Quote, Target
+from gateway.core.target import Call, Prepared, Quote, Target
 from gateway.core.types import Served
 from gateway.service.journal import Journal
 from gateway.service.targets import by_cost, can_fall_back
@@ -103,41 +108,55 @@ class ServiceLoop:
     async def serve(
         self, name: str, call: Call, served: Served | None, quote: Quote | None = None
     ) -> Pieces:
-        """One target's answer: admitted, prepared, journaled, sent, settled."""
+        """One target's answer: admitted, prepared, journaled, acquired, sent, settled;
+        every claim given back on the way out (see the module)."""
         target = self._resolve(name)
         with target.admission(call):
             p = await target.prepare(name, call, quote)
             if served is not None:
-                served.target, served.dispatch, served.notes = p.target, p.placement, dict(p.notes)
+                served.target, served.notes = p.target, dict(p.notes)
             op = self.journal.open(call.who.tenant, p.header, p.turns, call.session)
-            answer, attempt = Sample(), 0
-            counted = False
-            while True:
-                with call.trace.step("journal"):
-                    s = p.sent
-                    await self.journal.sent(
-                        op, served, s.request_id, s.target, s.render, s.directives, s.body
-                    )
-                if op is not None and op.kind is not None and not counted:
+            held = [p]  # each Prepared this call had: what they claimed goes back below
+            try:
+                await self._journal(op, served, call, p)
+                if op is not None and op.kind is not None:
                     self._metrics.sessions.labels(op.kind).inc()
-                    counted = True
-                yielded = False
-                try:
-                    async with aclosing(target.send(p, op.session_id if op else None)) as out:
-                        async for piece in out:
-                            if piece.usage is not None:  # the end: all is known
-                                await self._answered(op, served, call, answer, piece.usage)
-                                target.settle(p, piece.usage)  # before the client can leave
-                            elif piece.index == 0:
-                                answer.add(piece)
-                            yielded = True
-                            yield piece
-                    break
-                except Exception as exc:
-                    again = None if yielded or attempt else target.retry(p, exc)
-                    if again is None:
-                        raise
-                    p, attempt = again, attempt + 1
+                p = await target.acquire(p)
+                held.append(p)
+                if served is not None:
+                    served.dispatch = p.placement
+                answer, attempt = Sample(), 0
+                while True:
+                    yielded = False
+                    try:
+                        async with aclosing(target.send(p, op.session_id if op else None)) as out:
+                            async for piece in out:
+                                if piece.usage is not None:  # the end: all is known
+                                    await self._answered(op, served, call, answer, piece.usage)
+                                    target.settle(p, piece.usage)  # before the client leaves
+                                elif piece.index == 0:
+                                    answer.add(piece)
+                                yielded = True
+                                yield piece
+                        break
+                    except Exception as exc:
+                        again = None if yielded or attempt else target.retry(p, exc)
+                        if again is None:
+                            raise
+                        p, attempt = again, attempt + 1
+                        held.append(p)
+                        await self._journal(op, served, call, p)
+            finally:
+                for q in held:
+                    target.release(q)
+
+    async def _journal(self, op: Any, served: Served | None, call: Call, p: Prepared) -> None:
+        """Record what ``p`` will send, before anything waits or is claimed for it."""
+        with call.trace.step("journal"):
+            s = p.sent
+            await self.journal.sent(
+                op, served, s.request_id, s.target, s.render, s.directives, s.body
+            )
 
     async def _answered(
         self,

@@ -2,11 +2,15 @@
 
 prepare: split the request into a header and turns (the session log's
 shapes, :mod:`gateway.sessions.render`), let the provider path plan the cache
-and render it once → the service loop journals the exact bytes → send: the
+and render it once (nothing waits, nothing is claimed) → the service loop
+journals the exact bytes → acquire (the ``fan_in`` step): a sibling of a
+cold anchor waits for the first one's answer to begin, and the first holds
+the :class:`~gateway.providers.control.Fan` the others wait on → send: the
 provider's deltas as answer pieces → retry: a cached-content handle the
 provider no longer knows (a false warm) is dropped and the call prepared
 again inline, journaled as its own dispatch → settle: the usage telemetry
-into the belief (verify, then account).
+into the belief (verify, then account) → release: the fan given back (its
+siblings go), whatever happened (also when the send never ran).
 """
 
 from __future__ import annotations
@@ -180,7 +184,8 @@ class ProviderChat:
 
     async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> ProviderPrepared:
         """Plan the cache and render once: the header and turns the log keeps, the
-        provider-neutral call, the planner's breakpoints and directives."""
+        provider-neutral call, the planner's breakpoints and directives.  Nothing waits
+        and nothing is claimed (the fan-in hold is :meth:`acquire`)."""
         t0 = time.perf_counter()
         t = self.path.target(name)  # 404 / 503 before anything else
         req = call.request
@@ -188,11 +193,27 @@ class ProviderChat:
         header, turns, chat, lint = parts
         tenant = call.who.tenant
         with call.trace.step("plan", target=name) as span, self._failures(t):
-            planned = await self.path.prepare(t, chat, tenant, call.warm, req, view, call.session)
+            planned = self.path.prepare(t, chat, tenant, call.warm, req, view, call.session)
             span.set_attribute("vcache.breakpoints", len(planned.marked))
         return ProviderPrepared(
             call, name, planned, header, turns, call.request_id, t0, tuple(lint)
         )
+
+    async def acquire(self, p: ProviderPrepared) -> ProviderPrepared:
+        """The send-one-then-fan hold (the ``fan_in`` step, where the control loop runs):
+        ``p`` holding the :class:`~gateway.providers.control.Fan` when it is the first of
+        a cold anchor's siblings (:meth:`release` gives it back)."""
+        planned = p.planned
+        if planned.anchor is None or planned.warm:
+            return p
+        with p.call.trace.step("fan_in", target=p.target) as span:
+            held = await self.path.acquire(planned)
+            span.set_attribute("vcache.fan_first", held.fan is not None)
+        return dataclasses.replace(p, planned=held)
+
+    def release(self, p: ProviderPrepared) -> None:
+        """Let the siblings held for this call's anchor go (nothing if it held none)."""
+        p.planned.release()
 
     async def send(self, p: ProviderPrepared, session: str | None) -> Pieces:
         """The provider's deltas as answer pieces; errors in the API's terms; the usage

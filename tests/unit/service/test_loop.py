@@ -1,6 +1,7 @@
 """The one service loop over in-memory targets: the order of its stages, fallback
 before the first token, a retry prepared again and journaled as its own dispatch,
-and the answer journaled before its usage goes out."""
+the answer journaled before its usage goes out, and what a target acquired given
+back on every path."""
 
 from __future__ import annotations
 
@@ -49,9 +50,13 @@ class FakeTarget:
         retry: bool = False,
         cached: float | None = 0.0,
         price: float = 1.0,
+        stall: bool = False,
     ) -> None:
         self.log, self.fail, self.can_retry = log, fail, retry
+        self.stall = stall  # the send waits for ever before its first piece
+        self.sending = asyncio.Event()
         self.cached, self.price = cached, price  # cached None: it cannot quote
+        self.claims: set[str] = set()  # what acquire claimed and release has not given back
 
     @contextmanager
     def _admitted(self) -> Iterator[None]:
@@ -75,8 +80,21 @@ class FakeTarget:
         self.log.append(f"prepare {name} {call.request_id}{memo}")
         return FakePrepared(name, call.request_id, notes={"x-vcache-note": name})
 
+    async def acquire(self, p: FakePrepared) -> FakePrepared:
+        self.log.append(f"acquire {p.request_id}")
+        self.claims.add(p.request_id)
+        return p
+
+    def release(self, p: FakePrepared) -> None:
+        if p.request_id in self.claims:
+            self.claims.discard(p.request_id)
+            self.log.append(f"give back {p.request_id}")
+
     async def send(self, p: FakePrepared, session: str | None) -> Pieces:
         self.log.append(f"send {p.request_id}")
+        self.sending.set()
+        if self.stall:
+            await asyncio.Event().wait()
         if self.fail is not None:
             fail, self.fail = self.fail, None if self.can_retry else self.fail
             raise fail
@@ -86,7 +104,11 @@ class FakeTarget:
 
     def retry(self, p: FakePrepared, error: Exception) -> FakePrepared | None:
         self.log.append(f"retry {p.request_id}")
-        return FakePrepared(p.target, f"{p.request_id}-r") if self.can_retry else None
+        if not self.can_retry:
+            return None
+        self.claims.add(f"{p.request_id}-r")  # the same claims, under the retry's id
+        self.claims.discard(p.request_id)
+        return FakePrepared(p.target, f"{p.request_id}-r")
 
     def settle(self, p: FakePrepared, usage: Usage) -> None:
         self.log.append(f"settle {p.request_id} cached={usage.prompt_tokens_details.cached_tokens}")
@@ -148,9 +170,11 @@ def test_stages_run_in_order_and_the_answer_is_journaled_before_its_usage() -> N
         "prepare a chatcmpl-1",
         "open t",
         "journal chatcmpl-1",
+        "acquire chatcmpl-1",  # what waits, after the journal and before the send
         "send chatcmpl-1",
         "answered chatcmpl-1 'hello world'",
         "settle chatcmpl-1 cached=4",
+        "give back chatcmpl-1",
         "release",
     ]
     assert rid == "chatcmpl-1" and [p.text for p in pieces] == ["hello ", "world", ""]
@@ -166,6 +190,7 @@ def test_a_target_that_fails_before_the_first_token_gives_way() -> None:
     assert served.routed_by == "order"  # equal quotes: the alias's first went first
     assert "journal chatcmpl-1" in log and "journal chatcmpl-1-1" in log
     assert log.count("release") == 2  # the failed target's admission was released
+    assert "give back chatcmpl-1" in log and not targets["a"].claims  # and its claims
 
 
 def test_client_mistakes_do_not_fall_back() -> None:
@@ -179,13 +204,16 @@ def test_client_mistakes_do_not_fall_back() -> None:
 def test_a_retry_is_prepared_again_and_journaled_as_its_own_dispatch() -> None:
     log: list[str] = []
     _, pieces, _ = _run({"a": FakeTarget(log, BadGateway("gone"), retry=True)}, log, ["a"])
-    assert [e for e in log if e.startswith(("journal", "send", "retry", "settle"))] == [
+    steps = ("journal", "acquire", "send", "retry", "settle", "give back")
+    assert [e for e in log if e.startswith(steps)] == [
         "journal chatcmpl-1",
+        "acquire chatcmpl-1",
         "send chatcmpl-1",
         "retry chatcmpl-1",
-        "journal chatcmpl-1-r",
+        "journal chatcmpl-1-r",  # journaled again, not acquired again: it holds the claims
         "send chatcmpl-1-r",
         "settle chatcmpl-1-r cached=4",
+        "give back chatcmpl-1-r",
     ]
     assert pieces[-1].usage is not None
 
@@ -202,7 +230,37 @@ def test_settled_even_when_the_client_leaves_after_the_usage() -> None:
         await pieces.aclose()
 
     asyncio.run(main())
-    assert "settle chatcmpl-1 cached=4" in log and log[-1] == "release"
+    assert "settle chatcmpl-1 cached=4" in log and log[-2:] == ["give back chatcmpl-1", "release"]
+
+
+def test_the_claims_go_back_when_the_client_leaves_before_the_first_token() -> None:
+    log: list[str] = []
+    target = FakeTarget(log, stall=True)
+    loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: target)
+
+    async def main() -> None:
+        task = asyncio.create_task(loop.first_answer(["a"], _call(), Served()))
+        await target.sending.wait()
+        task.cancel()  # the client goes away while the target computes the first token
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert log[-2:] == ["give back chatcmpl-1", "release"] and not target.claims
+
+
+def test_a_journal_that_fails_acquires_nothing() -> None:
+    log: list[str] = []
+
+    class Failing(RecordingJournal):
+        async def sent(self, op: Any, served: Any, request_id: str, *rest: Any) -> None:
+            raise Unavailable("the session log is unavailable", code="session_log_unavailable")
+
+    target = FakeTarget(log)
+    loop = ServiceLoop(Failing(log), Metrics(), lambda name: target)
+    with pytest.raises(Unavailable):
+        asyncio.run(loop.first_answer(["a"], _call(), Served()))
+    assert log == ["admit", "prepare a chatcmpl-1", "open t", "release"] and not target.claims
 
 
 # ------------------------------------------------------------ by cost

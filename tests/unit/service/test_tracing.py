@@ -44,9 +44,9 @@ def test_a_chat_is_one_span_with_a_child_per_step(demo_model: Path) -> None:
             s for s in spans if s.parent and s.parent.span_id == root.context.span_id
         ]
         assert [c.name for c in children] == [
-            "tokenize",
-            "route",  # prepare (tokenize, route) decides; then the journal; then the send
-            "journal",
+            "tokenize",  # prepare decides and renders
+            "journal",  # what will be sent, recorded
+            "route",  # acquire: what waits (the index sync, a prefill to join), then claims
             "dispatch",
             "generate",
         ]
