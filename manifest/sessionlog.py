@@ -104,10 +104,17 @@ class MessageEvent:
     # an assistant's thinking blocks (with their signatures), as canonical JSON: relayed
     # to the provider that wrote them exactly as it wrote them
     thinking: str | None = None
+    # a system message's tool changes (Anthropic's tool_addition / tool_removal blocks),
+    # as canonical JSON: rendered where the message sits
+    tool_changes: str | None = None
 
     def key(self) -> tuple[str | None, ...]:
-        """What identifies the message in a conversation (messages without tool calls or
-        thinking keep the shorter keys they always had, so their digests do not change)."""
+        """What identifies the message in a conversation (messages without tool calls,
+        thinking or tool changes keep the shorter keys they always had, so their digests
+        do not change)."""
+        if self.tool_changes is not None:
+            return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id,
+                    self.thinking, self.tool_changes)  # fmt: skip
         if self.thinking is not None:
             return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id,
                     self.thinking)  # fmt: skip
@@ -252,6 +259,8 @@ def _as_dict(event: Event) -> dict[str, Any]:
             out["tool_call_id"] = event.tool_call_id
         if event.thinking is not None:
             out["thinking"] = event.thinking
+        if event.tool_changes is not None:
+            out["tool_changes"] = event.tool_changes
         return out
     if isinstance(event, ReplaceEvent):
         m = event.message
@@ -304,6 +313,7 @@ def _message(d: dict[str, Any]) -> MessageEvent:
         tool_calls=d.get("tool_calls"),
         tool_call_id=d.get("tool_call_id"),
         thinking=d.get("thinking"),
+        tool_changes=d.get("tool_changes"),
     )
 
 

@@ -23,6 +23,7 @@ from engines.sse import ServerSentEvent
 from manifest.canonical import canonical_json
 
 API_VERSION = "2023-06-01"
+SYSTEM_MESSAGE = "system-message"  # a segment's place: a system message among the messages
 DEFAULT_MAX_TOKENS = 1024  # Anthropic requires max_tokens; OpenAI callers may omit it
 _FINISH = {
     "end_turn": "stop",
@@ -33,7 +34,7 @@ _FINISH = {
 
 
 def _tool(t: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI function tool in Anthropic's shape."""
+    """An OpenAI function tool in Anthropic's shape (a deferred one stays deferred)."""
     fn = t["function"]
     out: dict[str, Any] = {
         "name": fn["name"],
@@ -41,6 +42,8 @@ def _tool(t: dict[str, Any]) -> dict[str, Any]:
     }
     if fn.get("description"):
         out["description"] = fn["description"]
+    if t.get("defer_loading"):
+        out["defer_loading"] = True
     return out
 
 
@@ -60,6 +63,9 @@ def _turn_blocks(t: Turn) -> tuple[str, list[dict[str, Any]]]:
     if t.role == "tool":
         result = {"type": "tool_result", "tool_use_id": t.tool_call_id or "", "content": t.content}
         return "user", [result]
+    if t.role == "system":  # a mid-conversation system message, its tool changes as written
+        text = [{"type": "text", "text": t.content}] if t.content or not t.tool_changes else []
+        return SYSTEM_MESSAGE, text + [dict(b) for b in t.tool_changes]
     blocks: list[dict[str, Any]] = [dict(b) for b in t.thinking]  # first, as written
     if t.content or not (t.tool_calls or t.thinking):
         blocks.append({"type": "text", "text": t.content})
@@ -76,6 +82,10 @@ def _usage(u: dict[str, Any], output: int) -> ProviderUsage:
     read = int(u.get("cache_read_input_tokens") or 0)
     write = int(u.get("cache_creation_input_tokens") or 0)
     return ProviderUsage(int(u.get("input_tokens") or 0) + read + write, read, write, output)
+
+
+# OpenAI's effort levels in Anthropic's terms
+ANTHROPIC_EFFORT = {"none": "low", "minimal": "low"}
 
 
 class AnthropicAdapter:
@@ -117,6 +127,8 @@ class AnthropicAdapter:
                 blocks = [*blocks[:-1], {**blocks[-1], "cache_control": mark}]
             if place == "system":
                 system += blocks
+            elif place == SYSTEM_MESSAGE:
+                messages.append({"role": "system", "content": blocks})
             elif (
                 place == "user"
                 and blocks[0]["type"] == "tool_result"
@@ -147,6 +159,10 @@ class AnthropicAdapter:
             body["stop_sequences"] = list(call.stop)
         if call.thinking is not None and not cache.warm:
             body["thinking"] = dict(call.thinking)
+        if call.effort is not None and not cache.warm:
+            body["output_config"] = {"effort": ANTHROPIC_EFFORT.get(call.effort, call.effort)}
+        if call.context_management is not None:
+            body["context_management"] = dict(call.context_management)
         return Rendered("/messages", canonical_json(body), prompt, ends, bool(body.get("stream")))
 
     def parse(self, body: Any) -> Answer:

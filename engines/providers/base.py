@@ -13,7 +13,7 @@ byte offset where each segment ends (render records hash these).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,11 +40,70 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Turn:
-    role: str  # "user" | "assistant" | "tool"
+    role: str  # "user" | "assistant" | "tool" | "system" (a system message where it sits)
     content: str
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
     thinking: tuple[Mapping[str, Any], ...] = ()  # an assistant's thinking blocks, as written
+    # a system turn's tool changes (Anthropic's tool_addition / tool_removal), as written
+    tool_changes: tuple[Mapping[str, Any], ...] = ()
+
+
+def _tool_named(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:
+    for t in tools:
+        if t.get("function", {}).get("name") == name:
+            return t
+    return None
+
+
+def _defined(definition: Mapping[str, Any]) -> dict[str, Any]:
+    """An Anthropic tool definition (``tool_definition``) as an OpenAI function tool."""
+    fn: dict[str, Any] = {"name": definition.get("name", "")}
+    if definition.get("description"):
+        fn["description"] = definition["description"]
+    fn["parameters"] = definition.get("input_schema") or {"type": "object", "properties": {}}
+    return {"type": "function", "function": fn}
+
+
+def _ref_name(ref: Mapping[str, Any]) -> str:
+    name = str(ref.get("name") or "")
+    server = ref.get("server_name")
+    if server and name:
+        return f"{server}/{name}"
+    return name or str(server or "")
+
+
+def tool_change_text(
+    changes: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> str:
+    """A system message's tool changes as text, for a model (or a provider) that takes the
+    tools it may call only up front: each added tool's definition as the tool list has it
+    (a reference resolved against ``tools``, the request's), each removed tool by name.
+    One rule for every request, so the text is the same wherever the message recurs."""
+    out: list[str] = []
+    for block in changes:
+        ref = block.get("tool") or {}
+        kind = ref.get("type")
+        if block.get("type") == "tool_addition":
+            if kind == "tool_definition":
+                spec: Any = _defined(ref.get("definition") or {})
+            else:
+                name = str(ref.get("name", ""))
+                found = _tool_named(tools, name) if kind == "tool_reference" else None
+                spec = {k: v for k, v in found.items() if k != "defer_loading"} if found else None
+            body = json.dumps(spec, ensure_ascii=False) if spec is not None else _ref_name(ref)
+            out.append(f"<tool_added>\n{body}\n</tool_added>")
+        elif block.get("type") == "tool_removal":
+            out.append(f"<tool_removed>{_ref_name(ref)}</tool_removed>")
+    return "\n".join(out)
+
+
+def system_text(t: Turn, tools: Sequence[Mapping[str, Any]]) -> str:
+    """A system turn's text with its tool changes written after it."""
+    changes = tool_change_text(t.tool_changes, tools)
+    if not changes:
+        return t.content
+    return f"{t.content}\n\n{changes}" if t.content else changes
 
 
 @dataclass(frozen=True)
@@ -63,6 +122,9 @@ class ChatCall:
     seed: int | None = None
     stream: bool = False
     thinking: Mapping[str, Any] | None = None  # Anthropic's extended thinking config
+    effort: str | None = None  # how hard to think (OpenAI reasoning_effort, Anthropic's)
+    # Anthropic's context_management, as the client sent it (its own targets only)
+    context_management: Mapping[str, Any] | None = None
 
     def segment_keys(self) -> list[str]:
         """Segments in prefix order: tools → system → system:volatile → message:i."""

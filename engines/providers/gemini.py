@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from engines.base import call_id
@@ -17,6 +18,7 @@ from engines.providers.base import (
     ToolCallPart,
     Turn,
     forced_tool,
+    system_text,
 )
 from engines.providers.errors import ProviderUnavailable
 from engines.sse import ServerSentEvent
@@ -66,9 +68,15 @@ def _response(content: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"content": content}
 
 
-def _turn_content(t: Turn, names: dict[str, str]) -> dict[str, Any]:
+def _turn_content(
+    t: Turn, names: dict[str, str], tools: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
     """A turn as a content: an assistant's calls are ``functionCall`` parts after its text,
-    a tool's result a user ``functionResponse`` part naming the function it answers."""
+    a tool's result a user ``functionResponse`` part naming the function it answers; a
+    system message after the first turn (Gemini has one system instruction, up front) a
+    user turn that says what it was."""
+    if t.role == "system":
+        return _content("user", f"[system] {system_text(t, tools)}")
     if t.role == "tool":
         name = names.get(t.tool_call_id or "", "")
         part = {"functionResponse": {"name": name, "response": _response(t.content)}}
@@ -146,7 +154,7 @@ class GeminiAdapter:
                 body["systemInstruction"] = {"parts": parts}
         names: dict[str, str] = {}  # tool call id → function name
         for i, t in enumerate(call.turns):
-            content = _turn_content(t, names)
+            content = _turn_content(t, names, call.tools)
             prompt += canonical_json(content)
             ends[f"message:{i}"] = len(prompt)
             if contents and _is_responses(content) and _is_responses(contents[-1]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from engines.providers.base import (
@@ -15,14 +16,18 @@ from engines.providers.base import (
     ToolCall,
     ToolCallPart,
     Turn,
+    system_text,
 )
 from engines.providers.errors import ProviderUnavailable
 from engines.sse import ServerSentEvent
 from manifest.canonical import canonical_json
 
 
-def _message(t: Turn) -> dict[str, Any]:
-    """A turn as a Chat Completions message (an assistant's calls, a tool's result)."""
+def _message(t: Turn, tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A turn as a Chat Completions message (an assistant's calls, a tool's result; a
+    system message where it sits, its tool changes written into it)."""
+    if t.role == "system":
+        return {"role": "system", "content": system_text(t, tools)}
     if t.role == "tool":
         return {"role": "tool", "tool_call_id": t.tool_call_id or "", "content": t.content}
     if t.tool_calls:
@@ -34,6 +39,12 @@ def _message(t: Turn) -> dict[str, Any]:
     return {"role": t.role, "content": t.content}
 
 
+def _plain(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as Chat Completions takes it (a deferred tool is offered up front:
+    the API has no deferral)."""
+    return {k: v for k, v in tool.items() if k != "defer_loading"}
+
+
 def _calls(message: dict[str, Any]) -> tuple[ToolCall, ...]:
     return tuple(
         ToolCall(str(c["id"]), str(fn["name"]), str(fn.get("arguments") or ""))
@@ -42,9 +53,14 @@ def _calls(message: dict[str, Any]) -> tuple[ToolCall, ...]:
     )
 
 
+# Anthropic's effort levels in OpenAI's terms
+OPENAI_EFFORT = {"max": "xhigh"}
+
+
 class OpenAIAdapter:
     provider = "openai"
     supports_cache_key = True
+    takes_effort = True
     limit_field = "max_completion_tokens"
 
     def auth_headers(self, api_key: str) -> dict[str, str]:
@@ -56,18 +72,19 @@ class OpenAIAdapter:
             msgs.append(("system", {"role": "system", "content": call.system}))
         if call.volatile_system:
             msgs.append(("system:volatile", {"role": "system", "content": call.volatile_system}))
-        msgs += [(f"message:{i}", _message(t)) for i, t in enumerate(call.turns)]
+        msgs += [(f"message:{i}", _message(t, call.tools)) for i, t in enumerate(call.turns)]
+        tools = [_plain(t) for t in call.tools]
         prompt = b""
         ends: dict[str, int] = {}
-        if call.tools:  # first in the prefix: a tool change invalidates everything after
-            prompt += canonical_json(list(call.tools))
+        if tools:  # first in the prefix: a tool change invalidates everything after
+            prompt += canonical_json(tools)
             ends["tools"] = len(prompt)
         for key, m in msgs:
             prompt += canonical_json(m)
             ends[key] = len(prompt)
         body: dict[str, Any] = {"model": call.model, "messages": [m for _, m in msgs]}
-        if call.tools:
-            body["tools"] = list(call.tools)
+        if tools:
+            body["tools"] = tools
         if call.tool_choice:
             body["tool_choice"] = call.tool_choice
         if call.max_tokens is not None:
@@ -88,6 +105,8 @@ class OpenAIAdapter:
                 body[name] = value
         if call.stop:
             body["stop"] = list(call.stop)
+        if call.effort is not None and self.takes_effort:
+            body["reasoning_effort"] = OPENAI_EFFORT.get(call.effort, call.effort)
         return Rendered("/chat/completions", canonical_json(body), prompt, ends, call.stream)
 
     def usage(self, u: dict[str, Any]) -> ProviderUsage:
@@ -116,6 +135,7 @@ class DeepSeekAdapter(OpenAIAdapter):
 
     provider = "deepseek"
     supports_cache_key = False
+    takes_effort = False  # its reasoning model thinks as it does, with no knob
     limit_field = "max_tokens"
 
     def usage(self, u: dict[str, Any]) -> ProviderUsage:

@@ -85,6 +85,37 @@ class RedactedThinkingBlock(_Strict):
     cache_control: CacheControl | None = None
 
 
+class ToolRef(BaseModel):
+    """What a tool change names: a tool of ``tools`` (``tool_reference``), an MCP tool or
+    toolset, or a tool given inline (``tool_definition``, beta ``inline-tools-2026-09-15``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal[
+        "tool_reference", "mcp_tool_reference", "mcp_toolset_reference", "tool_definition"
+    ]
+    name: str | None = None
+    server_name: str | None = None
+    definition: dict[str, Any] | None = None
+
+
+class ToolAdditionBlock(_Strict):
+    """A system message's ``tool_addition``: the tool is offered from here on (beta
+    ``mid-conversation-tool-changes-2026-07-01``)."""
+
+    type: Literal["tool_addition"]
+    tool: ToolRef
+    cache_control: CacheControl | None = None
+
+
+class ToolRemovalBlock(_Strict):
+    """A system message's ``tool_removal``: the tool is no longer offered from here on."""
+
+    type: Literal["tool_removal"]
+    tool: ToolRef
+    cache_control: CacheControl | None = None
+
+
 UNSUPPORTED_CONTENT = ("image", "document", "search_result", "container_upload")
 
 
@@ -101,14 +132,20 @@ ContentBlock = Annotated[
     | ToolResultBlock
     | ThinkingBlock
     | RedactedThinkingBlock
+    | ToolAdditionBlock
+    | ToolRemovalBlock
     | UnsupportedBlock,
     Field(discriminator="type"),
 ]
 
 
 class MessageParam(_Strict):
-    role: Literal["user", "assistant"]
+    """A turn; ``system`` is a mid-conversation system message (text and tool changes),
+    placed as Anthropic's rules allow (see :meth:`MessagesRequest._placed`)."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
+    cache_control: CacheControl | None = None  # a system message's, as on the system field
 
     def blocks(self) -> list[Any]:
         if isinstance(self.content, str):
@@ -126,7 +163,7 @@ class ToolParam(_Strict):
     cache_control: CacheControl | None = None
     strict: bool | None = None
     eager_input_streaming: bool | None = None
-    defer_loading: bool | None = None
+    defer_loading: bool | None = None  # offered only where a system message adds it
     input_examples: list[dict[str, Any]] | None = None
     allowed_callers: list[str] | None = None
 
@@ -208,6 +245,57 @@ class MessagesRequest(RequestModel):
         return v
 
     @model_validator(mode="after")
+    def _placed(self) -> MessagesRequest:
+        """Anthropic's placement rules for system messages: never first; right after a
+        user turn; last, or followed by an assistant turn (so never two in a row); text
+        and tool changes only, and tool changes nowhere else."""
+        msgs = self.messages
+        names = {t.name for t in self.tools or []}
+        for i, m in enumerate(msgs):
+            where = f"messages.{i}"
+            kinds = [b.type for b in m.content] if isinstance(m.content, list) else ["text"]
+            if m.role != "system":
+                if "tool_addition" in kinds or "tool_removal" in kinds:
+                    raise _error(f"{where}: tool changes belong in a system message", where)
+                if m.cache_control is not None:
+                    raise _error(f"{where}.cache_control: put it on a content block", where)
+                continue
+            if i == 0:
+                raise _error(
+                    f"{where}: a system message cannot be the first message; use the "
+                    "top-level system field",
+                    where,
+                )
+            if msgs[i - 1].role != "user":
+                raise _error(f"{where}: a system message must follow a user message", where)
+            if i + 1 < len(msgs) and msgs[i + 1].role != "assistant":
+                raise _error(
+                    f"{where}: a system message must be the last message or be followed by "
+                    "an assistant message",
+                    where,
+                )
+            for j, b in enumerate(m.content if isinstance(m.content, list) else []):
+                if b.type not in ("text", "tool_addition", "tool_removal"):
+                    raise _error(
+                        f"{where}.content.{j}: a system message takes text and tool changes, "
+                        f"not '{b.type}' blocks",
+                        f"{where}.content.{j}.type",
+                    )
+                if isinstance(b, ToolAdditionBlock | ToolRemovalBlock):
+                    ref = b.tool
+                    if ref.type == "tool_reference" and ref.name not in names:
+                        raise _error(
+                            f"{where}.content.{j}.tool.name: '{ref.name}' is not among the tools",
+                            f"{where}.content.{j}.tool.name",
+                        )
+                    if ref.type == "tool_definition" and not (ref.definition or {}).get("name"):
+                        raise _error(
+                            f"{where}.content.{j}.tool.definition: a tool definition needs a name",
+                            f"{where}.content.{j}.tool.definition",
+                        )
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self) -> MessagesRequest:
         t = self.thinking
         if isinstance(t, ThinkingEnabled) and t.budget_tokens >= self.max_tokens:
@@ -233,6 +321,10 @@ class MessagesRequest(RequestModel):
         if isinstance(self.system, str):
             return [TextBlock(type="text", text=self.system)] if self.system else []
         return list(self.system)
+
+
+def _error(message: str, param: str) -> PydanticCustomError:
+    return PydanticCustomError("value_error", message, {"param": param})
 
 
 class CountTokensRequest(MessagesRequest):

@@ -1,21 +1,33 @@
-"""The Responses API's wire types, as OpenAI defines them for agents.
+"""The Responses API's wire types, as OpenAI documents them for agents (OpenAPI 2.3).
 
 Input is a string or a list of items: messages, an assistant's
-``function_call`` items and the client's ``function_call_output`` items (the
-tool round trip an agent SDK sends back on its next turn).  Tools are
-function tools; ``text.format`` asks for JSON (an object, or one valid
-against a schema).  What OpenAI defines and this gateway cannot do (hosted
-tools, images, files, background runs) is a 400 naming it, never ignored.
+``function_call`` / ``custom_tool_call`` items and the client's
+``*_output`` items (the tool round trip an agent sends back on its next
+turn), and ``reasoning`` items from earlier answers (accepted and not shown
+to the model: see :mod:`gateway.service.response_tools`).  Tools are
+``function`` tools, ``custom`` (freeform) tools, ``namespace`` tools that
+group them, and hosted tools (``web_search``, ``file_search``...), which are
+kept as sent: a target that cannot run them leaves them out.  What OpenAI
+defines and this gateway cannot do (images, files, prompt templates,
+background runs, stored conversations) is a 400 naming it, never ignored.
 The answer is a :class:`ResponseObject` whose ``output`` holds a message item
-and one ``function_call`` item per call; a stream is the typed events below,
-each with its ``sequence_number``.
+and one call item per tool call; a stream is the typed events below, each
+with its ``sequence_number``.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from gateway.core.schemas import RequestModel
 
@@ -53,7 +65,8 @@ class MessageItem(BaseModel):
 
 
 class FunctionCallItem(BaseModel):
-    """An assistant's call of a function tool (from an earlier response's output)."""
+    """An assistant's call of a function tool (from an earlier response's output); a tool
+    of a ``namespace`` tool names it."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -61,8 +74,15 @@ class FunctionCallItem(BaseModel):
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
+    namespace: str | None = None
     id: str | None = None
     status: str | None = None
+
+
+def _output_text(output: str | list[ContentPart]) -> str:
+    if isinstance(output, str):
+        return output
+    return "".join(p.text for p in output)
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -76,16 +96,80 @@ class FunctionCallOutputItem(BaseModel):
     id: str | None = None
     status: str | None = None
 
+    _parts = field_validator("output", mode="before")(_refuse_parts)
+
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(p.text for p in self.output)
+        return _output_text(self.output)
+
+
+class CustomToolCallItem(BaseModel):
+    """An assistant's call of a custom (freeform) tool: its ``input`` is free text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: str
+    namespace: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class CustomToolCallOutputItem(BaseModel):
+    """The client's result of a custom tool call."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["custom_tool_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[ContentPart]
+    id: str | None = None
+
+    _parts = field_validator("output", mode="before")(_refuse_parts)
+
+    def text(self) -> str:
+        return _output_text(self.output)
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning item of an earlier answer (vcache's or OpenAI's), sent back as the
+    client received it (``encrypted_content`` when it asked for it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
 
 
 InputItem = Annotated[
-    MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | ReasoningItem,
+    Field(discriminator="type"),
 ]
-_ITEM_TYPES = ("message", "function_call", "function_call_output")
+Item = (
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | ReasoningItem
+)
+_ITEM_TYPES = (
+    "message",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "reasoning",
+)
 
 
 class FunctionTool(BaseModel):
@@ -96,11 +180,102 @@ class FunctionTool(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    defer_loading: bool | None = None
+
+
+class CustomFormat(BaseModel):
+    """A custom tool's input format: free text, or text a grammar (Lark or a regex)
+    accepts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
+class CustomTool(BaseModel):
+    """A freeform tool: the model's call carries text, not JSON arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["custom"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    format: CustomFormat | None = None
+    defer_loading: bool | None = None
+
+
+class NamespaceTool(BaseModel):
+    """Function and custom tools grouped under a name (an MCP server's, a sub-agent
+    kit's); the calls of its tools name the namespace."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str = ""
+    tools: list[Annotated[FunctionTool | CustomTool, Field(discriminator="type")]] = Field(
+        min_length=1
+    )
+
+
+class HostedTool(BaseModel):
+    """A tool OpenAI runs itself (``web_search``, ``file_search``, ``code_interpreter``,
+    ``image_generation``, ``mcp``, ``computer_use``...): kept as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(min_length=1)
+
+
+def _tool_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return kind if kind in ("function", "custom", "namespace") else "hosted"
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[CustomTool, Tag("custom")]
+    | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[HostedTool, Tag("hosted")],
+    Discriminator(_tool_kind),
+]
 
 
 class FunctionChoice(BaseModel):
-    type: Literal["function"]
+    """Call this tool: a function tool (of a namespace, when it names one) or a custom
+    tool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function", "custom"]
     name: str = Field(min_length=1)
+    namespace: str | None = None
+
+
+class HostedChoice(BaseModel):
+    """A ``tool_choice`` that names a hosted tool (``{"type": "web_search"}``), or an
+    ``allowed_tools`` / ``mcp`` choice: kept as sent, judged against the target."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(min_length=1)
+
+
+def _choice_kind(v: Any) -> str:
+    if isinstance(v, str):
+        return "mode"
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return "named" if kind in ("function", "custom") else "hosted"
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["auto", "none", "required"], Tag("mode")]
+    | Annotated[FunctionChoice, Tag("named")]
+    | Annotated[HostedChoice, Tag("hosted")],
+    Discriminator(_choice_kind),
+]
 
 
 class TextFormat(BaseModel):
@@ -125,6 +300,32 @@ class TextConfig(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     format: TextFormat = Field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class Reasoning(BaseModel):
+    """``reasoning``: how hard the model thinks (``effort``, the chat template's
+    ``reasoning_effort`` on the local model) and the summary asked of its thinking."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+INCLUDABLE = frozenset(
+    {
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "file_search_call.results",
+        "message.input_image.image_url",
+        "message.output_text.logprobs",
+        "reasoning.encrypted_content",
+        "web_search_call.action.sources",
+        "web_search_call.results",
+    }
+)
 
 
 class ResponsesRequest(RequestModel):
@@ -138,14 +339,25 @@ class ResponsesRequest(RequestModel):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     metadata: dict[str, str] | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     text: TextConfig | None = None
+    reasoning: Reasoning | None = None
+    include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    # the session's name and the routing affinity where no header names one
+    prompt_cache_key: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in-memory", "24h", "in_memory"] | None = None
+    client_metadata: dict[str, Any] | None = None  # the client's own: echoed, never read
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
+    user: str | None = None
     ignore_eos: bool = False  # vLLM extension, as on chat completions
     background: bool | None = None
     conversation: Any = None
+    prompt: Any = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -164,15 +376,12 @@ class ResponsesRequest(RequestModel):
             out.append(item)
         return out
 
-    @field_validator("tools", mode="before")
+    @field_validator("include")
     @classmethod
-    def _function_tools(cls, v: Any) -> Any:
-        if not isinstance(v, list):
-            return v  # not a list: the type check names it
-        for t in v:
-            kind = t.get("type") if isinstance(t, dict) else None
-            if kind != "function":
-                raise ValueError(f"tools of type '{kind}' are not supported (function tools are)")
+    def _includable(cls, v: list[str] | None) -> list[str] | None:
+        unknown = sorted(set(v or ()) - INCLUDABLE)
+        if unknown:
+            raise ValueError(f"include: '{unknown[0]}' is not a value this API defines")
         return v
 
     @field_validator("background")
@@ -189,7 +398,17 @@ class ResponsesRequest(RequestModel):
             raise ValueError("conversation is not supported; use previous_response_id")
         return v
 
-    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+    @field_validator("prompt")
+    @classmethod
+    def _no_prompt_templates(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError(
+                "prompt templates (prompt.id) are not supported by this gateway: send the "
+                "instructions and input themselves"
+            )
+        return v
+
+    def items(self) -> list[Item]:
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
@@ -222,9 +441,20 @@ class OutputFunctionCall(BaseModel):
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]
+    namespace: str | None = None  # the namespace tool the function belongs to
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class OutputCustomToolCall(BaseModel):
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    id: str
+    call_id: str
+    name: str
+    input: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    namespace: str | None = None
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputCustomToolCall
 
 
 class InputTokensDetails(BaseModel):
@@ -264,11 +494,17 @@ class ResponseObject(BaseModel):
     temperature: float | None
     top_p: float | None
     text: TextConfig
-    tool_choice: Literal["auto", "none", "required"] | FunctionChoice
-    tools: list[FunctionTool]
+    tool_choice: ToolChoice
+    tools: list[Tool]
     truncation: Literal["disabled", "auto"]
     metadata: dict[str, str]
     usage: ResponseUsage | None
+    reasoning: Reasoning = Field(default_factory=Reasoning)
+    max_tool_calls: int | None = None
+    service_tier: str = "default"  # what served it: the gateway has one tier
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    user: str | None = None
 
 
 class ResponseDeleted(BaseModel):
@@ -338,6 +574,20 @@ class ArgumentsDone(StreamEvent):
     output_index: int
     name: str
     arguments: str
+
+
+class CustomInputDelta(StreamEvent):
+    type: str = "response.custom_tool_call_input.delta"
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class CustomInputDone(StreamEvent):
+    type: str = "response.custom_tool_call_input.done"
+    item_id: str
+    output_index: int
+    input: str
 
 
 class ErrorEvent(StreamEvent):

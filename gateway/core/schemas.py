@@ -110,6 +110,9 @@ class ChatMessage(BaseModel):
     # an assistant's thinking blocks as another API sent them (canonical JSON); never
     # read from an OpenAI request
     _thinking: str | None = PrivateAttr(default=None)
+    # a system message's tool changes (the Messages API's tool_addition / tool_removal
+    # blocks, canonical JSON); never read from an OpenAI request
+    _tool_changes: str | None = PrivateAttr(default=None)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -129,6 +132,14 @@ class ChatMessage(BaseModel):
 
     def with_thinking(self, blocks: list[dict[str, Any]]) -> ChatMessage:
         self._thinking = canonical_json(blocks).decode() if blocks else None
+        return self
+
+    @property
+    def tool_changes(self) -> str | None:
+        return self._tool_changes
+
+    def with_tool_changes(self, blocks: list[dict[str, Any]]) -> ChatMessage:
+        self._tool_changes = canonical_json(blocks).decode() if blocks else None
         return self
 
     def text(self) -> str:
@@ -157,12 +168,15 @@ class FunctionSpec(BaseModel):
 
 
 class ToolSpec(BaseModel):
-    """A function tool (OpenAI's shape); hosted providers get their own rendering of it."""
+    """A function tool (OpenAI's shape); hosted providers get their own rendering of it.
+    ``defer_loading`` (Anthropic's, set by the Messages API's edge): not offered up front,
+    but where a system message adds it."""
 
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
     function: FunctionSpec
+    defer_loading: bool | None = None
 
 
 class NamedFunction(BaseModel):
@@ -271,13 +285,19 @@ class Breakpoint:
 
 @dataclass(frozen=True)
 class EdgeHints:
-    """What another API's edge (the Messages API) asks of a chat request beyond OpenAI's
-    fields; never read from the wire."""
+    """What another API's edge (the Messages API, the Responses API) asks of a chat request
+    beyond OpenAI's chat fields; never read from the wire."""
 
     breakpoints: tuple[Breakpoint, ...] = ()
     clamp_output: bool = False  # a max_tokens past the context is cut to fit, not refused
     top_k: int | None = None
     thinking: dict[str, Any] | None = None  # Anthropic's extended thinking, for its targets
+    effort: str | None = None  # how hard the model is to think (Responses, Messages effort)
+    omitted_tools: tuple[str, ...] = ()  # hosted tools no target here runs, left out
+    # Anthropic's context_management as the client sent it: an Anthropic target applies
+    # it; elsewhere its clear_thinking edits hold by construction (no target but
+    # Anthropic is shown earlier thinking)
+    context_management: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, ChatShaping):

@@ -82,7 +82,13 @@ SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
 # the coding agents' own session ids: Claude Code's, Codex's (session and thread), others'
-AGENT_SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "thread-id", "x-session-id")
+AGENT_SESSION_HEADERS = (
+    "x-claude-code-session-id",
+    "session-id",
+    "thread-id",
+    "x-codex-window-id",
+    "x-session-id",
+)
 
 
 async def session_header(request: Request) -> str | None:

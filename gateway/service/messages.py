@@ -34,6 +34,8 @@ from gateway.core.messages import (
     TextBlock,
     ThinkingBlock,
     TokenCount,
+    ToolAdditionBlock,
+    ToolRemovalBlock,
     ToolResultBlock,
     ToolUseBlock,
     UnsupportedBlock,
@@ -130,12 +132,30 @@ def _assistant(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
     return marked
 
 
+def _system(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
+    """Append a mid-conversation system message where it sits: its text, and its tool
+    changes as written (each target renders them: see
+    :func:`engines.providers.base.tool_change_text`)."""
+    text: list[TextPart] = []
+    changes: list[dict[str, Any]] = []
+    marked = m.cache_control is not None
+    for b in m.blocks():
+        if isinstance(b, TextBlock):
+            text.append(TextPart(type="text", text=b.text))
+        elif isinstance(b, ToolAdditionBlock | ToolRemovalBlock):
+            changes.append(b.model_dump(exclude_none=True, exclude={"cache_control"}))
+        marked = marked or b.cache_control is not None
+    turns.append(ChatMessage(role="system", content=text).with_tool_changes(changes))
+    return marked
+
+
 def _tool(t: Any) -> ToolSpec:
     # Anthropic's names may be longer than OpenAI's 64 characters: built as validated here
     fn = FunctionSpec.model_construct(
         name=t.name, description=t.description, parameters=t.input_schema, strict=t.strict
     )
-    return ToolSpec.model_construct(type="function", function=fn)
+    deferred = True if t.defer_loading else None
+    return ToolSpec.model_construct(type="function", function=fn, defer_loading=deferred)
 
 
 def _tool_choice(req: MessagesRequest) -> Any:
@@ -160,8 +180,10 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         marks += [Breakpoint("system", b.cache_control.ttl_s()) for b in blocks if b.cache_control]
     turns: list[ChatMessage] = []
     for i, m in enumerate(req.messages):
-        add = _user if m.role == "user" else _assistant
+        add = {"user": _user, "assistant": _assistant, "system": _system}[m.role]
         ttl = max((b.cache_control.ttl_s() for b in m.blocks() if _mark(b)), default=300)
+        if m.cache_control is not None:
+            ttl = max(ttl, m.cache_control.ttl_s())
         if add(m, f"messages.{i}", turns) and turns:
             marks.append(Breakpoint(f"message:{len(turns) - 1}", ttl))
     if not turns:
@@ -192,7 +214,15 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         ),
     )
     thinking = req.thinking.model_dump(exclude_none=True) if req.thinking else None
-    hints = EdgeHints(tuple(marks), clamp_output=True, top_k=req.top_k or None, thinking=thinking)
+    effort = req.output_config.effort if req.output_config else None
+    hints = EdgeHints(
+        tuple(marks),
+        clamp_output=True,
+        top_k=req.top_k or None,
+        thinking=thinking,
+        effort=effort,
+        context_management=req.context_management,
+    )
     return chat.with_hints(hints)
 
 

@@ -98,4 +98,4 @@ def render(
     """The prompt's token ids through the chat template (on the render thread)."""
     # the tools as the log keeps them (canonical JSON), so a rebuilt prompt is the same
     kept = json.loads(canonical_json(tools)) if tools else None
-    return chat_prompt(tok, local_messages(system, turns), kept, template)
+    return chat_prompt(tok, local_messages(system, turns, kept), kept, template)

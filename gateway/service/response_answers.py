@@ -1,10 +1,15 @@
 """A chat answer shaped as the Responses API's: the response object and its stream events.
 
 The output holds the assistant's text as one message item (when it wrote
-text, or called nothing) and one ``function_call`` item per tool call, its
-``call_id`` the chat call id (so the tool round trip an agent sends back maps
-onto the same chat turns the session log keeps).  Streamed, each item is
-added, filled by deltas and done in turn, as OpenAI's events are.
+text, or called nothing) and one call item per tool call: ``function_call``
+(with its ``namespace`` for a namespace tool's function) or
+``custom_tool_call`` (its ``input`` the text), mapped back from the chat
+function by :class:`~gateway.service.response_tools.ResponseTools`; its
+``call_id`` is the chat call id (so the tool round trip an agent sends back
+maps onto the same chat turns the session log keeps).  ``max_tool_calls``
+keeps the first calls.  Streamed, each item is added, filled by deltas and
+done in turn, as OpenAI's events are (a custom tool's input in one delta, once
+its call is whole).
 """
 
 from __future__ import annotations
@@ -13,20 +18,24 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Literal
 
 from gateway.core.outputs import ChatCompletion, ToolCallOut, Usage
 from gateway.core.responses import (
     ArgumentsDelta,
     ArgumentsDone,
-    FunctionChoice,
+    CustomInputDelta,
+    CustomInputDone,
     Incomplete,
     InputTokensDetails,
     ItemEvent,
+    OutputCustomToolCall,
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
     OutputText,
     PartEvent,
+    Reasoning,
     ResponseObject,
     ResponsesRequest,
     ResponseState,
@@ -37,6 +46,9 @@ from gateway.core.responses import (
     TextDone,
 )
 from gateway.core.shaping import Pieces
+from gateway.service.response_tools import ResponseTools, custom_input
+
+Status = Literal["in_progress", "completed", "incomplete"]
 
 
 def new_id(prefix: str) -> str:
@@ -65,7 +77,6 @@ def response_object(
     """The response as the client sees it: in progress until ``finish`` is known."""
     incomplete = finish == "length"
     status = "in_progress" if finish is None else ("incomplete" if incomplete else "completed")
-    choice = req.tool_choice if req.tool_choice is not None else "auto"
     return ResponseObject(
         id=rid,
         created_at=created,
@@ -80,14 +91,19 @@ def response_object(
         store=req.store,
         temperature=req.temperature,
         top_p=req.top_p,
-        text=TextConfig(format=req.text_format()),
-        tool_choice=choice
-        if isinstance(choice, str)
-        else FunctionChoice(type="function", name=choice.name),
+        text=TextConfig(
+            format=req.text_format(), verbosity=req.text.verbosity if req.text else None
+        ),
+        tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
         tools=list(req.tools or []),
         truncation=req.truncation or "disabled",
         metadata=req.metadata or {},
         usage=response_usage(usage) if usage is not None and finish is not None else None,
+        reasoning=req.reasoning or Reasoning(),
+        max_tool_calls=req.max_tool_calls,
+        prompt_cache_key=req.prompt_cache_key,
+        safety_identifier=req.safety_identifier,
+        user=req.user,
     )
 
 
@@ -96,24 +112,45 @@ def _message(text: str, finish: str | None) -> OutputMessage:
     return OutputMessage(id=new_id("msg"), status=status, content=[OutputText(text=text)])
 
 
-def _call(c: ToolCallOut) -> OutputFunctionCall:
+def call_item(
+    tools: ResponseTools, chat_name: str, call_id: str, arguments: str, status: Status
+) -> OutputFunctionCall | OutputCustomToolCall:
+    """The output item of a call of the chat function ``chat_name``."""
+    o = tools.origin(chat_name)
+    if o.kind == "custom":
+        return OutputCustomToolCall(
+            id=new_id("ctc"),
+            call_id=call_id,
+            name=o.name,
+            input=custom_input(arguments),
+            status=status,
+            namespace=o.namespace,
+        )
     return OutputFunctionCall(
         id=new_id("fc"),
-        call_id=c.id,
-        name=c.function.name,
-        arguments=c.function.arguments,
-        status="completed",
+        call_id=call_id,
+        name=o.name,
+        arguments=arguments,
+        status=status,
+        namespace=o.namespace,
     )
 
 
-def output_items(done: ChatCompletion) -> list[OutputItem]:
-    """A whole chat answer's output items: its text, then its tool calls."""
+def _call(c: ToolCallOut, tools: ResponseTools) -> OutputItem:
+    return call_item(tools, c.function.name, c.id, c.function.arguments, "completed")
+
+
+def output_items(
+    done: ChatCompletion, tools: ResponseTools, max_calls: int | None = None
+) -> list[OutputItem]:
+    """A whole chat answer's output items: its text, then its tool calls (the first
+    ``max_calls``)."""
     msg = done.choices[0].message
-    calls = msg.tool_calls or []
+    calls = (msg.tool_calls or [])[:max_calls]
     items: list[OutputItem] = []
     if msg.content or not calls:
         items.append(_message(msg.content or "", done.choices[0].finish_reason))
-    items += [_call(c) for c in calls]
+    items += [_call(c, tools) for c in calls]
     return items
 
 
@@ -134,6 +171,7 @@ class ResponseStream:
     rid: str
     req: ResponsesRequest
     created: int
+    tools: ResponseTools = field(default_factory=ResponseTools)
     seq: int = 0
     items: list[OutputItem] = field(default_factory=list)
     finish: str | None = None
@@ -176,14 +214,16 @@ class ResponseStream:
                     )
                 for tc in p.tool_calls if p.index == 0 else ():
                     if tc.index not in calls:
+                        if len(calls) == self.req.max_tool_calls:
+                            continue  # past max_tool_calls: not an output item
                         for ev in self._close(cur):
                             yield ev
-                        item = OutputFunctionCall(
-                            id=new_id("fc"),
-                            call_id=tc.id or new_id("call"),
-                            name=tc.name or "",
-                            arguments="",
-                            status="in_progress",
+                        item = call_item(
+                            self.tools,
+                            tc.name or "",
+                            tc.id or new_id("call"),
+                            "",
+                            "in_progress",
                         )
                         cur = calls[tc.index] = _Open(len(self.items), item)
                         for ev in self._opened(cur):
@@ -191,6 +231,8 @@ class ResponseStream:
                     o = calls[tc.index]
                     if tc.arguments:
                         o.parts.append(tc.arguments)
+                        if isinstance(o.item, OutputCustomToolCall):
+                            continue  # its input is sent whole when the call is
                         yield ArgumentsDelta(
                             sequence_number=self.n(),
                             item_id=o.item.id,
@@ -249,6 +291,23 @@ class ResponseStream:
                     item_id=o.item.id,
                     output_index=o.index,
                     part=part,
+                ),
+            ]
+        elif isinstance(o.item, OutputCustomToolCall):
+            given = custom_input(text)
+            done = o.item.model_copy(update={"status": "completed", "input": given})
+            out += [
+                CustomInputDelta(
+                    sequence_number=self.n(),
+                    item_id=o.item.id,
+                    output_index=o.index,
+                    delta=given,
+                ),
+                CustomInputDone(
+                    sequence_number=self.n(),
+                    item_id=o.item.id,
+                    output_index=o.index,
+                    input=given,
                 ),
             ]
         else:

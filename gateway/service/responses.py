@@ -25,8 +25,11 @@ from pydantic import ValidationError
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import ChatCompletion
 from gateway.core.responses import (
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
     FunctionCallItem,
     FunctionCallOutputItem,
+    Item,
     MessageItem,
     ResponseDeleted,
     ResponseObject,
@@ -34,7 +37,13 @@ from gateway.core.responses import (
     ResponseState,
     StreamEvent,
 )
-from gateway.core.schemas import ChatCompletionRequest, ChatMessage, FunctionCallIn, ToolCallIn
+from gateway.core.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    EdgeHints,
+    FunctionCallIn,
+    ToolCallIn,
+)
 from gateway.core.shaping import Answer
 from gateway.core.types import Principal, Routed, Served
 from gateway.service.response_answers import (
@@ -43,31 +52,40 @@ from gateway.service.response_answers import (
     output_items,
     response_object,
 )
+from gateway.service.response_tools import (
+    ResponseTools,
+    chat_name,
+    chat_tool_choice,
+    custom_arguments,
+    response_tools,
+)
 from gateway.sessions.store import ResponseRow, SessionStore
 from manifest.sessionlog import MessageEvent, fold, session_name
 
 Ask = Callable[[ChatCompletionRequest, Principal, None, str | None], Awaitable[Routed[Any]]]
 
 
-def chat_turns(
-    items: Sequence[MessageItem | FunctionCallItem | FunctionCallOutputItem],
-) -> list[ChatMessage]:
-    """Input items as chat turns: a run of ``function_call`` items is one assistant turn's
-    tool calls (the text message just before them, if the assistant's, is that turn's)."""
+def chat_turns(items: Sequence[Item], tools: ResponseTools) -> list[ChatMessage]:
+    """Input items as chat turns: a run of call items is one assistant turn's tool calls
+    (the text message just before them, if the assistant's, is that turn's); reasoning
+    items are not shown to the model (see :mod:`gateway.service.response_tools`)."""
     out: list[ChatMessage] = []
     for item in items:
         if isinstance(item, MessageItem):
             out.append(ChatMessage(role=item.role, content=item.text()))
-        elif isinstance(item, FunctionCallItem):
-            call = ToolCallIn(
-                id=item.call_id, function=FunctionCallIn(name=item.name, arguments=item.arguments)
-            )
+        elif isinstance(item, FunctionCallItem | CustomToolCallItem):
+            if isinstance(item, FunctionCallItem):
+                args = item.arguments
+            else:
+                args = custom_arguments(item.input)
+            fn = FunctionCallIn(name=chat_name(item.name, item.namespace), arguments=args)
+            call = ToolCallIn(id=item.call_id, function=fn)
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
-        else:
+        elif isinstance(item, FunctionCallOutputItem | CustomToolCallOutputItem):
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.text()))
     return out
 
@@ -83,22 +101,22 @@ def logged_turn(m: MessageEvent) -> ChatMessage:
             "tool_call_id": m.tool_call_id,
         }
     )
-    return msg.with_thinking(json.loads(m.thinking)) if m.thinking else msg
+    if m.thinking:
+        msg.with_thinking(json.loads(m.thinking))
+    if m.tool_changes:
+        msg.with_tool_changes(json.loads(m.tool_changes))
+    return msg
 
 
-def chat_fields(req: ResponsesRequest) -> dict[str, Any]:
+def chat_fields(req: ResponsesRequest, tools: ResponseTools) -> dict[str, Any]:
     """Tools, tool choice and text format in chat's terms."""
     out: dict[str, Any] = {}
-    if req.tools:
-        out["tools"] = [
-            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-            for t in req.tools
-        ]
-    choice = req.tool_choice
+    if tools.chat:
+        out["tools"] = list(tools.chat)
+    choice = chat_tool_choice(req, tools)
     if choice is not None:
-        named = {"type": "function", "function": {"name": getattr(choice, "name", "")}}
-        out["tool_choice"] = choice if isinstance(choice, str) else named
-    if req.parallel_tool_calls is not None:
+        out["tool_choice"] = choice
+    if req.parallel_tool_calls is not None and tools.chat:
         out["parallel_tool_calls"] = req.parallel_tool_calls
     fmt = req.text_format()
     if fmt.type == "json_object":
@@ -109,6 +127,12 @@ def chat_fields(req: ResponsesRequest) -> dict[str, Any]:
             spec["description"] = fmt.description
         out["response_format"] = {"type": "json_schema", "json_schema": spec}
     return out
+
+
+def edge_hints(req: ResponsesRequest, tools: ResponseTools) -> EdgeHints:
+    """What the log keeps beyond chat's fields: the hosted tools left out, the effort."""
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    return EdgeHints(omitted_tools=tools.omitted, effort=effort)
 
 
 def _invalid(exc: ValidationError) -> InvalidRequest:
@@ -141,10 +165,11 @@ class Responses:
         return row
 
     async def _chat_request(
-        self, req: ResponsesRequest, who: Principal, session: str | None
+        self, req: ResponsesRequest, who: Principal, session: str | None, tools: ResponseTools
     ) -> tuple[ChatCompletionRequest, str | None]:
         """The chat request and its session: the previous response's, else ``session``
-        (a header's), else None (found by the log's prefix digests)."""
+        (a header's or ``prompt_cache_key``), else None (found by the log's prefix
+        digests)."""
         messages: list[ChatMessage] = []
         if req.instructions:
             messages.append(ChatMessage(role="system", content=req.instructions))
@@ -153,7 +178,7 @@ class Responses:
             session = session_name(row.session_id)  # the name the chat path scopes again
             events = await asyncio.to_thread(self._store.events, row.session_id, row.seq)
             messages += [logged_turn(m) for m in fold(e for _, e in events).messages]
-        messages += chat_turns(req.items())
+        messages += chat_turns(req.items(), tools)
         fields = {
             "model": req.model,
             "messages": messages,
@@ -163,12 +188,14 @@ class Responses:
             "stream": req.stream,
             "stream_options": {"include_usage": True} if req.stream else None,
             "ignore_eos": req.ignore_eos,
-            **chat_fields(req),
+            "user": req.safety_identifier or req.user,
+            **chat_fields(req, tools),
         }
         try:
-            return ChatCompletionRequest.model_validate(fields), session
+            chat = ChatCompletionRequest.model_validate(fields)
         except ValidationError as exc:
             raise _invalid(exc) from None
+        return chat.with_hints(edge_hints(req, tools)), session
 
     async def _save(self, served: Served, body: ResponseObject, who: Principal) -> None:
         if (
@@ -185,13 +212,13 @@ class Responses:
     async def create(
         self, req: ResponsesRequest, who: Principal, session: str | None = None
     ) -> Routed[ResponseObject]:
-        chat, session = await self._chat_request(req, who, session)
+        tools = response_tools(req.tools)
+        chat, session = await self._chat_request(req, who, session, tools)
         done: Routed[ChatCompletion] = await self._chat(chat, who, None, session)
         c = done.body
-        body = response_object(
-            new_id("resp"), req, int(time.time()), output_items(c), c.choices[0].finish_reason,
-            c.usage,
-        )  # fmt: skip
+        output = output_items(c, tools, req.max_tool_calls)
+        finish = c.choices[0].finish_reason
+        body = response_object(new_id("resp"), req, int(time.time()), output, finish, c.usage)
         await self._save(done.served, body, who)
         return Routed(body, done.served)
 
@@ -200,9 +227,10 @@ class Responses:
     ) -> tuple[AsyncGenerator[StreamEvent, None], ResponseStream, Served]:
         """The response's events, started (first token) on return; the stream's state
         numbers an error event, should the answer fail after it started."""
-        chat, session = await self._chat_request(req, who, session)
+        tools = response_tools(req.tools)
+        chat, session = await self._chat_request(req, who, session, tools)
         routed: Routed[Answer] = await self._answer(chat, who, None, session)
-        state = ResponseStream(new_id("resp"), req, int(time.time()))
+        state = ResponseStream(new_id("resp"), req, int(time.time()), tools)
         served = routed.served
 
         async def events() -> AsyncGenerator[StreamEvent, None]:

@@ -40,8 +40,8 @@ class Reconstructor:
             tok = self._tokenizer()
             if tok is None:
                 raise ValueError("no local tokenizer to rebuild a vLLM request with")
-            messages = local_messages(state.header.system, state.messages)
             tools = state.header.tool_list() or None
+            messages = local_messages(state.header.system, state.messages, tools)
             ids = chat_prompt(tok, messages, tools, d.get("template"))
             return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"))
         call, _ = provider_call(state.header, state.messages)

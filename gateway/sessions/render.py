@@ -21,9 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from engines.providers.base import CacheDirectives, ChatCall, ToolCall, Turn
+from engines.providers.base import CacheDirectives, ChatCall, ToolCall, Turn, system_text
 from engines.tokenizer import ChatTokenizer
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
@@ -43,11 +44,16 @@ def split_messages(
     system = tuple(m.text() for m in msgs[:lead])
     turns = tuple(
         MessageEvent(
-            m.role, m.text(), m.name, tool_calls=m.tool_calls_json(),
-            tool_call_id=m.tool_call_id, thinking=m.thinking,
+            m.role,
+            m.text(),
+            m.name,
+            tool_calls=m.tool_calls_json(),
+            tool_call_id=m.tool_call_id,
+            thinking=m.thinking,
+            tool_changes=m.tool_changes,
         )
         for m in msgs[lead:]
-    )  # fmt: skip
+    )
     return system, turns
 
 
@@ -75,6 +81,12 @@ def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, 
     }
     if req.hints.thinking is not None:  # logs written before it have no such key
         out["thinking"] = req.hints.thinking
+    if req.hints.effort is not None:
+        out["effort"] = req.hints.effort
+    if req.hints.omitted_tools:  # hosted tools the model was not shown
+        out["omitted_tools"] = list(req.hints.omitted_tools)
+    if req.hints.context_management is not None:
+        out["context_management"] = req.hints.context_management
     extensions = req.vllm_config()
     if extensions:  # vLLM's sampling extensions, only where a request sets them
         out["vllm"] = extensions
@@ -148,14 +160,17 @@ def provider_call(
         seed=cfg.get("seed"),
         stream=bool(cfg.get("stream", False)),
         thinking=cfg.get("thinking"),
+        effort=cfg.get("effort"),
+        context_management=cfg.get("context_management"),
     )
     return call, named
 
 
 def provider_turn(m: MessageEvent) -> Turn:
     """A logged turn as the providers' neutral turn: an assistant's tool calls and a tool's
-    result kept as such; a system or developer message after the first turn travels as a
-    user turn that says what it was."""
+    result kept as such; a system or developer message after the first turn stays a system
+    turn where it sits (each adapter renders it as its API allows), with its tool
+    changes."""
     if m.role == "assistant":
         calls = tuple(
             ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
@@ -165,7 +180,10 @@ def provider_turn(m: MessageEvent) -> Turn:
         return Turn("assistant", m.content, calls, thinking=thinking)
     if m.role == "tool":
         return Turn("tool", m.content, tool_call_id=m.tool_call_id)
-    return Turn("user", m.content if m.role == "user" else f"[{m.role}] {m.content}")
+    if m.role in ("system", "developer"):
+        changes = tuple(json.loads(m.tool_changes)) if m.tool_changes else ()
+        return Turn("system", m.content, tool_changes=changes)
+    return Turn("user", m.content)
 
 
 def directives_of(d: CacheDirectives) -> dict[str, Any]:
@@ -184,14 +202,22 @@ def directives_of(d: CacheDirectives) -> dict[str, Any]:
     return out
 
 
-def local_messages(system: Sequence[str], turns: Sequence[MessageEvent]) -> list[dict[str, Any]]:
+def local_messages(
+    system: Sequence[str],
+    turns: Sequence[MessageEvent],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
     """The chat-template input: leading system prompts, then the turns (developer →
-    system); an assistant's tool calls with their arguments as objects, as chat templates
-    expect them."""
+    system; a system message's tool changes written after its text, the tools it names
+    resolved against ``tools``); an assistant's tool calls with their arguments as
+    objects, as chat templates expect them."""
     out: list[dict[str, Any]] = [{"role": "system", "content": s} for s in system]
     for m in turns:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         d["content"] = m.content
+        if m.tool_changes is not None:
+            changes = Turn("system", m.content, tool_changes=tuple(json.loads(m.tool_changes)))
+            d["content"] = system_text(changes, tools or ())
         if m.tool_calls is not None:
             d["tool_calls"] = [_templated_call(c) for c in json.loads(m.tool_calls)]
         if m.tool_call_id is not None:
@@ -244,8 +270,40 @@ def chat_prompt(
     as the request shaped it, truncated where it asked (the live path and the rebuild
     both come here)."""
     t = template or {}
-    ids = tok.render_chat(messages, tools, **template_args(t))
+    shown = offered(tools)
+    try:
+        ids = tok.render_chat(messages, shown, **template_args(t))
+    except TemplateError:
+        inline = inline_system(messages)
+        if inline == messages:
+            raise
+        ids = tok.render_chat(inline, shown, **template_args(t))
     return truncated(ids, t.get("truncate_prompt_tokens"), t.get("truncation_side"))
+
+
+def offered(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tools the template lists up front: not the deferred ones (Anthropic's
+    ``defer_loading``), which a system message's ``tool_addition`` brings in where it
+    sits."""
+    kept = [t for t in tools or () if not t.get("defer_loading")]
+    return [{k: v for k, v in t.items() if k != "defer_loading"} for t in kept] or None
+
+
+def inline_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with every system message after the first turn written as a user
+    message that says what it is (``<system>`` ... ``</system>``): how a model whose chat
+    template takes system messages only up front (it raises on one later) sees a
+    mid-conversation system message.  The same rule for every request, so a session's
+    prompts still extend each other."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    out = messages[:lead]
+    for m in messages[lead:]:
+        if m["role"] == "system":
+            m = {"role": "user", "content": f"<system>\n{m['content']}\n</system>"}
+        out.append(m)
+    return out
 
 
 def vllm_payload(token_ids: Sequence[int], cache_salt: str | None, sampling: Any) -> bytes:

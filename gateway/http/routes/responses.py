@@ -9,11 +9,12 @@ from fastapi import APIRouter, Depends, Request, Response
 from gateway.core.errors import APIError
 from gateway.core.responses import ErrorEvent, ResponseDeleted, ResponseObject, ResponsesRequest
 from gateway.core.types import Principal
-from gateway.http.deps import session_header, whole
+from gateway.http.deps import SESSION_ID, session_header, whole
 from gateway.http.openapi import GENERATION, errors, streamed
 from gateway.http.sse import named_frame, open_stream
 from gateway.service.auth import require_principal
 from gateway.service.chat import GatewayService
+from gateway.service.response_tools import OMITTED_HEADER, response_tools
 from gateway.service.responses import Responses
 
 router = APIRouter(prefix="/v1", tags=["responses"])
@@ -37,6 +38,11 @@ async def create_response(
     api: Api,
     session: Annotated[str | None, Depends(session_header)],
 ) -> Response:
+    key = body.prompt_cache_key
+    if session is None and key is not None and SESSION_ID.match(key):
+        session = key  # Codex's thread id: the session, where no header names one
+    omitted = response_tools(body.tools).omitted
+    notes = {OMITTED_HEADER: ", ".join(omitted)} if omitted else {}
     if body.stream:
         events, state, served = await api.stream(body, who, session)
 
@@ -46,9 +52,10 @@ async def create_response(
             )
             return named_frame(ev)
 
-        return await open_stream(events, served.headers(), named_frame, failed, done=None)
+        headers = {**served.headers(), **notes}
+        return await open_stream(events, headers, named_frame, failed, done=None)
     done = await api.create(body, who, session)
-    return whole(done.body, done.served.headers())
+    return whole(done.body, {**done.served.headers(), **notes})
 
 
 @router.get(

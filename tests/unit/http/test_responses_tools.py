@@ -197,8 +197,9 @@ def test_text_format_json_schema(text_gw: tuple[FakeEngine, Any]) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+         "tool_choice"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
