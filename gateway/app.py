@@ -283,6 +283,7 @@ def create_app(
         tool_parser=settings.engine.tool_parser,
         trust_chat_template=settings.engine.trust_request_chat_template,
         routing=settings.routing,
+        max_output_tokens=settings.engine.max_output_tokens,
         tracing=tracing,
         turns=SessionTurns(
             settings.cache.retention,

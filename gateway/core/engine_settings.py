@@ -22,6 +22,10 @@ class EngineSettings(BaseModel):
 
     replicas: int = Field(1, ge=0, le=64)  # embedded vLLM engines, one per GPU / TP group
     max_model_len: int = Field(2048, ge=16)  # context length, prompt and answer
+    # the most tokens one answer may generate; a request asking for more, or for no limit,
+    # gets this many and says so (x-vcache-max-tokens-clamped; finish_reason length).
+    # Unset: what the context leaves
+    max_output_tokens: int | None = Field(None, ge=1)
     block_size: int | None = Field(None, ge=1)  # KV block tokens; None: vLLM's (128 on CPU)
     # each replica's KV cache; None: gpu_memory_utilization on a GPU, 1 GiB on CPU
     kv_cache_bytes: int | None = Field(None, ge=1 << 20)

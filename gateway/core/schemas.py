@@ -23,6 +23,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from gateway.core.chat_shaping import ChatShaping
+from gateway.core.errors import InvalidRequest
 from gateway.core.vllm_params import VllmSampling
 from manifest.canonical import canonical_json
 
@@ -298,6 +299,25 @@ class EdgeHints:
     # it; elsewhere its clear_thinking edits hold by construction (no target but
     # Anthropic is shown earlier thinking)
     context_management: dict[str, Any] | None = None
+
+    def anthropic_edits(self) -> list[str]:
+        """The context-management edits only Anthropic applies (all but
+        ``clear_thinking_*``, which every other target satisfies as it stands)."""
+        edits = (self.context_management or {}).get("edits") or []
+        kinds = [str(e.get("type", "")) if isinstance(e, dict) else "" for e in edits]
+        return [k for k in kinds if not k.startswith("clear_thinking")]
+
+    def refuse_anthropic_edits(self, target: str) -> None:
+        """``target`` (not Anthropic) refuses, by name, an edit only Anthropic applies (an
+        alias moves past it)."""
+        edits = self.anthropic_edits()
+        if edits:
+            raise InvalidRequest(
+                f"context_management edit '{edits[0]}' is applied by Anthropic only, not by "
+                f"the target {target}",
+                param="context_management.edits",
+                code="unsupported_on_target",
+            )
 
 
 class ChatCompletionRequest(SamplingFields, ChatShaping):

@@ -126,6 +126,7 @@ class GatewayService:
         turns: SessionTurns | None = None,
         trust_chat_template: bool = False,
         routing: RoutingSettings | None = None,
+        max_output_tokens: int | None = None,
     ) -> None:
         routing = routing or RoutingSettings()
         self._model = model_name
@@ -136,7 +137,12 @@ class GatewayService:
         self._metrics = metrics or Metrics()
         self.log = log
         self.local = LocalChat(
-            dispatcher, tool_parser, turns, trust_chat_template, routing.local_input_price
+            dispatcher,
+            tool_parser,
+            turns,
+            trust_chat_template,
+            routing.local_input_price,
+            max_output_tokens,
         )
         self.completions = LocalCompletions(self.local)
         self.loop = ServiceLoop(Journal(log), self._metrics, self._target, routing)

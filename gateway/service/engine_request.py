@@ -14,12 +14,14 @@ from gateway.core.types import ENGINE_PRIORITY, Principal, request_salt
 
 @dataclass(frozen=True)
 class Room:
-    """What the model leaves a request: its context length, its vocabulary, and whether
-    an output limit past the context is clamped (agents ask for more than fits)."""
+    """What the model leaves a request: its context length, its vocabulary, whether an
+    output limit past the context is clamped (agents ask for more than fits), and the
+    most tokens one answer may generate (the operator's ceiling, ``engine.max_output_tokens``)."""
 
     max_len: int
     vocab: int
     clamp: bool = False
+    max_output: int | None = None
 
 
 def vocab_size(engine: Engine) -> int:
@@ -89,6 +91,8 @@ def generate_request(
             code="context_length_exceeded",
         )
     max_tokens = left if limit is None else limit
+    if room.max_output is not None:
+        max_tokens = min(max_tokens, room.max_output)
     if req.min_tokens > max_tokens:
         raise InvalidRequest(
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, "

@@ -112,8 +112,10 @@ class LocalChat:
         turns: SessionTurns | None = None,
         trust_chat_template: bool = False,
         input_price: float = 0.0,
+        max_output_tokens: int | None = None,
     ) -> None:
         self.dispatcher = dispatcher
+        self.max_output_tokens = max_output_tokens  # the operator's ceiling per answer
         self.input_price = input_price  # per million uncached prompt tokens (routing)
         self.trust_chat_template = trust_chat_template  # a request's own chat_template
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
@@ -189,6 +191,11 @@ class LocalChat:
                 param="chat_template",
                 code="unsupported_parameter",
             )
+        req.hints.refuse_anthropic_edits("local")
+        effort = req.hints.effort  # the Responses / Messages effort, as vLLM passes it
+        if effort is not None:
+            own = template.get("chat_template_kwargs") or {}
+            template["chat_template_kwargs"] = {"reasoning_effort": effort, **own}
         keep = req.prompt_keep(self.engine.capabilities.max_model_len)
         if keep is not None:
             template["truncate_prompt_tokens"] = keep
@@ -267,8 +274,10 @@ class LocalChat:
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
         notes: dict[str, str] = {}
         asked = req.output_limit()
-        if asked is not None and greq.sampling.max_tokens < asked:
-            notes["x-vcache-max-tokens-clamped"] = str(greq.sampling.max_tokens)
+        given = greq.sampling.max_tokens
+        capped = asked is None and given == self.max_output_tokens
+        if capped or (asked is not None and given < asked):
+            notes["x-vcache-max-tokens-clamped"] = str(given)
         config = request_config(req, None)
         header = Header.make(req.model, LOCAL_TARGET, system, tools or None, config)
         return LocalPrepared(
@@ -402,7 +411,9 @@ class LocalChat:
         top_k: int | None = None,
         prompt_logprobs: int | None = None,
     ) -> GenerateRequest:
-        room = Room(self.engine.capabilities.max_model_len, self._vocab(), clamp)
+        room = Room(
+            self.engine.capabilities.max_model_len, self._vocab(), clamp, self.max_output_tokens
+        )
         return generate_request(
             rid, ids, req, limit, params, who, room, logprobs, structured, top_k, prompt_logprobs
         )

@@ -162,6 +162,8 @@ class ProviderChat:
         """The header and turns the log keeps, the provider-neutral call, its lint."""
         req = call.request
         _local_only_parameters(req)
+        if not name.startswith("anthropic/"):
+            req.hints.refuse_anthropic_edits(name)
         system, turns = request_parts(req)
         config = request_config(req, self.layout)
         header = Header.make(req.model, name, system, req.tool_dicts(), config)

@@ -220,3 +220,39 @@ def test_a_template_that_takes_system_messages_only_up_front_gets_them_inline(
     again = chat_prompt(tokenizer, longer, None, template)
     assert again[: len(ids) - 3] == ids[: len(ids) - 3]
     assert inline_system(messages[:2]) == messages[:2]  # nothing to move: unchanged
+
+
+def test_an_operators_output_ceiling_cuts_an_agents_max_tokens_and_says_so(
+    tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    """Claude Code asks for 128,000 output tokens, Codex for none: ``engine.max_output_tokens``
+    serves each at most that many, and the answer says it stopped at the limit."""
+    engine = FakeEngine(tokenizer, block_size=16, max_model_len=8192, reply=" more" * 50)
+    keys = [ApiKeyConfig(sha256=hash_api_key(KEY), tenant="t", name="cc")]
+    cfg = gateway_settings(
+        grpc_port=None, api_keys=keys, aliases={"claude-opus-5-5": ["local"]},
+        engine={"max_output_tokens": 8},
+    )  # fmt: skip
+    with TestClient(create_app(cfg, [engine])) as http:
+        r = _post(http, first_request(stream=False, max_tokens=128000))
+        assert r.status_code == 200, r.text
+        assert r.headers["x-vcache-max-tokens-clamped"] == "8"
+        body = r.json()
+        assert body["usage"]["output_tokens"] == 8 and body["stop_reason"] == "max_tokens"
+        h = {"authorization": f"Bearer {KEY}"}
+        c = http.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=h)
+        assert c.status_code == 200, c.text
+        assert c.headers["x-vcache-max-tokens-clamped"] == "8"
+        assert c.json()["usage"]["output_tokens"] == 8 and c.json()["status"] == "incomplete"
+
+
+def test_an_edit_only_anthropic_applies_is_refused_on_the_local_model_by_name(
+    gw: tuple[FakeEngine, TestClient],
+) -> None:
+    _, http = gw
+    edits = {"edits": [{"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses",
+                                                                     "value": 3}}]}  # fmt: skip
+    r = _post(http, first_request(stream=False, context_management=edits))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "clear_tool_uses_20250919" in err["message"] and "Anthropic only" in err["message"]
