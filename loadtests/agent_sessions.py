@@ -45,6 +45,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from admin_key import api_keys_env, bearer, key_entry  # noqa: E402
 from procs import free_port, get_ok, run_locust, serving, vllm_router  # noqa: E402
 from report import parse_metrics, percentile, ttft_phases  # noqa: E402
 from run import token_counter  # noqa: E402
@@ -134,14 +135,13 @@ def summarize(rows: list[dict[str, str]]) -> dict[str, Any]:
     }
 
 
-def _keys(agents_priority: str = "default") -> str:
-    from gateway.core.config import hash_api_key
-
-    return json.dumps([
-        {"sha256": hash_api_key(ADMIN_KEY), "tenant": "agents", "name": "agents", "admin": True,
-         "priority": agents_priority},
-        {"sha256": hash_api_key(BACKGROUND_KEY), "tenant": "background", "name": "bg"},
-    ])  # fmt: skip
+def _keys(agents_priority: str = "default") -> dict[str, str]:
+    """The gateway's keys: the agents' (an admin of their tenant: the kv and round_robin
+    arms' ``x-vcache-routing``, ``/v1/cache/stats``) and the background tenant's."""
+    return api_keys_env(
+        key_entry(ADMIN_KEY, tenant="agents", name="agents", admin=True, priority=agents_priority),
+        key_entry(BACKGROUND_KEY, tenant="background", name="bg"),
+    )
 
 
 def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str, str]) -> Any:
@@ -221,8 +221,7 @@ def _metrics(host: str) -> dict[str, float]:
     ``/v1/cache/stats``, summed over the replicas) as ``STEPS{outcome=...}``."""
     try:
         got = parse_metrics(httpx.get(f"{host}/metrics", timeout=10).text)
-        stats = httpx.get(f"{host}/v1/cache/stats", timeout=10,
-                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()  # fmt: skip
+        stats = httpx.get(f"{host}/v1/cache/stats", timeout=10, headers=bearer(ADMIN_KEY)).json()
     except httpx.HTTPError:
         return {}
     for replica in stats.get("replicas", {}).values():
@@ -249,7 +248,7 @@ def _gateway(
             "--pin-max-share", str(args.pin_max_share),
             "--max-queued-requests", "64"]  # fmt: skip
     env = {**os.environ, "VCACHE_DATA_DIR": str(out / f"vcache-data-{tag}"),
-           "VCACHE_API_KEYS": _keys(agents_priority), **extra,
+           **_keys(agents_priority), **extra,
            "VCACHE_CACHE__RETENTION__ENABLED": "true" if retention else "false"}  # fmt: skip
     with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / f"vcache-{tag}.log", env):
         yield host

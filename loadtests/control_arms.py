@@ -35,13 +35,13 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
+from admin_key import admin_env, bearer, locust_env  # noqa: E402
 from procs import free_port, get_ok, run_locust, serving  # noqa: E402
 from report import read_raw, summarize  # noqa: E402
 from workloads import bursty  # noqa: E402
 
 ARMS = ("off", "govern", "heartbeat_all")
 MODEL = "anthropic/claude-sonnet-4-5"
-KEY = "sk-control-arms"
 PRICES = {"uncached": 1.0, "read": 0.1, "write": 1.25, "write_long": 2.0}
 
 
@@ -50,12 +50,14 @@ def cost(bill: dict[str, int]) -> float:
 
 
 def _plan(host: str, gateways: int) -> dict[str, Any]:
-    """The control loop's plan; over several gateways, the one that heartbeats (each
-    fresh connection may land on another worker)."""
+    """The control loop's plan (the admin API); over several gateways, the one that
+    heartbeats (each fresh connection may land on another worker)."""
     plans = []
     for _ in range(4 * gateways - 3):
-        with httpx.Client(timeout=10) as c:
-            plans.append(c.get(f"{host}/v1/cache/plan").json())
+        with httpx.Client(timeout=10, headers=bearer()) as c:
+            r = c.get(f"{host}/v1/cache/plan")
+            r.raise_for_status()
+            plans.append(r.json())
     return max(plans, key=lambda p: p.get("counts", {}).get("heartbeats", 0))
 
 
@@ -80,6 +82,7 @@ def run_arm(arm: str, emu: str, out: Path, args: argparse.Namespace) -> dict[str
         "VCACHE_CONTROL__CLOCK_SCALE": str(args.time_scale),
         "VCACHE_CONTROL__TICK_S": "0.25",
         "VCACHE_CONTROL__FAN_WAIT_S": "2",
+        **admin_env(),  # /v1/cache/plan needs an admin key
     }
     if gateways > 1:
         env["VCACHE_STATE__URL"] = args.redis
@@ -97,8 +100,8 @@ def run_arm(arm: str, emu: str, out: Path, args: argparse.Namespace) -> dict[str
     with serving(cmd, lambda: get_ok(f"{host}/readyz"), wdir / "gateway.log", env):
         time.sleep(5 if gateways > 1 else 0)  # every worker up, a role taken
         span = max(s.start_s for s in workload.sessions) + 30
-        locust_env = {**env, "VCACHE_MODEL": MODEL}
-        elapsed = run_locust(wdir / "workload.json", host, wdir, locust_env, args.users, int(span))
+        users = {**env, "VCACHE_MODEL": MODEL, **locust_env()}  # the key on every request
+        elapsed = run_locust(wdir / "workload.json", host, wdir, users, args.users, int(span))
         time.sleep(args.tail_s)  # heartbeats go on after the last burst: count them too
         plan = _plan(host, gateways)
     bill = httpx.get(f"{emu}/admin/billing", timeout=10).json().get("anthropic", {})

@@ -6,9 +6,10 @@ workload, sets the environment below and writes the report:
 - ``VCACHE_WORKLOAD``: the workload JSON (loadtests/workloads.py)
 - ``VCACHE_RAW_CSV``: where raw per-request values go (locust rounds response
   times above 100 ms, so summaries are computed from this file)
-- ``VCACHE_API_KEY``, ``VCACHE_MODEL``: optional
+- ``VCACHE_API_KEY``, ``VCACHE_MODEL``: optional (the key goes on every request)
 - ``VCACHE_ROUTING`` (a policy) or ``VCACHE_ORACLE_REPLICAS`` (N: group g goes
-  to replica g mod N): routing comparisons, with an admin key
+  to replica g mod N): routing comparisons, which need an admin key in
+  ``VCACHE_API_KEY`` (admin_key.py: the key of the gateways the load tests start)
 - ``VCACHE_GRPC_TARGET``: ``host:port`` of the gateway's gRPC API (``GrpcChatUser``)
 
 Pick the user class on locust's command line: ``ChatUser`` (HTTP, a

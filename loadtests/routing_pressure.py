@@ -9,7 +9,9 @@ worst).  Arms, each from a cold prefix set (a new run id):
 
 - ``vcache serve --replicas 2 --kv-cache-bytes K`` under ``kv``,
   ``round_robin`` and ``least_loaded`` routing (the admin header
-  ``x-vcache-routing``) and an oracle that pins group g to replica g mod 2;
+  ``x-vcache-routing``) and an oracle that pins group g to replica g mod 2
+  (``x-vcache-replica``): the gateway has an admin key (admin_key.py), which
+  every request sends;
 - vllm-router's ``cache_aware`` policy in front of two plain vLLM OpenAI
   servers with the same model and the same KV size (``--vllm-router``; the
   router installs from PyPI into a venv of its own).
@@ -34,6 +36,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
+from admin_key import admin_env, locust_env  # noqa: E402
 from procs import free_port, get_ok, run_locust, serving, vllm_router  # noqa: E402
 from report import read_raw, summarize  # noqa: E402
 from run import token_counter  # noqa: E402
@@ -86,18 +89,24 @@ def vcache_arms(out: Path, args: argparse.Namespace) -> list[Any]:
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
     cmd += ["--grpc-port", str(free_port()), "--replicas", "2"]
     cmd += ["--kv-cache-bytes", str(args.kv_bytes), "--max-model-len", "4096"]
-    env = {**os.environ, "VCACHE_DATA_DIR": str(out / "vcache-data")}
+    env = {**os.environ, "VCACHE_DATA_DIR": str(out / "vcache-data"), **admin_env()}
     rows = []
     with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / "vcache.log", env):
         for name in args.arms.split(","):
-            extra = {"VCACHE_MODEL": "vcache-demo"}
-            if name == "oracle":
-                extra["VCACHE_ORACLE_REPLICAS"] = "2"
-            else:
-                extra["VCACHE_ROUTING"] = name
-            rows.append(arm(name, host, out, args, extra))
+            rows.append(arm(name, host, out, args, arm_env(name)))
             print(f"{name}: hit {rows[-1]['hit_rate']}", flush=True)
     return rows
+
+
+def arm_env(name: str) -> dict[str, str]:
+    """The locust users' environment in a vcache arm: the routing headers it sends (an
+    admin's) and the admin key."""
+    extra = {"VCACHE_MODEL": "vcache-demo", **locust_env()}
+    if name == "oracle":
+        extra["VCACHE_ORACLE_REPLICAS"] = "2"
+    else:
+        extra["VCACHE_ROUTING"] = name
+    return extra
 
 
 def router_arm(out: Path, args: argparse.Namespace, model: str) -> Any:

@@ -3,7 +3,8 @@
     .venv/bin/python loadtests/run.py [--host URL] [--small] [--duration S] [--users N]
         [--protocols http,grpc] [--compare-routing] [--compare-layout]
 
-Starts a gateway with the demo model when none answers at --host, runs each
+Starts a gateway with the demo model when none answers at --host (its one key
+--api-key, by default the load tests' admin key: admin_key.py), runs each
 workload with locust for at most --duration seconds (each ends early once
 all its sessions were sent), and writes --out: per workload the workload
 JSON, locust's CSV and HTML, the raw per-request CSV, two PNG plots (TTFT of
@@ -31,6 +32,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from admin_key import ADMIN_KEY, admin_env, bearer  # noqa: E402
 from plots import hit_rate_over_time, ttft_hits_vs_misses  # noqa: E402
 from procs import free_port, get_ok, run_locust, serving  # noqa: E402
 from report import counter_cross_check, parse_metrics, read_raw, summarize  # noqa: E402
@@ -100,15 +102,19 @@ def _ready(host: str) -> bool:
 
 @contextmanager
 def gateway(host: str, out: Path, args: argparse.Namespace) -> Iterator[None]:
-    """Use the gateway at ``host``, or start one with the demo model there."""
+    """Use the gateway at ``host``, or start one with the demo model there whose one key
+    is ``--api-key`` (the load tests' admin key when none is given), an admin: the
+    routing comparison's headers and ``/v1/cache/stats`` need one."""
     if _ready(host):
         yield
         return
+    args.api_key = args.api_key or ADMIN_KEY
     port = host.rsplit(":", 1)[1]
     grpc_port = args.grpc_target.rsplit(":", 1)[1]
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", port]
     cmd += ["--grpc-port", grpc_port, "--replicas", str(args.replicas)]
-    with serving(cmd, lambda: _ready(host), out / "gateway.log"):
+    env = {**os.environ, **admin_env(args.api_key)}
+    with serving(cmd, lambda: _ready(host), out / "gateway.log", env):
         yield
 
 
@@ -188,8 +194,11 @@ ARMS = ("kv", "round_robin", "least_loaded", "oracle")
 
 
 def replica_count(host: str, api_key: str | None) -> int:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    """The gateway's local replicas (``/v1/cache/stats``: an admin's)."""
+    headers = bearer(api_key) if api_key else {}
     r = httpx.get(f"{host}/v1/cache/stats", headers=headers, timeout=30)
+    if r.status_code in (401, 403):
+        raise SystemExit(f"--compare-routing needs an admin --api-key for {host}: {r.text}")
     return len(r.json()["replicas"]) if r.status_code == 200 else 1
 
 
@@ -288,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-routing",
         action="store_true",
         help="also run shared_prefix under kv, round_robin, least_loaded and an oracle "
-        "(needs an admin --api-key when keys are configured)",
+        "(admin headers: a gateway already at --host needs an admin --api-key)",
     )
     ap.add_argument(
         "--compare-layout",
