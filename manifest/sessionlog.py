@@ -107,14 +107,17 @@ class MessageEvent:
     # a system message's tool changes (Anthropic's tool_addition / tool_removal blocks),
     # as canonical JSON: rendered where the message sits
     tool_changes: str | None = None
+    # a message's own output control (Anthropic's per-turn ``output_config``), as
+    # canonical JSON: in effect from this message on
+    control: str | None = None
 
     def key(self) -> tuple[str | None, ...]:
         """What identifies the message in a conversation (messages without tool calls,
         thinking or tool changes keep the shorter keys they always had, so their digests
         do not change)."""
-        if self.tool_changes is not None:
+        if self.tool_changes is not None or self.control is not None:
             return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id,
-                    self.thinking, self.tool_changes)  # fmt: skip
+                    self.thinking, self.tool_changes, self.control)  # fmt: skip
         if self.thinking is not None:
             return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id,
                     self.thinking)  # fmt: skip
@@ -261,6 +264,8 @@ def _as_dict(event: Event) -> dict[str, Any]:
             out["thinking"] = event.thinking
         if event.tool_changes is not None:
             out["tool_changes"] = event.tool_changes
+        if event.control is not None:
+            out["control"] = event.control
         return out
     if isinstance(event, ReplaceEvent):
         m = event.message
@@ -314,6 +319,7 @@ def _message(d: dict[str, Any]) -> MessageEvent:
         tool_call_id=d.get("tool_call_id"),
         thinking=d.get("thinking"),
         tool_changes=d.get("tool_changes"),
+        control=d.get("control"),
     )
 
 

@@ -61,7 +61,11 @@ def _turn_blocks(t: Turn) -> tuple[str, list[dict[str, Any]]]:
     """A turn as (role, content blocks): a tool's result is a user ``tool_result`` block,
     an assistant's calls are ``tool_use`` blocks after its text."""
     if t.role == "tool":
-        result = {"type": "tool_result", "tool_use_id": t.tool_call_id or "", "content": t.content}
+        content: Any = t.content
+        if t.tool_changes:  # a tool search's finds, as written
+            text = [{"type": "text", "text": t.content}] if t.content else []
+            content = text + [dict(b) for b in t.tool_changes]
+        result = {"type": "tool_result", "tool_use_id": t.tool_call_id or "", "content": content}
         return "user", [result]
     if t.role == "system":  # a mid-conversation system message, its tool changes as written
         text = [{"type": "text", "text": t.content}] if t.content or not t.tool_changes else []
@@ -104,6 +108,7 @@ class AnthropicAdapter:
         if call.volatile_system:
             text = {"type": "text", "text": call.volatile_system}
             segments.append(("system:volatile", "system", [text]))
+        controls = {f"message:{i}": t.control for i, t in enumerate(call.turns) if t.control}
         for i, t in enumerate(call.turns):
             segments.append((f"message:{i}", *_turn_blocks(t)))
         prompt = b""
@@ -128,7 +133,7 @@ class AnthropicAdapter:
             if place == "system":
                 system += blocks
             elif place == SYSTEM_MESSAGE:
-                messages.append({"role": "system", "content": blocks})
+                messages.append({"role": "system", "content": blocks, **controls.get(key, {})})
             elif (
                 place == "user"
                 and blocks[0]["type"] == "tool_result"
@@ -137,7 +142,7 @@ class AnthropicAdapter:
             ):  # parallel calls' results travel in one user message
                 messages[-1]["content"] += blocks
             else:
-                messages.append({"role": place, "content": blocks})
+                messages.append({"role": place, "content": blocks, **controls.get(key, {})})
         body: dict[str, Any] = {
             "model": call.model,
             "max_tokens": 0 if cache.warm else (call.max_tokens or DEFAULT_MAX_TOKENS),
@@ -163,6 +168,8 @@ class AnthropicAdapter:
             body["output_config"] = {"effort": ANTHROPIC_EFFORT.get(call.effort, call.effort)}
         if call.context_management is not None:
             body["context_management"] = dict(call.context_management)
+        if call.safeguards is not None:
+            body["safeguards"] = [dict(s) for s in call.safeguards]
         return Rendered("/messages", canonical_json(body), prompt, ends, bool(body.get("stream")))
 
     def parse(self, body: Any) -> Answer:

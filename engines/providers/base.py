@@ -47,6 +47,18 @@ class Turn:
     thinking: tuple[Mapping[str, Any], ...] = ()  # an assistant's thinking blocks, as written
     # a system turn's tool changes (Anthropic's tool_addition / tool_removal), as written
     tool_changes: tuple[Mapping[str, Any], ...] = ()
+    # the message's own output control (Anthropic's per-turn output_config), as written
+    control: Mapping[str, Any] | None = None
+
+
+def effective_effort(effort: str | None, turns: Sequence[Turn]) -> str | None:
+    """The effort in force for the answer: the last message's own (per-turn control)
+    where one set it, else the request's."""
+    for t in reversed(turns):
+        own = (t.control or {}).get("output_config", {}).get("effort")
+        if own is not None:
+            return str(own)
+    return effort
 
 
 def _tool_named(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:
@@ -83,6 +95,9 @@ def tool_change_text(
     out: list[str] = []
     for block in changes:
         ref = block.get("tool") or {}
+        if block.get("type") == "tool_reference":  # a tool search's find: an addition
+            ref = {"type": "tool_reference", "name": block.get("tool_name", "")}
+            block = {"type": "tool_addition", "tool": ref}
         kind = ref.get("type")
         if block.get("type") == "tool_addition":
             if kind == "tool_definition":
@@ -99,7 +114,8 @@ def tool_change_text(
 
 
 def system_text(t: Turn, tools: Sequence[Mapping[str, Any]]) -> str:
-    """A system turn's text with its tool changes written after it."""
+    """A turn's text with its tool changes (a system message's additions and removals, a
+    tool search's finds) written after it."""
     changes = tool_change_text(t.tool_changes, tools)
     if not changes:
         return t.content
@@ -125,6 +141,7 @@ class ChatCall:
     effort: str | None = None  # how hard to think (OpenAI reasoning_effort, Anthropic's)
     # Anthropic's context_management, as the client sent it (its own targets only)
     context_management: Mapping[str, Any] | None = None
+    safeguards: Sequence[Mapping[str, Any]] | None = None  # Anthropic's, as sent
 
     def segment_keys(self) -> list[str]:
         """Segments in prefix order: tools → system → system:volatile → message:i."""

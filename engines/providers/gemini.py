@@ -79,7 +79,7 @@ def _turn_content(
         return _content("user", f"[system] {system_text(t, tools)}")
     if t.role == "tool":
         name = names.get(t.tool_call_id or "", "")
-        part = {"functionResponse": {"name": name, "response": _response(t.content)}}
+        part = {"functionResponse": {"name": name, "response": _response(system_text(t, tools))}}
         return {"role": "user", "parts": [part]}
     if not t.tool_calls:
         return _content(t.role, t.content)

@@ -16,6 +16,7 @@ from engines.providers.base import (
     ToolCall,
     ToolCallPart,
     Turn,
+    effective_effort,
     system_text,
 )
 from engines.providers.errors import ProviderUnavailable
@@ -29,7 +30,8 @@ def _message(t: Turn, tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if t.role == "system":
         return {"role": "system", "content": system_text(t, tools)}
     if t.role == "tool":
-        return {"role": "tool", "tool_call_id": t.tool_call_id or "", "content": t.content}
+        text = system_text(t, tools)
+        return {"role": "tool", "tool_call_id": t.tool_call_id or "", "content": text}
     if t.tool_calls:
         calls = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -105,8 +107,9 @@ class OpenAIAdapter:
                 body[name] = value
         if call.stop:
             body["stop"] = list(call.stop)
-        if call.effort is not None and self.takes_effort:
-            body["reasoning_effort"] = OPENAI_EFFORT.get(call.effort, call.effort)
+        effort = effective_effort(call.effort, call.turns)
+        if effort is not None and self.takes_effort:
+            body["reasoning_effort"] = OPENAI_EFFORT.get(effort, effort)
         return Rendered("/chat/completions", canonical_json(body), prompt, ends, call.stream)
 
     def usage(self, u: dict[str, Any]) -> ProviderUsage:

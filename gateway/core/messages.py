@@ -54,10 +54,21 @@ class ToolUseBlock(_Strict):
     toolset_name: str | None = None
 
 
+class ToolReferenceBlock(_Strict):
+    """A tool a tool search found (in a ``tool_result``): a deferred tool the model may
+    call from here on."""
+
+    type: Literal["tool_reference"]
+    tool_name: str = Field(min_length=1)
+    cache_control: CacheControl | None = None
+
+
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: str | list[TextBlock] | None = None
+    content: (
+        str | list[Annotated[TextBlock | ToolReferenceBlock, Field(discriminator="type")]] | None
+    ) = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
     toolset_name: str | None = None
@@ -67,7 +78,17 @@ class ToolResultBlock(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(b.text for b in self.content)
+        return "".join(b.text for b in self.content if isinstance(b, TextBlock))
+
+    def references(self) -> list[dict[str, Any]]:
+        """The tools it found, as written."""
+        if not isinstance(self.content, list):
+            return []
+        return [
+            b.model_dump(exclude_none=True, exclude={"cache_control"})
+            for b in self.content
+            if isinstance(b, ToolReferenceBlock)
+        ]
 
 
 class ThinkingBlock(_Strict):
@@ -139,6 +160,16 @@ ContentBlock = Annotated[
 ]
 
 
+class JsonOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
+
+
 class MessageParam(_Strict):
     """A turn; ``system`` is a mid-conversation system message (text and tool changes),
     placed as Anthropic's rules allow (see :meth:`MessagesRequest._placed`)."""
@@ -146,6 +177,8 @@ class MessageParam(_Strict):
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
     cache_control: CacheControl | None = None  # a system message's, as on the system field
+    # per-turn control (beta per-turn-control-2026-07-01): the effort from here on
+    output_config: OutputConfig | None = None
 
     def blocks(self) -> list[Any]:
         if isinstance(self.content, str):
@@ -182,29 +215,22 @@ class ToolChoice(_Strict):
         return self
 
 
+Display = Literal["summarized", "omitted", "updates"]  # how the thinking is shown
+
+
 class ThinkingEnabled(_Strict):
     type: Literal["enabled"]
     budget_tokens: Annotated[int, Field(ge=1024)]
-    display: Literal["summarized", "omitted"] | None = None
+    display: Display | None = None
 
 
 class ThinkingOther(_Strict):
     type: Literal["disabled", "adaptive"]
-    display: Literal["summarized", "omitted"] | None = None
+    display: Display | None = None
 
 
 class Metadata(_Strict):
     user_id: str | None = Field(None, max_length=512)
-
-
-class JsonOutputFormat(_Strict):
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
-
-
-class OutputConfig(_Strict):
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: JsonOutputFormat | None = None
 
 
 class MessagesRequest(RequestModel):
@@ -236,6 +262,9 @@ class MessagesRequest(RequestModel):
     diagnostics: Any = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+    # Anthropic's server-side classifiers (beta dangerous-tool-use-2026-09-03): Anthropic
+    # targets only
+    safeguards: list[dict[str, Any]] | None = None
 
     @field_validator("container", "mcp_servers")
     @classmethod

@@ -4,9 +4,17 @@ usage, logprobs, models.  They allow extra fields and are never built as raw dic
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    computed_field,
+    model_serializer,
+)
 
 
 class _Out(BaseModel):
@@ -189,6 +197,9 @@ class Completion(_Out):
 
 
 class ModelCard(_Out):
+    """A model in OpenAI's shape (vLLM's fields too) and Anthropic's (``type``,
+    ``display_name``, ``created_at``): one list serves both APIs' clients."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
@@ -196,8 +207,37 @@ class ModelCard(_Out):
     max_model_len: int | None = None
     root: str | None = None  # the model it serves (a path or hub id), as vLLM reports it
     parent: str | None = None
+    type: Literal["model"] = "model"  # Anthropic's
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def display_name(self) -> str:
+        return self.id
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def created_at(self) -> str:
+        """``created`` as Anthropic's RFC 3339 time."""
+        return datetime.fromtimestamp(self.created, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class ModelList(_Out):
+    """OpenAI's list, with Anthropic's paging fields (every model on one page)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def has_more(self) -> bool:
+        return False
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def first_id(self) -> str | None:
+        return self.data[0].id if self.data else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def last_id(self) -> str | None:
+        return self.data[-1].id if self.data else None

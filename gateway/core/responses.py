@@ -145,33 +145,6 @@ class ReasoningItem(BaseModel):
     encrypted_content: str | None = None
 
 
-InputItem = Annotated[
-    MessageItem
-    | FunctionCallItem
-    | FunctionCallOutputItem
-    | CustomToolCallItem
-    | CustomToolCallOutputItem
-    | ReasoningItem,
-    Field(discriminator="type"),
-]
-Item = (
-    MessageItem
-    | FunctionCallItem
-    | FunctionCallOutputItem
-    | CustomToolCallItem
-    | CustomToolCallOutputItem
-    | ReasoningItem
-)
-_ITEM_TYPES = (
-    "message",
-    "function_call",
-    "function_call_output",
-    "custom_tool_call",
-    "custom_tool_call_output",
-    "reasoning",
-)
-
-
 class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -311,7 +284,52 @@ class Reasoning(BaseModel):
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
+    # which turns' reasoning the model keeps (Codex sends "all_turns"); no target here is
+    # shown earlier reasoning (see gateway/service/response_tools.py), so it changes nothing
+    context: Literal["all_turns", "current_turn", "last_turn"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class AdditionalToolsItem(BaseModel):
+    """Tools given in the input rather than in ``tools`` (Codex's "responses-lite" models
+    send their namespace tools so, as the first item): offered with ``tools``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["additional_tools"]
+    id: str | None = None
+    role: Literal["developer", "system"] | None = None
+    tools: list[Tool]
+
+
+InputItem = Annotated[
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | ReasoningItem
+    | AdditionalToolsItem,
+    Field(discriminator="type"),
+]
+Item = (
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | ReasoningItem
+    | AdditionalToolsItem
+)
+_ITEM_TYPES = (
+    "message",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "reasoning",
+    "additional_tools",
+)
 
 
 INCLUDABLE = frozenset(
@@ -415,6 +433,11 @@ class ResponsesRequest(RequestModel):
 
     def text_format(self) -> TextFormat:
         return self.text.format if self.text is not None else TextFormat()
+
+    def all_tools(self) -> list[Any]:
+        """``tools``, then those of every ``additional_tools`` item, in order."""
+        extra = [t for i in self.items() if isinstance(i, AdditionalToolsItem) for t in i.tools]
+        return [*(self.tools or []), *extra]
 
 
 # ------------------------------------------------------------------ the answer

@@ -114,6 +114,9 @@ class ChatMessage(BaseModel):
     # a system message's tool changes (the Messages API's tool_addition / tool_removal
     # blocks, canonical JSON); never read from an OpenAI request
     _tool_changes: str | None = PrivateAttr(default=None)
+    # a message's own output control (the Messages API's per-turn output_config,
+    # canonical JSON); never read from an OpenAI request
+    _control: str | None = PrivateAttr(default=None)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -141,6 +144,14 @@ class ChatMessage(BaseModel):
 
     def with_tool_changes(self, blocks: list[dict[str, Any]]) -> ChatMessage:
         self._tool_changes = canonical_json(blocks).decode() if blocks else None
+        return self
+
+    @property
+    def control(self) -> str | None:
+        return self._control
+
+    def with_control(self, control: dict[str, Any] | None) -> ChatMessage:
+        self._control = canonical_json(control).decode() if control else None
         return self
 
     def text(self) -> str:
@@ -299,6 +310,8 @@ class EdgeHints:
     # it; elsewhere its clear_thinking edits hold by construction (no target but
     # Anthropic is shown earlier thinking)
     context_management: dict[str, Any] | None = None
+    # Anthropic's server-side safeguards (beta dangerous-tool-use-2026-09-03), as sent
+    safeguards: list[dict[str, Any]] | None = None
 
     def anthropic_edits(self) -> list[str]:
         """The context-management edits only Anthropic applies (all but
@@ -307,9 +320,16 @@ class EdgeHints:
         kinds = [str(e.get("type", "")) if isinstance(e, dict) else "" for e in edits]
         return [k for k in kinds if not k.startswith("clear_thinking")]
 
-    def refuse_anthropic_edits(self, target: str) -> None:
-        """``target`` (not Anthropic) refuses, by name, an edit only Anthropic applies (an
-        alias moves past it)."""
+    def refuse_anthropic_only(self, target: str) -> None:
+        """``target`` (not Anthropic) refuses, by name, what only Anthropic runs: its
+        safeguards, an edit only it applies (an alias moves past it)."""
+        if self.safeguards:
+            raise InvalidRequest(
+                "safeguards (beta dangerous-tool-use-2026-09-03) are run by Anthropic only, "
+                f"not by the target {target}",
+                param="safeguards",
+                code="unsupported_on_target",
+            )
         edits = self.anthropic_edits()
         if edits:
             raise InvalidRequest(

@@ -16,6 +16,7 @@ reports it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, aclosing
@@ -191,8 +192,8 @@ class LocalChat:
                 param="chat_template",
                 code="unsupported_parameter",
             )
-        req.hints.refuse_anthropic_edits("local")
-        effort = req.hints.effort  # the Responses / Messages effort, as vLLM passes it
+        req.hints.refuse_anthropic_only("local")
+        effort = _effort(req)  # the Responses / Messages effort, as vLLM passes it
         if effort is not None:
             own = template.get("chat_template_kwargs") or {}
             template["chat_template_kwargs"] = {"reasoning_effort": effort, **own}
@@ -417,6 +418,16 @@ class LocalChat:
         return generate_request(
             rid, ids, req, limit, params, who, room, logprobs, structured, top_k, prompt_logprobs
         )
+
+
+def _effort(req: ChatCompletionRequest) -> str | None:
+    """The effort in force: the last message's own (per-turn control), else the
+    request's."""
+    for m in reversed(req.messages):
+        own = json.loads(m.control).get("output_config", {}).get("effort") if m.control else None
+        if own is not None:
+            return str(own)
+    return req.hints.effort
 
 
 def _session_key(call: Call) -> str | None:

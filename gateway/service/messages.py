@@ -89,9 +89,8 @@ def _user(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
             )
         if isinstance(b, ToolResultBlock):
             prefix = "[error] " if b.is_error else ""
-            turns.append(
-                ChatMessage(role="tool", content=prefix + b.text(), tool_call_id=b.tool_use_id)
-            )
+            result = ChatMessage(role="tool", content=prefix + b.text(), tool_call_id=b.tool_use_id)
+            turns.append(result.with_tool_changes(b.references()))  # a tool search's finds
         elif isinstance(b, TextBlock):
             text.append(TextPart(type="text", text=b.text))
         else:
@@ -184,7 +183,11 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         ttl = max((b.cache_control.ttl_s() for b in m.blocks() if _mark(b)), default=300)
         if m.cache_control is not None:
             ttl = max(ttl, m.cache_control.ttl_s())
-        if add(m, f"messages.{i}", turns) and turns:
+        marked = add(m, f"messages.{i}", turns)
+        if m.output_config is not None and turns:  # per-turn control, on its last turn
+            own = m.output_config.model_dump(exclude_none=True, by_alias=True)
+            turns[-1].with_control({"output_config": own})
+        if marked and turns:
             marks.append(Breakpoint(f"message:{len(turns) - 1}", ttl))
     if not turns:
         raise InvalidRequest("messages: at least one message must have content", param="messages")
@@ -222,6 +225,7 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         thinking=thinking,
         effort=effort,
         context_management=req.context_management,
+        safeguards=req.safeguards,
     )
     return chat.with_hints(hints)
 

@@ -163,7 +163,7 @@ class ProviderChat:
         req = call.request
         _local_only_parameters(req)
         if not name.startswith("anthropic/"):
-            req.hints.refuse_anthropic_edits(name)
+            req.hints.refuse_anthropic_only(name)
         system, turns = request_parts(req)
         config = request_config(req, self.layout)
         header = Header.make(req.model, name, system, req.tool_dicts(), config)

@@ -149,6 +149,8 @@ def chat_tool_choice(req: ResponsesRequest, tools: ResponseTools) -> Any:
     if choice is None or choice == "none":
         return choice
     if isinstance(choice, str):
+        if choice == "auto" and not tools.chat:
+            return None  # nothing to call: the model answers (Codex's compaction turn)
         if not tools.chat:
             left = f" (left out: {', '.join(tools.omitted)})" if tools.omitted else ""
             raise InvalidRequest(

@@ -212,7 +212,7 @@ class Responses:
     async def create(
         self, req: ResponsesRequest, who: Principal, session: str | None = None
     ) -> Routed[ResponseObject]:
-        tools = response_tools(req.tools)
+        tools = response_tools(req.all_tools())
         chat, session = await self._chat_request(req, who, session, tools)
         done: Routed[ChatCompletion] = await self._chat(chat, who, None, session)
         c = done.body
@@ -227,7 +227,7 @@ class Responses:
     ) -> tuple[AsyncGenerator[StreamEvent, None], ResponseStream, Served]:
         """The response's events, started (first token) on return; the stream's state
         numbers an error event, should the answer fail after it started."""
-        tools = response_tools(req.tools)
+        tools = response_tools(req.all_tools())
         chat, session = await self._chat_request(req, who, session, tools)
         routed: Routed[Answer] = await self._answer(chat, who, None, session)
         state = ResponseStream(new_id("resp"), req, int(time.time()), tools)

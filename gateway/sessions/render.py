@@ -15,6 +15,7 @@ the stable one, so the stable part stays a cacheable anchor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +52,7 @@ def split_messages(
             tool_call_id=m.tool_call_id,
             thinking=m.thinking,
             tool_changes=m.tool_changes,
+            control=m.control,
         )
         for m in msgs[lead:]
     )
@@ -87,6 +89,8 @@ def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, 
         out["omitted_tools"] = list(req.hints.omitted_tools)
     if req.hints.context_management is not None:
         out["context_management"] = req.hints.context_management
+    if req.hints.safeguards is not None:
+        out["safeguards"] = req.hints.safeguards
     extensions = req.vllm_config()
     if extensions:  # vLLM's sampling extensions, only where a request sets them
         out["vllm"] = extensions
@@ -162,11 +166,19 @@ def provider_call(
         thinking=cfg.get("thinking"),
         effort=cfg.get("effort"),
         context_management=cfg.get("context_management"),
+        safeguards=cfg.get("safeguards"),
     )
     return call, named
 
 
 def provider_turn(m: MessageEvent) -> Turn:
+    turn = _provider_turn(m)
+    if m.control is None:
+        return turn
+    return dataclasses.replace(turn, control=json.loads(m.control))
+
+
+def _provider_turn(m: MessageEvent) -> Turn:
     """A logged turn as the providers' neutral turn: an assistant's tool calls and a tool's
     result kept as such; a system or developer message after the first turn stays a system
     turn where it sits (each adapter renders it as its API allows), with its tool
@@ -179,7 +191,8 @@ def provider_turn(m: MessageEvent) -> Turn:
         thinking = tuple(json.loads(m.thinking)) if m.thinking else ()
         return Turn("assistant", m.content, calls, thinking=thinking)
     if m.role == "tool":
-        return Turn("tool", m.content, tool_call_id=m.tool_call_id)
+        found = tuple(json.loads(m.tool_changes)) if m.tool_changes else ()
+        return Turn("tool", m.content, tool_call_id=m.tool_call_id, tool_changes=found)
     if m.role in ("system", "developer"):
         changes = tuple(json.loads(m.tool_changes)) if m.tool_changes else ()
         return Turn("system", m.content, tool_changes=changes)
@@ -216,7 +229,7 @@ def local_messages(
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         d["content"] = m.content
         if m.tool_changes is not None:
-            changes = Turn("system", m.content, tool_changes=tuple(json.loads(m.tool_changes)))
+            changes = Turn(m.role, m.content, tool_changes=tuple(json.loads(m.tool_changes)))
             d["content"] = system_text(changes, tools or ())
         if m.tool_calls is not None:
             d["tool_calls"] = [_templated_call(c) for c in json.loads(m.tool_calls)]

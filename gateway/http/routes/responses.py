@@ -41,7 +41,7 @@ async def create_response(
     key = body.prompt_cache_key
     if session is None and key is not None and SESSION_ID.match(key):
         session = key  # Codex's thread id: the session, where no header names one
-    omitted = response_tools(body.tools).omitted
+    omitted = response_tools(body.all_tools()).omitted
     notes = {OMITTED_HEADER: ", ".join(omitted)} if omitted else {}
     if body.stream:
         events, state, served = await api.stream(body, who, session)
