@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration config-docs bench bench-memory bench-render bench-proxy bench-workers fuzz loadtest loadtest-control loadtest-agents clean
+.PHONY: setup serve test lint typecheck unit integration config-docs bench bench-memory bench-render bench-proxy bench-workers fuzz loadtest loadtest-control loadtest-agents agents clean
 
 setup:
 	@bash scripts/setup.sh
@@ -61,6 +61,11 @@ loadtest-control: setup
 
 loadtest-agents: setup
 	$(BIN)/python loadtests/agent_sessions.py $(AGENTS_ARGS)
+
+# the agent tier: the Codex CLI and Claude Code (pinned, from the npm registry) against a
+# gateway of its own (docs/agents_tier.md)
+agents: setup
+	$(BIN)/python -m pytest tests/agents -q -rxX
 
 clean:
 	rm -rf $(VENV) .bench .vcache-test-data .mypy_cache .ruff_cache .pytest_cache
