@@ -145,11 +145,15 @@ class ReasoningItem(BaseModel):
     encrypted_content: str | None = None
 
 
+# a tool's name, as OpenAI allows it
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
 class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -173,7 +177,7 @@ class CustomTool(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["custom"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: ToolName
     description: str | None = None
     format: CustomFormat | None = None
     defer_loading: bool | None = None
@@ -186,7 +190,7 @@ class NamespaceTool(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["namespace"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: ToolName
     description: str = ""
     tools: list[Annotated[FunctionTool | CustomTool, Field(discriminator="type")]] = Field(
         min_length=1
