@@ -12,7 +12,7 @@ the engines' steps, and under a flood that wait lands on every first token.
 processes that much below the gateway's own niceness (as ``nice -n`` does, at
 most 19): the kernel then gives the gateway the CPU first when both are
 runnable, while the engines keep every cycle the gateway leaves (measured on
-a 2-core CPU host in docs/agents.md).  Unset, it is :data:`CPU_NICE` on a CPU
+a 2-core CPU host in docs/notebook_agents.md).  Unset, it is :data:`CPU_NICE` on a CPU
 host, where the engines compute on the gateway's cores by design, and 0 on an
 accelerator host, where the engines compute on their devices and the host
 has cores to spare (not measured: no GPU here).

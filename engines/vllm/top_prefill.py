@@ -7,7 +7,7 @@ a whole prompt, and running answers keep short steps between their tokens.
 Under priority scheduling that trade is wrong for a prompt whose class is above
 every other request's: each piece of it is one more step, shared with the
 lower classes' decodes, before its own first token, and what the cap protects
-is of a lower class.  Measured under the fairness run's flood (docs/agents.md),
+is of a lower class.  Measured under the fairness run's flood (docs/notebook_agents.md),
 an agent's turn spent 70 ms more in prefill and waited a full background step
 before the core even queued it.
 
