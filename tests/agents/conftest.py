@@ -1,6 +1,7 @@
 """The agent tier: the real Codex CLI and Claude Code against ``vcache serve``.
 
-One gateway for the session, a subprocess started as a user starts it (the
+One gateway for the tier (module-scoped: stopped when the tier's tests end, not kept
+through the rest of a full run), a subprocess started as a user starts it (the
 integration tier's ``own_gateway``): the demo model with a 131,072-token context,
 an operator's output ceiling (``engine.max_output_tokens``: the demo model's
 random weights would otherwise write until the context is full), its session
@@ -68,7 +69,7 @@ class AgentsGateway:
     log: Path  # its output
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def agents_gateway(
     data_dir: Path,
     demo_model: Path,
@@ -95,7 +96,7 @@ def agents_gateway(
         yield AgentsGateway(url, KEY, tmp / "sessions.db", demo_model, tmp / "gateway.log")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def agents_log(agents_gateway: AgentsGateway) -> Iterator[SessionLogReader]:
     """The gateway's session log, read while it runs (SQLite in WAL mode)."""
     reader = SessionLogReader(agents_gateway.sessions, agents_gateway.model)

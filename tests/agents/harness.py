@@ -205,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 summaries.append(s)
                 for problem in s.problems():
                     print(f"  {problem}")
+                if s.notes:
+                    print(f"  details: {out / f'{agent.name}-{target}' / 'summary.json'}")
     finally:
         if log is not None:
             log.close()
