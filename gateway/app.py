@@ -284,6 +284,7 @@ def create_app(
         trust_chat_template=settings.engine.trust_request_chat_template,
         routing=settings.routing,
         max_output_tokens=settings.engine.max_output_tokens,
+        ceiling_finish=settings.engine.max_output_tokens_finish,
         tracing=tracing,
         turns=SessionTurns(
             settings.cache.retention,

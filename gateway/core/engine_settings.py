@@ -26,6 +26,11 @@ class EngineSettings(BaseModel):
     # gets this many and says so (x-vcache-max-tokens-clamped; finish_reason length).
     # Unset: what the context leaves
     max_output_tokens: int | None = Field(None, ge=1)
+    # how an answer the ceiling (not the client's own limit) cut ends: "length" (it says
+    # it was cut: finish_reason length, stop_reason max_tokens, an incomplete response) or
+    # "stop" (as the model's own end, for clients that take a cut answer as a failed turn,
+    # as Claude Code and Codex do when run non-interactively); the header says it either way
+    max_output_tokens_finish: Literal["length", "stop"] = "length"
     block_size: int | None = Field(None, ge=1)  # KV block tokens; None: vLLM's (128 on CPU)
     # each replica's KV cache; None: gpu_memory_utilization on a GPU, 1 GiB on CPU
     kv_cache_bytes: int | None = Field(None, ge=1 << 20)

@@ -127,6 +127,7 @@ class GatewayService:
         trust_chat_template: bool = False,
         routing: RoutingSettings | None = None,
         max_output_tokens: int | None = None,
+        ceiling_finish: str = "length",
     ) -> None:
         routing = routing or RoutingSettings()
         self._model = model_name
@@ -143,6 +144,7 @@ class GatewayService:
             trust_chat_template,
             routing.local_input_price,
             max_output_tokens,
+            ceiling_finish,
         )
         self.completions = LocalCompletions(self.local)
         self.loop = ServiceLoop(Journal(log), self._metrics, self._target, routing)

@@ -80,6 +80,7 @@ class LocalPrepared:
     notes: Mapping[str, str] = field(default_factory=dict)
     template: Mapping[str, Any] = field(default_factory=dict)  # the prompt shaping, resolved
     anchor: int = 0  # the tokens of the governor's anchor (0: none)
+    ceiling: bool = False  # the operator's output ceiling, not the client's, limits it
     target: str = LOCAL_TARGET
     dispatch: Dispatch | None = None  # set by acquire: the claim release gives back
 
@@ -114,9 +115,11 @@ class LocalChat:
         trust_chat_template: bool = False,
         input_price: float = 0.0,
         max_output_tokens: int | None = None,
+        ceiling_finish: str = "length",
     ) -> None:
         self.dispatcher = dispatcher
         self.max_output_tokens = max_output_tokens  # the operator's ceiling per answer
+        self.ceiling_finish = ceiling_finish  # how an answer the ceiling cut ends
         self.input_price = input_price  # per million uncached prompt tokens (routing)
         self.trust_chat_template = trust_chat_template  # a request's own chat_template
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
@@ -276,13 +279,25 @@ class LocalChat:
         notes: dict[str, str] = {}
         asked = req.output_limit()
         given = greq.sampling.max_tokens
-        capped = asked is None and given == self.max_output_tokens
-        if capped or (asked is not None and given < asked):
+        ceiling = given == self.max_output_tokens and (asked is None or asked > given)
+        if ceiling or (asked is not None and given < asked):
             notes["x-vcache-max-tokens-clamped"] = str(given)
         config = request_config(req, None)
         header = Header.make(req.model, LOCAL_TARGET, system, tools or None, config)
         return LocalPrepared(
-            call, greq, plan, header, turns, system, tools, t0, r.ends, notes, template, r.anchor
+            call,
+            greq,
+            plan,
+            header,
+            turns,
+            system,
+            tools,
+            t0,
+            r.ends,
+            notes,
+            template,
+            r.anchor,
+            ceiling,
         )
 
     async def acquire(self, p: LocalPrepared) -> LocalPrepared:
@@ -315,7 +330,8 @@ class LocalChat:
 
     def send(self, p: LocalPrepared, session: str | None) -> Pieces:
         d = p.routed
-        pieces = self.pieces(p.greq, d, "chat", p.t0, p.call.trace)
+        as_stop = p.ceiling and self.ceiling_finish == "stop"
+        pieces = self.pieces(p.greq, d, "chat", p.t0, p.call.trace, as_stop)
         if p.plan is not None:
             pieces = p.plan.stream(pieces)
         elif json_answer(p.greq):
@@ -369,8 +385,16 @@ class LocalChat:
         return d
 
     async def pieces(
-        self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, trace: RequestTrace
+        self,
+        greq: GenerateRequest,
+        d: Dispatch,
+        endpoint: str,
+        t0: float,
+        trace: RequestTrace,
+        length_as_stop: bool = False,
     ) -> Pieces:
+        """The engine's outputs as answer pieces; ``length_as_stop``: an answer the
+        operator's ceiling cut ends as the model's own end would."""
         totals = Totals()
         trace.begin("dispatch", replica=d.replica_id)
         first = True
@@ -385,8 +409,11 @@ class LocalChat:
                     trace.finish("dispatch", cached_tokens=c.num_cached_tokens or 0, **phases)
                     trace.begin("generate")
                     first = False
+                finish = c.finish_reason
+                if length_as_stop and finish == "length":
+                    finish = "stop"
                 yield Piece(
-                    c.text, c.finish_reason, index=c.index, logprobs=c.logprobs,
+                    c.text, finish, index=c.index, logprobs=c.logprobs,
                     stop_sequence=c.stop_sequence, token_ids=c.token_ids,
                     prompt_tokens=c.num_prompt_tokens if head else None,  # known at the first
                     cached_tokens=c.num_cached_tokens if head else None,

@@ -256,3 +256,31 @@ def test_an_edit_only_anthropic_applies_is_refused_on_the_local_model_by_name(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert "clear_tool_uses_20250919" in err["message"] and "Anthropic only" in err["message"]
+
+
+def test_an_answer_the_ceiling_cut_may_end_as_the_models_own_end(
+    tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    """``engine.max_output_tokens_finish: stop``: Claude Code and Codex take a cut answer
+    as a failed turn, so one the operator's ceiling cut ends as ``end_turn`` /
+    ``completed``; the header still says it was clamped.  A client's own limit still
+    ends as ``max_tokens``."""
+    engine = FakeEngine(tokenizer, block_size=16, max_model_len=8192, reply=" more" * 50)
+    keys = [ApiKeyConfig(sha256=hash_api_key(KEY), tenant="t", name="cc")]
+    engine_cfg = {"max_output_tokens": 8, "max_output_tokens_finish": "stop"}
+    cfg = gateway_settings(
+        grpc_port=None, api_keys=keys, aliases={"claude-opus-5-5": ["local"]}, engine=engine_cfg
+    )
+    with TestClient(create_app(cfg, [engine])) as http:
+        r = _post(http, first_request(stream=False, max_tokens=128000))
+        assert r.status_code == 200 and r.headers["x-vcache-max-tokens-clamped"] == "8"
+        assert r.json()["stop_reason"] == "end_turn" and r.json()["usage"]["output_tokens"] == 8
+        own = _post(http, first_request(stream=False, max_tokens=4))
+        assert own.json()["stop_reason"] == "max_tokens"
+        h = {"authorization": f"Bearer {KEY}"}
+        c = http.post(
+            "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}, headers=h
+        )
+        events = [json.loads(x[6:]) for x in c.text.splitlines() if x.startswith("data: ")]
+        assert events[-1]["type"] == "response.completed"
+        assert events[-1]["response"]["status"] == "completed"
