@@ -89,6 +89,9 @@ def agents_gateway(
     settings = {
         "VCACHE_API_KEYS": json.dumps(keys),
         "VCACHE_ENGINE__MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS),
+        # the demo model's random words run to the ceiling; both agents take an answer
+        # that says it was cut for a failed turn: end it as the model's own end
+        "VCACHE_ENGINE__MAX_OUTPUT_TOKENS_FINISH": "stop",
     }
     args = ["--config", str(tmp / "vcache.yaml"), "--max-model-len", str(MAX_MODEL_LEN),
             "--kv-cache-bytes", str(KV_CACHE_BYTES)]  # fmt: skip
