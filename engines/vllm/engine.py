@@ -17,7 +17,7 @@ import importlib
 import logging
 import os
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -39,9 +39,9 @@ from engines.errors import (
     EngineUnavailable,
 )
 from engines.tokenizer import ChatTokenizer
-from engines.vllm import niceness, top_prefill
+from engines.vllm.engine_config import VllmEngineConfig, core_environment, engine_args
 from engines.vllm.lifeline import GATEWAY_PID_ENV
-from engines.vllm.placement import Env, core_env
+from engines.vllm.placement import core_env
 from engines.vllm.sampling import sampling_fields, stop_string
 from engines.vllm.shared_core import CoreSlot
 from engines.vllm.stats import CoreStats
@@ -50,105 +50,6 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
-
-HASH_ALGO = "sha256_cbor"
-CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
-@dataclass(frozen=True)
-class VllmEngineConfig:
-    model: str
-    served_name: str
-    max_model_len: int = 2048
-    block_size: int | None = None  # None: the platform's default (128 on CPU)
-    kv_cache_bytes: int | None = None  # None: vLLM sizes it from gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    hash_seed: str = "0"
-    max_queued_requests: int | None = None
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    # KV events (ZMQ PUB) and their replay endpoint; None disables events.
-    kv_events_endpoint: str | None = None
-    kv_events_replay_endpoint: str | None = None
-    scheduling_policy: str = "fcfs"  # "priority": requests ordered by their priority first
-    max_num_seqs: int | None = None  # None: vLLM's default
-    long_prefill_token_threshold: int | None = None  # None: vLLM's default
-    # the engine core's own devices or CPU cores (engines/vllm/placement.py)
-    placement: Env = ()
-    # the lone top-priority prefill runs uncapped; lower classes' prefills wait for the
-    # top class's (engines/vllm/top_prefill.py)
-    top_prefill_whole: bool = False
-    top_prefill_alone: bool = False
-    top_prefill_decodes: bool = False  # with alone: the lower classes' decodes wait too
-    # the engine processes' niceness above the gateway's; None: by platform
-    # (engines/vllm/niceness.py)
-    nice: int | None = None
-
-
-def core_environment(c: VllmEngineConfig) -> Env:
-    """What the engine core's environment adds: its placement, the scheduler's patches,
-    its niceness."""
-    patches = (
-        (top_prefill.ENV, c.top_prefill_whole),
-        (top_prefill.ALONE_ENV, c.top_prefill_alone),
-        (top_prefill.DECODES_ENV, c.top_prefill_decodes),
-    )
-    own = os.getpriority(os.PRIO_PROCESS, 0)  # the gateway's
-    n = niceness.engine_nice(c.nice, _on_cpu(), own)
-    nice = ((niceness.NICE_ENV, str(n)),) if n != own else ()
-    return (*c.placement, *((env, "1") for env, on in patches if on), *nice)
-
-
-def engine_args(c: VllmEngineConfig) -> Any:
-    """vLLM's engine arguments for ``c``: prefix caching hashed as the manifest hashes."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    kwargs: dict[str, Any] = dict(
-        model=c.model,
-        served_model_name=c.served_name,
-        enable_prefix_caching=True,
-        prefix_caching_hash_algo=HASH_ALGO,
-        max_model_len=c.max_model_len,
-        enforce_eager=c.enforce_eager,
-        gpu_memory_utilization=c.gpu_memory_utilization,
-        tensor_parallel_size=c.tensor_parallel_size,
-        dtype=c.dtype,
-        disable_log_stats=False,  # stats feed CoreStats (engine-core truth)
-        structured_outputs_config=_compact_json(),
-        scheduling_policy=c.scheduling_policy,
-    )
-    if c.block_size is not None:
-        kwargs["block_size"] = c.block_size
-    if c.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = c.max_num_seqs
-    if c.long_prefill_token_threshold is not None:
-        kwargs["long_prefill_token_threshold"] = c.long_prefill_token_threshold
-    kv_bytes = c.kv_cache_bytes
-    if kv_bytes is None and _on_cpu():
-        # On CPU, gpu_memory_utilization reserves that share of a NUMA node's
-        # memory and fails when other processes use some: size the cache instead.
-        kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
-    if kv_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = kv_bytes
-    if c.max_queued_requests is not None:
-        kwargs["max_num_queued_reqs"] = c.max_queued_requests
-    if c.kv_events_endpoint is not None:
-        from vllm.config.kv_events import KVEventsConfig
-
-        kwargs["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True,
-            publisher="zmq",
-            endpoint=c.kv_events_endpoint,
-            replay_endpoint=c.kv_events_replay_endpoint,
-        )
-    return AsyncEngineArgs(**kwargs)
 
 
 class VllmEngine:
@@ -310,15 +211,6 @@ def _sampling_params(request: GenerateRequest) -> Any:
     if "structured_outputs" in fields:
         fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
     return SamplingParams(**fields, output_kind=RequestOutputKind.DELTA)
-
-
-def _compact_json() -> Any:
-    """Structured outputs allow no free whitespace between JSON tokens, so a weak model
-    cannot spend its whole budget on blank lines (the JSON is as valid).  vLLM reads this
-    from the engine's config, not from each request."""
-    from vllm.config import StructuredOutputsConfig
-
-    return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
 
 
 def _step(token_id: int, step: dict[int, Any], top: int) -> TokenLogprob:

@@ -32,13 +32,11 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from engines.vllm.engine_config import VllmEngineConfig, core_environment, engine_args
 from engines.vllm.lifeline import GATEWAY_PID_ENV
 from engines.vllm.placement import core_env
-
-if TYPE_CHECKING:
-    from engines.vllm.engine import VllmEngineConfig
 
 log = logging.getLogger(__name__)
 SLOTS_ENV = "VCACHE_ENGINE_SLOTS"  # the slots of this worker, one per replica (JSON)
@@ -130,8 +128,6 @@ class SharedCores:
         each has loaded its model."""
         from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
         from vllm.v1.executor import Executor
-
-        from engines.vllm.engine import core_environment, engine_args
 
         for i, c in enumerate(self._configs):
             # the core inherits the environment: the block hashes' seed, and the

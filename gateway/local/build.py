@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 
 from engines.vllm.demo_model import ensure_demo_model
-from engines.vllm.engine import VllmEngine, VllmEngineConfig
+from engines.vllm.engine import VllmEngine
+from engines.vllm.engine_config import VllmEngineConfig
 from engines.vllm.placement import Env, host_units, plan
 from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
 from engines.vllm.shared_core import CoreSlot

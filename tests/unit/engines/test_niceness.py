@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.vllm.engine import VllmEngineConfig, core_environment
+from engines.vllm.engine_config import VllmEngineConfig, core_environment
 from engines.vllm.niceness import CPU_NICE, NICE_ENV, apply_from_env, engine_nice
 
 ROOT = Path(__file__).resolve().parents[3]

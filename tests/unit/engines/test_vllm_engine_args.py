@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engines.vllm.engine import CPU_DEFAULT_KV_CACHE_BYTES, HASH_ALGO, VllmEngineConfig, engine_args
+from engines.vllm.engine_config import (
+    CPU_DEFAULT_KV_CACHE_BYTES,
+    HASH_ALGO,
+    VllmEngineConfig,
+    engine_args,
+)
 
 
 def test_prefix_caching_is_always_on_with_the_manifest_hash() -> None:
@@ -43,7 +48,7 @@ def test_a_prefill_chunk_cap_when_one_is_set() -> None:
 
 def test_the_top_prefill_patch_reaches_the_core_through_its_environment() -> None:
     from engines.vllm import top_prefill
-    from engines.vllm.engine import core_environment
+    from engines.vllm.engine_config import core_environment
 
     placed = (("CUDA_VISIBLE_DEVICES", "1"),)
     on = VllmEngineConfig(
