@@ -32,35 +32,35 @@ test: lint typecheck
 	$(BIN)/python -m coverage report --include='manifest/*' --fail-under=95
 
 bench: setup
-	$(BIN)/python loadtests/bench_manifest.py
+	$(BIN)/python -m loadtests.bench_manifest
 
 bench-memory: setup
-	$(BIN)/python loadtests/bench_memory.py
+	$(BIN)/python -m loadtests.bench_memory
 
 bench-render: setup
-	$(BIN)/python loadtests/bench_render.py $(RENDER_ARGS)
+	$(BIN)/python -m loadtests.bench_render $(RENDER_ARGS)
 
 bench-workers: setup
-	$(BIN)/python loadtests/bench_workers.py $(WORKERS_ARGS)
+	$(BIN)/python -m loadtests.bench_workers $(WORKERS_ARGS)
 
 bench-proxy: setup
 	@bash scripts/litellm_venv.sh
-	$(BIN)/python loadtests/bench_proxy.py --litellm .bench/litellm/bin/litellm $(PROXY_ARGS)
+	$(BIN)/python -m loadtests.bench_proxy --litellm .bench/litellm/bin/litellm $(PROXY_ARGS)
 
 config-docs: setup
 	$(BIN)/python scripts/gen_config_docs.py
 
 fuzz: setup
-	$(BIN)/python scripts/fuzz_api.py
+	$(BIN)/python -m scripts.fuzz_api
 
 loadtest: setup
-	$(BIN)/python loadtests/run.py $(LOADTEST_ARGS)
+	$(BIN)/python -m loadtests.run $(LOADTEST_ARGS)
 
 loadtest-control: setup
-	$(BIN)/python loadtests/control_arms.py $(CONTROL_ARGS)
+	$(BIN)/python -m loadtests.control_arms $(CONTROL_ARGS)
 
 loadtest-agents: setup
-	$(BIN)/python loadtests/agent_sessions.py $(AGENTS_ARGS)
+	$(BIN)/python -m loadtests.agent_sessions $(AGENTS_ARGS)
 
 # the agent tier: the Codex CLI and Claude Code (pinned, from the npm registry) against a
 # gateway of its own (docs/agents_tier.md)

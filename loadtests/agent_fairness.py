@@ -1,4 +1,4 @@
-"""The fairness runs of the agent workload (``agent_sessions.py --fairness``).
+"""The fairness runs of the agent workload (``python -m loadtests.agent_sessions --fairness``).
 
 The agents (their key's requests interactive) alone, then beside a background
 tenant (default priority; ``--batch``: at batch priority too) at
@@ -23,8 +23,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from agent_sessions import LEASE_ROOM, REFUSED, _gateway, _rows, arm
-from report import percentile, phases_table
+from loadtests.agent_arm import LEASE_ROOM, REFUSED, agents_gateway, arm, raw_rows
+from loadtests.report import percentile, phases_table
 
 # --second: the flood on a gateway with this setting changed
 SECOND = {
@@ -54,12 +54,12 @@ def fairness_arms(out: Path, args: argparse.Namespace) -> list[Any]:
         slots["VCACHE_ENGINE__PREFILL_SLOTS"] = json.dumps({"default": n, "batch": n})
     rows: list[Any] = []
     with ExitStack() as stack:
-        host = stack.enter_context(_gateway(out, args, True, "guard", slots, "interactive"))
+        host = stack.enter_context(agents_gateway(out, args, True, "guard", slots, "interactive"))
         second = None
         if args.second in SECOND:
             extra = {**slots, **SECOND[args.second]}
             second = stack.enter_context(
-                _gateway(out, args, True, args.second, extra, "interactive")
+                agents_gateway(out, args, True, args.second, extra, "interactive")
             )
         flood: dict[str, str] = {}
         for name in order(args.rounds, args.batch, args.second if second else None):
@@ -95,7 +95,7 @@ def _flood(args: argparse.Namespace, agents_rps: float) -> dict[str, str]:
 
 def rates(out: Path, name: str) -> dict[str, float]:
     """Requests per second of the agents and of the background tenant in one run."""
-    rows = _rows(out / name / "raw.csv")
+    rows = raw_rows(out / name / "raw.csv")
     span = max((float(r["t"]) for r in rows), default=0.0) or 1.0
     agents = sum(r["kind"] == "agent" for r in rows)
     return {"agents_rps": agents / span, "background_rps": (len(rows) - agents) / span}
@@ -103,7 +103,7 @@ def rates(out: Path, name: str) -> dict[str, float]:
 
 def _later(out: Path, names: list[str]) -> list[dict[str, str]]:
     """The agents' answered later turns of these runs."""
-    return [r for n in names for r in _rows(out / n / "raw.csv")
+    return [r for n in names for r in raw_rows(out / n / "raw.csv")
             if r["kind"] == "agent" and r["ok"] == "1" and int(r["turn"]) > 0]  # fmt: skip
 
 

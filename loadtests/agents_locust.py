@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,8 @@ import gevent
 from locust import FastHttpUser, constant, constant_throughput, events, task
 from locust.exception import StopUser
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-from fasthttp import lines  # noqa: E402
-
-from engines.sse import SSEDecoder  # noqa: E402
+from engines.sse import SSEDecoder
+from loadtests.fasthttp import lines
 
 BLOCK = 128
 FIELDS = ["kind", "session", "agent", "turn", "ok", "ttft_ms", "prompt_tokens",

@@ -1,6 +1,6 @@
 """Manifest benchmark: block hashing against vLLM's own hasher, index match, index memory.
 
-Usage:  .venv/bin/python loadtests/bench_manifest.py [--out reports/bench_manifest.json]
+Usage:  .venv/bin/python -m loadtests.bench_manifest [--out reports/bench_manifest.json]
 
 Prints a table and writes JSON; exits 1 when a target is missed.  Targets:
 hashing at least as fast as vLLM's, ``match`` under 100 µs for a 32k-token
@@ -27,8 +27,6 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from manifest.hashing import block_hashes, event_hash
 from manifest.identity import content_digest, prefix_digests

@@ -8,8 +8,8 @@ core is a child process and not counted).  The target: RSS at the end within
 ``--tolerance`` (10%) of RSS after the warm-up share of the run.  Prints a
 table, writes JSON, exits 1 when a target is missed.
 
-    python loadtests/bench_memory.py --path provider --requests 50000
-    python loadtests/bench_memory.py --path local --requests 50000
+    python -m loadtests.bench_memory --path provider --requests 50000
+    python -m loadtests.bench_memory --path local --requests 50000
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 import psutil
 
+from loadtests.procs import free_port, get_ok, serving
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "loadtests"))
-from procs import free_port, get_ok, serving  # noqa: E402
 
 WORDS = "cache block prefix anchor tenant replica token span warm pin lease evict".split()
 

@@ -1,6 +1,6 @@
 """The provider path's own cost against LiteLLM proxy's, interleaved in one run.
 
-    .venv/bin/python loadtests/bench_proxy.py --litellm /path/to/venv/bin/litellm
+    .venv/bin/python -m loadtests.bench_proxy --litellm /path/to/venv/bin/litellm
 
 One fixed upstream (the emulator's OpenAI route), two proxies in front of it:
 ``vcache serve`` (provider-only, the session log on, as deployed) and
@@ -51,11 +51,10 @@ import aiohttp
 import httpx
 import psutil
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE)]
+from loadtests.procs import free_port, get_ok, serving
+from loadtests.report import percentile
 
-from procs import free_port, get_ok, serving  # noqa: E402
-from report import percentile  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 SYSTEM = "You answer questions about the vcache manual, one section at a time.\n" * 60
 PHASES = ("one at a time", "under load", "under load, streamed")

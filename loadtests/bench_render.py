@@ -11,7 +11,7 @@ The target: with the render thread, the loop's worst lateness stays under
 ``--max-lag-ms`` at every size.  Prints a table, writes JSON, exits 1 when the
 target is missed.
 
-    python loadtests/bench_render.py --sizes 2000 15000 50000
+    python -m loadtests.bench_render --sizes 2000 15000 50000
 """
 
 from __future__ import annotations
@@ -27,11 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from engines.tokenizer import ChatTokenizer  # noqa: E402
-from gateway.service.render_thread import RenderThread  # noqa: E402
+from engines.tokenizer import ChatTokenizer
+from gateway.service.render_thread import RenderThread
 
 WORDS = "cache block prefix anchor tenant replica token span warm pin lease evict".split()
 TOOL = {

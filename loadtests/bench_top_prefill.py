@@ -1,6 +1,6 @@
 """An interactive prompt beside a busy replica: how the engine and the gateway serve it.
 
-    .venv/bin/python loadtests/bench_top_prefill.py --out /tmp/top-prefill
+    .venv/bin/python -m loadtests.bench_top_prefill --out /tmp/top-prefill
 
 One replica (``engine.max_num_seqs`` 4, a long-prefill cap of ``--cap``
 tokens) kept busy by ``--bg-streams`` clients at ``--bg-priority``, each
@@ -34,13 +34,10 @@ from typing import Any
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-from procs import free_port, get_ok, serving  # noqa: E402
-from report import parse_metrics, percentile, phases_table, ttft_phases  # noqa: E402
-from run import token_counter  # noqa: E402
-from workloads import VOCAB  # noqa: E402
+from loadtests.procs import free_port, get_ok, serving
+from loadtests.report import parse_metrics, percentile, phases_table, ttft_phases
+from loadtests.run import token_counter
+from loadtests.workloads import VOCAB
 
 MODEL = "vcache-demo"
 

@@ -1,8 +1,8 @@
 """The gateway's frontend over processes: ``--workers 1`` against ``--workers 2``, and
 the frontend ceiling beside vLLM's own server's, in one run.
 
-    .venv/bin/python loadtests/bench_workers.py            # both parts
-    .venv/bin/python loadtests/bench_workers.py --part workers
+    .venv/bin/python -m loadtests.bench_workers            # both parts
+    .venv/bin/python -m loadtests.bench_workers --part workers
 
 ``workers``: one upstream that is never the bottleneck (the provider emulator,
 its OpenAI route), ``vcache serve`` in front of it provider-only with the
@@ -54,11 +54,10 @@ from typing import Any
 import aiohttp
 import psutil
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE)]
+from loadtests.procs import free_port, get_ok, serving
+from loadtests.report import percentile
 
-from procs import free_port, get_ok, serving  # noqa: E402
-from report import percentile  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 SYSTEM = "You answer questions about the vcache manual, one section at a time.\n" * 20
 

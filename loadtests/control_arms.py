@@ -1,6 +1,6 @@
 """The control loop against its alternatives: governor on vs off vs always-heartbeat.
 
-    .venv/bin/python loadtests/control_arms.py [--bursts 10] [--time-scale 60]
+    .venv/bin/python -m loadtests.control_arms [--bursts 10] [--time-scale 60]
 
 Starts the provider emulator with a clock ``--time-scale`` times faster than
 real time and a rate limit on Anthropic, then per arm a provider-only gateway
@@ -32,13 +32,12 @@ from typing import Any
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE)]
+from loadtests.admin_key import admin_env, bearer, locust_env
+from loadtests.procs import free_port, get_ok, run_locust, serving
+from loadtests.report import read_raw, summarize
+from loadtests.workloads import bursty
 
-from admin_key import admin_env, bearer, locust_env  # noqa: E402
-from procs import free_port, get_ok, run_locust, serving  # noqa: E402
-from report import read_raw, summarize  # noqa: E402
-from workloads import bursty  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 ARMS = ("off", "govern", "heartbeat_all")
 MODEL = "anthropic/claude-sonnet-4-5"

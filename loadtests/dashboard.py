@@ -2,7 +2,7 @@
 while load runs, then draw the panels of deploy/grafana/dashboards/vcache.json
 (the same series, computed over each scrape interval) into one PNG.
 
-    .venv/bin/python loadtests/dashboard.py --url http://127.0.0.1:8000 \\
+    .venv/bin/python -m loadtests.dashboard --url http://127.0.0.1:8000 \\
         --seconds 180 --out docs/dashboard.png
 
 For a machine without Grafana; with the compose stack, Grafana draws the same.
@@ -22,10 +22,7 @@ from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE)]
-
-from report import histogram, histogram_quantile, parse_metrics  # noqa: E402
+from loadtests.report import histogram, histogram_quantile, parse_metrics
 
 Sample = dict[str, float]
 Series = dict[str, list[float]]

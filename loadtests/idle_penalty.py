@@ -1,6 +1,6 @@
 """What coming back from idle costs on this machine: one fixed workload, timed in CPU.
 
-    .venv/bin/python loadtests/idle_penalty.py [--gap-ms 12] [--runs 300]
+    .venv/bin/python -m loadtests.idle_penalty [--gap-ms 12] [--runs 300]
 
 The same work (a walk over ~200k Python objects in a shuffled order: a
 working set larger than a core's L2 cache, like a request's trip through a

@@ -27,7 +27,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -39,17 +38,14 @@ from locust import FastHttpUser, User, constant, events, task
 from locust.exception import StopUser
 from locust.stats import CSV_STATS_FLUSH_INTERVAL_SEC, CSV_STATS_INTERVAL_SEC
 
+from engines.sse import SSEDecoder
+from gateway.grpc.api import gateway_pb2 as pb
+from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
+from loadtests.fasthttp import lines
+from loadtests.workloads import Session, Turn, Workload
+
 grpc_gevent.init_gevent()  # before any channel exists: gRPC's I/O then yields to gevent
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-from fasthttp import lines  # noqa: E402
-from workloads import Session, Turn, Workload  # noqa: E402
-
-from engines.sse import SSEDecoder  # noqa: E402
-from gateway.grpc.api import gateway_pb2 as pb  # noqa: E402
-from gateway.grpc.api import gateway_pb2_grpc as pb_grpc  # noqa: E402
 
 RAW_FIELDS = [
     "workload", "label", "ok", "ttft_ms", "itl_mean_ms", "total_ms", "prompt_tokens",

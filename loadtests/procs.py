@@ -77,6 +77,7 @@ def run_locust(
     (wdir / "raw.csv").unlink(missing_ok=True)
     run_env = {
         **os.environ,
+        "PYTHONPATH": str(here.parent),  # the locust files import the loadtests package
         **env,
         "VCACHE_WORKLOAD": str(workload_json),
         "VCACHE_RAW_CSV": str(wdir / "raw.csv"),

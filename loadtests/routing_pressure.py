@@ -1,6 +1,6 @@
 """KV routing under cache pressure: vcache's policies, an oracle, and vllm-router.
 
-    .venv/bin/python loadtests/routing_pressure.py --vllm-router /path/to/vllm-router
+    .venv/bin/python -m loadtests.routing_pressure --vllm-router /path/to/vllm-router
 
 The workload's shared prefixes exceed one replica's KV cache but fit in the
 two together: ``--groups`` system prompts of ``--system-tokens`` each,
@@ -33,14 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE)]
-
-from admin_key import admin_env, locust_env  # noqa: E402
-from procs import free_port, get_ok, run_locust, serving, vllm_router  # noqa: E402
-from report import read_raw, summarize  # noqa: E402
-from run import token_counter  # noqa: E402
-from workloads import shared_prefix  # noqa: E402
+from loadtests.admin_key import admin_env, locust_env
+from loadtests.procs import free_port, get_ok, run_locust, serving, vllm_router
+from loadtests.report import read_raw, summarize
+from loadtests.run import token_counter
+from loadtests.workloads import shared_prefix
 
 VCACHE_ARMS = ("kv", "round_robin", "least_loaded", "oracle")
 

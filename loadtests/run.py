@@ -1,6 +1,6 @@
 """Run the load-test workloads headless against a gateway and write a report.
 
-    .venv/bin/python loadtests/run.py [--host URL] [--small] [--duration S] [--users N]
+    .venv/bin/python -m loadtests.run [--host URL] [--small] [--duration S] [--users N]
         [--protocols http,grpc] [--compare-routing] [--compare-layout]
 
 Starts a gateway with the demo model when none answers at --host (its one key
@@ -29,14 +29,11 @@ from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-from admin_key import ADMIN_KEY, admin_env, bearer  # noqa: E402
-from plots import hit_rate_over_time, ttft_hits_vs_misses  # noqa: E402
-from procs import free_port, get_ok, run_locust, serving  # noqa: E402
-from report import counter_cross_check, parse_metrics, read_raw, summarize  # noqa: E402
-from workloads import (  # noqa: E402
+from loadtests.admin_key import ADMIN_KEY, admin_env, bearer
+from loadtests.plots import hit_rate_over_time, ttft_hits_vs_misses
+from loadtests.procs import free_port, get_ok, run_locust, serving
+from loadtests.report import counter_cross_check, parse_metrics, read_raw, summarize
+from loadtests.workloads import (
     CountTokens,
     Workload,
     long_document_qa,
@@ -44,6 +41,8 @@ from workloads import (  # noqa: E402
     shared_prefix,
     zero_reuse,
 )
+
+HERE = Path(__file__).resolve().parent
 
 ALL = ("shared_prefix", "multi_turn", "long_document_qa", "zero_reuse")
 

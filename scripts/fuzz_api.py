@@ -9,7 +9,7 @@ zero server errors (5xx) and zero responses that break the documented schema
 (status, content type, body).  Prints a table, writes the JSON report,
 exits 1 on a missed target.
 
-    .venv/bin/python scripts/fuzz_api.py --max-examples 30
+    .venv/bin/python -m scripts.fuzz_api --max-examples 30
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import httpx
 
+from loadtests.procs import free_port, get_ok, serving
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "loadtests"))
-from procs import free_port, get_ok, serving  # noqa: E402
 
 KEY = "sk-fuzz-admin"
 GATING = {

@@ -14,7 +14,7 @@ Closing a stream closes the HTTP response, and vLLM aborts a request whose
 client went away.  HTTP and transport errors map onto ``engines.errors``.  The
 transport is an ``aiohttp`` session, made in the engine's event loop on first use:
 every token of every request is relayed through it, and ``httpx`` spent about
-twice its CPU per streamed chunk (measured with ``loadtests/bench_workers.py``).
+twice its CPU per streamed chunk (measured with ``python -m loadtests.bench_workers``).
 Idle connections are dropped before the replica's keep-alive ends, and a request
 whose pooled connection turns out closed before any answer is sent again once,
 on a new connection (the replica never read it).

@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
-from emulator.anthropic import blocks_of, min_prefix
-from emulator.openai import OPENAI, chat_stream_bytes, responses_stream_bytes
-from emulator.state import BYTES_PER_TOKEN, tokens
+from loadtests.emulator.anthropic import blocks_of, min_prefix
+from loadtests.emulator.openai import OPENAI, chat_stream_bytes, responses_stream_bytes
+from loadtests.emulator.state import BYTES_PER_TOKEN, tokens
 
 SHARE_FLOOR = 0.9
 BLOCK_SIZE = 128  # vLLM's KV block on CPU

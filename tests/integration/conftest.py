@@ -25,9 +25,7 @@ import openai
 import pytest
 
 from gateway.core.config import hash_api_key
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
-from report import parse_metrics
+from loadtests.report import parse_metrics
 
 KEY_A = "sk-test-tenant-a"
 KEY_B = "sk-test-tenant-b"

@@ -1,4 +1,4 @@
-"""Contract fuzzing in CI: ``scripts/fuzz_api.py`` with a small budget (schemathesis against
+"""Contract fuzzing in CI: ``python -m scripts.fuzz_api`` with a small budget (schemathesis against
 a gateway of its own, keys on, the real engine and the provider emulator behind it)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
 ) -> None:
     run = subprocess.run(
         [
-            sys.executable, str(REPO / "scripts" / "fuzz_api.py"),
+            sys.executable, "-m", "scripts.fuzz_api",
             "--max-examples", "5", "--max-time", "90", "--seed", "3",
             "--data-dir", str(data_dir), "--out", str(tmp_path),
         ],

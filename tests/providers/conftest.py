@@ -33,12 +33,10 @@ from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
 from gateway.providers.control import Control
 from gateway.providers.path import ProviderPath
 from gateway.sessions.log import SessionLog
+from loadtests.emulator.app import create_app as emulator_app
+from loadtests.emulator.state import EmulatorState
 from tests.integration.conftest import _free_port, running
 from tests.settings import gateway_settings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtests"))
-from emulator.app import create_app as emulator_app
-from emulator.state import EmulatorState
 
 KEY = "sk-provider-tests"
 LOCAL = "vcache-demo"

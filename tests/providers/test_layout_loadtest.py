@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_layout_comparison_shows_what_the_canonical_layout_buys(tmp_path: Path) -> None:
     out = tmp_path / "report"
     cmd = [
-        sys.executable, str(REPO / "loadtests" / "run.py"), "--small", "--workloads", "",
+        sys.executable, "-m", "loadtests.run", "--small", "--workloads", "",
         "--compare-layout", "--users", "2", "--duration", "60", "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -13,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-from procs import free_port, get_ok
+from loadtests.procs import free_port, get_ok
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])

@@ -4,25 +4,21 @@ headers the load tests use answer, and the scripts that use them send it."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-import routing_pressure
-from admin_key import ADMIN_KEY, admin_env, bearer, locust_env
-from agent_sessions import ADMIN_KEY as AGENTS_KEY
-from agent_sessions import BACKGROUND_KEY, _keys
-
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from gateway.core.config import Settings
 from gateway.service.auth import KeyRing
+from loadtests import routing_pressure
+from loadtests.admin_key import ADMIN_KEY, admin_env, bearer, locust_env
+from loadtests.agent_arm import ADMIN_KEY as AGENTS_KEY
+from loadtests.agent_arm import BACKGROUND_KEY, _keys
 from tests.settings import gateway_settings
 
 MODEL = "vcache-demo"

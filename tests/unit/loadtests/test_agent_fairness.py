@@ -4,12 +4,9 @@ pooled into one percentile, and the 20% verdict judged on the pooled turns."""
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-from agent_fairness import base, fairness_table, order, pooled, prefill_fit, theil_sen
+from loadtests.agent_fairness import base, fairness_table, order, pooled, prefill_fit, theil_sen
 
 FIELDS = ["kind", "ok", "turn", "prompt_tokens", "cached_tokens", "ttft_ms", "t"]
 

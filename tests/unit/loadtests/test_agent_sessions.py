@@ -4,12 +4,8 @@ the share of reusable tokens served, TTFT of first and later turns."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-from agent_sessions import summarize, workload
+from loadtests.agent_arm import summarize, workload
 
 
 def _args() -> argparse.Namespace:

@@ -3,14 +3,10 @@ rows only."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-from bench_render import TOOL, agent_prompt, missed, table
-
 from engines.tokenizer import ChatTokenizer
+from loadtests.bench_render import TOOL, agent_prompt, missed, table
 
 
 def test_an_agent_prompt_has_about_the_tokens_asked(demo_model: Path) -> None:

@@ -3,14 +3,8 @@ each arm adds to the arm without a background."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-from bench_top_prefill import ARMS, _row, _text
-
 from gateway.core.engine_settings import EngineSettings
+from loadtests.bench_top_prefill import ARMS, _row, _text
 
 
 def test_every_arm_sets_engine_settings_that_exist() -> None:

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-from dashboard import _quantile, series
+from loadtests.dashboard import _quantile, series
 
 
 def _hist(counts: dict[str, float]) -> dict[str, float]:

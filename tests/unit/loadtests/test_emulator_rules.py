@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-from emulator.app import create_app
-from emulator.state import Clock, EmulatorState
-from emulator.tools import Function, tool_use
+from loadtests.emulator.app import create_app
+from loadtests.emulator.state import Clock, EmulatorState
+from loadtests.emulator.tools import Function, tool_use
 
 A = {"x-api-key": "k", "anthropic-version": "2023-06-01"}
 B = {"authorization": "Bearer k"}

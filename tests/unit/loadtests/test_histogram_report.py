@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-from report import histogram, histogram_quantile, phases_table, ttft_phases
+from loadtests.report import histogram, histogram_quantile, phases_table, ttft_phases
 
 N = "vcache_ttft_phase_seconds"
 

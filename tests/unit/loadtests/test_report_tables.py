@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-from run import table
+from loadtests.run import table
 
 
 def _result(workload: str, protocol: str = "http") -> dict[str, object]:

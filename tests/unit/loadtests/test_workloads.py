@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "loadtests"))
-
-from report import counter_cross_check, percentile, summarize
-from workloads import (
+from loadtests.report import counter_cross_check, percentile, summarize
+from loadtests.workloads import (
     Workload,
     long_document_qa,
     multi_turn,
@@ -83,7 +80,7 @@ def test_summary_and_counters() -> None:
 
 
 def test_the_hit_rate_curve_counts_from_the_first_request_sent() -> None:
-    from plots import hit_rate_curve, run_start
+    from loadtests.plots import hit_rate_curve, run_start
 
     rows = [  # t: when each request completed; total_ms: how long it took
         {"ok": "1", "t": "100.5", "total_ms": "500", "prompt_tokens": "100", "cached_tokens": "0"},
