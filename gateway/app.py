@@ -301,7 +301,7 @@ def create_app(
     app.state.local_governor = local_governor
     svc = app.state.service
     app.state.cache = CacheService(
-        svc.local, svc.model_name, svc.targets, svc.providers, svc.warm_provider
+        svc.local, svc.model_name, svc.targets, svc.providers, svc.warm_provider, svc.warm_local
     )
     probes = []
     if session_log is not None:

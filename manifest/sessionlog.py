@@ -7,7 +7,12 @@ A session is a sequence of events:
   the call config; reason ``initial``, ``resume`` or ``change``.  Empty
   values are canonicalized to absent, so ``[]``, ``{}``, ``""`` and ``None``
   never make two snapshots differ.
-- :class:`MessageEvent` — one conversation entry after the system prompt.
+- :class:`MessageEvent` — one conversation entry after the system prompt.  A text
+  completion's prompt (one engine request of ``/v1/completions``, or a cache warm
+  named by a prompt) is the one entry of its conversation: role ``prompt`` (its
+  text) or ``prompt_tokens`` (its token ids, as canonical JSON), see
+  :func:`prompt_entry`; its dispatch's ``prompt`` directive says how it became
+  the ids vLLM was handed.
 - :class:`ReplaceEvent` / :class:`TruncateEvent` — an entry replaced (a
   trimmed tool result) or the history cut back; never an edit in place.
 - :class:`DispatchEvent` — a request sent: target, kind (``provider`` or
@@ -124,6 +129,31 @@ class MessageEvent:
         if self.tool_calls is None and self.tool_call_id is None:
             return (self.role, self.content, self.name)
         return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id)
+
+
+PROMPT_TEXT = "prompt"  # a text completion's prompt, as text
+PROMPT_TOKENS = "prompt_tokens"  # a text completion's prompt, as token ids
+
+
+def prompt_entry(prompt: str | Sequence[int]) -> MessageEvent:
+    """A text completion's prompt as the one entry of its conversation: its text, or its
+    token ids as canonical JSON (its own role, so a text that looks like ids, or a chat
+    turn with the same text, is never the same entry)."""
+    if isinstance(prompt, str):
+        return MessageEvent(PROMPT_TEXT, prompt)
+    return MessageEvent(PROMPT_TOKENS, canonical_json(list(prompt)).decode())
+
+
+def entry_prompt(m: MessageEvent) -> str | list[int]:
+    """The prompt :func:`prompt_entry` made ``m`` of; a ValueError for any other entry."""
+    if m.role == PROMPT_TEXT:
+        return m.content
+    if m.role == PROMPT_TOKENS:
+        ids: object = json.loads(m.content)
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise ValueError("a prompt_tokens entry that is not a list of token ids")
+        return [int(t) for t in ids]
+    raise ValueError(f"a {m.role!r} entry is not a text completion's prompt")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ what OpenAI and vLLM take with them (echo, return_token_ids; best_of refused).""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
@@ -89,3 +90,18 @@ class CompletionRequest(SamplingFields):
         if v:
             raise ValueError("suffix is not supported")
         return v
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """One prompt of a text completion, as one engine request serves it: the request (its
+    sampling, echo, truncation) and the prompt (a text, or token ids), with the parameter
+    that names it in an error (``prompt``, ``prompt[2]``)."""
+
+    request: CompletionRequest = field(repr=False)
+    prompt: str | list[int] = field(repr=False)  # prompts never reach logs
+    param: str = "prompt"
+
+    @property
+    def model(self) -> str:
+        return self.request.model

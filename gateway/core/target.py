@@ -35,6 +35,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
+from gateway.core.completion_request import TextPrompt
+from gateway.core.errors import InvalidRequest
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import Piece
@@ -51,10 +53,11 @@ def _untraced() -> RequestTrace:
 
 @dataclass(frozen=True)
 class Call:
-    """A chat request as every target serves it: what is asked, by whom, under which
-    request id and session, with an admin's routing choice and the request's trace."""
+    """A request as every target serves it: what is asked (a chat, or one prompt of a text
+    completion: each is an engine request of its own), by whom, under which request id
+    and session, with an admin's routing choice and the request's trace."""
 
-    request: ChatCompletionRequest
+    request: ChatCompletionRequest | TextPrompt
     who: Principal
     request_id: str
     session: str | None = None  # an explicit session-log session (else found or started)
@@ -63,8 +66,29 @@ class Call:
     warm: bool = False  # prefill only (a provider warm: nothing generated for a client)
 
     def __repr__(self) -> str:  # prompts never reach logs
-        n = len(self.request.messages)
-        return f"Call({self.request_id}, model={self.request.model}, messages={n})"
+        r = self.request
+        size = f"messages={len(r.messages)}" if isinstance(r, ChatCompletionRequest) else "text"
+        return f"Call({self.request_id}, model={r.model}, {size})"
+
+    @property
+    def chat(self) -> ChatCompletionRequest:
+        """The chat asked, for a target that serves chats only: a text completion's prompt
+        is refused as the edges refuse one for a model with no local target."""
+        if isinstance(self.request, ChatCompletionRequest):
+            return self.request
+        raise InvalidRequest(
+            f"text completions are served by the local model only ('{self.request.model}' "
+            "was asked of a hosted provider)",
+            param="model",
+            code="unsupported_model",
+        )
+
+    @property
+    def text(self) -> TextPrompt:
+        """The text completion's prompt asked (the local text target's calls)."""
+        if isinstance(self.request, TextPrompt):
+            return self.request
+        raise TypeError(f"{self!r} is a chat, not a text completion's prompt")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""Prefills on a replica for the span manager: the hash probe and warming.
+"""The hash probe: a prefill on a replica for the span manager, at its start.
 
 The probe prefills a prompt under a salt of its own and waits for its
 ``BlockStored`` events: their hashes must equal the manifest's
 (:func:`manifest.hashing.block_hashes`), or the replica is *approximate* and
-its predictions are not reported as exact.  A warm prefills a prompt so its
-blocks are resident before a client asks.
+its predictions are not reported as exact.  It is the one request the gateway
+sends a model outside the service loop (not in the session log: a fixed text,
+its blocks evicted after).  A client's warm (``/v1/cache/warm``) is a request
+through the loop (:meth:`gateway.service.cache.CacheService.warm`).
 """
 
 from __future__ import annotations

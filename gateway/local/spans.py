@@ -6,7 +6,8 @@
   one :class:`PrefixIndex` (location = replica id), gaps repaired, barriers;
 - :class:`~gateway.local.kv_pins.SpanPins`: pins with owners and leases
   (a pure :class:`LeaseBook`, the clock injected) and eviction;
-- :mod:`~gateway.local.kv_probe`: the hash probe run at start and warming.
+- :mod:`~gateway.local.kv_probe`: the hash probe run at start (a client's warm is a request
+  through the service loop).
 
 and itself predicts, before dispatch, how many prompt tokens each replica
 will serve from cache, and counts whether vLLM's ``num_cached_tokens`` agreed.
@@ -177,16 +178,6 @@ class KVSpans:
         if total is None:
             return None
         return int(total * self.pins.pin_max_share) - self.leases.count(replica)
-
-    async def warm(
-        self, replica: LocationId, tokens: Sequence[int], salt: str | None
-    ) -> tuple[int, int]:
-        """Prefill ``tokens`` on ``replica``: (tokens that were already cached, now resident)."""
-        st = self.events.state(replica)
-        before = await kv_probe.prefill(st.engine, tokens, salt, "warm")
-        await self.events.barrier(st)
-        now = self.predict(self.hashes(tokens, salt), len(tokens) + 1)[replica]
-        return before, now
 
     # -------------------------------------------------------------- pins
 

@@ -6,15 +6,22 @@ rendered and hashed exactly as a request would be) or by explicit
 admin names another ``tenant``: the tenant is part of every block hash.  An
 admin key's scope is its own tenant; raw block hashes, which can name any
 tenant's span, need a global admin key (``scope: global``).
+
+A warm on the local replicas is a request like any other (a chat's messages,
+or a text prompt: one token generated, discarded), through the service loop:
+admitted, journaled in the session log, routed over the serving replicas, through
+the replica's fair gate (:meth:`GatewayService.warm_local`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gateway.core.completion_request import CompletionRequest, TextPrompt
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import (
     InvalidRequest,
@@ -25,8 +32,8 @@ from gateway.core.errors import (
 )
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage, RequestModel, TokenId
-from gateway.core.types import Principal, tenant_salt
-from gateway.local.routing import RouteContext
+from gateway.core.target import Call
+from gateway.core.types import Principal, RouteOverride, Served, tenant_salt
 from gateway.local.spans import KVSpans
 from gateway.providers import control_plan
 from gateway.service.local import LocalChat
@@ -137,6 +144,8 @@ def check_scope(body: CacheRequest, who: Principal) -> None:
 
 # a provider warm: (request, tenant, target, request id) to the usage it reported
 WarmProvider = Callable[[ChatCompletionRequest, str, str, str], Awaitable[Usage]]
+# a local warm: its call to where it went, its usage and the prompt's token ids
+WarmLocal = Callable[[Call], Awaitable[tuple[Served, Usage, tuple[int, ...]]]]
 
 
 class _Spans:
@@ -175,12 +184,14 @@ class CacheService:
         targets: Targets,
         providers: ProviderChat | None,
         warm_provider: WarmProvider,
+        warm_local: WarmLocal,
     ) -> None:
         self._local = local
         self._model = model
         self._targets = targets
         self._providers = providers
         self._warm_provider = warm_provider
+        self._warm_local = warm_local
 
     @property
     def _kv(self) -> KVSpans | None:
@@ -319,22 +330,74 @@ class CacheService:
 
     @maps_engine_errors
     async def warm(self, body: CacheRequest, who: Principal) -> WarmResponse:
-        kv, spans = await self._spans(body, who)
-        if spans.tokens is None:
+        """Prefill the prompt where the next request for it would go (the router's choice
+        over the serving replicas), or on ``replica`` when it serves; a request through
+        the loop (see the module).  The tokens it found cached (the engine's count) and
+        those resident after (the exact index, synced to the engine)."""
+        check_scope(body, who)
+        self._local.check_model(body.model, self._model)
+        kv = self._manager()
+        if body.block_hashes:
             raise InvalidRequest(
                 "warm needs a prompt (messages, prompt or token_ids), not block hashes",
                 param="block_hashes",
                 code="invalid_value",
             )
-        await kv.sync(barrier=True)
-        if body.replica is None:  # where the next request for this prompt would go
-            predicted = kv.predict(spans.hashes, len(spans.tokens))
-            d = self._local.dispatcher
-            target = d.router.choose(d.replicas, RouteContext(predicted)).id
-        else:
-            target = spans.replicas[0]
-        before, after = await kv.warm(target, spans.tokens, spans.salt)
-        return WarmResponse(replica=target, cached_tokens_before=before, cached_tokens_after=after)
+        route = None
+        if body.replica is not None:
+            route = RouteOverride(replica=self._serving(body.replica))
+        await kv.sync(barrier=True)  # the index and the engines agree (503 when one cannot say)
+        tenant = body.tenant or who.tenant
+        call = Call(
+            self._warm_request(body),
+            dataclasses.replace(who, tenant=tenant),
+            f"warm-{uuid.uuid4().hex}",
+            route=route,
+            warm=True,
+        )
+        served, usage, ids = await self._warm_local(call)
+        if served.dispatch is None:  # an answer is routed before it is sent
+            raise RuntimeError(f"{call.request_id}: answered without a replica")
+        replica = LocationId(served.dispatch.replica_id)
+        await kv.sync(barrier=True)  # the blocks it stored are in the index
+        salt = tenant_salt(tenant)
+        after = kv.predict(kv.hashes(ids, salt), len(ids) + 1).get(replica, 0)
+        before = usage.prompt_tokens_details.cached_tokens
+        return WarmResponse(replica=replica, cached_tokens_before=before, cached_tokens_after=after)
+
+    def _serving(self, replica: str) -> str:
+        """``replica``, named for a warm: known (else a 404) and serving (else a 503: a
+        dead replica is never warmed)."""
+        d = self._local.dispatcher
+        r = d.replica(replica)
+        if r is None:
+            raise NotFound(
+                f"Unknown replica '{replica}'", param="replica", code="replica_not_found"
+            )
+        if not r.engine.ready:
+            raise Unavailable(
+                f"replica '{replica}' is not serving; it is being restarted",
+                code="engine_unavailable",
+                retry_after_s=d.retry_after_s(),
+            )
+        return replica
+
+    @staticmethod
+    def _warm_request(body: CacheRequest) -> ChatCompletionRequest | TextPrompt:
+        """What a warm asks of the local model: its messages as a chat, or its prompt (as
+        text completions tokenize it) or token ids; one token, greedy."""
+        if body.messages:
+            return ChatCompletionRequest(
+                model=body.model, messages=body.messages, max_tokens=1, temperature=0.0
+            )
+        if body.prompt:
+            req = CompletionRequest(
+                model=body.model, prompt=body.prompt, max_tokens=1, temperature=0.0
+            )
+            return TextPrompt(req, body.prompt)
+        ids = list(body.token_ids or [])
+        req = CompletionRequest(model=body.model, prompt=ids, max_tokens=1, temperature=0.0)
+        return TextPrompt(req, ids, "token_ids")
 
     @maps_engine_errors
     async def stats(self) -> dict[str, object]:

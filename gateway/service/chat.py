@@ -3,7 +3,11 @@
 A chat request names a model; :class:`~gateway.service.targets.Targets`
 resolves it to ordered targets (the local replicas, hosted providers) and the
 first that can serve it answers, through the one loop every target shares
-(:mod:`gateway.service.loop`: prepare, journal, send, settle).
+(:mod:`gateway.service.loop`: admit, prepare, journal, acquire, send, settle,
+release).  A text completion goes through the same loop over the targets that
+serve text (the local replicas: :mod:`gateway.service.local_completions`),
+one engine request per prompt; so does the local cache warm
+(:meth:`GatewayService.warm_local`).
 Each path produces answer pieces (:mod:`gateway.core.shaping`); they are
 shaped once into the API's objects.  Streams produce their first piece before
 returning, so every error before the first token (and every fallback) happens
@@ -53,7 +57,7 @@ from gateway.local.routing import POLICIES
 from gateway.service.journal import Journal
 from gateway.service.limits import Grant, RateLimits
 from gateway.service.local import LocalChat
-from gateway.service.local_completions import LocalCompletions
+from gateway.service.local_completions import LocalCompletions, prompt_calls
 from gateway.service.loop import ServiceLoop
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets
@@ -147,7 +151,10 @@ class GatewayService:
             ceiling_finish,
         )
         self.completions = LocalCompletions(self.local)
-        self.loop = ServiceLoop(Journal(log), self._metrics, self._target, routing)
+        journal = Journal(log)
+        self.loop = ServiceLoop(journal, self._metrics, self._target, routing)
+        # the same loop over the targets that serve text completions' prompts
+        self.text_loop = ServiceLoop(journal, self._metrics, self._text_target, routing)
 
     @property
     def targets(self) -> Targets:
@@ -229,6 +236,13 @@ class GatewayService:
         if self.providers is None:
             raise Unavailable("no hosted providers are configured", code="no_providers")
         return self.providers
+
+    def _text_target(self, name: str) -> Target[Any]:
+        if name == LOCAL_TARGET:
+            return self.completions
+        raise InvalidRequest(  # the text loop is given the local target only
+            f"{name} does not serve text completions", param="model", code="unsupported_model"
+        )
 
     def _call(
         self,
@@ -315,6 +329,21 @@ class GatewayService:
         trace.end(None, target=served.target, **_usage_attrs(usage))
         return Routed((body, usage), served)
 
+    async def warm_local(self, call: Call) -> tuple[Served, Usage, tuple[int, ...]]:
+        """Prefill ``call``'s prompt (a chat's messages, or a text prompt: one token
+        generated, discarded) on the local replicas, through the loop as any request:
+        admitted, prepared, journaled, routed over the serving replicas (a forced one
+        aside), through the replica's fair gate; where it went, its usage, and the
+        prompt's token ids as the engine took them."""
+        loop = self.loop if isinstance(call.request, ChatCompletionRequest) else self.text_loop
+        served, usage = Served(), Usage.of(0, 0, 0)
+        ids: tuple[int, ...] = ()
+        async with aclosing(loop.serve(LOCAL_TARGET, call, served)) as pieces:
+            async for p in pieces:
+                ids = p.prompt_token_ids or ids
+                usage = p.usage or usage
+        return served, usage, ids
+
     async def warm_provider(
         self, req: ChatCompletionRequest, tenant: str, target: str, rid: str
     ) -> Usage:
@@ -346,39 +375,61 @@ class GatewayService:
     def local_only(self, model: str, what: str = "text completions") -> None:
         """``model`` has the local model among its targets (else a 400 saying ``what`` is
         served by the local model only)."""
-        if LOCAL_TARGET not in self._targets.resolve(model):
+        self._local_targets(model, what)
+
+    def _local_targets(self, model: str, what: str = "text completions") -> list[str]:
+        """The targets of ``model`` that serve ``what`` (the local replicas), in alias
+        order; a 400 when it has none."""
+        names = [n for n in self._targets.resolve(model) if n == LOCAL_TARGET]
+        if not names:
             raise InvalidRequest(
                 f"'{model}' is served by hosted providers only; {what} are "
                 "served by the local model",
                 param="model",
                 code="unsupported_model",
             )
+        return names
+
+    async def _text_answer(
+        self, req: CompletionRequest, who: Principal, route: RouteOverride | None, whole: bool
+    ) -> Routed[tuple[str, Pieces]]:
+        """A text completion's request id and answer, its first piece produced (read to
+        its end first when ``whole``): each prompt an engine request through the loop
+        (:meth:`~gateway.service.loop.ServiceLoop.first_answer_each`), their answers
+        merged (and echoed) into the request's."""
+        names = self._local_targets(req.model)
+        served = Served()
+        grant = self._admit(who, served)
+        trace = self.tracing.request("vcache.completion", model=req.model, stream=not whole)
+        try:
+            calls = prompt_calls(req, who, f"cmpl-{uuid.uuid4().hex}", route, trace)
+            join = self.completions.join(req)
+            loop = self.text_loop
+            rid, pieces = await loop.first_answer_each(names, calls, served, join, whole)
+        except BaseException as exc:
+            trace.end(exc, target=served.target)
+            _release(grant, 0)
+            raise
+        return Routed((rid, _limited(_ended(pieces, trace, served), grant)), served)
 
     async def complete(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[Completion]:
         req = self.named(req)
-        self.local_only(req.model)
-        served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
-        grant = self._admit(who, served)
-        trace = self.tracing.request("vcache.completion", model=req.model, stream=False)
-        local = self.completions.pieces(req, who, route, served, rid, trace)
-        pieces = _limited(_ended(local, trace, served), grant)
-        return Routed(await completion(rid, self._model, pieces, completion_shape(req)), served)
+        routed = await self._text_answer(req, who, route, whole=True)
+        rid, pieces = routed.body
+        body = await completion(rid, self._model, pieces, completion_shape(req))
+        return Routed(body, routed.served)
 
     async def complete_stream(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
     ) -> Routed[AsyncGenerator[Completion, None]]:
         """A stream that has produced its first piece (errors before it are raised here)."""
         req = self.named(req)
-        self.local_only(req.model)
-        served, rid = Served(), f"cmpl-{uuid.uuid4().hex}"
-        grant = self._admit(who, served)
-        trace = self.tracing.request("vcache.completion", model=req.model, stream=True)
-        local = self.completions.pieces(req, who, route, served, rid, trace)
-        pieces = await primed(_limited(_ended(local, trace, served), grant))
+        routed = await self._text_answer(req, who, route, whole=False)
+        rid, pieces = routed.body
         chunks = completion_chunks(rid, self._model, pieces, completion_shape(req))
-        return Routed(chunks, served)
+        return Routed(chunks, routed.served)
 
 
 def _release(grant: Grant | None, tokens: int) -> None:

@@ -79,12 +79,12 @@ async def merged(streams: Sequence[Pieces], n: int) -> Pieces:
 
 @dataclass(frozen=True)
 class Echo:
-    """What an echoed answer starts with: each prompt's text and ids, whether its tokens'
-    logprobs lead the choice's (echo with logprobs), and whether anything generated
-    follows (``max_tokens: 0`` scores the prompt only)."""
+    """What an echoed answer starts with: each prompt's text, whether its tokens' logprobs
+    lead the choice's (echo with logprobs; the prompt's ids are those its choice's first
+    piece carries, as the engine took them), and whether anything generated follows
+    (``max_tokens: 0`` scores the prompt only)."""
 
     texts: Sequence[str]
-    ids: Sequence[tuple[int, ...]]
     decode: Callable[[Sequence[int]], str]
     logprobs: bool = False
     generated: bool = True
@@ -105,16 +105,17 @@ async def echoed(pieces: Pieces, echo: Echo, n: int) -> Pieces:
                 started.add(p.index)
                 lps = p.logprobs
                 if echo.logprobs and p.prompt_logprobs is not None:
-                    lps = (*_prompt_entries(echo, p.index // n, p.prompt_logprobs), *lps)
+                    ids = p.prompt_token_ids or ()
+                    lps = (*_prompt_entries(echo, ids, p.prompt_logprobs), *lps)
                 p = dataclasses.replace(p, text=echo.texts[p.index // n] + p.text, logprobs=lps)
             yield p
 
 
 def _prompt_entries(
-    echo: Echo, i: int, entries: Sequence[TokenLogprob | None]
+    echo: Echo, ids: Sequence[int], entries: Sequence[TokenLogprob | None]
 ) -> list[TokenLogprob]:
-    """Prompt ``i``'s tokens as logprob entries; the first has no logprob (None)."""
+    """A prompt's tokens ``ids`` as logprob entries; the first has no logprob (None)."""
     return [
         e if e is not None else TokenLogprob(echo.decode([t]), None, token_id=t)
-        for t, e in zip(echo.ids[i], entries, strict=False)
+        for t, e in zip(ids, entries, strict=False)
     ]

@@ -1,4 +1,6 @@
-"""The local replicas as a :class:`~gateway.core.target.Target`, and text completions.
+"""The local replicas as the :class:`~gateway.core.target.Target` of chat calls (text
+completions' prompts are :mod:`gateway.service.local_completions`'s, over the same
+replicas).
 
 prepare: tokenize with the model's template (tools and tool turns through it),
 check the context and a forced replica; nothing claimed → the service loop
@@ -208,6 +210,10 @@ class LocalChat:
     async def text_tokens(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return await self._prompts.text(self.engine.tokenizer, text, add_special_tokens)
 
+    async def text_prompt(self, text: str, shaping: Mapping[str, Any]) -> list[int]:
+        """A text completion's prompt as vLLM is handed it, made on the render thread."""
+        return await self._prompts.text_prompt(self.engine.tokenizer, text, shaping)
+
     def _vocab(self) -> int:
         return vocab_size(self.engine)
 
@@ -246,7 +252,7 @@ class LocalChat:
         exact index as it stands: no sync, nothing routed), at the local price."""
         if not self.ready:
             return None
-        req = call.request
+        req = call.chat
         try:
             system, turns = request_parts(req)
             tools, template = req.tool_dicts(), self._shaping(req)
@@ -262,7 +268,7 @@ class LocalChat:
         """Tokenize with the model's template, check the context and a forced replica.
         Nothing is routed or claimed: that is :meth:`acquire`, after the journal."""
         t0 = time.perf_counter()
-        req, who, rid, trace = call.request, call.who, call.request_id, call.trace
+        req, who, rid, trace = call.chat, call.who, call.request_id, call.trace
         system, turns = request_parts(req)  # what is rendered is what is journaled
         tools = req.tool_dicts()  # dumped once: the render, the anchor, the header
         with trace.step("tokenize") as span:
@@ -270,7 +276,8 @@ class LocalChat:
             self.dispatcher.forced(call.route)  # an unknown replica: 404, nothing journaled
             template = self._shaping(req)
             memo = quote.memo if quote is not None else None
-            anchor, marks = self.governor is not None, req.hints.breakpoints
+            # a cache warm is not traffic: the governor weighs what clients send
+            anchor, marks = self.governor is not None and not call.warm, req.hints.breakpoints
             r = await self._prompts.rendered(
                 self.engine.tokenizer, system, turns, tools, template, anchor, marks, memo
             )
@@ -342,7 +349,7 @@ class LocalChat:
             block = kv.block_size if kv is not None else self.engine.capabilities.block_size
             pieces = retained(pieces, d, p.ends, owner, kv, block, self.leases)
         key = _session_key(p.call) or (f"{p.call.who.tenant}:log:{session}" if session else None)
-        if key is not None:
+        if key is not None and not p.call.warm:  # a warm's blocks are not a session's turn
             self.turns.began(key, p.call.who.tenant)
             pieces = paused(pieces, self.turns, self.dispatcher.kv, key, d.replica.id, d.hashes)
         return pieces

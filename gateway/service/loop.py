@@ -1,22 +1,30 @@
-"""The one loop every chat request goes through, whatever its target.
+"""The one loop every request that reaches a model goes through, whatever its target:
+chats (OpenAI's, the Responses and Messages APIs, batches, a provider's warm), text
+completions and the local cache warm.
 
 For each target of the request's model, cheapest first (each quotes what the
 prompt would cost there; :func:`by_cost`), else in alias order: admit,
 prepare (decide and render; nothing claimed, nothing sent), journal what
 will be sent, acquire (what waits before the send, and what the target
 claims for it), send, and journal the answer before its usage goes out;
-then settle.  A target that fails before the first token (unavailable,
-overloaded, a context too small, a provider that still fails after its
-retries) gives way to the next, and ``served.fallback_from`` says so.  What
-a target acquired is released in one ``finally`` (:meth:`ServiceLoop.serve`)
-on every path: the answer, an error, a fallback, a journal that failed (503
-``session_log_unavailable``), a client that left; so a client's retry never
-waits on a claim whose request is gone.  This is the only place that
-journals, falls back and writes where a request was served.
+then settle.  A request served as several engine requests (a text
+completion's prompts, :meth:`ServiceLoop.first_answer_each`) is admitted
+once, has every one prepared before any is journaled, and each goes on
+through journal, acquire, send, settle and release on its own; their
+answers are joined into the request's.  A target that fails before the
+first token (unavailable, overloaded, a context too small, a provider that
+still fails after its retries) gives way to the next, and
+``served.fallback_from`` says so.  What a target acquired is released in
+one ``finally`` (:meth:`ServiceLoop._sent`) on every path: the answer, an
+error, a fallback, a journal that failed (503 ``session_log_unavailable``),
+a client that left; so a client's retry never waits on a claim whose
+request is gone.  This is the only place that journals, falls back and
+writes where a request was served.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -38,6 +46,7 @@ from manifest.canonical import canonical_json
 log = logging.getLogger(__name__)
 
 Resolve = Callable[[str], Target[Any]]
+Join = Callable[[Sequence[Pieces]], Pieces]  # engine requests' answers → the request's
 
 
 class ServiceLoop:
@@ -88,67 +97,131 @@ class ServiceLoop:
         ``call``, its first piece produced (each fallback is a request of its own, with an
         id of its own).  ``whole``: the answer is read to its end here, so a target that
         fails at any point before it ends falls back too."""
-        order = await self.order(names, call, served)
-        for i, (name, quote) in enumerate(order):
-            attempt = (
-                call if i == 0 else dataclasses.replace(call, request_id=f"{call.request_id}-{i}")
-            )
+        return await self.first_answer_each(names, [call], served, None, whole)
+
+    async def first_answer_each(
+        self,
+        names: Sequence[str],
+        calls: Sequence[Call],
+        served: Served,
+        join: Join | None,
+        whole: bool = False,
+    ) -> tuple[str, Pieces]:
+        """:meth:`first_answer` of a request served as the engine requests ``calls`` (a
+        text completion's prompts, each with a request id of its own), their answers
+        joined by ``join``; the request id is the first call's.  Several calls are not
+        quoted: they go in alias order."""
+        order = await self.order(names, calls[0], served) if len(calls) == 1 else None
+        tried = order or [(n, None) for n in names]
+        for i, (name, quote) in enumerate(tried):
+            attempt = [
+                c if i == 0 else dataclasses.replace(c, request_id=f"{c.request_id}-{i}")
+                for c in calls
+            ]
             try:
-                pieces = await primed(self.serve(name, attempt, served, quote))
-                return attempt.request_id, (await _drained(pieces) if whole else pieces)
+                pieces = await primed(self.serve_each(name, attempt, served, join, quote))
+                return attempt[0].request_id, (await _drained(pieces) if whole else pieces)
             except APIError as exc:
-                if i == len(order) - 1 or not can_fall_back(exc):
+                if i == len(tried) - 1 or not can_fall_back(exc):
                     raise
                 reason = exc.code or exc.type
-                log.warning("%s failed (%s: %s); trying %s", name, reason, exc, order[i + 1][0])
+                log.warning("%s failed (%s: %s); trying %s", name, reason, exc, tried[i + 1][0])
                 self._metrics.fallbacks.labels(name, reason).inc()
                 served.fallback_from += (name,)
         raise AssertionError("no targets")  # Targets.resolve never returns an empty list
 
-    async def serve(
+    def serve(
         self, name: str, call: Call, served: Served | None, quote: Quote | None = None
     ) -> Pieces:
         """One target's answer: admitted, prepared, journaled, acquired, sent, settled;
         every claim given back on the way out (see the module)."""
+        return self.serve_each(name, [call], served, None, quote)
+
+    async def serve_each(
+        self,
+        name: str,
+        calls: Sequence[Call],
+        served: Served | None,
+        join: Join | None = None,
+        quote: Quote | None = None,
+    ) -> Pieces:
+        """One target's answer to a request served as the engine requests ``calls``:
+        admitted once (as the one request they make), each prepared before any is
+        journaled (one refused: nothing of the request is in the log or sent), then each
+        journaled, acquired, sent, settled and released on its own (:meth:`_sent`), their
+        answers joined by ``join`` (one call: its answer).  ``served`` says where the first
+        went; ``quote``, the first's (one call only)."""
         target = self._resolve(name)
-        with target.admission(call):
-            p = await target.prepare(name, call, quote)
+        with target.admission(calls[0]):
+            prepared: list[Prepared] = []
+            for c in calls:
+                prepared.append(await target.prepare(name, c, quote if len(calls) == 1 else None))
             if served is not None:
-                served.target, served.notes = p.target, dict(p.notes)
-            op = self.journal.open(call.who.tenant, p.header, p.turns, call.session)
-            held = [p]  # each Prepared this call had: what they claimed goes back below
-            try:
-                await self._journal(op, served, call, p)
-                if op is not None and op.kind is not None:
-                    self._metrics.sessions.labels(op.kind).inc()
-                p = await target.acquire(p)
-                held.append(p)
-                if served is not None:
-                    served.dispatch = p.placement
-                answer, attempt = Sample(), 0
-                while True:
-                    yielded = False
-                    try:
-                        async with aclosing(target.send(p, op.session_id if op else None)) as out:
-                            async for piece in out:
-                                if piece.usage is not None:  # the end: all is known
-                                    await self._answered(op, served, call, answer, piece.usage)
-                                    target.settle(p, piece.usage)  # before the client leaves
-                                elif piece.index == 0:
-                                    answer.add(piece)
-                                yielded = True
-                                yield piece
-                        break
-                    except Exception as exc:
-                        again = None if yielded or attempt else target.retry(p, exc)
-                        if again is None:
-                            raise
-                        p, attempt = again, attempt + 1
-                        held.append(p)
-                        await self._journal(op, served, call, p)
-            finally:
-                for q in held:
-                    target.release(q)
+                served.target, served.notes = prepared[0].target, dict(prepared[0].notes)
+            # several: they run at once, and the first piece waits for the first call to be
+            # routed (``served``, the response's headers, is the first call's)
+            placed = asyncio.Event() if len(calls) > 1 else None
+            answers = [
+                self._sent(target, c, p, served if i == 0 else None, placed if i == 0 else None)
+                for i, (c, p) in enumerate(zip(calls, prepared, strict=True))
+            ]
+            if join is None and len(answers) > 1:
+                raise ValueError("several engine requests need a join")
+            async with aclosing(answers[0] if join is None else join(answers)) as pieces:
+                async for piece in pieces:
+                    if placed is not None and not placed.is_set():
+                        await placed.wait()
+                    yield piece
+
+    async def _sent(
+        self,
+        target: Target[Any],
+        call: Call,
+        p: Prepared,
+        served: Served | None,
+        placed: asyncio.Event | None = None,
+    ) -> Pieces:
+        """One engine request after its prepare: journaled, acquired, sent, settled, its
+        answer journaled; what it claimed given back in one ``finally`` on every path.
+        ``placed`` is set once it is routed (or will never be)."""
+        op = self.journal.open(call.who.tenant, p.header, p.turns, call.session)
+        held = [p]  # each Prepared this call had: what they claimed goes back below
+        try:
+            await self._journal(op, served, call, p)
+            if op is not None and op.kind is not None:
+                self._metrics.sessions.labels(op.kind).inc()
+            p = await target.acquire(p)
+            held.append(p)
+            if served is not None:
+                served.dispatch = p.placement
+            if placed is not None:
+                placed.set()
+            answer, attempt = Sample(), 0
+            while True:
+                yielded = False
+                try:
+                    async with aclosing(target.send(p, op.session_id if op else None)) as out:
+                        async for piece in out:
+                            if piece.usage is not None:  # the end: all is known
+                                await self._answered(op, served, call, answer, piece.usage)
+                                target.settle(p, piece.usage)  # before the client leaves
+                            elif piece.index == 0:
+                                answer.add(piece)
+                            yielded = True
+                            yield piece
+                    break
+                except Exception as exc:
+                    again = None if yielded or attempt else target.retry(p, exc)
+                    if again is None:
+                        raise
+                    p, attempt = again, attempt + 1
+                    held.append(p)
+                    await self._journal(op, served, call, p)
+        finally:
+            if placed is not None:
+                placed.set()
+            for q in held:
+                target.release(q)
 
     async def _journal(self, op: Any, served: Served | None, call: Call, p: Prepared) -> None:
         """Record what ``p`` will send, before anything waits or is claimed for it."""

@@ -20,7 +20,7 @@ from engines.tokenizer import ChatTokenizer
 from gateway.core.schemas import Breakpoint
 from gateway.service.breakpoints import Ends, PrefixLengths, SystemPrompts, Turns
 from gateway.service.render_thread import RenderThread
-from gateway.sessions.render import chat_prompt, local_messages
+from gateway.sessions.render import chat_prompt, local_messages, text_prompt
 from manifest.canonical import canonical_json
 
 Tools = list[dict[str, Any]] | None
@@ -83,6 +83,12 @@ class Prompts:
 
     async def text(self, tok: ChatTokenizer, text: str, add_special_tokens: bool) -> list[int]:
         return await self._thread.run(tok, lambda t: t.encode(text, add_special_tokens))
+
+    async def text_prompt(
+        self, tok: ChatTokenizer, text: str, shaping: Mapping[str, Any]
+    ) -> list[int]:
+        """A text completion's prompt as vLLM is handed it (:func:`text_prompt`)."""
+        return await self._thread.run(tok, lambda t: text_prompt(t, text, shaping))
 
     def close(self) -> None:
         self._thread.close()

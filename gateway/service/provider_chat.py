@@ -160,7 +160,7 @@ class ProviderChat:
         self, name: str, call: Call
     ) -> tuple[Header, tuple[MessageEvent, ...], Any, list[str]]:
         """The header and turns the log keeps, the provider-neutral call, its lint."""
-        req = call.request
+        req = call.chat
         _local_only_parameters(req)
         if not name.startswith("anthropic/"):
             req.hints.refuse_anthropic_only(name)
@@ -190,7 +190,7 @@ class ProviderChat:
         and nothing is claimed (the fan-in hold is :meth:`acquire`)."""
         t0 = time.perf_counter()
         t = self.path.target(name)  # 404 / 503 before anything else
-        req = call.request
+        req = call.chat
         parts, view = quote.memo if quote is not None else (self._call(name, call), None)
         header, turns, chat, lint = parts
         tenant = call.who.tenant

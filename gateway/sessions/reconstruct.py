@@ -1,5 +1,7 @@
 """Rebuild what was sent from the session log: the bytes of a provider request, or the
-token ids, cache salt and sampling handed to vLLM (as canonical JSON).
+token ids, cache salt and sampling handed to vLLM (as canonical JSON): a chat's
+ids through the model's chat template, a text completion's prompt (a dispatch
+with a ``prompt`` directive) tokenized or as given.
 
 The live paths render through the same functions (``provider_call`` and the
 adapters; the model's chat template), so a rebuilt request differs from the
@@ -14,8 +16,14 @@ from collections.abc import Callable
 
 from engines.providers.base import Adapter, CacheDirectives
 from engines.tokenizer import ChatTokenizer
-from gateway.sessions.render import chat_prompt, local_messages, provider_call, vllm_payload
-from manifest.sessionlog import DispatchEvent, State
+from gateway.sessions.render import (
+    chat_prompt,
+    local_messages,
+    provider_call,
+    text_prompt,
+    vllm_payload,
+)
+from manifest.sessionlog import DispatchEvent, State, entry_prompt
 
 
 def sha256(data: bytes) -> str:
@@ -40,9 +48,14 @@ class Reconstructor:
             tok = self._tokenizer()
             if tok is None:
                 raise ValueError("no local tokenizer to rebuild a vLLM request with")
-            tools = state.header.tool_list() or None
-            messages = local_messages(state.header.system, state.messages, tools)
-            ids = chat_prompt(tok, messages, tools, d.get("template"))
+            if "prompt" in d:  # a text completion's prompt: the last entry
+                if not state.messages:
+                    raise ValueError("no prompt before a text completion's dispatch")
+                ids = text_prompt(tok, entry_prompt(state.messages[-1]), d["prompt"])
+            else:
+                tools = state.header.tool_list() or None
+                messages = local_messages(state.header.system, state.messages, tools)
+                ids = chat_prompt(tok, messages, tools, d.get("template"))
             return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"))
         call, _ = provider_call(state.header, state.messages)
         directives = CacheDirectives(

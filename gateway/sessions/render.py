@@ -1,7 +1,10 @@
 """How a request is rendered from what the session log keeps, live and when rebuilt.
 
 An OpenAI chat request splits into a header (model, target, system prompts,
-tools, call config) and turns (:func:`request_parts`, :func:`request_config`).
+tools, call config) and turns (:func:`request_parts`, :func:`request_config`);
+a text completion's prompt into a header (:func:`text_config`) and the one
+entry that is its prompt (:func:`manifest.sessionlog.prompt_entry`), which
+:func:`text_prompt` makes the token ids vLLM is handed.
 :func:`provider_call` renders those into the provider-neutral call every
 provider adapter renders to bytes; :func:`local_messages` and
 :func:`vllm_payload` are the local engine's side.  The live paths and
@@ -27,6 +30,7 @@ from pydantic import BaseModel
 
 from engines.providers.base import CacheDirectives, ChatCall, ToolCall, Turn, system_text
 from engines.tokenizer import ChatTokenizer
+from gateway.core.completion_request import CompletionRequest
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from manifest.canonical import canonical_json, canonicalize, lint, split_volatile
@@ -317,6 +321,41 @@ def inline_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = {"role": "user", "content": f"<system>\n{m['content']}\n</system>"}
         out.append(m)
     return out
+
+
+def text_config(req: CompletionRequest) -> dict[str, Any]:
+    """The call config a text completion's header snapshot keeps (what frames it; the
+    sampling vLLM was handed is the dispatch's)."""
+    return {"endpoint": "completions", "stream": req.stream, "echo": req.echo}
+
+
+def text_shaping(
+    prompt: str | Sequence[int], add_special_tokens: bool, keep: int | None, side: str | None
+) -> dict[str, Any]:
+    """How a text completion's prompt becomes its token ids, as the dispatch's ``prompt``
+    directive keeps it: a text's special tokens, and the truncation asked for (resolved
+    against the context)."""
+    out: dict[str, Any] = {}
+    if isinstance(prompt, str):
+        out["add_special_tokens"] = add_special_tokens
+    if keep is not None:
+        out["truncate_prompt_tokens"] = keep
+        if side is not None:
+            out["truncation_side"] = side
+    return out
+
+
+def text_prompt(
+    tok: ChatTokenizer, prompt: str | Sequence[int], shaping: Mapping[str, Any]
+) -> list[int]:
+    """The token ids vLLM is handed for a text completion's prompt: its text tokenized
+    (with the tokenizer's special tokens where ``shaping`` says so) or its ids as given,
+    truncated where asked (the live path and the rebuild both come here)."""
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt, add_special_tokens=bool(shaping.get("add_special_tokens")))
+    else:
+        ids = list(prompt)
+    return truncated(ids, shaping.get("truncate_prompt_tokens"), shaping.get("truncation_side"))
 
 
 def vllm_payload(token_ids: Sequence[int], cache_salt: str | None, sampling: Any) -> bytes:
