@@ -320,9 +320,11 @@ class EdgeHints:
         kinds = [str(e.get("type", "")) if isinstance(e, dict) else "" for e in edits]
         return [k for k in kinds if not k.startswith("clear_thinking")]
 
-    def refuse_anthropic_only(self, target: str) -> None:
+    def refuse_anthropic_only(self, target: str, applies_edits: bool = False) -> None:
         """``target`` (not Anthropic) refuses, by name, what only Anthropic runs: its
-        safeguards, an edit only it applies (an alias moves past it)."""
+        safeguards, and an edit only it applies unless the target ``applies_edits``
+        itself (the local model: gateway/service/context_edits.py); an alias moves past
+        it."""
         if self.safeguards:
             raise InvalidRequest(
                 "safeguards (beta dangerous-tool-use-2026-09-03) are run by Anthropic only, "
@@ -330,7 +332,7 @@ class EdgeHints:
                 param="safeguards",
                 code="unsupported_on_target",
             )
-        edits = self.anthropic_edits()
+        edits = [] if applies_edits else self.anthropic_edits()
         if edits:
             raise InvalidRequest(
                 f"context_management edit '{edits[0]}' is applied by Anthropic only, not by "

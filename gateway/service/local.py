@@ -50,6 +50,7 @@ from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
 from gateway.service.breakpoints import Ends, SystemPrompts, Turns, retained
+from gateway.service.context_edits import CLEAR_TOOL_USES, clear_tool_uses, tool_use_edit
 from gateway.service.engine_request import Room, check_token_ids, generate_request, vocab_size
 from gateway.service.json_text import escaped_json, json_answer
 from gateway.service.prompts import Prompts
@@ -197,7 +198,7 @@ class LocalChat:
                 param="chat_template",
                 code="unsupported_parameter",
             )
-        req.hints.refuse_anthropic_only("local")
+        req.hints.refuse_anthropic_only("local", applies_edits=True)
         effort = _effort(req)  # the Responses / Messages effort, as vLLM passes it
         if effort is not None:
             own = template.get("chat_template_kwargs") or {}
@@ -281,9 +282,21 @@ class LocalChat:
             r = await self._prompts.rendered(
                 self.engine.tokenizer, system, turns, tools, template, anchor, marks, memo
             )
+            notes: dict[str, str] = {}
+            edit = tool_use_edit(req.hints.context_management)
+            edited, cleared = (turns, 0)
+            if edit is not None and edit.applies(len(r.ids)):  # as Anthropic applies it
+                edited, cleared = clear_tool_uses(turns, edit)
+            if edit is not None and cleared:
+                again = await self._prompts.rendered(
+                    self.engine.tokenizer, system, edited, tools, template, anchor, marks
+                )
+                freed = len(r.ids) - len(again.ids)
+                if edit.clear_at_least <= 0 or freed >= edit.clear_at_least:
+                    turns, r = edited, again  # journaled as edited: the log rebuilds it
+                    notes["x-vcache-context-edits"] = f"{CLEAR_TOOL_USES}:{cleared}"
             greq, plan = self._chat_request(req, who, rid, r.ids)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
-        notes: dict[str, str] = {}
         asked = req.output_limit()
         given = greq.sampling.max_tokens
         ceiling = given == self.max_output_tokens and (asked is None or asked > given)

@@ -246,16 +246,44 @@ def test_an_operators_output_ceiling_cuts_an_agents_max_tokens_and_says_so(
         assert c.json()["usage"]["output_tokens"] == 8 and c.json()["status"] == "incomplete"
 
 
-def test_an_edit_only_anthropic_applies_is_refused_on_the_local_model_by_name(
-    gw: tuple[FakeEngine, TestClient],
+def test_clear_tool_uses_is_applied_on_the_local_model_as_anthropic_defines_it(
+    gw: tuple[FakeEngine, TestClient], tokenizer: ChatTokenizer
 ) -> None:
-    _, http = gw
-    edits = {"edits": [{"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses",
-                                                                     "value": 3}}]}  # fmt: skip
-    r = _post(http, first_request(stream=False, context_management=edits))
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert "clear_tool_uses_20250919" in err["message"] and "Anthropic only" in err["message"]
+    """Past the trigger, all but the last ``keep`` tool results become a placeholder; the
+    edited conversation is what the model sees and what the log rebuilds (verify on)."""
+    engine, http = gw
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Look around."}]
+    for i in range(4):
+        messages.append(
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": f"t{i}", "name": "Bash", "input": {"command": "ls"}}
+                ],
+            }
+        )
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": f"t{i}", "content": f"file-{i}.txt"}
+                ],
+            }
+        )
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 50},
+            "keep": {"type": "tool_uses", "value": 1}}  # fmt: skip
+    body = first_request(stream=False, messages=messages,
+                         context_management={"edits": [edit]})  # fmt: skip
+    r = _post(http, body)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-vcache-context-edits"] == "clear_tool_uses_20250919:3"
+    prompt = tokenizer.decode(list(engine.received[-1].prompt_token_ids))
+    assert prompt.count("This tool result was cleared") == 3
+    assert "file-3.txt" in prompt and "file-0.txt" not in prompt
+    below = {**edit, "trigger": {"type": "input_tokens", "value": 100_000}}
+    r = _post(http, {**body, "context_management": {"edits": [below]}})
+    assert r.status_code == 200 and "x-vcache-context-edits" not in r.headers
+    assert "file-0.txt" in tokenizer.decode(list(engine.received[-1].prompt_token_ids))
 
 
 def test_an_answer_the_ceiling_cut_may_end_as_the_models_own_end(
