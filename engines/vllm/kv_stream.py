@@ -9,7 +9,10 @@ name and ignore fields we do not know, so newer vLLM versions keep working.
 :class:`EventSequence` checks every message's sequence number.  The next one
 is applied; a gap (dropped messages, a late join) asks for a repair from the
 publisher's replay buffer, holding what arrives meanwhile; a sequence that
-goes back (the engine restarted) asks for a full resync.  The subscriber
+goes back (the engine restarted) asks for a full resync.  The replay and the
+live stream are two sockets: a batch sent while the replay was on its way can
+come both ways, live after the replay applied it; that copy (the same sequence
+number and bytes) is dropped, not taken for a restart.  The subscriber
 (:mod:`engines.vllm.kv_events`) does the I/O each answer calls for.
 """
 
@@ -65,6 +68,7 @@ class SubscriberStats:
     gaps: int = 0
     replays: int = 0
     resyncs: int = 0
+    duplicates: int = 0  # live copies of batches a replay had applied
     last_seq: int | None = None
     errors: list[str] = field(default_factory=list)
 
@@ -77,6 +81,8 @@ class EventSequence:
         self.repair_from: int | None = None  # FULL_RESYNC, or the first missing sequence
         self._held: list[tuple[int, bytes]] = []
         self._resync_to: int | None = None
+        # what the last replay applied, until the live stream has passed it
+        self._replayed: dict[int, bytes] = {}
         self.stats = SubscriberStats()
 
     @property
@@ -94,7 +100,11 @@ class EventSequence:
             return
         last, expected = self.stats.last_seq, self._expected()
         if seq == expected:
+            self._replayed.clear()  # the live stream is past the replay: no copy follows
             self._accept(seq, payload)
+            return
+        if self._replayed.get(seq) == payload:
+            self.stats.duplicates += 1  # sent while the replay was on its way: applied
             return
         self.stats.gaps += 1
         self._held.append((seq, payload))
@@ -132,6 +142,7 @@ class EventSequence:
                 if seq > expected:
                     break  # still a hole: a full resync
                 self._accept(seq, merged[seq])
+                self._replayed[seq] = merged[seq]
             else:
                 return True
         self._resync_to = max((s for s, _ in held), default=self.stats.last_seq)
@@ -142,3 +153,4 @@ class EventSequence:
         later batches still apply in order."""
         self.stats.resyncs += 1
         self.stats.last_seq = self._resync_to
+        self._replayed.clear()

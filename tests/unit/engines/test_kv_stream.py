@@ -43,6 +43,32 @@ def test_a_gap_asks_for_a_replay_and_holds_what_arrives_meanwhile() -> None:
     assert (s.stats.replays, s.stats.last_seq, s.repair_pending) == (1, 4, False)
 
 
+def test_a_batch_that_came_by_the_replay_and_then_live_is_applied_once() -> None:
+    """The replay and the stream are two sockets: a batch sent while the replay was on
+    its way comes both ways, the live copy after the replay applied it.  It is the same
+    batch, not an engine that restarted."""
+    sink = Sink()
+    s = EventSequence(sink)
+    s.receive(2, msg(2))  # a late join: 0 and 1 missed
+    assert s.replayed([(0, msg(0)), (1, msg(1)), (2, msg(2)), (3, msg(3))]) is True
+    s.receive(3, msg(3))  # 3's live copy, read after the replay
+    assert not s.repair_pending and s.stats.resyncs == 0
+    assert (s.stats.duplicates, s.stats.last_seq) == (1, 3)
+    s.receive(4, msg(4))
+    assert sink.applied == [0, 1, 2, 3, 4]
+    s.receive(3, msg(3))  # past the replay: a sequence that goes back is a restart again
+    assert s.repair_from == FULL_RESYNC
+
+
+def test_a_restart_right_after_a_replay_is_still_a_restart() -> None:
+    sink = Sink()
+    s = EventSequence(sink)
+    s.receive(2, msg(2))
+    assert s.replayed([(0, msg(0)), (1, msg(1)), (2, msg(2))]) is True
+    s.receive(0, msg(100))  # the restarted engine's first batch: other bytes
+    assert s.repair_from == FULL_RESYNC and s.stats.duplicates == 0
+
+
 def test_a_replay_that_does_not_cover_the_gap_needs_a_full_resync() -> None:
     sink = Sink()
     s = EventSequence(sink)
