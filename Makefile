@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit integration config-docs bench bench-memory bench-render bench-proxy bench-workers fuzz loadtest loadtest-control loadtest-agents agents clean
+.PHONY: setup serve test lint typecheck unit stores processes network integration config-docs bench bench-memory bench-render bench-proxy bench-workers fuzz loadtest loadtest-control loadtest-agents agents clean
 
 setup:
 	@bash scripts/setup.sh
@@ -21,8 +21,20 @@ typecheck: setup
 	$(BIN)/mypy
 	$(BIN)/mypy --strict manifest
 
+# the test tiers (docs/development.md): hermetic (no network, stores, processes or sleeps
+# that order events); PostgreSQL and Redis; processes of their own; the internet.
+# `make test` runs every tier.
 unit: setup
 	$(BIN)/python -m pytest tests/unit -q
+
+stores: setup
+	$(BIN)/python -m pytest -q -m stores
+
+processes: setup
+	$(BIN)/python -m pytest -q -m processes
+
+network: setup
+	$(BIN)/python -m pytest -q -m network
 
 integration: setup
 	$(BIN)/python -m pytest tests/integration -q

@@ -3,13 +3,19 @@
 It models a block-granular prefix cache (full blocks of a prompt are cached
 after the prompt has been seen, keyed by the salt and every token before and
 in the block) so cached-token accounting can be tested without vLLM.
+
+A test that orders events around a request in flight (a prompt still in
+prefill, a stream under way) holds its tokens with a :class:`Hold` rather
+than pacing them with ``step_delay_s`` and sleeping: the request waits at a
+token until the test lets it go, whatever the machine's speed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 
 from engines.base import (
     CoreTimes,
@@ -21,6 +27,69 @@ from engines.base import (
 )
 from engines.errors import EngineInputError, EngineOverloaded, EngineUnavailable
 from engines.tokenizer import ChatTokenizer
+
+
+class Hold:
+    """Holds a fake engine's requests before one of their tokens until the test lets
+    them go.
+
+    A held request produces its first ``at`` tokens, then waits before token ``at``
+    (``at=0``: still in prefill; ``at=1``: its stream under way) until :meth:`release`.
+    ``only`` names the request ids held (default: every request).  :meth:`waiting`
+    says whether a request's latest attempt waits at the hold now (a request stopped
+    and started over waits again), so a test on the engine's loop awaits that fact
+    instead of sleeping.  :meth:`release` may be called from another thread (a test
+    driving the app through ``TestClient``, which runs it on a loop of its own).  A
+    held request that is cancelled (aborted, the client gone) stops waiting like any
+    other.
+    """
+
+    def __init__(self, at: int = 0, only: Collection[str] | None = None) -> None:
+        self.at = at
+        self._only = None if only is None else frozenset(only)
+        self._lock = threading.Lock()
+        self._released: set[str] = set()
+        self._all = False
+        # request id -> (its loop, the event its waiting attempt awaits)
+        self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+
+    def _holds(self, request_id: str) -> bool:
+        held = self._only is None or request_id in self._only
+        return held and not self._all and request_id not in self._released
+
+    def waiting(self, request_id: str) -> bool:
+        """Whether ``request_id``'s latest attempt waits at the hold now."""
+        with self._lock:
+            return request_id in self._waiting
+
+    async def __call__(self, request_id: str, index: int) -> None:
+        """Awaited by the engine before token ``index`` of ``request_id``."""
+        if index != self.at:
+            return
+        gate = asyncio.Event()
+        with self._lock:
+            if not self._holds(request_id):
+                return
+            self._waiting[request_id] = (asyncio.get_running_loop(), gate)
+        try:
+            await gate.wait()
+        finally:
+            with self._lock:
+                if self._waiting.get(request_id, (None, None))[1] is gate:
+                    del self._waiting[request_id]
+
+    def release(self, request_id: str | None = None) -> None:
+        """Let ``request_id`` go on (this attempt and any later one), or every request
+        (None: now and from now on)."""
+        with self._lock:
+            if request_id is None:
+                self._all = True
+                gates = list(self._waiting.values())
+            else:
+                self._released.add(request_id)
+                gates = [self._waiting[request_id]] if request_id in self._waiting else []
+        for loop, gate in gates:
+            loop.call_soon_threadsafe(gate.set)
 
 
 class FakeEngine:
@@ -35,6 +104,7 @@ class FakeEngine:
         reply: str = "hello from the fake engine",
         structured_reply: str = '{"answer": "fake"}',  # what it writes under a constraint
         vocab_size: int | None = None,
+        hold: Hold | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._caps = EngineCapabilities(
@@ -46,6 +116,7 @@ class FakeEngine:
         )
         self._max_queued = max_queued_requests
         self._delay = step_delay_s
+        self._hold = hold
         self._reply_ids = tokenizer.encode(reply)
         self._structured_ids = tokenizer.encode(structured_reply)
         self._cached: set[tuple[str | None, tuple[int, ...]]] = set()
@@ -115,6 +186,8 @@ class FakeEngine:
             every = s.stream_interval or 1  # as vLLM: the first, every this many, the last
             held: list[int] = []
             for i, tok in enumerate(ids):
+                if self._hold is not None:
+                    await self._hold(request.request_id, i)
                 await asyncio.sleep(self._delay)
                 last = i == len(ids) - 1
                 held.append(tok)

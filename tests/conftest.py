@@ -26,7 +26,7 @@ def demo_model(data_dir: Path) -> Path:
     return ensure_demo_model(data_dir)
 
 
-from tests.stores import (  # noqa: E402,F401  (shared fixtures)
+from tests.stores.servers import (  # noqa: E402,F401  (shared fixtures)
     postgres_url,
     redis_prefix,
     throwaway_postgres,

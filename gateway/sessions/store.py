@@ -65,8 +65,17 @@ class SessionInfo:
 
 
 class SessionStore:
-    def __init__(self, path: Path, fsync: FsyncPolicy = "normal", url: str | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        fsync: FsyncPolicy = "normal",
+        url: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``clock``: the wall clock (seconds) of the sessions' and responses' times and
+        of retention's cutoff."""
         self._sql: Dialect = connect(url, path, fsync)
+        self._clock = clock
         self.path = path
         self._lock = threading.RLock()
         self._batch = False  # inside a group commit (:meth:`batch`): appends join it
@@ -125,7 +134,7 @@ class SessionStore:
 
     def create(self, tenant: str, session_id: str | None = None) -> str:
         sid = session_id or f"sess_{uuid.uuid4().hex}"
-        now = time.time()
+        now = self._clock()
         with self._lock:
             self._sql.execute(
                 "INSERT OR IGNORE INTO sessions VALUES (?, ?, ?, ?)", (sid, tenant, now, now)
@@ -147,7 +156,7 @@ class SessionStore:
         ``new_for``: the session does not exist yet; it is created for this tenant in
         the same transaction, its events numbered from 0.
         """
-        now = time.time()
+        now = self._clock()
         with self._lock:
             db = self._sql
             own = not self._batch  # alone: a transaction of its own
@@ -205,7 +214,7 @@ class SessionStore:
         with self._lock:
             self._sql.execute(
                 "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
-                (response_id, session_id, seq, tenant, body, int(stored), time.time()),
+                (response_id, session_id, seq, tenant, body, int(stored), self._clock()),
             )
 
     def delete_response(self, response_id: str) -> bool:
@@ -321,7 +330,7 @@ class SessionStore:
         doomed: list[str] = []
         infos = sorted(self.sessions(), key=lambda s: s.updated)
         if max_age_s is not None:
-            cutoff = time.time() - max_age_s
+            cutoff = self._clock() - max_age_s
             doomed += [s.id for s in infos if s.updated < cutoff]
         if max_bytes is not None:
             total = self.size_bytes()

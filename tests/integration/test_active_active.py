@@ -33,7 +33,7 @@ from tests.integration.conftest import (
     running,
     wait_for,
 )
-from tests.stores import postgres_database, redis_keys
+from tests.stores.servers import postgres_database, redis_keys
 
 pytestmark = pytest.mark.integration
 

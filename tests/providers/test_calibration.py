@@ -63,6 +63,7 @@ def test_implicit_rules_are_recovered(emulator: Emulator, provider: str) -> None
     assert cal.probes < 120
 
 
+@pytest.mark.processes
 def test_vcache_calibrate_recovers_anthropics_rules_and_the_path_uses_them(
     emulator_server: Emulator, tmp_path: Path
 ) -> None:

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.processes  # the load test runs as its own process
 
 
 def test_layout_comparison_shows_what_the_canonical_layout_buys(tmp_path: Path) -> None:

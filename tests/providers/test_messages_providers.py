@@ -166,6 +166,7 @@ def test_alias_falls_back_from_the_local_model(gw: Gw) -> None:
     assert short.headers["x-vcache-target"] == "local"
 
 
+@pytest.mark.processes
 def test_vcache_replay_rebuilds_a_messages_request(gw: Gw) -> None:
     """A Messages conversation on Anthropic, named by the agent's session header: the CLI
     lists its session and replays its last request to the bytes the emulator received."""

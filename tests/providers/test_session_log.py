@@ -146,6 +146,7 @@ def test_the_verifier_refuses_a_request_the_log_cannot_rebuild(
     assert len(gw.emulator.received()) == before  # nothing was sent
 
 
+@pytest.mark.processes
 def test_cli_lists_sessions_and_replays_a_request(gw: Gw) -> None:
     import subprocess
     import sys

@@ -19,6 +19,8 @@ from gateway.state.redis_bus import RedisBus
 from tests.integration.conftest import wait_for
 from tests.providers.conftest import KEY, MANUAL, MODELS, Emulator, Gw, make_gateway
 
+pytestmark = pytest.mark.stores  # a real Redis shared by the gateways
+
 ANTHROPIC = f"anthropic/{MODELS['anthropic']}"
 OPENAI = f"openai/{MODELS['openai']}"
 

@@ -20,6 +20,8 @@ import yaml
 from tests.integration.conftest import _free_port, running, wait_for
 from tests.providers.conftest import MODELS, PROVIDER_KEY, Emulator
 
+pytestmark = pytest.mark.processes  # the workers, and the emulator they reach
+
 MODEL = f"openai/{MODELS['openai']}"
 
 

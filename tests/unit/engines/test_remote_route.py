@@ -13,7 +13,7 @@ from aiohttp import web
 
 from engines.errors import EngineUnavailable
 from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
-from tests.stores import free_port
+from tests.loopback import free_port
 
 GENERATE = "/inference/v1/generate"
 

@@ -14,7 +14,7 @@ import pytest
 
 from engines.errors import EngineUnavailable
 from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
-from tests.stores import free_port
+from tests.loopback import free_port
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from engines.fake import FakeEngine
+from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from gateway.core.config import ApiKeyConfig, hash_api_key
@@ -295,7 +295,8 @@ def test_auth_required_when_keys_configured(engine: FakeEngine) -> None:
 def test_queue_full_is_503_with_retry_after(
     tokenizer: ChatTokenizer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    engine = FakeEngine(tokenizer, step_delay_s=0.05)
+    hold = Hold(at=1)  # the first stream stays under way until the test lets it end
+    engine = FakeEngine(tokenizer, hold=hold)
     tokenized = 0
     render, encode = tokenizer.render_chat, tokenizer.encode
 
@@ -335,6 +336,7 @@ def test_queue_full_is_503_with_retry_after(
             # shed before anything else: not tokenized, not in the session log
             assert tokenized == before
             assert len(c.app.state.session_log.store.requests()) == 1  # type: ignore[attr-defined]
+            hold.release()
             assert list(held.iter_lines())[-2] == "data: [DONE]"  # the held one finishes
         assert engine.stats().unfinished_requests == 0
         assert c.post("/v1/chat/completions", json=chat()).status_code == 200
@@ -342,13 +344,15 @@ def test_queue_full_is_503_with_retry_after(
 
 
 def test_engine_overload_maps_to_503(tokenizer: ChatTokenizer) -> None:
-    engine = FakeEngine(tokenizer, step_delay_s=0.05, max_queued_requests=1)
+    hold = Hold(at=1)  # the first stream stays in the engine until the test lets it end
+    engine = FakeEngine(tokenizer, max_queued_requests=1, hold=hold)
     body = chat(stream=True, max_tokens=50)
     with _client(engine) as c, c.stream("POST", "/v1/chat/completions", json=body):
         r = c.post("/v1/chat/completions", json=chat(stream=True))
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "engine_overloaded"
         assert r.headers["retry-after"] == "1"
+        hold.release()
 
 
 def test_not_ready_is_503_and_readyz_says_starting(tokenizer: ChatTokenizer) -> None:

@@ -16,7 +16,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from engines.fake import FakeEngine
+from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from gateway.core.config import ApiKeyConfig, hash_api_key
@@ -157,7 +157,8 @@ def test_a_full_queue_refuses_batch_before_interactive(
 def test_a_tenant_waits_its_turn_for_a_slot_in_the_engine(tokenizer: ChatTokenizer) -> None:
     """engine.max_num_seqs 1: while one tenant's answer holds the replica's slot, the other
     tenant's request waits in the gateway (counted) and is served when the slot frees."""
-    engine = FakeEngine(tokenizer, block_size=16, max_model_len=1024, step_delay_s=0.01)
+    hold = Hold(at=1)  # every answer stays under way until the test lets them go
+    engine = FakeEngine(tokenizer, block_size=16, max_model_len=1024, hold=hold)
     cfg = gateway_settings(grpc_port=None, api_keys=_keys(), engine={"max_num_seqs": 1})
     body = {"model": MODEL, "messages": ASK, "max_tokens": 30, "stream": True}
     with TestClient(create_app(cfg, [engine])) as http:
@@ -177,6 +178,7 @@ def test_a_tenant_waits_its_turn_for_a_slot_in_the_engine(tokenizer: ChatTokeniz
                         assert time.monotonic() < deadline and not other.done()
                         time.sleep(0.01)
                 finally:
+                    hold.release()
                     for _ in held.iter_lines():  # the held answer ends: its slot frees
                         pass
                 assert other.result(timeout=10).status_code == 200

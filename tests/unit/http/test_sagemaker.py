@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from engines.fake import FakeEngine
+from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from tests.settings import gateway_settings
@@ -25,7 +25,7 @@ Gateway = tuple[FakeEngine, TestClient]
 @pytest.fixture
 def gw(demo_model: Path) -> Iterator[Gateway]:
     tok = ChatTokenizer.from_pretrained(str(demo_model))
-    engine = FakeEngine(tok, max_model_len=512, step_delay_s=0.05)
+    engine = FakeEngine(tok, max_model_len=512)
     with TestClient(create_app(gateway_settings(grpc_port=None), [engine])) as http:
         yield engine, http
 
@@ -63,17 +63,21 @@ def test_invocations_refuse_what_neither_api_takes(gw: Gateway, body: Any, param
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
 
 
-def test_load_counts_the_requests_being_served(gw: Gateway) -> None:
-    _, http = gw
-    assert http.get("/load").json() == {"server_load": 0}
-    body = {"model": MODEL, "messages": ASK, "max_tokens": 20, "stream": True}
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))  # under way
-        assert http.get("/load").json() == {"server_load": 1}
-        assert any(line == "data: [DONE]" for line in lines)
-    assert http.get("/load").json() == {"server_load": 0}
-    assert http.get("/ping").json() == {"status": "ok"}
+def test_load_counts_the_requests_being_served(demo_model: Path) -> None:
+    hold = Hold(at=1)  # the answer stays under way until the test lets it end
+    engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512,
+                        hold=hold)  # fmt: skip
+    with TestClient(create_app(gateway_settings(grpc_port=None), [engine])) as http:
+        assert http.get("/load").json() == {"server_load": 0}
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 20, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # under way
+            assert http.get("/load").json() == {"server_load": 1}
+            hold.release()
+            assert any(line == "data: [DONE]" for line in lines)
+        assert http.get("/load").json() == {"server_load": 0}
+        assert http.get("/ping").json() == {"status": "ok"}
 
 
 def test_a_request_without_model_is_the_local_models(gw: Gateway) -> None:

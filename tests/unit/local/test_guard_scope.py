@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engines.base import GenerateRequest, SamplingOptions
-from engines.fake import FakeEngine
+from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.placement import HostUnits
 from gateway.core.config import Settings
@@ -21,6 +21,7 @@ from gateway.local.fairness import FairGate, Scope
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from manifest.index import LocationId
+from tests.unit.waits import until
 
 INTERACTIVE, DEFAULT, BATCH = -1, 0, 1  # vLLM's priorities: lower first
 
@@ -95,13 +96,15 @@ def _greq(rid: str, priority: int) -> GenerateRequest:
 
 
 def _two_replicas(demo_model: Path, shares: str | None) -> tuple[list[str], list[str]]:
-    """A batch request in prefill on replica-1, then an interactive one on replica-0 (a
-    step is 0.2 s, a prompt's first token comes after one); the order of first tokens,
-    and what replica-1's engine aborted."""
+    """A batch request in prefill on replica-1, then an interactive one on replica-0
+    (every prompt is held in prefill until the test lets it finish, in the order they
+    began: a stopped batch prefill is aborted first); the order of first tokens, and
+    what replica-1's engine aborted."""
 
     async def main() -> tuple[list[str], list[str]]:
         tok = ChatTokenizer.from_pretrained(str(demo_model))
-        engines = [FakeEngine(tok, step_delay_s=0.2) for _ in range(2)]
+        hold = Hold(at=0)
+        engines = [FakeEngine(tok, hold=hold) for _ in range(2)]
         for e in engines:
             await e.start()
         replicas = [Replica(LocationId(f"replica-{i}"), e, shares=shares)
@@ -118,8 +121,16 @@ def _two_replicas(demo_model: Path, shares: str | None) -> tuple[list[str], list
                     firsts.append(greq.request_id)
 
         bulk = asyncio.create_task(send(_greq("bulk", BATCH), replicas[1]))
-        await asyncio.sleep(0.05)
-        await asyncio.wait_for(send(_greq("agent", INTERACTIVE), replicas[0]), 10)
+        await until(lambda: hold.waiting("bulk"), "the batch request in prefill")
+        agent = asyncio.create_task(send(_greq("agent", INTERACTIVE), replicas[0]))
+        await until(lambda: hold.waiting("agent"), "the interactive request in prefill")
+        if shares is not None:  # one host: the batch prefill is told to stop, and aborted
+            await until(lambda: engines[1].aborted, "the batch prefill stopped")
+        else:  # it runs on, and began first: its first token comes first
+            hold.release("bulk")
+            await until(lambda: "bulk" in firsts, "the batch request's first token")
+        hold.release()
+        await asyncio.wait_for(agent, 10)
         await asyncio.wait_for(bulk, 10)
         return firsts, list(engines[1].aborted)
 

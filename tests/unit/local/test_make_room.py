@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from engines.base import GenerateRequest, SamplingOptions
-from engines.fake import FakeEngine
+from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import RetentionSettings
 from gateway.core.metrics import Metrics
@@ -28,6 +28,7 @@ from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash, block_hashes
 from manifest.index import LocationId
 from tests.unit.local.fake_core import Clock, FakeCore
+from tests.unit.waits import until
 
 R = LocationId("replica-0")
 HASHES = block_hashes(list(range(192)), 16, "0")  # 12 blocks
@@ -212,11 +213,13 @@ def test_a_request_waiting_for_its_first_token_asks_for_room_again(
 ) -> None:
     """Sessions lease blocks at their turns' ends while a request waits in the engine's
     queue: until its first token, the request asks for its room again, every
-    ``ROOM_CHECK_S``; after it, never."""
-    monkeypatch.setattr(room, "ROOM_CHECK_S", 0.01)
+    ``ROOM_CHECK_S``; after it, never.  (Here every turn of the loop: no clock, and a
+    keeper left running would ask again at once.)"""
+    monkeypatch.setattr(room, "ROOM_CHECK_S", 0.0)
 
     async def main() -> tuple[int, int]:
-        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), step_delay_s=0.2)
+        hold = Hold(at=0)  # the request waits for its first token until it asked thrice
+        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), hold=hold)
         await engine.start()
         kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)
         kv.attach(R, FakeCore([], capacity=4, num_blocks=TOTAL), f"ipc://{tmp_path}/e", None)
@@ -233,9 +236,20 @@ def test_a_request_waiting_for_its_first_token_asks_for_room_again(
         greq = GenerateRequest("r1", tuple(range(1, 41)), SamplingOptions(max_tokens=4))
         d = Dispatch(replica, R, None, HASHES[:2])
         at_first = 0
+
+        async def asked_thrice() -> None:
+            await until(lambda: asked >= 3, "room asked for again while the request waited")
+            hold.release()
+
+        release = asyncio.create_task(asked_thrice())
         async for _ in dispatcher.run(greq, d, "chat", 0.0, Totals()):
-            at_first = at_first or asked  # a step (0.2 s) before the first token
-        await asyncio.sleep(0.05)
+            at_first = at_first or asked
+        await release
+
+        def keeping() -> bool:  # the room keeper of r1 still runs
+            return any(t.get_name() == "room for r1" and not t.done() for t in asyncio.all_tasks())
+
+        await until(lambda: not keeping(), "the room keeper ended at the first token")
         await kv.close()
         return at_first, asked
 

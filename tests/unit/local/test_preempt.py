@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 
 from engines.base import GenerateRequest, SamplingOptions
-from engines.fake import FakeEngine
+from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.core.metrics import Metrics
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
@@ -17,6 +17,7 @@ from gateway.local.preempt import MAX_STOPS
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from manifest.index import LocationId
+from tests.unit.waits import until
 
 R = LocationId("replica-0")
 STOPS = 'vcache_prefill_stops_total{replica="replica-0"}'
@@ -70,13 +71,15 @@ def _greq(rid: str, priority: int, tokens: int = 40) -> GenerateRequest:
 def _events(
     demo_model: Path, preempt: bool, arrivals: int = 1
 ) -> tuple[list[str], FakeEngine, str]:
-    """A batch request, then ``arrivals`` interactive ones, each sent 0.05 s after the
-    one before it had its first token (a step is 0.2 s, and a prompt's first token comes
-    after one: the batch request, started again then, is in prefill); the order of
-    first tokens and ends, as ``rid:first`` / ``rid:end``."""
+    """A batch request, then ``arrivals`` interactive ones, each sent once the one before
+    it had its first token, while the batch request's latest attempt is in prefill (every
+    prompt is held there until the test lets it finish, the engine's prefills in the order
+    they began: a stopped batch prefill is aborted first); the order of first tokens and
+    ends, as ``rid:first`` / ``rid:end``."""
 
     async def main() -> tuple[list[str], FakeEngine, str]:
-        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), step_delay_s=0.2)
+        hold = Hold(at=0)
+        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), hold=hold)
         await engine.start()
         metrics = Metrics()
         dispatcher = _dispatcher(engine, metrics, preempt)
@@ -100,10 +103,19 @@ def _events(
         agents = []
         for i in range(arrivals):
             # each comes while the batch request's latest attempt is in prefill
-            await asyncio.sleep(0.05)
-            agents.append(asyncio.create_task(send(_greq(f"agent{i}", INTERACTIVE))))
+            await until(lambda: hold.waiting("bulk"), "the batch request in prefill")
+            agent = f"agent{i}"
+            agents.append(asyncio.create_task(send(_greq(agent, INTERACTIVE))))
+            await until(lambda: hold.waiting(agent), f"{agent} in prefill")  # noqa: B023
+            if preempt and i < MAX_STOPS:  # the batch prefill is told to stop: aborted
+                await until(lambda: len(engine.aborted) == i + 1, "the batch prefill stopped")  # noqa: B023
+            else:  # it runs on, and began first: its first token comes first
+                hold.release("bulk")
+                await until(lambda: "bulk:first" in seen, "the batch request's first token")
+            hold.release(agent)
             # the batch one starts again after its first token
-            await firsts.setdefault(f"agent{i}", asyncio.Event()).wait()
+            await firsts.setdefault(agent, asyncio.Event()).wait()
+        hold.release("bulk")
         await asyncio.wait_for(asyncio.gather(*agents), 10)
         assert await asyncio.wait_for(bulk, 10) == 3  # its whole answer, in the end
         return seen, engine, metrics.render().decode()
@@ -143,7 +155,8 @@ def test_a_client_gone_during_a_stoppable_prefill_leaves_nothing_behind(
     aborted in the engine and its slot is free: the next request does not wait."""
 
     async def main() -> tuple[FakeEngine, str]:
-        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), step_delay_s=0.2)
+        hold = Hold(at=0, only={"gone"})  # in prefill until it is cancelled
+        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), hold=hold)
         await engine.start()
         metrics = Metrics()
         dispatcher = Dispatcher([Replica(R, engine)], Router(), None, metrics, max_inflight=8,
@@ -155,7 +168,7 @@ def test_a_client_gone_during_a_stoppable_prefill_leaves_nothing_behind(
                 pass
 
         gone = asyncio.create_task(send(_greq("gone", BATCH)))
-        await asyncio.sleep(0.05)
+        await until(lambda: hold.waiting("gone"), "the request in prefill")
         gone.cancel()
         await asyncio.wait({gone})
         assert gone.cancelled(), gone.exception()  # cancelled, and nothing else went wrong

@@ -1,12 +1,13 @@
 """The dispatcher hands ``engine.prefill_slots`` to its replicas' gates: with one slot for
-the default class, a second default request sent while the first prefills waits."""
+the default class, a second default request sent while the first prefills waits (the
+prompts are held in prefill until both are placed)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-from engines.fake import FakeEngine
+from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
@@ -16,6 +17,7 @@ from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.service.chat import GatewayService
 from manifest.index import LocationId
+from tests.unit.waits import until
 
 WAITS = 'vcache_fair_queue_waits_total{replica="replica-0"}'
 
@@ -24,7 +26,8 @@ def _run(demo_model: Path, prefill_slots: dict[int, int] | None) -> str:
     """The metrics after two default requests sent at once."""
 
     async def main() -> str:
-        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), step_delay_s=0.05)
+        hold = Hold(at=0)  # both prompts stay in prefill until the test lets them finish
+        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), hold=hold)
         await engine.start()
         metrics = Metrics()
         dispatcher = Dispatcher(
@@ -42,7 +45,17 @@ def _run(demo_model: Path, prefill_slots: dict[int, int] | None) -> str:
             done = await svc.chat(req, Principal(tenant="t"))
             return done.body.choices[0].message.content or ""
 
-        answers = await asyncio.wait_for(asyncio.gather(ask("one"), ask("two")), 10)
+        both = asyncio.gather(ask("one"), ask("two"))
+        waits = metrics.registry.get_sample_value
+        await until(  # the second in the engine beside the first, or waiting for its slot
+            lambda: (
+                len(engine.received) == 2
+                or waits("vcache_fair_queue_waits_total", {"replica": "replica-0"})
+            ),
+            "both requests placed",
+        )
+        hold.release()
+        answers = await asyncio.wait_for(both, 10)
         assert all(answers)
         return metrics.render().decode()
 

@@ -18,6 +18,7 @@ from gateway.local.spans import KVSpans
 from manifest.hashing import block_hashes
 from manifest.index import LocationId
 from tests.unit.local.fake_core import FakeCore
+from tests.unit.waits import until
 
 R = LocationId("replica-0")
 BS = 16
@@ -89,9 +90,10 @@ def test_a_request_that_waited_for_a_slot_is_touched_again(tmp_path: Path) -> No
     async def body(core: FakeCore, engine: _Engine, d: Dispatcher, m: Metrics) -> None:
         engine.go.clear()
         first = asyncio.create_task(_answer(d, "r1"))
-        await asyncio.sleep(0.01)  # r1 has the only slot
+        await until(lambda: "generate r1" in core.calls, "r1 has the only slot")
         second = asyncio.create_task(_answer(d, "r2"))
-        await asyncio.sleep(0.01)  # r2 waits for it
+        waits = m.registry.get_sample_value
+        await until(lambda: waits("vcache_fair_queue_waits_total", {"replica": R}), "r2 waits")
         engine.go.set()
         await asyncio.gather(first, second)
         await d.settle()

@@ -12,6 +12,7 @@ from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash, block_hashes
 from manifest.index import LocationId
 from tests.unit.local.fake_core import Clock, FakeCore
+from tests.unit.waits import turns, until
 
 R = LocationId("replica-0")
 Setup = tuple[KVSpans, FakeCore, Clock, list[BlockHash]]
@@ -235,9 +236,10 @@ def test_a_release_never_unpins_a_block_whose_pin_is_on_its_way(tmp_path: Path) 
         await kv.pin(R, hashes[:1], "alice", lease_s=5)
         core.answer.clear()
         bob = asyncio.create_task(kv.pin(R, hashes[:1], "bob", lease_s=600))
-        await asyncio.sleep(0)  # bob's renewal reached the engine; its answer has not
+        # bob's renewal reached the engine; its answer has not
+        await until(lambda: core.calls.count("vcache_pin") == 2, "bob's pin sent")
         alice = asyncio.create_task(kv.unpin(R, hashes[:1], "alice"))
-        await asyncio.sleep(0.01)
+        await turns()  # alice goes as far as she can meanwhile
         core.answer.set()
         await asyncio.gather(bob, alice)
         assert kv.pin_owners(R, hashes[0]) == ["bob"]

@@ -76,12 +76,13 @@ def _manager(tmp_path: Path) -> tuple[KVSpans, InTransitCore, Any, list[BlockHas
 
 
 async def _connected(kv: KVSpans, core: InTransitCore, hashes: list[BlockHash]) -> None:
-    """Publish until the subscriber has joined (PUB drops messages before that)."""
+    """Publish until the subscriber has joined (PUB drops messages before that): each
+    probe is awaited until it is applied, or briefly, then sent again."""
+    subscriber = kv.state(R).subscriber
     for _ in range(100):
         core.publisher.publish(_stored(hashes[:1]))
         core.sent += 1
-        await asyncio.sleep(0.05)
-        await kv.state(R).subscriber.sync()
+        await subscriber.wait_for(core.sent - 1, timeout_s=0.05)
         if kv.index.match(hashes[:1])[R]:
             return
     raise AssertionError("subscriber never connected")

@@ -16,10 +16,12 @@ from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.ttft import PHASES, Stamps
 from manifest.index import LocationId
+from tests.unit.waits import until
 
 R = LocationId("replica-0")
 QUEUE_S = 0.05
 PREFILL_S = 0.03
+GATE_S = 0.15  # how long r2 is kept waiting for r1's slot
 
 
 class _Engine:
@@ -59,16 +61,18 @@ def test_phases_add_up_to_the_ttft_and_each_wait_lands_in_its_own() -> None:
         d = Dispatcher([Replica(R, engine)], Router(), None, m, max_inflight=8, slots=1)  # type: ignore[arg-type]
         ahead, behind = Totals(), Totals()
         first = asyncio.create_task(_answer(d, "r1", ahead))
-        await asyncio.sleep(0.2)  # r1 holds the one slot, past its first token
+        await until(lambda: ahead.phases is not None, "r1 holds the one slot, past its first token")
         second = asyncio.create_task(_answer(d, "r2", behind, -1))
-        await asyncio.sleep(0.15)  # r2 waits in the gate meanwhile
+        waits = m.registry.get_sample_value
+        await until(lambda: waits("vcache_fair_queue_waits_total", {"replica": R}), "r2 waits")
+        await asyncio.sleep(GATE_S)  # the wait the gate phase measures (the thing under test)
         engine.release.set()
         await first
         ttft = await second
         assert ahead.phases is not None and behind.phases is not None
         assert set(behind.phases) == set(PHASES)
         assert all(s >= 0 for s in behind.phases.values())
-        assert behind.phases["gate"] >= 0.15  # waited for r1's slot
+        assert behind.phases["gate"] >= GATE_S  # waited for r1's slot
         assert ahead.phases["gate"] < 0.05  # a free slot
         for p in (ahead.phases, behind.phases):
             assert p["queue"] >= QUEUE_S * 0.9

@@ -16,7 +16,7 @@ from engines.providers.errors import ProviderRateLimited, ProviderUnavailable
 from engines.providers.retry import RetryPolicy
 from engines.providers.specs import PROVIDERS
 from engines.providers.transport import AiohttpTransport, AsgiTransport, TransportError
-from tests.stores import free_port
+from tests.loopback import free_port
 
 Scope = MutableMapping[str, Any]
 

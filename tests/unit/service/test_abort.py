@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from engines.fake import FakeEngine
+from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
@@ -19,7 +19,8 @@ from manifest.index import LocationId
 
 def test_closing_a_stream_aborts_the_engine_request(demo_model: Path) -> None:
     async def main() -> None:
-        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), step_delay_s=0.01)
+        hold = Hold(at=1)  # under way after its first token until the client leaves
+        engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), hold=hold)
         await engine.start()
         metrics = Metrics()
         dispatcher = Dispatcher(

@@ -1,7 +1,9 @@
-"""The session log's stores: each store test runs on SQLite and on PostgreSQL."""
+"""The session log's stores in the hermetic tier: SQLite files.  The same store tests
+run on PostgreSQL in the stores tier (tests/stores/test_session_log_postgres.py)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,15 +15,14 @@ from gateway.sessions.store import SessionStore
 MakeStore = Callable[..., SessionStore]
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeStore]:
-    """A factory of stores over one database: a SQLite file, or a PostgreSQL database
-    of this test's own.  Two stores from it are two gateways sharing one log."""
-    url = request.getfixturevalue("postgres_url") if request.param == "postgres" else None
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator[MakeStore]:
+    """A factory of stores over one database, a SQLite file: two stores from it are two
+    gateways sharing one log."""
     opened: list[SessionStore] = []
 
-    def make(fsync: FsyncPolicy = "normal") -> SessionStore:
-        store = SessionStore(tmp_path / "s.db", fsync, url=url)
+    def make(fsync: FsyncPolicy = "normal", clock: Callable[[], float] = time.time) -> SessionStore:
+        store = SessionStore(tmp_path / "s.db", fsync, clock=clock)
         opened.append(store)
         return store
 

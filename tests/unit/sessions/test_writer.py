@@ -15,27 +15,47 @@ from gateway.sessions.writer import Writer
 from manifest.sessionlog import MessageEvent
 
 
+class Gate(threading.Event):
+    """Set by the test to let the writer's first job end; ``running``: it has begun."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = threading.Event()
+
+
+def held(gate: Gate) -> Callable[[], bool]:
+    """A job that holds the writer (the others queue up behind it) until ``gate``."""
+
+    def job() -> bool:
+        gate.running.set()
+        return gate.wait(5)
+
+    return job
+
+
+async def handed_over() -> None:
+    """The tasks created before this call take their first step: ``Writer.run`` puts
+    its job on the queue there (one turn of the loop: they were scheduled first)."""
+    await asyncio.sleep(0)
+
+
 def test_concurrent_appends_share_commits_and_are_on_disk_when_acknowledged(
     make_store: Callable[..., SessionStore],
 ) -> None:
     store = make_store("full")
     writer = Writer(store)
-    gate = threading.Event()
-
-    def slow() -> int:  # holds the writer so the others queue up behind it
-        gate.wait(5)
-        return 0
+    gate = Gate()
 
     async def main() -> list[list[int]]:
-        first = asyncio.ensure_future(writer.run(slow))
-        await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(writer.run(held(gate)))
+        await asyncio.to_thread(gate.running.wait, 5)
 
         def job(i: int) -> list[int]:
             sid = store.create("t", f"s{i}")
             return store.append(sid, [MessageEvent("user", f"m{i}")])
 
         rest = [asyncio.ensure_future(writer.run(functools.partial(job, i))) for i in range(20)]
-        await asyncio.sleep(0.05)
+        await handed_over()
         gate.set()
         await first
         out = await asyncio.gather(*rest)
@@ -54,7 +74,7 @@ def test_a_failing_job_rolls_back_only_its_own_writes(
 ) -> None:
     store = make_store()
     writer = Writer(store)
-    gate = threading.Event()
+    gate = Gate()
 
     def bad() -> None:
         sid = store.create("t", "bad")
@@ -62,13 +82,13 @@ def test_a_failing_job_rolls_back_only_its_own_writes(
         raise RuntimeError("boom")
 
     async def main() -> None:
-        hold = asyncio.ensure_future(writer.run(lambda: gate.wait(5)))
-        await asyncio.sleep(0.05)
+        hold = asyncio.ensure_future(writer.run(held(gate)))
+        await asyncio.to_thread(gate.running.wait, 5)
         ok = asyncio.ensure_future(
             writer.run(lambda: store.append(store.create("t", "ok"), [MessageEvent("user", "x")]))
         )
         failing = asyncio.ensure_future(writer.run(bad))
-        await asyncio.sleep(0.05)
+        await handed_over()
         gate.set()
         await hold
         assert await ok == [0]
@@ -86,18 +106,18 @@ def test_a_caller_that_stops_waiting_does_not_stop_the_writer(tmp_path: Path) ->
     still lands, in order, and the writer goes on serving everyone else."""
     store = SessionStore(tmp_path / "log.db")
     writer = Writer(store)
-    gate = threading.Event()
+    gate = Gate()
 
     def append(name: str) -> list[int]:
         return store.append(store.create("t", name), [MessageEvent("user", name)])
 
     async def main() -> list[int]:
-        hold = asyncio.ensure_future(writer.run(lambda: gate.wait(5)))
-        await asyncio.sleep(0.05)
+        hold = asyncio.ensure_future(writer.run(held(gate)))
+        await asyncio.to_thread(gate.running.wait, 5)
         gone = asyncio.ensure_future(writer.run(functools.partial(append, "gone")))
-        await asyncio.sleep(0.05)
-        gone.cancel()
-        await asyncio.sleep(0.05)  # the cancellation reaches the job before it runs
+        await handed_over()
+        gone.cancel()  # its caller stops waiting before the job runs
+        await handed_over()
         gate.set()
         await hold
         with pytest.raises(asyncio.CancelledError):
@@ -116,18 +136,18 @@ def test_a_failure_nobody_waits_for_is_logged(
 ) -> None:
     store = SessionStore(tmp_path / "log.db")
     writer = Writer(store)
-    gate = threading.Event()
+    gate = Gate()
 
     def boom() -> None:
         raise RuntimeError("disk full")
 
     async def main() -> None:
-        hold = asyncio.ensure_future(writer.run(lambda: gate.wait(5)))
-        await asyncio.sleep(0.05)
+        hold = asyncio.ensure_future(writer.run(held(gate)))
+        await asyncio.to_thread(gate.running.wait, 5)
         gone = asyncio.ensure_future(writer.run(boom))
-        await asyncio.sleep(0.05)
+        await handed_over()
         gone.cancel()
-        await asyncio.sleep(0.05)
+        await handed_over()
         gate.set()
         await hold
         assert await asyncio.wait_for(writer.run(lambda: 7), 5) == 7

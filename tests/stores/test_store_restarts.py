@@ -19,7 +19,9 @@ from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from tests.settings import gateway_settings
-from tests.stores import ThrowawayPostgres
+from tests.stores.servers import ThrowawayPostgres
+
+pytestmark = pytest.mark.stores
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Real PostgreSQL and Redis servers for the tests of shared state.
+"""Real PostgreSQL and Redis servers for the tests of shared state (the stores tier,
+and the providers and integration tiers' active-active tests).
 
 Each test gets a database of its own (``CREATE DATABASE``, dropped after) and a
 Redis key prefix of its own (its keys deleted after).  Where a server is absent
@@ -11,23 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from tests.loopback import free_port
+
 PG_ADMIN = os.environ.get("VCACHE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS = os.environ.get("VCACHE_TEST_REDIS", "redis://127.0.0.1:6379/0")
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (now)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:

@@ -15,6 +15,8 @@ import pytest
 
 from loadtests.procs import free_port, get_ok
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
 def test_serve_shuts_down_cleanly(sig: signal.Signals, tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ from gateway.core.types import Principal
 from gateway.service.limits import RateLimits
 from gateway.service.shared_state import share_key_limits
 from gateway.state.redis_bus import RedisBus
-from tests.stores import until
+from tests.stores.servers import until
+
+pytestmark = pytest.mark.stores
 
 
 def _who(limits: KeyLimits) -> Principal:

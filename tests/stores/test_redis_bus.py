@@ -1,6 +1,7 @@
 """The state bus on a real Redis server: facts reach the other gateways (and a late
 one catches up), a role has one holder and passes on when it goes, and a Redis that
-cannot be reached leaves the gateway serving and republishing once it is back."""
+cannot be reached leaves the gateway serving and republishing once it is back.  (A
+Redis nobody listens for, and the in-process bus: tests/unit/state/test_bus.py.)"""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gateway.state.bus import Fact, LocalBus
+import pytest
+
+from gateway.state.bus import Fact
 from gateway.state.redis_bus import RedisBus
-from tests.stores import ThrowawayRedis, free_port, until
+from tests.stores.servers import ThrowawayRedis, until
+
+pytestmark = pytest.mark.stores
 
 
 def _run(main: Callable[[], Awaitable[None]]) -> None:
@@ -98,23 +103,3 @@ def test_a_redis_restarted_empty_is_rebuilt_from_the_gateways(
         await late.close()
 
     _run(main)
-
-
-def test_a_gateway_starts_with_redis_unreachable_and_serves() -> None:
-    dead = f"redis://127.0.0.1:{free_port()}/0"  # a port nothing listens on
-
-    async def main() -> None:
-        bus = RedisBus(dead, "gw-a", "t:")
-        await bus.start()  # does not raise
-        bus.publish("warm", {"digest": "d"})
-        await until(lambda: bus.failing_since is not None)
-        await bus.close()
-
-    _run(main)
-
-
-def test_the_local_bus_holds_every_role_and_shares_nothing() -> None:
-    bus = LocalBus("gw")
-    bus.publish("warm", {})
-    assert bus.holds("provider-control") and bus.failing_since is None
-    assert bus.published == 1
