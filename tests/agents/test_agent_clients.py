@@ -22,7 +22,8 @@ from tests.agents.audit import SessionLogReader, Summary
 from tests.agents.conftest import AgentsGateway
 from tests.agents.harness import run_leg
 
-pytestmark = pytest.mark.integration
+# a real engine behind the gateway; the CLIs come from the npm registry
+pytestmark = [pytest.mark.integration, pytest.mark.network]
 
 
 @pytest.mark.parametrize("target", clients.TARGETS)
