@@ -1,7 +1,8 @@
 """What an embedded vLLM engine core is started with: its configuration
 (:class:`VllmEngineConfig`), vLLM's engine arguments for it (prefix caching hashed as the
-manifest hashes) and what the core's environment adds (placement, the scheduler's
-patches, niceness).
+manifest hashes; the scheduler class that serves the top-priority prefill first, when it
+is on) and what the core's environment adds (placement, which of the scheduler's changes
+are on, niceness).
 
 Both ways of running a core read it: its own child process (``engine.py``) and one core
 shared by ``--workers`` (``shared_core.py``).
@@ -48,7 +49,8 @@ class VllmEngineConfig:
     # the engine core's own devices or CPU cores (engines/vllm/placement.py)
     placement: Env = ()
     # the lone top-priority prefill runs uncapped; lower classes' prefills wait for the
-    # top class's (engines/vllm/top_prefill.py)
+    # top class's: vLLM's scheduler_cls engines/vllm/top_first_scheduler.py, the logic in
+    # engines/vllm/top_prefill.py
     top_prefill_whole: bool = False
     top_prefill_alone: bool = False
     top_prefill_decodes: bool = False  # with alone: the lower classes' decodes wait too
@@ -58,21 +60,23 @@ class VllmEngineConfig:
 
 
 def core_environment(c: VllmEngineConfig) -> Env:
-    """What the engine core's environment adds: its placement, the scheduler's patches,
-    its niceness."""
-    patches = (
-        (top_prefill.ENV, c.top_prefill_whole),
-        (top_prefill.ALONE_ENV, c.top_prefill_alone),
-        (top_prefill.DECODES_ENV, c.top_prefill_decodes),
-    )
+    """What the engine core's environment adds: its placement, which of the scheduler's
+    changes are on (read by the scheduler class, :func:`engine_args`), its niceness."""
     own = os.getpriority(os.PRIO_PROCESS, 0)  # the gateway's
     n = niceness.engine_nice(c.nice, _on_cpu(), own)
     nice = ((niceness.NICE_ENV, str(n)),) if n != own else ()
-    return (*c.placement, *((env, "1") for env, on in patches if on), *nice)
+    return (*c.placement, *_top_first(c).environment(), *nice)
+
+
+def _top_first(c: VllmEngineConfig) -> top_prefill.TopFirst:
+    return top_prefill.TopFirst(c.top_prefill_whole, c.top_prefill_alone, c.top_prefill_decodes)
 
 
 def engine_args(c: VllmEngineConfig) -> Any:
-    """vLLM's engine arguments for ``c``: prefix caching hashed as the manifest hashes."""
+    """vLLM's engine arguments for ``c``: prefix caching hashed as the manifest hashes;
+    vLLM's scheduler with the top-priority prefill first (``scheduler_cls``) when
+    ``top_prefill_whole`` or ``top_prefill_alone`` is on (``top_prefill_decodes`` goes
+    with the latter), vLLM's own otherwise."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kwargs: dict[str, Any] = dict(
@@ -89,6 +93,8 @@ def engine_args(c: VllmEngineConfig) -> Any:
         structured_outputs_config=_compact_json(),
         scheduling_policy=c.scheduling_policy,
     )
+    if _top_first(c):
+        kwargs["scheduler_cls"] = top_prefill.SCHEDULER_CLS
     if c.block_size is not None:
         kwargs["block_size"] = c.block_size
     if c.max_num_seqs is not None:

@@ -31,6 +31,10 @@ client reaches with ``call_utility_async("vcache_pin", ...)``:
 Hashes travel as 32-byte ``bytes``.  All of this runs on the engine core's
 own thread between scheduler steps, so it never races a step.
 
+The scheduler is not changed here: the top-priority prefill first is vLLM's
+``scheduler_cls`` (engines/vllm/top_first_scheduler.py), which the gateway names in
+the engine arguments; ``vcache_cache_stats`` reports its step counters.
+
 Events before answers
     vLLM's ZMQ publisher hands each step's KV event batch to a sender thread,
     and the step's outputs to another: under CPU contention the answer could
@@ -46,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -217,7 +220,8 @@ def vcache_cache_stats(core: Any) -> dict[str, Any]:
         "pinned_blocks": len(_pins(core)),
         "holders": len({k for by in _holds(core).values() for k in by}),
         "usage": float(pool.get_usage()),
-        # steps the top-priority patch changed (engines/vllm/top_prefill.py)
+        # steps the top-first scheduler changed (engines/vllm/top_first_scheduler.py;
+        # empty under vLLM's own scheduler)
         "top_prefill_steps": dict(getattr(core.scheduler, top_prefill.STEPS, {})),
     }
 
@@ -288,12 +292,6 @@ def register() -> None:
     for name, fn in _METHODS.items():
         if getattr(EngineCore, name, None) is not fn:
             setattr(EngineCore, name, fn)
-
-    top_prefill.install(  # as the gateway set them for its engine cores
-        whole=os.environ.get(top_prefill.ENV) == "1",
-        alone=os.environ.get(top_prefill.ALONE_ENV) == "1",
-        decodes=os.environ.get(top_prefill.DECODES_ENV) == "1",
-    )
 
     from vllm.distributed.kv_events import ZmqEventPublisher
 

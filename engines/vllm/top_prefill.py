@@ -11,8 +11,8 @@ is of a lower class.  Measured under the fairness run's flood (docs/notebook_age
 an agent's turn spent 70 ms more in prefill and waited a full background step
 before the core even queued it.
 
-Two patches of the engine core's scheduler serve such a prompt, each set by
-the gateway in the core's environment:
+Two changes to the engine core's scheduler serve such a prompt, each set by the
+gateway in the core's environment:
 
 * :data:`ENV` (*whole*): a step in which exactly one request has the highest
   priority present, and that request is still in its prefill, runs with no cap
@@ -40,28 +40,60 @@ the gateway in the core's environment:
   too, so the top prefill's steps compute nothing else: each held answer pauses
   for the length of that prefill (its blocks kept), then goes on.
 
-The patch wraps ``Scheduler.schedule`` (``AsyncScheduler`` inherits it) in the
-engine core: the cap is a local of that one method, read from the scheduler's
-config at its start, so the wrapper lifts it for the step and puts it back; the
-held requests leave ``running`` and ``waiting`` for the call and return to their
-places after it.
+They run in vLLM's own extension point: the scheduler class
+(:data:`SCHEDULER_CLS`, engines/vllm/top_first_scheduler.py), which the gateway names
+in the engine arguments (``scheduler_cls``; ``vllm serve --scheduler-cls``) when
+*whole* or *alone* is on, and whose ``schedule`` is :func:`schedule_top_first` around
+vLLM's own.  This module is the logic, without vLLM: the cap is a local of that one
+method, read from the scheduler's config at its start, so :func:`schedule_top_first`
+lifts it for the step and puts it back; the held requests leave ``running`` and
+``waiting`` for the call and return to their places after it.  The defaults (*whole*
+and *alone* on, *decodes* off) are measured in docs/notebook_agents.md.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-# under vLLM's logger: in the engine core only vLLM's loggers have a handler
-log = logging.getLogger("vllm.vcache.top_prefill")
+from typing import Any, TypeVar
 
 ENV = "VCACHE_TOP_PREFILL_UNCAPPED"  # "1": the lone top prefill computes whole
 ALONE_ENV = "VCACHE_TOP_PREFILL_ALONE"  # "1": lower classes' prefills wait for it
 DECODES_ENV = "VCACHE_TOP_PREFILL_DECODES"  # "1": ... and their decodes
 STEPS = "vcache_top_prefill_steps"  # the scheduler's attribute counting what was done
+# vLLM's scheduler_cls (--scheduler-cls) that applies them; it picks vLLM's
+# AsyncScheduler under it when the engine schedules asynchronously
+SCHEDULER_CLS = "engines.vllm.top_first_scheduler.TopFirstScheduler"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TopFirst:
+    """Which of the three are on (:data:`ENV`, :data:`ALONE_ENV`, :data:`DECODES_ENV`)."""
+
+    whole: bool = False
+    alone: bool = False
+    decodes: bool = False  # with alone only
+
+    def __bool__(self) -> bool:
+        """Whether it changes any step (``decodes`` without ``alone`` changes none)."""
+        return self.whole or self.alone
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> TopFirst:
+        """As the gateway set them in the engine core's environment (``"1"``: on)."""
+        return cls(
+            whole=env.get(ENV) == "1",
+            alone=env.get(ALONE_ENV) == "1",
+            decodes=env.get(DECODES_ENV) == "1",
+        )
+
+    def environment(self) -> tuple[tuple[str, str], ...]:
+        """The variables that say so to an engine core (those that are on)."""
+        on = ((ENV, self.whole), (ALONE_ENV, self.alone), (DECODES_ENV, self.decodes))
+        return tuple((name, "1") for name, yes in on if yes)
 
 
 def _in_prefill(r: Any) -> bool:
@@ -158,62 +190,44 @@ def _release(scheduler: Any, held: Held, before: list[Any]) -> None:
         scheduler.waiting.add_request(r)
 
 
-def top_first(
-    schedule: Callable[..., Any], *, whole: bool, alone: bool, decodes: bool = False
-) -> Callable[..., Any]:
-    """``schedule`` with the cap lifted for the steps :func:`lone_top_prefill` names
-    (``whole``) and the lower classes' prefills held while the top class's runs
-    (``alone``; with ``decodes``, their decodes as well)."""
-
-    @functools.wraps(schedule)
-    def schedule_top_first(self: Any, *args: Any, **kwargs: Any) -> Any:
-        cfg = self.scheduler_config
-        cap = cfg.long_prefill_token_threshold
-        uncap = whole and cap > 0 and lone_top_prefill(self)
-        held = lower_prefills(self, decodes=decodes) if alone else Held()
-        _count(self, uncap, held)
-        if not uncap and not held:
-            return schedule(self, *args, **kwargs)
-        before = list(self.running)
-        if uncap:
-            cfg.long_prefill_token_threshold = 0
-        _hold(self, held)
-        try:
-            return schedule(self, *args, **kwargs)
-        finally:
-            cfg.long_prefill_token_threshold = cap
-            if held:
-                _release(self, held, before)
-
-    schedule_top_first.vcache_top_prefill = True  # type: ignore[attr-defined]
-    return schedule_top_first
+def schedule_top_first(scheduler: Any, schedule: Callable[[], T], modes: TopFirst) -> T:
+    """One step of ``scheduler`` by vLLM's ``schedule``, with the cap lifted for the
+    steps :func:`lone_top_prefill` names (``modes.whole``) and the lower classes'
+    prefills held while the top class's runs (``modes.alone``; with ``modes.decodes``,
+    their decodes as well)."""
+    if not modes:
+        return schedule()
+    cfg = scheduler.scheduler_config
+    cap = cfg.long_prefill_token_threshold
+    uncap = modes.whole and cap > 0 and lone_top_prefill(scheduler)
+    held = lower_prefills(scheduler, decodes=modes.decodes) if modes.alone else Held()
+    _count(scheduler, uncap, held)
+    if not uncap and not held:
+        return schedule()
+    before = list(scheduler.running)
+    if uncap:
+        cfg.long_prefill_token_threshold = 0
+    _hold(scheduler, held)
+    try:
+        return schedule()
+    finally:
+        cfg.long_prefill_token_threshold = cap
+        if held:
+            _release(scheduler, held, before)
 
 
 def _count(scheduler: Any, uncap: bool, held: Held) -> None:
-    """Steps by what the patch did (``vcache_cache_stats`` reports them): the cap
+    """Steps by what was changed (``vcache_cache_stats`` reports them): the cap
     lifted, lower requests held, a top prompt that did not fit (nothing held)."""
     steps: dict[str, int] | None = getattr(scheduler, STEPS, None)
     if steps is None:
-        steps = {"uncapped": 0, "held": 0, "unfit": 0}
+        steps = no_steps()
         setattr(scheduler, STEPS, steps)
     steps["uncapped"] += uncap
     steps["held"] += bool(held)
     steps["unfit"] += held.unfit
 
 
-def install(*, whole: bool, alone: bool, decodes: bool = False) -> None:
-    """Patch vLLM's scheduler in this process (once)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    if getattr(Scheduler.schedule, "vcache_top_prefill", False) or not (whole or alone):
-        return
-    Scheduler.schedule = top_first(  # type: ignore[method-assign]
-        Scheduler.schedule, whole=whole, alone=alone, decodes=decodes
-    )
-    log.info(
-        "the top-priority prefill: whole (long-prefill cap lifted) %s, alone (lower "
-        "classes' prefills held) %s, their decodes held too %s",
-        whole,
-        alone,
-        alone and decodes,
-    )
+def no_steps() -> dict[str, int]:
+    """The step counters before the first step."""
+    return {"uncapped": 0, "held": 0, "unfit": 0}

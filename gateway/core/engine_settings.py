@@ -68,14 +68,21 @@ class EngineSettings(BaseModel):
     # small pieces (None: vLLM's default, the whole step's budget)
     long_prefill_token_threshold: int | None = Field(None, ge=1)
     # the prompt of a request whose priority is above every other request's on its
-    # replica computes whole, past long_prefill_token_threshold (engines/vllm/top_prefill.py)
+    # replica computes whole, past long_prefill_token_threshold.  This or
+    # top_prefill_alone on: the embedded engines run vLLM's scheduler_cls
+    # engines.vllm.top_first_scheduler.TopFirstScheduler (engines/vllm/top_prefill.py; a
+    # remote replica takes it with --scheduler-cls, docs/local_kv.md).  Measured:
+    # [notebook](notebook_agents.md#where-a-first-token-waits-2026-12-03)
     top_prefill_whole: bool = True
     # while a prompt of the highest priority on a replica is in its prefill, the prompts
     # of lower priorities there compute nothing (their decodes go on); held in vLLM's
-    # scheduler at the step boundary (engines/vllm/top_prefill.py)
+    # scheduler at the step boundary (the scheduler class of top_prefill_whole).  Measured:
+    # [notebook](notebook_agents.md#lower-prefills-held-in-the-engine-2026-12-03)
     top_prefill_alone: bool = True
     # with top_prefill_alone, the lower priorities' decodes skip those steps too: the top
-    # prefill's steps compute it alone; each lower answer pauses for that prefill
+    # prefill's steps compute it alone; each lower answer pauses for that prefill.  Off:
+    # not shown to help, run fair2 (fair8 further on):
+    # [notebook](notebook_agents.md#the-hold-for-a-leased-turn-and-three-rounds-a-run-2026-12-04)
     top_prefill_decodes: bool = False
     # vLLM's scheduler: "priority" serves x-vcache-priority's order (interactive first),
     # "fcfs" arrival order whatever the priority

@@ -12,7 +12,10 @@ vLLM's prefix cache, so the engine reports them as cached; its answer is whole.
 
 With the gateway's guard off, the engine's own hold (``engine.top_prefill_alone``)
 does it at the step boundary instead: the batch prompt skips the interactive
-prompt's steps, nothing is aborted, and the core counts the steps it held.
+prompt's steps, nothing is aborted, and the core counts the steps it held.  The hold
+is vLLM's ``scheduler_cls`` the gateway names (engines/vllm/top_first_scheduler.py): the
+engine core's log says it built that class, and vLLM's own ``Scheduler.schedule`` is
+left as it is.
 
 On two replicas of this CPU host (``engine.guard_scope`` unset: ``host``), an
 interactive prompt on one stops the batch prompt in prefill on the other.
@@ -39,13 +42,12 @@ BLOCK = 128
 STOPS = 'vcache_prefill_stops_total{replica="replica-0"}'
 
 
-def _gateway(
-    factory: pytest.TempPathFactory, data_dir: Path, name: str, replicas: int, **extra: str
-) -> Iterator[str]:
-    """A gateway of its own whose replicas compute at most 8 tokens of a prompt a step."""
+def _gateway(tmp: Path, data_dir: Path, replicas: int, **extra: str) -> Iterator[str]:
+    """A gateway of its own whose replicas compute at most 8 tokens of a prompt a step
+    (its log, with its engine cores', in ``tmp``/gateway.log)."""
     args = ["--replicas", str(replicas), "--max-model-len", "2048"]
     settings = {"VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": "8", **ADMIN_KEYS, **extra}
-    with own_gateway(factory.mktemp(name), data_dir, args, settings) as base:
+    with own_gateway(tmp, data_dir, args, settings) as base:
         yield base
 
 
@@ -53,22 +55,25 @@ def _gateway(
 def url(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    yield from _gateway(tmp_path_factory, data_dir, "prefill-stops", 1)
+    yield from _gateway(tmp_path_factory.mktemp("prefill-stops"), data_dir, 1)
 
 
 @pytest.fixture(scope="module")
-def unguarded(
-    data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+def unguarded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-hold")
+
+
+@pytest.fixture(scope="module")
+def unguarded(data_dir: Path, demo_model: Path, unguarded_dir: Path) -> Iterator[str]:
     off = {"VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false"}
-    yield from _gateway(tmp_path_factory, data_dir, "engine-hold", 1, **off)
+    yield from _gateway(unguarded_dir, data_dir, 1, **off)
 
 
 @pytest.fixture(scope="module")
 def two(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    yield from _gateway(tmp_path_factory, data_dir, "host-guard", 2)
+    yield from _gateway(tmp_path_factory.mktemp("host-guard"), data_dir, 2)
 
 
 def test_a_batch_prefill_gives_way_to_an_interactive_prompt(url: str) -> None:
@@ -87,6 +92,19 @@ def test_the_engine_holds_the_batch_prefill_itself(unguarded: str) -> None:
     got = _engine_steps(unguarded)
     # the interactive prompt's steps: the batch prompt held, the cap lifted
     assert got["held"] >= 1 and got["uncapped"] >= 1 and got["unfit"] == 0, got
+
+
+def test_the_engine_core_runs_the_top_first_scheduler_class(
+    unguarded: str, unguarded_dir: Path
+) -> None:
+    from engines.vllm.top_prefill import SCHEDULER_CLS
+
+    log = (unguarded_dir / "gateway.log").read_text(errors="replace")
+    # vLLM names the scheduler_cls it was given; the class says what it does
+    assert f"Using custom scheduler class {SCHEDULER_CLS}" in log
+    built = [line for line in log.splitlines() if "TopFirstScheduler: the top-priority" in line]
+    assert built and all("whole (long-prefill cap lifted) True" in line for line in built), built
+    assert all("alone (lower classes' prefills held) True" in line for line in built), built
 
 
 def test_an_interactive_prompt_stops_a_batch_prefill_on_the_other_replica(two: str) -> None:

@@ -1,5 +1,7 @@
 """The top-priority prefill computes whole and alone (engines/vllm/top_prefill.py), on
-vLLM's own scheduler: built over the demo model's config, stepped without a model."""
+vLLM's own scheduler under the scheduler class the gateway names (scheduler_cls,
+engines/vllm/top_first_scheduler.py): built over the demo model's config, stepped
+without a model."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from engines.vllm.top_prefill import STEPS, Held, lone_top_prefill, lower_prefills, top_first
+from engines.vllm import top_prefill
+from engines.vllm.top_prefill import STEPS, Held, TopFirst, lone_top_prefill, lower_prefills
 
 BS = 16
 CAP = 64
@@ -19,10 +22,9 @@ def scheduler(demo_model: Path) -> Any:
     return _scheduler(demo_model, 1000)
 
 
-def _scheduler(demo_model: Path, blocks: int) -> Any:
+def _scheduler(demo_model: Path, blocks: int, asynchronous: bool = False) -> Any:
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -34,12 +36,15 @@ def _scheduler(demo_model: Path, blocks: int) -> Any:
     model = ModelConfig(model=str(demo_model), dtype="float32", seed=0, max_model_len=2048)
     cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
     config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
+    config.scheduler_config.async_scheduling = asynchronous  # vLLM's CPU platform: off
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])  # fmt: skip
     cache.num_gpu_blocks = blocks
     outputs = StructuredOutputManager(config)
-    return Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=True,
+    from engines.vllm.top_first_scheduler import TopFirstScheduler
+
+    return TopFirstScheduler(vllm_config=config, kv_cache_config=kv, log_stats=True,
                      structured_output_manager=outputs, block_size=BS)  # fmt: skip
 
 
@@ -59,12 +64,8 @@ def _request(rid: str, tokens: int, priority: int, ids: list[int] | None = None)
 def _step(
     scheduler: Any, patched: bool, alone: bool = False, decodes: bool = False
 ) -> dict[str, int]:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    schedule = Scheduler.schedule
-    if patched or alone:
-        schedule = top_first(schedule, whole=patched, alone=alone, decodes=decodes)
-    out = schedule(scheduler)
+    scheduler.vcache_top_first = TopFirst(whole=patched, alone=alone, decodes=decodes)
+    out = scheduler.schedule()
     assert scheduler.scheduler_config.long_prefill_token_threshold == CAP  # put back
     return dict(out.num_scheduled_tokens)
 
@@ -260,3 +261,38 @@ def test_what_is_held() -> None:
     assert not lower_prefills(_Sched([bprompt, bdecode], [agent], seqs=2))
     assert not lower_prefills(_Sched([bprompt], [agent], policy="fcfs"))
     assert not Held() and Held(running=[bprompt]) and Held(waiting=[bwait])  # any held
+
+
+def test_the_scheduler_reads_what_is_on_from_the_core_environment(
+    demo_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    for name in (top_prefill.ENV, top_prefill.ALONE_ENV, top_prefill.DECODES_ENV):
+        monkeypatch.delenv(name, raising=False)
+    off = _scheduler(demo_model, 100)
+    assert type(off).schedule is not Scheduler.schedule  # a subclass: vLLM's own untouched
+    assert off.vcache_top_first == TopFirst() and not off.vcache_top_first
+    assert getattr(off, STEPS) == {"uncapped": 0, "held": 0, "unfit": 0}  # reported at once
+    monkeypatch.setenv(top_prefill.ENV, "1")
+    monkeypatch.setenv(top_prefill.ALONE_ENV, "1")
+    assert _scheduler(demo_model, 100).vcache_top_first == TopFirst(whole=True, alone=True)
+    monkeypatch.setenv(top_prefill.DECODES_ENV, "1")
+    assert _scheduler(demo_model, 100).vcache_top_first == TopFirst(True, True, True)
+
+
+def test_async_scheduling_keeps_vllms_async_scheduler(demo_model: Path) -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from engines.vllm.top_first_scheduler import TopFirstAsyncScheduler, TopFirstScheduler
+
+    assert not isinstance(_scheduler(demo_model, 100), AsyncScheduler)  # as vLLM picks
+    scheduler = _scheduler(demo_model, 100, asynchronous=True)
+    assert type(scheduler) is TopFirstAsyncScheduler
+    assert isinstance(scheduler, TopFirstScheduler) and isinstance(scheduler, AsyncScheduler)
+    scheduler.add_request(_request("b1", 600, 1))
+    scheduler.add_request(_request("b2", 600, 1))
+    assert _step(scheduler, True, alone=True) == {"b1": CAP, "b2": CAP}
+    scheduler.add_request(_request("agent", 500, -1))
+    assert _step(scheduler, True, alone=True) == {"agent": 500}  # whole, alone, as above
+    assert getattr(scheduler, STEPS) == {"uncapped": 1, "held": 1, "unfit": 0}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from engines.vllm.engine_config import (
@@ -46,7 +48,7 @@ def test_a_prefill_chunk_cap_when_one_is_set() -> None:
     )
 
 
-def test_the_top_prefill_patch_reaches_the_core_through_its_environment() -> None:
+def test_what_is_on_reaches_the_core_through_its_environment() -> None:
     from engines.vllm import top_prefill
     from engines.vllm.engine_config import core_environment
 
@@ -69,34 +71,67 @@ def test_the_top_prefill_patch_reaches_the_core_through_its_environment() -> Non
     assert core_environment(off) == placed
 
 
-def test_the_plugin_installs_the_patch_where_the_environment_asks(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("whole", "alone", "decodes", "named"),
+    [
+        (False, False, False, False),  # vLLM's own scheduler, chosen by vLLM
+        (True, False, False, True),
+        (False, True, False, True),
+        (False, True, True, True),
+        (True, True, True, True),
+        (False, False, True, False),  # decodes goes with alone: alone it changes no step
+    ],
+)
+def test_the_engine_args_name_the_scheduler_class_when_a_setting_is_on(
+    whole: bool, alone: bool, decodes: bool, named: bool
 ) -> None:
+    from engines.vllm.top_prefill import SCHEDULER_CLS
+
+    cfg = VllmEngineConfig(
+        model="m", served_name="s", top_prefill_whole=whole, top_prefill_alone=alone,
+        top_prefill_decodes=decodes,
+    )  # fmt: skip
+    assert engine_args(cfg).scheduler_cls == (SCHEDULER_CLS if named else None)
+
+
+def test_vllm_resolves_the_named_class_to_the_top_first_scheduler() -> None:
+    from vllm.config import SchedulerConfig
+
+    from engines.vllm.top_first_scheduler import TopFirstScheduler
+    from engines.vllm.top_prefill import SCHEDULER_CLS
+
+    config = SchedulerConfig.default_factory(scheduler_cls=SCHEDULER_CLS)
+    assert config.get_scheduler_cls() is TopFirstScheduler  # as the engine core builds it
+
+
+def test_the_plugin_leaves_vllms_scheduler_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from engines.vllm import plugin, top_prefill
 
-    original = Scheduler.schedule
-    monkeypatch.setattr(Scheduler, "schedule", original)  # put back after the test
-    monkeypatch.delenv(top_prefill.ENV, raising=False)
-    monkeypatch.delenv(top_prefill.ALONE_ENV, raising=False)
+    original = Scheduler.__dict__["schedule"]
+    for name in (top_prefill.ENV, top_prefill.ALONE_ENV, top_prefill.DECODES_ENV):
+        monkeypatch.setenv(name, "1")  # everything on, as the gateway sets a core
+    importlib.reload(plugin)
     plugin.register()
-    assert Scheduler.schedule is original
-    monkeypatch.setenv(top_prefill.ENV, "1")
-    plugin.register()
-    plugin.register()  # once only
-    assert getattr(Scheduler.schedule, "vcache_top_prefill", False)
-    assert getattr(Scheduler.schedule, "__wrapped__", None) is original
+    assert Scheduler.__dict__["schedule"] is original
+    assert Scheduler.schedule.__module__ == "vllm.v1.core.sched.scheduler"
+    assert not hasattr(Scheduler.schedule, "__wrapped__")
+    assert "schedule" not in AsyncScheduler.__dict__  # vLLM's, inherited
 
 
-def test_the_plugin_installs_the_hold_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm.v1.core.sched.scheduler import Scheduler
+def test_the_charts_replicas_name_the_class_and_the_variables_it_reads() -> None:
+    from pathlib import Path
 
-    from engines.vllm import plugin, top_prefill
+    import yaml
 
-    original = Scheduler.schedule
-    monkeypatch.setattr(Scheduler, "schedule", original)
-    monkeypatch.delenv(top_prefill.ENV, raising=False)
-    monkeypatch.setenv(top_prefill.ALONE_ENV, "1")
-    plugin.register()
-    assert getattr(Scheduler.schedule, "vcache_top_prefill", False)
+    from engines.vllm import top_prefill
+
+    chart = Path(__file__).resolve().parents[3] / "deploy" / "helm" / "vcache"
+    replicas = (chart / "templates" / "vllm-statefulset.yaml").read_text()
+    assert f"--scheduler-cls={top_prefill.SCHEDULER_CLS}" in replicas
+    for name in (top_prefill.ENV, top_prefill.ALONE_ENV, top_prefill.DECODES_ENV):
+        assert f'{{name: {name}, value: "1"}}' in replicas, name
+    values = yaml.safe_load((chart / "values.yaml").read_text())["vllm"]["topPrefill"]
+    assert values == {"whole": False, "alone": False, "decodes": False}  # as they have run
