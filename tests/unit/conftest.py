@@ -10,6 +10,7 @@ needs those belongs to the tier that says so: ``tests/stores`` (PostgreSQL, Redi
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 import multiprocessing.util
 import os
@@ -70,8 +71,11 @@ def _guard_process(name: str) -> Callable[..., NoReturn]:
 @pytest.fixture(scope="module", autouse=True)
 def _hermetic() -> Iterator[None]:
     # the standard library asks ``uname -p`` once per process, the first time anything
-    # (vLLM's platform detection) reads the processor: asked here, before the guard
+    # (vLLM's platform detection) reads the processor; cpuinfo, imported by vLLM, asks
+    # ``file`` for the interpreter's architecture once, at its import: both happen here,
+    # before the guard, so a file run alone passes as in the whole tier
     platform.uname().processor  # noqa: B018
+    importlib.import_module("cpuinfo")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(socket.socket, "connect", _guard_connect(socket.socket.connect))
         mp.setattr(socket.socket, "connect_ex", _guard_connect(socket.socket.connect_ex))
