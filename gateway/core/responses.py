@@ -147,6 +147,8 @@ class ReasoningItem(BaseModel):
 
 # a tool's name, as OpenAI allows it
 ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+# a hosted tool's type, e.g. web_search_preview_2025_03_11 (it is named in a header)
+ToolType = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 
 class FunctionTool(BaseModel):
@@ -203,7 +205,7 @@ class HostedTool(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    type: str = Field(min_length=1)
+    type: ToolType
 
 
 def _tool_kind(v: Any) -> str:
@@ -237,7 +239,7 @@ class HostedChoice(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    type: str = Field(min_length=1)
+    type: ToolType
 
 
 def _choice_kind(v: Any) -> str:
