@@ -64,72 +64,60 @@ class MessageItem(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(BaseModel):
-    """An assistant's call of a function tool (from an earlier response's output); a tool
-    of a ``namespace`` tool names it."""
+class _Call(BaseModel):
+    """What an assistant's call item carries, whatever the tool."""
 
     model_config = ConfigDict(extra="ignore")
+
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    namespace: str | None = None  # the namespace tool the called tool belongs to
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_Call):
+    """An assistant's call of a function tool (from an earlier response's output)."""
 
     type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
-    name: str = Field(min_length=1)
     arguments: str
-    namespace: str | None = None
-    id: str | None = None
-    status: str | None = None
 
 
-def _output_text(output: str | list[ContentPart]) -> str:
-    if isinstance(output, str):
-        return output
-    return "".join(p.text for p in output)
-
-
-class FunctionCallOutputItem(BaseModel):
-    """The client's result of a function call."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
-    output: str | list[ContentPart]
-    id: str | None = None
-    status: str | None = None
-
-    _parts = field_validator("output", mode="before")(_refuse_parts)
-
-    def text(self) -> str:
-        return _output_text(self.output)
-
-
-class CustomToolCallItem(BaseModel):
+class CustomToolCallItem(_Call):
     """An assistant's call of a custom (freeform) tool: its ``input`` is free text."""
 
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["custom_tool_call"]
-    call_id: str = Field(min_length=1)
-    name: str = Field(min_length=1)
     input: str
-    namespace: str | None = None
-    id: str | None = None
-    status: str | None = None
 
 
-class CustomToolCallOutputItem(BaseModel):
-    """The client's result of a custom tool call."""
+class _Output(BaseModel):
+    """What the client's result of a call carries, whatever the tool."""
 
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["custom_tool_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[ContentPart]
     id: str | None = None
+    status: str | None = None
 
     _parts = field_validator("output", mode="before")(_refuse_parts)
 
     def text(self) -> str:
-        return _output_text(self.output)
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(p.text for p in self.output)
+
+
+class FunctionCallOutputItem(_Output):
+    """The client's result of a function call."""
+
+    type: Literal["function_call_output"]
+
+
+class CustomToolCallOutputItem(_Output):
+    """The client's result of a custom tool call."""
+
+    type: Literal["custom_tool_call_output"]
 
 
 class ReasoningItem(BaseModel):
