@@ -205,7 +205,11 @@ def _claude(binary: Path, model: str, base_url: str, key: str, root: Path) -> Ru
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
         "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
         "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "ANTHROPIC_DEFAULT_FABLE_MODEL": model,  # a sub-agent asked claude-fable-5-2 once
         "CLAUDE_CODE_SUBAGENT_MODEL": model,
+        "CLAUDE_CODE_WORKFLOW_SUBAGENT_MODEL": model,
+        "CLAUDE_CODE_AUTO_MODE_MODEL": model,
+        "CLAUDE_CODE_BG_CLASSIFIER_MODEL": model,
     }
     if model != CLAUDE_CODE.default_model:
         env["ANTHROPIC_MODEL"] = model
