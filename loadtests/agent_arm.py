@@ -48,38 +48,71 @@ def _text(rng: random.Random, tokens: int, count: Any) -> str:
 def _tools(rng: random.Random, agent: int) -> list[Any]:
     """The agent type's tools: the first (the one its turns call) takes an enum, so a
     random model's constrained arguments end; the others only make the prefix longer."""
-    out: list[Any] = [{"type": "function", "function": {
-        "name": f"run_{agent}", "description": f"Run step {agent} of the agent's plan",
-        "parameters": {"type": "object", "additionalProperties": False,
-                       "properties": {"step": {"enum": ["build", "test", "lint"]}},
-                       "required": ["step"]}}}]  # fmt: skip
+    out: list[Any] = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"run_{agent}",
+                "description": f"Run step {agent} of the agent's plan",
+                "parameters": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"step": {"enum": ["build", "test", "lint"]}},
+                    "required": ["step"],
+                },
+            },
+        }
+    ]
     for i in range(3):
-        props = {w: {"type": "string", "description": " ".join(rng.choices(VOCAB, k=12))}
-                 for w in rng.sample(VOCAB, 4)}  # fmt: skip
-        out.append({"type": "function", "function": {
-            "name": f"tool_{agent}_{i}", "description": " ".join(rng.choices(VOCAB, k=20)),
-            "parameters": {"type": "object", "properties": props}}})  # fmt: skip
+        props = {
+            w: {"type": "string", "description": " ".join(rng.choices(VOCAB, k=12))}
+            for w in rng.sample(VOCAB, 4)
+        }
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": f"tool_{agent}_{i}",
+                    "description": " ".join(rng.choices(VOCAB, k=20)),
+                    "parameters": {"type": "object", "properties": props},
+                },
+            }
+        )
     return out
 
 
 def workload(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
     rng = random.Random(args.seed)
     count = args.count
-    systems = [f"[run {run_id}] You are agent type {a}. " + _text(rng, args.system_tokens, count)
-               for a in range(args.agent_types)]  # fmt: skip
+    systems = [
+        f"[run {run_id}] You are agent type {a}. " + _text(rng, args.system_tokens, count)
+        for a in range(args.agent_types)
+    ]
     tools = {str(a): _tools(rng, a) for a in range(args.agent_types)}
     sigma = math.log(args.gap_max_s / args.gap_median_s) / 2.5  # the cap ~ 2.5 sigma out
     sessions = []
     for i in range(args.sessions):
         a = i % args.agent_types
         n = rng.randint(*args.turns)
-        turns = [{"result": _text(rng, rng.randint(*args.result_tokens), count),
-                  "gap_s": round(min(rng.lognormvariate(math.log(args.gap_median_s), sigma),
-                                     args.gap_max_s), 3)}
-                 for _ in range(n)]  # fmt: skip
+        turns = [
+            {
+                "result": _text(rng, rng.randint(*args.result_tokens), count),
+                "gap_s": round(
+                    min(rng.lognormvariate(math.log(args.gap_median_s), sigma), args.gap_max_s), 3
+                ),
+            }
+            for _ in range(n)
+        ]
         ask = f"Task {i}: " + _text(rng, 40, count)
-        sessions.append({"id": f"{run_id}-s{i}", "agent": str(a), "system": systems[a],
-                         "ask": ask, "turns": turns})  # fmt: skip
+        sessions.append(
+            {
+                "id": f"{run_id}-s{i}",
+                "agent": str(a),
+                "system": systems[a],
+                "ask": ask,
+                "turns": turns,
+            }
+        )
     background = [_text(rng, args.background_tokens, count) for _ in range(64)]
     return {"sessions": sessions, "tools": tools, "background": background}
 
@@ -127,26 +160,41 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
     (wdir / "workload.json").write_text(json.dumps(workload(args, run_id)))
     bg = int(env.get("VCACHE_BACKGROUND_USERS") or os.environ.get("VCACHE_BACKGROUND_USERS", "1"))
     users = "AgentUser BackgroundUser" if bg else "AgentUser"
-    env = {**env, "VCACHE_API_KEY": ADMIN_KEY, "VCACHE_BACKGROUND_KEY": BACKGROUND_KEY,
-           "VCACHE_BACKGROUND_USERS": str(bg)}  # fmt: skip
+    env = {
+        **env,
+        "VCACHE_API_KEY": ADMIN_KEY,
+        "VCACHE_BACKGROUND_KEY": BACKGROUND_KEY,
+        "VCACHE_BACKGROUND_USERS": str(bg),
+    }
     before = _metrics(host) if name != "vllm_router" else {}
-    elapsed = run_locust(wdir / "workload.json", host, wdir, env, args.users + bg, args.limit_s,
-                         users, locustfile="agents_locust.py")  # fmt: skip
+    elapsed = run_locust(
+        wdir / "workload.json",
+        host,
+        wdir,
+        env,
+        args.users + bg,
+        args.limit_s,
+        users,
+        locustfile="agents_locust.py",
+    )
     after = _metrics(host) if name != "vllm_router" else {}
     row = {"arm": name, "seconds": round(elapsed, 1), **summarize(raw_rows(wdir / "raw.csv"))}
     if after:
-        row["gateway"] = {k: after.get(k, 0) - before.get(k, 0) for k in (
-            'vcache_session_retention_total{outcome="leased"}',
-            'vcache_session_retention_total{outcome="refused"}',
-            'vcache_session_retention_total{outcome="released"}',
-            PREEMPTED,
-            'vcache_session_retention_total{outcome="yielded"}',
-            'vcache_cached_token_predictions_total{outcome="matched"}',
-            'vcache_cached_token_predictions_total{outcome="missed"}',
-            'vcache_prefill_waits_total{outcome="joined"}',
-            'vcache_routing_decisions_total{policy="kv",reason="session"}',
-            LEASE_ROOM,
-        )}  # fmt: skip
+        row["gateway"] = {
+            k: after.get(k, 0) - before.get(k, 0)
+            for k in (
+                'vcache_session_retention_total{outcome="leased"}',
+                'vcache_session_retention_total{outcome="refused"}',
+                'vcache_session_retention_total{outcome="released"}',
+                PREEMPTED,
+                'vcache_session_retention_total{outcome="yielded"}',
+                'vcache_cached_token_predictions_total{outcome="matched"}',
+                'vcache_cached_token_predictions_total{outcome="missed"}',
+                'vcache_prefill_waits_total{outcome="joined"}',
+                'vcache_routing_decisions_total{policy="kv",reason="session"}',
+                LEASE_ROOM,
+            )
+        }
         row["step_ms"] = _step_ms(before, after)
         row["prefill_stops"] = _added(before, after, "vcache_prefill_stops_total")
         row["engine_steps"] = {  # what the engines' top-prefill patch did
@@ -188,8 +236,11 @@ def _loop(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     stalls = _added(before, after, f"{lag}_count") - _added(
         before, after, f"{lag}_bucket", 'le="0.25"'
     )
-    return {"stalls": stalls, "gc_ms": 1000 * _added(before, after, gc),
-            "gc2_ms": 1000 * _added(before, after, gc, 'generation="2"')}  # fmt: skip
+    return {
+        "stalls": stalls,
+        "gc_ms": 1000 * _added(before, after, gc),
+        "gc2_ms": 1000 * _added(before, after, gc, 'generation="2"'),
+    }
 
 
 def _metrics(host: str) -> dict[str, float]:
@@ -219,12 +270,26 @@ def agents_gateway(
     port = free_port()
     host = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
-    cmd += ["--grpc-port", str(free_port()), "--replicas", "2", "--kv-cache-bytes",
-            str(args.kv_bytes), "--max-model-len", str(args.max_model_len),
-            "--pin-max-share", str(args.pin_max_share),
-            "--max-queued-requests", "64"]  # fmt: skip
-    env = {**os.environ, "VCACHE_DATA_DIR": str(out / f"vcache-data-{tag}"),
-           **_keys(agents_priority), **extra,
-           "VCACHE_CACHE__RETENTION__ENABLED": "true" if retention else "false"}  # fmt: skip
+    cmd += [
+        "--grpc-port",
+        str(free_port()),
+        "--replicas",
+        "2",
+        "--kv-cache-bytes",
+        str(args.kv_bytes),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--pin-max-share",
+        str(args.pin_max_share),
+        "--max-queued-requests",
+        "64",
+    ]
+    env = {
+        **os.environ,
+        "VCACHE_DATA_DIR": str(out / f"vcache-data-{tag}"),
+        **_keys(agents_priority),
+        **extra,
+        "VCACHE_CACHE__RETENTION__ENABLED": "true" if retention else "false",
+    }
     with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / f"vcache-{tag}.log", env):
         yield host

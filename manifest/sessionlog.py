@@ -121,11 +121,25 @@ class MessageEvent:
         thinking or tool changes keep the shorter keys they always had, so their digests
         do not change)."""
         if self.tool_changes is not None or self.control is not None:
-            return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id,
-                    self.thinking, self.tool_changes, self.control)  # fmt: skip
+            return (
+                self.role,
+                self.content,
+                self.name,
+                self.tool_calls,
+                self.tool_call_id,
+                self.thinking,
+                self.tool_changes,
+                self.control,
+            )
         if self.thinking is not None:
-            return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id,
-                    self.thinking)  # fmt: skip
+            return (
+                self.role,
+                self.content,
+                self.name,
+                self.tool_calls,
+                self.tool_call_id,
+                self.thinking,
+            )
         if self.tool_calls is None and self.tool_call_id is None:
             return (self.role, self.content, self.name)
         return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id)
@@ -370,9 +384,13 @@ def decode(data: bytes, get_blob: Callable[[str], bytes]) -> Event:
         return TruncateEvent(d["length"])
     if kind == "dispatch":
         return DispatchEvent(
-            d["request_id"], d["target"], d["render"], _pairs(d["directives"]), d["sha256"],
+            d["request_id"],
+            d["target"],
+            d["render"],
+            _pairs(d["directives"]),
+            d["sha256"],
             session_kind=d.get("session_kind"),
-        )  # fmt: skip
+        )
     if kind == "response":
         return ResponseEvent(d["request_id"], _pairs(d["usage"]), d["response_id"])
     raise ValueError(f"unknown event kind {kind!r}")

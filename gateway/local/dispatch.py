@@ -187,8 +187,9 @@ class Dispatcher:
             predicted = self.kv.predict(hashes, greq.num_prompt_tokens)
             pending = self.prefills.overlap(hashes[: self._cap(greq)])
             bs = self.kv.block_size
-            view = {r: max(n, pending[r][0] * bs if r in pending else 0)
-                    for r, n in predicted.items()}  # fmt: skip
+            view = {
+                r: max(n, pending[r][0] * bs if r in pending else 0) for r, n in predicted.items()
+            }
         forced = self.forced(override)
         if forced is not None:
             replica = forced
@@ -306,8 +307,14 @@ class Dispatcher:
             last = t0
             stops = m.prefill_stops.labels(d.replica_id)
             if self.make_room is not None and self.kv is not None:
-                keeper = keep_room(self.make_room, self.kv, d.replica.id, d.hashes,
-                                   self._blocks(greq), greq.request_id)  # fmt: skip
+                keeper = keep_room(
+                    self.make_room,
+                    self.kv,
+                    d.replica.id,
+                    d.hashes,
+                    self._blocks(greq),
+                    greq.request_id,
+                )
 
             def send() -> AsyncGenerator[GenerateChunk, None]:
                 stamps.send()

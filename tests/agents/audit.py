@@ -146,12 +146,14 @@ class SessionLogReader:
             u = usage.get(row.request_id)
             out.append(
                 Logged(
-                    row.request_id, row.target, digest == row.sha256 == event.sha256,
+                    row.request_id,
+                    row.target,
+                    digest == row.sha256 == event.sha256,
                     _units(row.target, data),
                     None if u is None else int(u.get("cached_tokens") or 0),
                     None if u is None else int(u.get("prompt_tokens") or 0),
                 )
-            )  # fmt: skip
+            )
         return out
 
 

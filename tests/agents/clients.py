@@ -56,14 +56,19 @@ class Agent:
 
 
 CODEX = Agent(
-    "codex", "@openai/codex",
-    os.environ.get("VCACHE_AGENT_CODEX_VERSION") or CODEX_VERSION, "codex", "gpt-5.5",
-)  # fmt: skip
+    "codex",
+    "@openai/codex",
+    os.environ.get("VCACHE_AGENT_CODEX_VERSION") or CODEX_VERSION,
+    "codex",
+    "gpt-5.5",
+)
 CLAUDE_CODE = Agent(
-    "claude-code", "@anthropic-ai/claude-code",
-    os.environ.get("VCACHE_AGENT_CLAUDE_CODE_VERSION") or CLAUDE_CODE_VERSION, "claude",
+    "claude-code",
+    "@anthropic-ai/claude-code",
+    os.environ.get("VCACHE_AGENT_CLAUDE_CODE_VERSION") or CLAUDE_CODE_VERSION,
+    "claude",
     "claude-opus-5-5",
-)  # fmt: skip
+)
 AGENTS = (CODEX, CLAUDE_CODE)
 
 
@@ -108,8 +113,15 @@ def install(agent: Agent, root: Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{agent.name}-", dir=root))
     try:
-        cmd = [npm, "install", "--no-audit", "--no-fund", "--prefix", str(staging),
-               f"{agent.package}@{agent.version}"]  # fmt: skip
+        cmd = [
+            npm,
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--prefix",
+            str(staging),
+            f"{agent.package}@{agent.version}",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-4000:]}")
@@ -152,9 +164,14 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str], logs: Path, timeout_s:
     t0 = time.monotonic()
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=o, stderr=e,
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=o,
+            stderr=e,
             start_new_session=True,
-        )  # fmt: skip
+        )
         rc: int | None = None
         try:
             rc = proc.wait(timeout=timeout_s)
@@ -165,9 +182,12 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str], logs: Path, timeout_s:
                 os.killpg(proc.pid, signal.SIGKILL)  # its children too (tools, sub-agents)
             proc.wait()
     return Step(
-        tuple(argv), rc, time.monotonic() - t0,
-        out.read_text(errors="replace"), err.read_text(errors="replace"),
-    )  # fmt: skip
+        tuple(argv),
+        rc,
+        time.monotonic() - t0,
+        out.read_text(errors="replace"),
+        err.read_text(errors="replace"),
+    )
 
 
 def _scratch_repo(work: Path, env: dict[str, str]) -> None:

@@ -93,8 +93,14 @@ def agents_gateway(
         # that says it was cut for a failed turn: end it as the model's own end
         "VCACHE_ENGINE__MAX_OUTPUT_TOKENS_FINISH": "stop",
     }
-    args = ["--config", str(tmp / "vcache.yaml"), "--max-model-len", str(MAX_MODEL_LEN),
-            "--kv-cache-bytes", str(KV_CACHE_BYTES)]  # fmt: skip
+    args = [
+        "--config",
+        str(tmp / "vcache.yaml"),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-bytes",
+        str(KV_CACHE_BYTES),
+    ]
     with own_gateway(tmp, data_dir, args, settings) as url:
         yield AgentsGateway(url, KEY, tmp / "sessions.db", demo_model, tmp / "gateway.log")
 

@@ -89,9 +89,15 @@ def run_leg(
     before = counters(base_url)
     with Tap(base_url) as tap:
         steps = clients.two_steps(
-            agent, binary, target, base_url=tap.url, key=key, root=root, timeout_s=timeout_s,
+            agent,
+            binary,
+            target,
+            base_url=tap.url,
+            key=key,
+            root=root,
+            timeout_s=timeout_s,
             go_on=lambda: all(x.ok for x in tap.exchanges),
-        )  # fmt: skip
+        )
     exchanges = tap.exchanges
     delta = _delta(before, counters(base_url))
     logged = log.read(before_ids) if log is not None else []
@@ -104,15 +110,22 @@ def run_leg(
         matched = delta.get("vcache_cached_token_predictions{outcome=matched}", 0)
         predictions = (int(matched), local)
     summary = Summary(
-        agent=agent.name, version=agent.version, target=target, model=agent.model(target),
+        agent=agent.name,
+        version=agent.version,
+        target=target,
+        model=agent.model(target),
         exit_codes=[s.returncode for s in steps],
-        requests=len(exchanges), ok=sum(1 for x in exchanges if x.ok),
+        requests=len(exchanges),
+        ok=sum(1 for x in exchanges if x.ok),
         gateway_statuses=_statuses(delta),
         failures=[x.record() for x in exchanges if not x.ok],
-        logged=len(logged), rebuilt=sum(1 for r in logged if r.rebuilt),
-        reuse=reuse(logged, block_size), predictions=predictions,
-        system_messages=_system_messages(exchanges), notes=notes,
-    )  # fmt: skip
+        logged=len(logged),
+        rebuilt=sum(1 for r in logged if r.rebuilt),
+        reuse=reuse(logged, block_size),
+        predictions=predictions,
+        system_messages=_system_messages(exchanges),
+        notes=notes,
+    )
     for i, s in enumerate(steps, 1):
         if s.returncode != 0:
             summary.notes.append(f"step {i}: {s.describe()}")

@@ -26,9 +26,18 @@ from urllib.parse import urlsplit
 UPSTREAM_TIMEOUT_S = 600.0
 # RFC 9110 7.6.1, plus the headers the tap sets itself
 _HOP = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-     "upgrade", "host", "content-length"}
-)  # fmt: skip
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
 
 
 @dataclass
@@ -63,10 +72,15 @@ class Exchange:
         body = self.body()
         model = body.get("model") if isinstance(body, dict) else None
         return {
-            "method": self.method, "path": self.path, "status": self.status,
-            "model": model, "request_bytes": len(self.request), "headers": self.headers,
-            "error": self.error, "seconds": round(self.seconds, 3),
-        }  # fmt: skip
+            "method": self.method,
+            "path": self.path,
+            "status": self.status,
+            "model": model,
+            "request_bytes": len(self.request),
+            "headers": self.headers,
+            "error": self.error,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 def _decoded(data: bytes, encoding: str | None) -> str:

@@ -38,9 +38,14 @@ def test_two_step_task(
 ) -> None:
     root, runs = agent_runs
     s = run_leg(
-        agent, agent_binaries[agent.name], target, agents_gateway.url, agents_gateway.key,
-        agents_log, root / f"{agent.name}-{target}",
-    )  # fmt: skip
+        agent,
+        agent_binaries[agent.name],
+        target,
+        agents_gateway.url,
+        agents_gateway.key,
+        agents_log,
+        root / f"{agent.name}-{target}",
+    )
     runs.append(s)
     print(s.row())
     problems = s.problems()
@@ -49,8 +54,9 @@ def test_two_step_task(
     if answered != s.requests:
         problems.append(f"the gateway answered {answered} requests, the agent made {s.requests}")
     problems += [
-        f"the gateway answered {n} x {k}" for k, n in s.gateway_statuses.items()
+        f"the gateway answered {n} x {k}"
+        for k, n in s.gateway_statuses.items()
         if not k.endswith(" 200")
-    ]  # fmt: skip
+    ]
     report = "\n".join(problems + s.notes + [f"gateway log: {agents_gateway.log}"])
     assert not problems, report

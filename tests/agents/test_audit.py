@@ -49,11 +49,21 @@ def test_openai_counts_its_prefix_cache_steps() -> None:
 
 def _summary(**kw: object) -> Summary:
     base: dict[str, object] = dict(
-        agent="codex", version="1", target="local", model="m", exit_codes=[0, 0],
-        requests=2, ok=2, gateway_statuses={"/v1/responses 200": 2}, failures=[],
-        logged=2, rebuilt=2, reuse=[Reuse("b", 256, 256)], predictions=(2, 2),
+        agent="codex",
+        version="1",
+        target="local",
+        model="m",
+        exit_codes=[0, 0],
+        requests=2,
+        ok=2,
+        gateway_statuses={"/v1/responses 200": 2},
+        failures=[],
+        logged=2,
+        rebuilt=2,
+        reuse=[Reuse("b", 256, 256)],
+        predictions=(2, 2),
         system_messages=0,
-    )  # fmt: skip
+    )
     return Summary(**(base | kw))  # type: ignore[arg-type]
 
 
@@ -76,6 +86,16 @@ def test_a_clean_run_passes_and_each_fault_is_named() -> None:
 def test_the_table_has_one_row_per_run() -> None:
     lines = table([_summary(), _summary(target="emulated", predictions=None)]).splitlines()
     assert len(lines) == 4
-    assert lines[2].split() == ["codex", "1", "local", "2", "2", "100.0%", "2/2", "2/2", "0,0",
-                                "pass"]  # fmt: skip
+    assert lines[2].split() == [
+        "codex",
+        "1",
+        "local",
+        "2",
+        "2",
+        "100.0%",
+        "2/2",
+        "2/2",
+        "0,0",
+        "pass",
+    ]
     assert lines[3].split()[6] == "-"

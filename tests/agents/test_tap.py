@@ -58,8 +58,9 @@ def upstream() -> Iterator[str]:
 
 def test_streams_pass_through_and_exchanges_are_recorded(upstream: str) -> None:
     with Tap(upstream) as tap, httpx.Client(base_url=tap.url, timeout=10) as c:
-        with c.stream("POST", "/v1/messages?beta=true", json={"model": "m"},
-                      headers={"x-api-key": "k"}) as r:  # fmt: skip
+        with c.stream(
+            "POST", "/v1/messages?beta=true", json={"model": "m"}, headers={"x-api-key": "k"}
+        ) as r:
             chunks = list(r.iter_bytes())
         bad = c.post("/v1/bad", content=b'{"model": "m"}')  # the same connection again
         xs = tap.exchanges

@@ -23,8 +23,11 @@ def test_a_gpu_hosts_install_resolves_against_the_registry(tmp_path: Path) -> No
     env = {**os.environ, "VCACHE_ENGINE_BUILD": "cuda"}
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "setup.sh"), "--resolve-only", str(report)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     install = json.loads(report.read_text())["install"]
     versions = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in install}

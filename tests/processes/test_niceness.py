@@ -39,8 +39,14 @@ stop.set()
 
 def _child(env: dict[str, str]) -> list[str]:
     full = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", CHILD], env=full, capture_output=True,
-                         text=True, timeout=60, check=True)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return run.stdout.split("\n")
 
 

@@ -43,16 +43,22 @@ def _claude_code(model: str) -> dict[str, Any]:
             {"role": "system", "content": "<system-reminder>none</system-reminder>"},
             {"role": "assistant", "content": "Done."},
             {"role": "user", "content": "Edit one."},
-            {"role": "system", "content": [
-                {"type": "text", "text": "Edit is available."},
-                {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Edit"},
-                 "cache_control": {"type": "ephemeral"}},
-            ]},
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": "Edit is available."},
+                    {
+                        "type": "tool_addition",
+                        "tool": {"type": "tool_reference", "name": "Edit"},
+                        "cache_control": {"type": "ephemeral"},
+                    },
+                ],
+            },
         ],
         "thinking": {"type": "adaptive", "display": "omitted"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         "output_config": {"effort": "medium"},
-    }  # fmt: skip
+    }
 
 
 def _post_messages(gw: Gw, body: dict[str, Any]) -> Any:
@@ -126,14 +132,18 @@ def test_codex_hosted_tools_are_left_out_on_a_hosted_target_too(gw: Gw) -> None:
         "tools": [
             {"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
             {"type": "custom", "name": "apply_patch", "description": "Patch files."},
-            {"type": "namespace", "name": "multi_agent_v1", "description": "Agents.",
-             "tools": [{"type": "function", "name": "close_agent"}]},
+            {
+                "type": "namespace",
+                "name": "multi_agent_v1",
+                "description": "Agents.",
+                "tools": [{"type": "function", "name": "close_agent"}],
+            },
             {"type": "web_search", "external_web_access": False},
         ],
         "reasoning": {"effort": "high"},
         "store": False,
         "max_output_tokens": 32,
-    }  # fmt: skip
+    }
     r = gw.http.post("/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code == 200, r.text
     assert r.headers["x-vcache-tools-omitted"] == "web_search"

@@ -105,9 +105,13 @@ def test_bad_responses_requests_are_400s(gw: Gw) -> None:
     r = gw.http.post(
         "/v1/responses",
         headers={"authorization": f"Bearer {KEY}"},
-        json={"model": "vcache-demo", "input": "x", "tools": [{"type": "web_search"}],
-              "tool_choice": {"type": "web_search"}},
-    )  # fmt: skip
+        json={
+            "model": "vcache-demo",
+            "input": "x",
+            "tools": [{"type": "web_search"}],
+            "tool_choice": {"type": "web_search"},
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.type"
     r = gw.http.post(
         "/v1/responses", headers={"authorization": f"Bearer {KEY}"}, json={"model": "vcache-demo"}

@@ -58,9 +58,13 @@ def test_what_is_on_reaches_the_core_through_its_environment() -> None:
     )
     assert core_environment(on) == (*placed, (top_prefill.ENV, "1"))
     both = VllmEngineConfig(
-        model="m", served_name="s", placement=placed, top_prefill_whole=True,
-        top_prefill_alone=True, nice=0,
-    )  # fmt: skip
+        model="m",
+        served_name="s",
+        placement=placed,
+        top_prefill_whole=True,
+        top_prefill_alone=True,
+        nice=0,
+    )
     assert core_environment(both) == (*placed, (top_prefill.ENV, "1"), (top_prefill.ALONE_ENV, "1"))
     decodes = VllmEngineConfig(
         model="m", served_name="s", top_prefill_alone=True, top_prefill_decodes=True, nice=0
@@ -88,9 +92,12 @@ def test_the_engine_args_name_the_scheduler_class_when_a_setting_is_on(
     from engines.vllm.top_prefill import SCHEDULER_CLS
 
     cfg = VllmEngineConfig(
-        model="m", served_name="s", top_prefill_whole=whole, top_prefill_alone=alone,
+        model="m",
+        served_name="s",
+        top_prefill_whole=whole,
+        top_prefill_alone=alone,
         top_prefill_decodes=decodes,
-    )  # fmt: skip
+    )
     assert engine_args(cfg).scheduler_cls == (SCHEDULER_CLS if named else None)
 
 

@@ -50,9 +50,11 @@ def http(demo_model: Path) -> Iterator[TestClient]:
     names = {r["body"]["model"] for r in CAPTURED if r["method"] == "POST"}
     keys = [ApiKeyConfig(sha256=hash_api_key(KEY), tenant="t", name="agents")]
     cfg = gateway_settings(
-        grpc_port=None, api_keys=keys, aliases={n: ["local"] for n in names},
+        grpc_port=None,
+        api_keys=keys,
+        aliases={n: ["local"] for n in names},
         engine={"max_output_tokens": 4},
-    )  # fmt: skip
+    )
     with TestClient(create_app(cfg, [engine])) as client:
         yield client
 
@@ -70,8 +72,12 @@ def test_the_captures_cover_both_agents_and_their_shapes() -> None:
 
 @pytest.mark.parametrize("captured", CAPTURED, ids=[r["id"] for r in CAPTURED])
 def test_what_the_agent_sent_is_served(http: TestClient, captured: dict[str, Any]) -> None:
-    headers = {k: v for k, v in captured["headers"].items() if k.lower() not in (
-        "authorization", "x-api-key", "host", "content-length", "accept-encoding")}  # fmt: skip
+    headers = {
+        k: v
+        for k, v in captured["headers"].items()
+        if k.lower()
+        not in ("authorization", "x-api-key", "host", "content-length", "accept-encoding")
+    }
     headers["authorization"] = f"Bearer {KEY}"
     url = captured["path"] + (f"?{captured['query']}" if captured.get("query") else "")
     if captured["method"] == "GET":
@@ -87,6 +93,7 @@ def test_what_the_agent_sent_is_served(http: TestClient, captured: dict[str, Any
     assert r.status_code == 200, r.text[:2000]
     if captured["body"] and captured["body"].get("stream"):
         assert "error" not in [
-            json.loads(line[6:]).get("type") for line in r.text.splitlines()
+            json.loads(line[6:]).get("type")
+            for line in r.text.splitlines()
             if line.startswith("data: ")
-        ]  # fmt: skip
+        ]

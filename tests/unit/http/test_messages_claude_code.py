@@ -47,9 +47,12 @@ def _tool(name: str, deferred: bool = False) -> dict[str, Any]:
 SYSTEM = [
     {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328;"},
     {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
-    {"type": "text", "text": "You help with software tasks. " * 60,
-     "cache_control": {"type": "ephemeral"}},
-]  # fmt: skip
+    {
+        "type": "text",
+        "text": "You help with software tasks. " * 60,
+        "cache_control": {"type": "ephemeral"},
+    },
+]
 REMINDER = "<system-reminder>Skills available: none.</system-reminder> " * 20
 TASK = [
     {"type": "text", "text": "<system-reminder>CLAUDE.md: be brief</system-reminder>"},
@@ -63,18 +66,27 @@ def first_request(**over: Any) -> dict[str, Any]:
         "max_tokens": 64,
         "stream": True,
         "system": SYSTEM,
-        "tools": [_tool("Bash"), _tool("DeferredToolPlaceholder", True), _tool("Read"),
-                  _tool("Edit", True), _tool("Write", True)],
+        "tools": [
+            _tool("Bash"),
+            _tool("DeferredToolPlaceholder", True),
+            _tool("Read"),
+            _tool("Edit", True),
+            _tool("Write", True),
+        ],
         "messages": [
             {"role": "user", "content": TASK},
-            {"role": "system", "content": [
-                {"type": "text", "text": REMINDER, "cache_control": {"type": "ephemeral"}}]},
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": REMINDER, "cache_control": {"type": "ephemeral"}}
+                ],
+            },
         ],
         "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": SESSION})},
         "thinking": {"type": "adaptive", "display": "omitted"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         "output_config": {"effort": "medium"},
-    }  # fmt: skip
+    }
     return {**body, **over}
 
 
@@ -82,20 +94,31 @@ def later_request() -> dict[str, Any]:
     """The task's third request: the first system message now a string (as the CLI sends
     it again), an answer, a user turn, and a system message adding two deferred tools."""
     body = first_request()
-    body["tools"] = [_tool("Bash"), _tool("Edit", True), _tool("Write", True),
-                     _tool("DeferredToolPlaceholder", True), _tool("Read")]  # fmt: skip
+    body["tools"] = [
+        _tool("Bash"),
+        _tool("Edit", True),
+        _tool("Write", True),
+        _tool("DeferredToolPlaceholder", True),
+        _tool("Read"),
+    ]
     body["messages"] = [
         {"role": "user", "content": TASK},
         {"role": "system", "content": REMINDER},
         {"role": "assistant", "content": [{"type": "text", "text": "Here are the files."}]},
         {"role": "user", "content": "Now edit one."},
-        {"role": "system", "content": [
-            {"type": "text", "text": "Deferred tools are now available."},
-            {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Edit"}},
-            {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Write"},
-             "cache_control": {"type": "ephemeral"}},
-        ]},
-    ]  # fmt: skip
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "Deferred tools are now available."},
+                {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Edit"}},
+                {
+                    "type": "tool_addition",
+                    "tool": {"type": "tool_reference", "name": "Write"},
+                    "cache_control": {"type": "ephemeral"},
+                },
+            ],
+        },
+    ]
     return body
 
 
@@ -116,8 +139,12 @@ def gw(tokenizer: ChatTokenizer, tmp_path: Path) -> Iterator[tuple[FakeEngine, T
 
 
 def _post(http: TestClient, body: dict[str, Any]) -> Any:
-    headers = {"x-api-key": KEY, "anthropic-beta": BETAS, "anthropic-version": "2023-06-01",
-               "x-claude-code-session-id": SESSION}  # fmt: skip
+    headers = {
+        "x-api-key": KEY,
+        "anthropic-beta": BETAS,
+        "anthropic-version": "2023-06-01",
+        "x-claude-code-session-id": SESSION,
+    }
     return http.post("/v1/messages", json=body, headers=headers)
 
 
@@ -162,25 +189,72 @@ def test_tool_additions_render_where_they_sit_and_the_prompt_before_them_is_kept
 @pytest.mark.parametrize(
     ("messages", "param"),
     [
-        ([{"role": "system", "content": "first"}, {"role": "user", "content": "hi"}],
-         "messages.0"),
-        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
-          {"role": "system", "content": "after an answer"}], "messages.2"),
-        ([{"role": "user", "content": "hi"}, {"role": "system", "content": "s"},
-          {"role": "user", "content": "again"}], "messages.1"),
-        ([{"role": "user", "content": "hi"}, {"role": "system", "content": "s"},
-          {"role": "system", "content": "t"}], "messages.1"),
-        ([{"role": "user", "content": "hi"}, {"role": "system", "content": [
-            {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Nope"}}]}],
-         "messages.1.content.0.tool.name"),
-        ([{"role": "user", "content": [
-            {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Bash"}}]}],
-         "messages.0"),
-        ([{"role": "user", "content": "hi"}, {"role": "system", "content": [
-            {"type": "tool_use", "id": "t", "name": "Bash", "input": {}}]}],
-         "messages.1.content.0.type"),
+        ([{"role": "system", "content": "first"}, {"role": "user", "content": "hi"}], "messages.0"),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "a"},
+                {"role": "system", "content": "after an answer"},
+            ],
+            "messages.2",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "again"},
+            ],
+            "messages.1",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": "s"},
+                {"role": "system", "content": "t"},
+            ],
+            "messages.1",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "system",
+                    "content": [
+                        {
+                            "type": "tool_addition",
+                            "tool": {"type": "tool_reference", "name": "Nope"},
+                        }
+                    ],
+                },
+            ],
+            "messages.1.content.0.tool.name",
+        ),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_addition",
+                            "tool": {"type": "tool_reference", "name": "Bash"},
+                        }
+                    ],
+                }
+            ],
+            "messages.0",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "system",
+                    "content": [{"type": "tool_use", "id": "t", "name": "Bash", "input": {}}],
+                },
+            ],
+            "messages.1.content.0.type",
+        ),
     ],
-)  # fmt: skip
+)
 def test_anthropics_placement_rules_are_a_400_naming_the_message(
     gw: tuple[FakeEngine, TestClient], messages: list[dict[str, Any]], param: str
 ) -> None:
@@ -230,9 +304,11 @@ def test_an_operators_output_ceiling_cuts_an_agents_max_tokens_and_says_so(
     engine = FakeEngine(tokenizer, block_size=16, max_model_len=8192, reply=" more" * 50)
     keys = [ApiKeyConfig(sha256=hash_api_key(KEY), tenant="t", name="cc")]
     cfg = gateway_settings(
-        grpc_port=None, api_keys=keys, aliases={"claude-opus-5-5": ["local"]},
+        grpc_port=None,
+        api_keys=keys,
+        aliases={"claude-opus-5-5": ["local"]},
         engine={"max_output_tokens": 8},
-    )  # fmt: skip
+    )
     with TestClient(create_app(cfg, [engine])) as http:
         r = _post(http, first_request(stream=False, max_tokens=128000))
         assert r.status_code == 200, r.text
@@ -270,10 +346,12 @@ def test_clear_tool_uses_is_applied_on_the_local_model_as_anthropic_defines_it(
                 ],
             }
         )
-    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 50},
-            "keep": {"type": "tool_uses", "value": 1}}  # fmt: skip
-    body = first_request(stream=False, messages=messages,
-                         context_management={"edits": [edit]})  # fmt: skip
+    edit = {
+        "type": "clear_tool_uses_20250919",
+        "trigger": {"type": "input_tokens", "value": 50},
+        "keep": {"type": "tool_uses", "value": 1},
+    }
+    body = first_request(stream=False, messages=messages, context_management={"edits": [edit]})
     r = _post(http, body)
     assert r.status_code == 200, r.text
     assert r.headers["x-vcache-context-edits"] == "clear_tool_uses_20250919:3"

@@ -51,13 +51,26 @@ AGENTS: dict[str, Any] = {
     "name": "multi_agent_v1",
     "description": "Sub-agents you can start and steer.",
     "tools": [
-        {"type": "function", "name": "close_agent", "description": "Close an agent.",
-         "strict": False, "parameters": {"type": "object", "properties": {
-             "id": {"type": "string"}}, "required": ["id"]}},
-        {"type": "function", "name": "send_input", "description": "Send input.",
-         "strict": False, "parameters": {"type": "object", "properties": {}}},
+        {
+            "type": "function",
+            "name": "close_agent",
+            "description": "Close an agent.",
+            "strict": False,
+            "parameters": {
+                "type": "object",
+                "properties": {"id": {"type": "string"}},
+                "required": ["id"],
+            },
+        },
+        {
+            "type": "function",
+            "name": "send_input",
+            "description": "Send input.",
+            "strict": False,
+            "parameters": {"type": "object", "properties": {}},
+        },
     ],
-}  # fmt: skip
+}
 HOSTED: list[dict[str, Any]] = [
     {"type": "tool_search", "execution": "client"},
     {"type": "web_search", "external_web_access": False, "search_content_types": ["text"]},
@@ -71,15 +84,33 @@ def first_request(**over: Any) -> dict[str, Any]:
         "model": MODEL,
         "instructions": "You are Codex, a coding agent. " * 20,
         "input": [
-            {"type": "message", "role": "developer", "id": "msg_1",
-             "content": [{"type": "input_text", "text": DEVELOPER}]},
-            {"type": "message", "role": "developer", "id": "msg_2",
-             "content": [{"type": "input_text", "text": "<apps_instructions/>"},
-                         {"type": "input_text", "text": "<skills_instructions/>"}]},
-            {"type": "message", "role": "user", "id": "msg_3",
-             "content": [{"type": "input_text", "text": "<environment_context/>"}]},
-            {"type": "message", "role": "user", "id": "msg_4",
-             "content": [{"type": "input_text", "text": "List the files here."}]},
+            {
+                "type": "message",
+                "role": "developer",
+                "id": "msg_1",
+                "content": [{"type": "input_text", "text": DEVELOPER}],
+            },
+            {
+                "type": "message",
+                "role": "developer",
+                "id": "msg_2",
+                "content": [
+                    {"type": "input_text", "text": "<apps_instructions/>"},
+                    {"type": "input_text", "text": "<skills_instructions/>"},
+                ],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "id": "msg_3",
+                "content": [{"type": "input_text", "text": "<environment_context/>"}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "id": "msg_4",
+                "content": [{"type": "input_text", "text": "List the files here."}],
+            },
         ],
         "tools": [EXEC, PATCH, AGENTS, *HOSTED],
         "tool_choice": "auto",
@@ -92,7 +123,7 @@ def first_request(**over: Any) -> dict[str, Any]:
         "text": {"verbosity": "low"},
         "client_metadata": {"session_id": THREAD, "x-codex-window-id": f"{THREAD}:0"},
         "max_output_tokens": 64,
-    }  # fmt: skip
+    }
     return {**body, **over}
 
 
@@ -174,8 +205,12 @@ def test_codex_first_request_is_served_with_hosted_tools_left_out_and_named(
     done = events[-1]["response"]
     # echoed as sent: the tools (hosted ones too), reasoning, verbosity, the cache key
     assert [t["type"] for t in done["tools"]] == [
-        "function", "custom", "namespace", "tool_search", "web_search",
-    ]  # fmt: skip
+        "function",
+        "custom",
+        "namespace",
+        "tool_search",
+        "web_search",
+    ]
     assert done["reasoning"]["effort"] == "medium" and done["store"] is False
     assert done["text"]["verbosity"] == "low" and done["prompt_cache_key"] == THREAD
     prompt = tokenizer.decode(text_gw.prompt())
@@ -208,8 +243,10 @@ def test_a_tool_choice_that_needs_a_hosted_tool_is_refused_by_name(text_gw: Gw) 
     [
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"include": ["reasoning.secret"]}, "include"),
-        ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
-         "tool_choice.type"),
+        (
+            {"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
+            "tool_choice.type",
+        ),
         ({"tool_choice": {"type": "function", "name": "close_agent"}}, "tool_choice.name"),
         ({"tools": [{"type": "namespace", "name": "ns", "tools": []}]}, "tools"),
         ({"tools": [EXEC, EXEC]}, "tools"),
@@ -218,7 +255,7 @@ def test_a_tool_choice_that_needs_a_hosted_tool_is_refused_by_name(text_gw: Gw) 
         # found by the contract fuzzer: a hosted type is named in a header (was a 500)
         ({"tools": [{"type": "w\u00c3b"}]}, "tools"),
     ],
-)  # fmt: skip
+)
 def test_what_codex_could_send_wrong_is_refused_by_name(
     text_gw: Gw, over: dict[str, Any], param: str
 ) -> None:
@@ -292,18 +329,37 @@ def test_the_turn_after_a_tool_call_extends_the_prompt_whatever_reasoning_comes_
         before = gw.prompt()
         history = [
             *first["input"],
-            {"type": "reasoning", "id": "rs_1", "encrypted_content": "b3BhcXVl",
-             "summary": [{"type": "summary_text", "text": "**Listing files**"}]},
-            {"type": "function_call", "id": "fc_1", "call_id": "call_1",
-             "name": "exec_command", "arguments": '{"cmd": "ls"}', "status": "completed"},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "encrypted_content": "b3BhcXVl",
+                "summary": [{"type": "summary_text", "text": "**Listing files**"}],
+            },
+            {
+                "type": "function_call",
+                "id": "fc_1",
+                "call_id": "call_1",
+                "name": "exec_command",
+                "arguments": '{"cmd": "ls"}',
+                "status": "completed",
+            },
             {"type": "function_call_output", "call_id": "call_1", "output": "README.md\n"},
-            {"type": "function_call", "call_id": "call_2", "name": "close_agent",
-             "namespace": "multi_agent_v1", "arguments": '{"id": "a1"}'},
+            {
+                "type": "function_call",
+                "call_id": "call_2",
+                "name": "close_agent",
+                "namespace": "multi_agent_v1",
+                "arguments": '{"id": "a1"}',
+            },
             {"type": "function_call_output", "call_id": "call_2", "output": "closed"},
-            {"type": "custom_tool_call", "call_id": "call_3", "name": "apply_patch",
-             "input": "*** Begin Patch\n*** End Patch\n"},
+            {
+                "type": "custom_tool_call",
+                "call_id": "call_3",
+                "name": "apply_patch",
+                "input": "*** Begin Patch\n*** End Patch\n",
+            },
             {"type": "custom_tool_call_output", "call_id": "call_3", "output": "Done!"},
-        ]  # fmt: skip
+        ]
         r2 = gw.post(first_request(stream=False, input=history))
         assert r2.status_code == 200, r2.text
         after = gw.prompt()

@@ -65,8 +65,9 @@ def test_invocations_refuse_what_neither_api_takes(gw: Gateway, body: Any, param
 
 def test_load_counts_the_requests_being_served(demo_model: Path) -> None:
     hold = Hold(at=1)  # the answer stays under way until the test lets it end
-    engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512,
-                        hold=hold)  # fmt: skip
+    engine = FakeEngine(
+        ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=512, hold=hold
+    )
     with TestClient(create_app(gateway_settings(grpc_port=None), [engine])) as http:
         assert http.get("/load").json() == {"server_load": 0}
         body = {"model": MODEL, "messages": ASK, "max_tokens": 20, "stream": True}

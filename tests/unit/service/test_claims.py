@@ -94,8 +94,9 @@ class World:
 
     def prefill_waits(self) -> float:
         get = self.metrics.registry.get_sample_value
-        return sum(get("vcache_prefill_waits_total", {"outcome": o}) or 0.0
-                   for o in ("joined", "timeout"))  # fmt: skip
+        return sum(
+            get("vcache_prefill_waits_total", {"outcome": o}) or 0.0 for o in ("joined", "timeout")
+        )
 
     def assert_released(self) -> None:
         """Every claim a request can make before or at its send is back."""
@@ -128,8 +129,15 @@ async def world(demo_model: Path, tmp_path: Path, wait_s: float = WAIT_S) -> Asy
     path.control = control
     provider = ProviderChat(path, settings.prompt_layout, metrics)
     journal = SessionLog503()
-    w = World(local, dispatcher, provider, control, journal, ServiceLoop(journal, metrics,
-              lambda n: w.target(n)), metrics)  # fmt: skip
+    w = World(
+        local,
+        dispatcher,
+        provider,
+        control,
+        journal,
+        ServiceLoop(journal, metrics, lambda n: w.target(n)),
+        metrics,
+    )
     try:
         yield w
     finally:

@@ -21,8 +21,13 @@ def _turns(names: list[str]) -> list[MessageEvent]:
     """A user turn, then one call and its result per name."""
     out = [MessageEvent("user", "fix the bug")]
     for i, name in enumerate(names):
-        call = [{"id": f"c{i}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps({"n": i})}}]  # fmt: skip
+        call = [
+            {
+                "id": f"c{i}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps({"n": i})},
+            }
+        ]
         out.append(MessageEvent("assistant", "", tool_calls=canonical_json(call).decode()))
         out.append(MessageEvent("tool", f"result {i}", tool_call_id=f"c{i}"))
     return out
@@ -33,11 +38,20 @@ def test_the_edit_is_read_with_anthropics_defaults() -> None:
     edit = tool_use_edit(cm)
     assert edit == ClearToolUses(trigger=100_000, keep=3)
     assert not edit.applies(100_000) and edit.applies(100_001)
-    given = tool_use_edit({"edits": [{
-        "type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 500},
-        "keep": {"type": "tool_uses", "value": 1}, "exclude_tools": ["Read"],
-        "clear_at_least": {"type": "input_tokens", "value": 20}, "clear_tool_inputs": True,
-    }]})  # fmt: skip
+    given = tool_use_edit(
+        {
+            "edits": [
+                {
+                    "type": "clear_tool_uses_20250919",
+                    "trigger": {"type": "input_tokens", "value": 500},
+                    "keep": {"type": "tool_uses", "value": 1},
+                    "exclude_tools": ["Read"],
+                    "clear_at_least": {"type": "input_tokens", "value": 20},
+                    "clear_tool_inputs": True,
+                }
+            ]
+        }
+    )
     assert given == ClearToolUses(500, 1, 20, frozenset({"Read"}), True)
     assert tool_use_edit({"edits": [{"type": "clear_thinking_20251015"}]}) is None
     assert tool_use_edit(None) is None
