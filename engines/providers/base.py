@@ -13,7 +13,7 @@ byte offset where each segment ends (render records hash these).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,11 +51,13 @@ class Turn:
     control: Mapping[str, Any] | None = None
 
 
-def effective_effort(effort: str | None, turns: Sequence[Turn]) -> str | None:
-    """The effort in force for the answer: the last message's own (per-turn control)
-    where one set it, else the request's."""
-    for t in reversed(turns):
-        own = (t.control or {}).get("output_config", {}).get("effort")
+def effective_effort(
+    effort: str | None, controls: Iterable[Mapping[str, Any] | None]
+) -> str | None:
+    """The effort in force for the answer: the last message's own (``controls``, each
+    message's per-turn control in order) where one set it, else the request's."""
+    for control in reversed(list(controls)):
+        own = (control or {}).get("output_config", {}).get("effort")
         if own is not None:
             return str(own)
     return effort

@@ -107,7 +107,7 @@ class OpenAIAdapter:
                 body[name] = value
         if call.stop:
             body["stop"] = list(call.stop)
-        effort = effective_effort(call.effort, call.turns)
+        effort = effective_effort(call.effort, (t.control for t in call.turns))
         if effort is not None and self.takes_effort:
             body["reasoning_effort"] = OPENAI_EFFORT.get(effort, effort)
         return Rendered("/chat/completions", canonical_json(body), prompt, ends, call.stream)

@@ -4,12 +4,18 @@ cache salt and the request's priority."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from engines.base import Engine, GenerateRequest, SamplingOptions, Structured
+from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest
 from gateway.core.schemas import SamplingFields
+from gateway.core.target import Sent
 from gateway.core.types import ENGINE_PRIORITY, Principal, request_salt
+from gateway.sessions.render import vllm_payload
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,16 @@ class Room:
     vocab: int
     clamp: bool = False
     max_output: int | None = None
+
+
+def sent_to_engine(g: GenerateRequest, rendered: Mapping[str, Any]) -> Sent:
+    """What the journal keeps of a request handed to vLLM: the payload's bytes, and the
+    directives that rebuild them: the salt, the resolved sampling and ``rendered`` (how
+    the prompt became its ids: a chat's ``template``, a text's ``prompt``)."""
+    sampling = dataclasses.asdict(g.sampling)
+    body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling)
+    directives = {"cache_salt": g.cache_salt, "sampling": sampling, **rendered}
+    return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
 
 
 def vocab_size(engine: Engine) -> int:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import Engine, GenerateRequest, Structured
+from engines.providers.base import effective_effort
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
 from gateway.core.config import LOCAL_TARGET, RetentionSettings
@@ -51,7 +52,13 @@ from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
 from gateway.service.breakpoints import Ends, SystemPrompts, Turns, retained
 from gateway.service.context_edits import CLEAR_TOOL_USES, clear_tool_uses, tool_use_edit
-from gateway.service.engine_request import Room, check_token_ids, generate_request, vocab_size
+from gateway.service.engine_request import (
+    Room,
+    check_token_ids,
+    generate_request,
+    sent_to_engine,
+    vocab_size,
+)
 from gateway.service.json_text import escaped_json, json_answer
 from gateway.service.prompts import Prompts
 from gateway.service.tools import ToolPlan
@@ -59,7 +66,6 @@ from gateway.sessions.render import (
     request_config,
     request_parts,
     split_messages,
-    vllm_payload,
 )
 from manifest.canonical import canonical_json
 from manifest.index import LocationId
@@ -100,13 +106,8 @@ class LocalPrepared:
 
     @property
     def sent(self) -> Sent:
-        g = self.greq
-        sampling = dataclasses.asdict(g.sampling)
-        body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling)
-        directives: dict[str, Any] = {"cache_salt": g.cache_salt, "sampling": sampling}
-        if self.template:  # logs written before it have no such key
-            directives["template"] = dict(self.template)
-        return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
+        # a request with no prompt shaping keeps no template key (as logs always had it)
+        return sent_to_engine(self.greq, {"template": dict(self.template)} if self.template else {})
 
 
 class LocalChat:
@@ -199,7 +200,9 @@ class LocalChat:
                 code="unsupported_parameter",
             )
         req.hints.refuse_anthropic_only("local", applies_edits=True)
-        effort = _effort(req)  # the Responses / Messages effort, as vLLM passes it
+        # the Responses / Messages effort in force, to the template as vLLM passes it
+        controls = (json.loads(m.control) if m.control else None for m in req.messages)
+        effort = effective_effort(req.hints.effort, controls)
         if effort is not None:
             own = template.get("chat_template_kwargs") or {}
             template["chat_template_kwargs"] = {"reasoning_effort": effort, **own}
@@ -465,16 +468,6 @@ class LocalChat:
         return generate_request(
             rid, ids, req, limit, params, who, room, logprobs, structured, top_k, prompt_logprobs
         )
-
-
-def _effort(req: ChatCompletionRequest) -> str | None:
-    """The effort in force: the last message's own (per-turn control), else the
-    request's."""
-    for m in reversed(req.messages):
-        own = json.loads(m.control).get("output_config", {}).get("effort") if m.control else None
-        if own is not None:
-            return str(own)
-    return req.hints.effort
 
 
 def _session_key(call: Call) -> str | None:

@@ -37,10 +37,11 @@ from gateway.core.tracing import RequestTrace
 from gateway.core.types import Placement, Principal, RouteOverride, request_salt
 from gateway.local.dispatch import Dispatch
 from gateway.service.completions import Echo, echoed, merged, prompt_list
+from gateway.service.engine_request import sent_to_engine
 from gateway.service.json_text import escaped_json, json_answer
 from gateway.service.local import LocalChat
 from gateway.service.loop import Join
-from gateway.sessions.render import text_config, text_prompt, text_shaping, vllm_payload
+from gateway.sessions.render import text_config, text_prompt, text_shaping
 from manifest.sessionlog import Header, MessageEvent, prompt_entry
 
 COMPLETION_MAX_TOKENS = 16  # text completions without max_tokens, as OpenAI's and vLLM's
@@ -83,15 +84,7 @@ class TextPrepared:
 
     @property
     def sent(self) -> Sent:
-        g = self.greq
-        sampling = dataclasses.asdict(g.sampling)
-        body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling)
-        directives = {
-            "cache_salt": g.cache_salt,
-            "sampling": sampling,
-            "prompt": dict(self.shaping),
-        }
-        return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
+        return sent_to_engine(self.greq, {"prompt": dict(self.shaping)})
 
 
 class LocalCompletions:
