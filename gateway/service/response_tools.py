@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.core.errors import InvalidRequest
@@ -39,7 +39,6 @@ from gateway.core.responses import (
     CustomTool,
     FunctionChoice,
     FunctionTool,
-    HostedChoice,
     HostedTool,
     NamespaceTool,
     ResponsesRequest,
@@ -69,13 +68,12 @@ class ResponseTools:
 
     chat: tuple[ToolSpec, ...] = ()
     omitted: tuple[str, ...] = ()
-    origins: Mapping[str, Origin] | None = None
+    origins: Mapping[str, Origin] = field(default_factory=dict)
 
     def origin(self, chat_name: str) -> Origin:
         """The tool a call of ``chat_name`` stands for (a name the model made up: a
         function of that name)."""
-        found = (self.origins or {}).get(chat_name)
-        return found if found is not None else Origin(chat_name)
+        return self.origins.get(chat_name) or Origin(chat_name)
 
 
 def chat_name(name: str, namespace: str | None) -> str:
@@ -161,7 +159,7 @@ def chat_tool_choice(req: ResponsesRequest, tools: ResponseTools) -> Any:
         return choice
     if isinstance(choice, FunctionChoice):
         name = chat_name(choice.name, choice.namespace)
-        found = tools.origins.get(name) if tools.origins else None
+        found = tools.origins.get(name)
         if found is None or found.kind != choice.type:
             raise InvalidRequest(
                 f"tool_choice names the {choice.type} tool '{choice.name}', which is not "
@@ -170,8 +168,7 @@ def chat_tool_choice(req: ResponsesRequest, tools: ResponseTools) -> Any:
                 code="invalid_value",
             )
         return {"type": "function", "function": {"name": name}}
-    assert isinstance(choice, HostedChoice)
-    if choice.type == "allowed_tools":
+    if choice.type == "allowed_tools":  # what is left: a HostedChoice
         raise InvalidRequest(
             "tool_choice of type 'allowed_tools' is not supported by this gateway",
             param="tool_choice.type",

@@ -57,7 +57,6 @@ from gateway.service.response_tools import (
     chat_name,
     chat_tool_choice,
     custom_arguments,
-    response_tools,
 )
 from gateway.sessions.store import ResponseRow, SessionStore
 from manifest.sessionlog import MessageEvent, fold, session_name
@@ -210,9 +209,10 @@ class Responses:
             )  # fmt: skip
 
     async def create(
-        self, req: ResponsesRequest, who: Principal, session: str | None = None
+        self, req: ResponsesRequest, tools: ResponseTools, who: Principal, session: str | None
     ) -> Routed[ResponseObject]:
-        tools = response_tools(req.all_tools())
+        """The whole response; ``tools``: the request's, in chat's terms (mapped once by
+        the caller, :func:`~gateway.service.response_tools.response_tools`)."""
         chat, session = await self._chat_request(req, who, session, tools)
         done: Routed[ChatCompletion] = await self._chat(chat, who, None, session)
         c = done.body
@@ -223,11 +223,10 @@ class Responses:
         return Routed(body, done.served)
 
     async def stream(
-        self, req: ResponsesRequest, who: Principal, session: str | None = None
+        self, req: ResponsesRequest, tools: ResponseTools, who: Principal, session: str | None
     ) -> tuple[AsyncGenerator[StreamEvent, None], ResponseStream, Served]:
         """The response's events, started (first token) on return; the stream's state
         numbers an error event, should the answer fail after it started."""
-        tools = response_tools(req.all_tools())
         chat, session = await self._chat_request(req, who, session, tools)
         routed: Routed[Answer] = await self._answer(chat, who, None, session)
         state = ResponseStream(new_id("resp"), req, int(time.time()), tools)

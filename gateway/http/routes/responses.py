@@ -41,10 +41,10 @@ async def create_response(
     key = body.prompt_cache_key
     if session is None and key is not None and SESSION_ID.match(key):
         session = key  # Codex's thread id: the session, where no header names one
-    omitted = response_tools(body.all_tools()).omitted
-    notes = {OMITTED_HEADER: ", ".join(omitted)} if omitted else {}
+    tools = response_tools(body.all_tools())  # in chat's terms, once
+    notes = {OMITTED_HEADER: ", ".join(tools.omitted)} if tools.omitted else {}
     if body.stream:
-        events, state, served = await api.stream(body, who, session)
+        events, state, served = await api.stream(body, tools, who, session)
 
         def failed(exc: APIError) -> bytes:
             ev = ErrorEvent(
@@ -54,7 +54,7 @@ async def create_response(
 
         headers = {**served.headers(), **notes}
         return await open_stream(events, headers, named_frame, failed, done=None)
-    done = await api.create(body, who, session)
+    done = await api.create(body, tools, who, session)
     return whole(done.body, {**done.served.headers(), **notes})
 
 
