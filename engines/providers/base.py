@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.sse import ServerSentEvent
+from manifest.attachments import Attachment
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,17 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class Attached:
+    """An image or a document inside a turn, with its bytes: every adapter sends the
+    bytes exactly as the client sent them (re-encoding would change them, and with them
+    the provider's cache key)."""
+
+    attachment: Attachment
+    detail: str | None = None  # an image's OpenAI ``detail`` (low, high, auto), as sent
+    title: str | None = None  # a document's title (Anthropic) or file name (OpenAI)
+
+
+@dataclass(frozen=True)
 class Turn:
     role: str  # "user" | "assistant" | "tool" | "system" (a system message where it sits)
     content: str
@@ -49,6 +61,9 @@ class Turn:
     tool_changes: tuple[Mapping[str, Any], ...] = ()
     # the message's own output control (Anthropic's per-turn output_config), as written
     control: Mapping[str, Any] | None = None
+    # a message that carries images or documents: its content in order, text as str and
+    # each attachment where it sits (``content`` is then its text alone); () otherwise
+    parts: tuple[str | Attached, ...] = ()
 
 
 def effective_effort(

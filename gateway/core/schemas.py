@@ -88,6 +88,35 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    url: str = Field(min_length=1)  # a data URL, or http(s) from an allowed host
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(BaseModel):
+    """An image in a chat message (OpenAI's ``image_url`` part); the Messages and
+    Responses APIs' images arrive here in this shape too."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class FileData(BaseModel):
+    file_data: str | None = None  # a data URL (base64), e.g. a PDF
+    filename: str | None = None
+    file_id: str | None = None  # refused by name: there is no files API
+
+
+class FilePart(BaseModel):
+    """A document in a chat message (OpenAI's ``file`` part)."""
+
+    type: Literal["file"]
+    file: FileData
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart | FilePart, Field(discriminator="type")]
+
+
 class FunctionCallIn(BaseModel):
     name: str = Field(min_length=1)
     arguments: str  # JSON text, as the model wrote it
@@ -119,10 +148,20 @@ class ChatMessage(BaseModel):
     _control: str | None = PrivateAttr(default=None)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool's result: which call it answers
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        """Images and documents are refused by name until attachments are served."""
+        if isinstance(v, list):
+            for p in v:
+                if not isinstance(p, TextPart):
+                    raise ValueError(f"content parts of type '{p.type}' are not supported")
+        return v
 
     def tool_calls_json(self) -> str | None:
         """The tool calls as canonical JSON (how the session log keeps them)."""
@@ -159,7 +198,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
 class StreamOptions(BaseModel):

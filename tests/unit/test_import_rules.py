@@ -44,10 +44,26 @@ OURS = {*PACKAGES, "tests", "scripts"}  # top-level names that are this reposito
 GENERATED = {"gateway.grpc.api.gateway_pb2", "gateway.grpc.api.gateway_pb2_grpc"}
 
 PURE = {
-    "__future__", "bisect", "collections", "contextlib", "dataclasses", "enum", "hashlib",
-    "itertools", "json", "math", "operator", "re", "typing", "cbor2", "msgspec", "pydantic",
-    "numpy", "manifest",
-}  # fmt: skip
+    "__future__",
+    "bisect",
+    "collections",
+    "contextlib",
+    "dataclasses",
+    "enum",
+    "hashlib",
+    "itertools",
+    "json",
+    "math",
+    "operator",
+    "re",
+    "struct",
+    "typing",
+    "cbor2",
+    "msgspec",
+    "pydantic",
+    "numpy",
+    "manifest",
+}
 ROOMS: dict[str, set[str]] = {  # what each room may import of ours besides itself
     "manifest": set(),
     "engines": {"manifest"},
