@@ -122,8 +122,13 @@ def _serve_with_cores(
         started = time.monotonic()
         try:
             cores.start()
-            why = None if stopping() else _supervise(n, _attached(cmd, env, cores), stopping,
-                                                    restart=False, dead=cores.dead)  # fmt: skip
+            why = (
+                None
+                if stopping()
+                else _supervise(
+                    n, _attached(cmd, env, cores), stopping, restart=False, dead=cores.dead
+                )
+            )
         except Exception as exc:
             log.exception("the engine cores failed to start")
             why = f"{type(exc).__name__}: {exc}"
@@ -173,12 +178,21 @@ def _supervise(
                 w.backoff_s = min(w.backoff_s * 2, 30.0) if lived < YOUNG_S else 1.0
                 w.due, w.proc, w.gone = now + w.backoff_s, None, not restart
                 if restart:
-                    log.warning("worker %d exited (%s) after %.0f s; again in %.0f s",
-                                w.index, code, lived, w.backoff_s)  # fmt: skip
+                    log.warning(
+                        "worker %d exited (%s) after %.0f s; again in %.0f s",
+                        w.index,
+                        code,
+                        lived,
+                        w.backoff_s,
+                    )
                 else:
-                    log.error("worker %d exited (%s) after %.0f s; the others serve (a "
-                              "worker cannot attach to running engine cores again)",
-                              w.index, code, lived)  # fmt: skip
+                    log.error(
+                        "worker %d exited (%s) after %.0f s; the others serve (a "
+                        "worker cannot attach to running engine cores again)",
+                        w.index,
+                        code,
+                        lived,
+                    )
             if w.proc is None and not w.gone and now >= w.due:
                 w.proc, w.started = spawn(w.index), now
         if all(w.gone for w in workers):

@@ -89,8 +89,10 @@ def order(rounds: int, batch: bool, second: str | None) -> list[str]:
 
 def _flood(args: argparse.Namespace, agents_rps: float) -> dict[str, str]:
     rate = args.flood_ratio * agents_rps
-    return {"VCACHE_BACKGROUND_USERS": str(args.flood_users),
-            "VCACHE_BACKGROUND_RPS": f"{rate / args.flood_users:.4f}"}  # fmt: skip
+    return {
+        "VCACHE_BACKGROUND_USERS": str(args.flood_users),
+        "VCACHE_BACKGROUND_RPS": f"{rate / args.flood_users:.4f}",
+    }
 
 
 def rates(out: Path, name: str) -> dict[str, float]:
@@ -103,8 +105,12 @@ def rates(out: Path, name: str) -> dict[str, float]:
 
 def _later(out: Path, names: list[str]) -> list[dict[str, str]]:
     """The agents' answered later turns of these runs."""
-    return [r for n in names for r in raw_rows(out / n / "raw.csv")
-            if r["kind"] == "agent" and r["ok"] == "1" and int(r["turn"]) > 0]  # fmt: skip
+    return [
+        r
+        for n in names
+        for r in raw_rows(out / n / "raw.csv")
+        if r["kind"] == "agent" and r["ok"] == "1" and int(r["turn"]) > 0
+    ]
 
 
 def prefill_fit(out: Path, names: list[str]) -> dict[str, float] | None:
@@ -125,8 +131,12 @@ def theil_sen(xs: list[int], ys: list[float]) -> dict[str, float] | None:
     """The line through ``(xs, ys)`` by the median pairwise slope and the median
     intercept; None where no two points differ in x."""
     pts = list(zip(xs, ys, strict=True))
-    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pts)
-              for x2, y2 in pts[i + 1:] if x2 != x1]  # fmt: skip
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for i, (x1, y1) in enumerate(pts)
+        for x2, y2 in pts[i + 1 :]
+        if x2 != x1
+    ]
     if not slopes:
         return None
     slope = statistics.median(slopes)
@@ -141,8 +151,13 @@ def pooled(out: Path, rows: list[Any]) -> dict[str, dict[str, Any]]:
     got = {}
     for name, runs in arms.items():
         ttft = [float(r["ttft_ms"]) for r in _later(out, runs)]
-        got[name] = {"rounds": len(runs), "turns": len(ttft), "p50": percentile(ttft, 50),
-                     "p90": percentile(ttft, 90), "fit": prefill_fit(out, runs)}  # fmt: skip
+        got[name] = {
+            "rounds": len(runs),
+            "turns": len(ttft),
+            "p50": percentile(ttft, 50),
+            "p90": percentile(ttft, 90),
+            "fit": prefill_fit(out, runs),
+        }
     return got
 
 
@@ -160,19 +175,26 @@ def fairness_table(
         later, first, g = r["ttft_ms_later"], r["ttft_ms_first"], r.get("gateway", {})
         fit = r.get("fit") or {"ms_per_token": 0.0, "wait_ms": 0.0}
         reused = "-" if r["reused_share"] is None else f"{r['reused_share']:.3f}"
-        lines.append(f"{r['arm']:<18}{r['agents_rps']:>10.2f}{r['background_rps']:>8.2f}"
-                     f"{r['errors']:>5}{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
-                     f"{first['p90'] or 0:>12.0f}{reused:>8}{int(g.get(REFUSED, 0)):>8}"
-                     f"{int(g.get(LEASE_ROOM, 0)):>8}{int(r.get('prefill_stops') or 0):>7}"
-                     f"{fit['ms_per_token']:>8.2f}{fit['wait_ms']:>9.0f}"
-                     f"{_steps(r, 'held')}{_steps(r, 'unfit')}{_loop(r)}")  # fmt: skip
-    lines += ["", f"{'pooled':<18}{'rounds':>7}{'turns':>7}{'ttft p50':>10}{'p90':>7}"
-                  f"{'ms/tok':>8}{'wait ms':>9}"]  # fmt: skip
+        lines.append(
+            f"{r['arm']:<18}{r['agents_rps']:>10.2f}{r['background_rps']:>8.2f}"
+            f"{r['errors']:>5}{later['p50'] or 0:>10.0f}{later['p90'] or 0:>7.0f}"
+            f"{first['p90'] or 0:>12.0f}{reused:>8}{int(g.get(REFUSED, 0)):>8}"
+            f"{int(g.get(LEASE_ROOM, 0)):>8}{int(r.get('prefill_stops') or 0):>7}"
+            f"{fit['ms_per_token']:>8.2f}{fit['wait_ms']:>9.0f}"
+            f"{_steps(r, 'held')}{_steps(r, 'unfit')}{_loop(r)}"
+        )
+    lines += [
+        "",
+        f"{'pooled':<18}{'rounds':>7}{'turns':>7}{'ttft p50':>10}{'p90':>7}"
+        f"{'ms/tok':>8}{'wait ms':>9}",
+    ]
     for name, p in pool.items():
         fit = p["fit"] or {"ms_per_token": 0.0, "wait_ms": 0.0}
-        lines.append(f"{name:<18}{p['rounds']:>7}{p['turns']:>7}{p['p50'] or 0:>10.0f}"
-                     f"{p['p90'] or 0:>7.0f}{fit['ms_per_token']:>8.2f}"
-                     f"{fit['wait_ms']:>9.0f}")  # fmt: skip
+        lines.append(
+            f"{name:<18}{p['rounds']:>7}{p['turns']:>7}{p['p50'] or 0:>10.0f}"
+            f"{p['p90'] or 0:>7.0f}{fit['ms_per_token']:>8.2f}"
+            f"{fit['wait_ms']:>9.0f}"
+        )
     alone, guarded = pool["alone"]["p90"], pool["flooded_guard"]["p90"]
     ok = bool(alone and guarded and guarded <= 1.2 * alone)
     ratio = f"{guarded / alone:.2f}x" if alone and guarded else "-"

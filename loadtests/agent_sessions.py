@@ -59,9 +59,11 @@ def router_arm(out: Path, args: argparse.Namespace, model: str) -> Any:
 
 
 def table(rows: list[Any]) -> str:
-    head = (f"{'arm':<13}{'turns':>6}{'err':>5}{'reused':>8}{'hit':>7}"
-            f"{'ttft p50':>10}{'p90':>7}{'turn-0 p50':>12}{'p90':>7}{'leased':>8}{'refused':>8}"
-            f"{'preempt':>8}{'exact':>7}{'touched':>8}{'t-miss':>7}")  # fmt: skip
+    head = (
+        f"{'arm':<13}{'turns':>6}{'err':>5}{'reused':>8}{'hit':>7}"
+        f"{'ttft p50':>10}{'p90':>7}{'turn-0 p50':>12}{'p90':>7}{'leased':>8}{'refused':>8}"
+        f"{'preempt':>8}{'exact':>7}{'touched':>8}{'t-miss':>7}"
+    )
     lines = [head]
     for r in rows:
         later, first = r["ttft_ms_later"], r["ttft_ms_first"]
@@ -164,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         checks["TTFT p90 >= 2x better than round_robin"] = bool(rr and ret and rr >= 2 * ret)
     for name, ok in checks.items():
         print(f"{name}: {'ok' if ok else 'MISSED'}")
-    saved = {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
-             for k, v in vars(args).items() if k != "count"}  # fmt: skip
+    saved = {
+        k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k != "count"
+    }
     (args.out / "agents.json").write_text(json.dumps({"args": saved, "arms": rows}, indent=2))
     (args.out / "agents.txt").write_text(text + "\n")
     return 0 if all(checks.values()) else 1

@@ -29,8 +29,20 @@ from engines.sse import SSEDecoder
 from loadtests.fasthttp import lines
 
 BLOCK = 128
-FIELDS = ["kind", "session", "agent", "turn", "ok", "ttft_ms", "prompt_tokens",
-          "cached_tokens", "reusable_tokens", "replica", "finish", "t"]  # fmt: skip
+FIELDS = [
+    "kind",
+    "session",
+    "agent",
+    "turn",
+    "ok",
+    "ttft_ms",
+    "prompt_tokens",
+    "cached_tokens",
+    "reusable_tokens",
+    "replica",
+    "finish",
+    "t",
+]
 
 
 class Plan:
@@ -94,8 +106,15 @@ def _stream(user: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[st
     calls: dict[int, dict[str, Any]] = {}
     usage: dict[str, Any] = {}
     finish = ""
-    with user.client.request("POST", "/v1/chat/completions", json=body, headers=headers,
-                             stream=True, catch_response=True, name="chat") as resp:  # fmt: skip
+    with user.client.request(
+        "POST",
+        "/v1/chat/completions",
+        json=body,
+        headers=headers,
+        stream=True,
+        catch_response=True,
+        name="chat",
+    ) as resp:
         if resp.status_code != 200:
             resp.failure(f"HTTP {resp.status_code}")
             return None
@@ -125,8 +144,13 @@ def _stream(user: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[st
         replica = resp.headers.get("x-vcache-replica", "")
     end = time.perf_counter()
     ttft = (first or end) - t0
-    return {"ttft": ttft, "calls": [calls[i] for i in sorted(calls)], "usage": usage,
-            "finish": finish, "replica": replica}  # fmt: skip
+    return {
+        "ttft": ttft,
+        "calls": [calls[i] for i in sorted(calls)],
+        "usage": usage,
+        "finish": finish,
+        "replica": replica,
+    }
 
 
 class AgentUser(FastHttpUser):
@@ -147,8 +171,10 @@ class AgentUser(FastHttpUser):
     def _run(self, plan: Plan, s: dict[str, Any]) -> None:
         model = os.environ.get("VCACHE_MODEL", "vcache-demo")
         tools = plan.tools[s["agent"]]
-        history: list[Any] = [{"role": "system", "content": s["system"]},
-                              {"role": "user", "content": s["ask"]}]  # fmt: skip
+        history: list[Any] = [
+            {"role": "system", "content": s["system"]},
+            {"role": "user", "content": s["ask"]},
+        ]
         headers = {**_headers("VCACHE_API_KEY"), "x-vcache-session": s["id"]}
         if os.environ.get("VCACHE_ROUTING"):
             headers["x-vcache-routing"] = os.environ["VCACHE_ROUTING"]
@@ -156,28 +182,52 @@ class AgentUser(FastHttpUser):
         for k, turn in enumerate(s["turns"]):
             final = k == len(s["turns"]) - 1
             forced = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
-            body = {"model": model, "messages": history, "tools": tools,
-                    "tool_choice": "none" if final else forced, "max_tokens": 40,
-                    "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
+            body = {
+                "model": model,
+                "messages": history,
+                "tools": tools,
+                "tool_choice": "none" if final else forced,
+                "max_tokens": 40,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             got = _stream(self, body, headers)
             reusable = (prev_prompt // BLOCK) * BLOCK if k else 0
-            row = {"kind": "agent", "session": s["id"], "agent": s["agent"], "turn": k,
-                   "reusable_tokens": reusable}  # fmt: skip
+            row = {
+                "kind": "agent",
+                "session": s["id"],
+                "agent": s["agent"],
+                "turn": k,
+                "reusable_tokens": reusable,
+            }
             if got is None or (not final and not got["calls"]):
                 plan.record({**row, "ok": 0})
                 return  # a failed turn ends the session: later turns would not extend it
             u = got["usage"]
             prev_prompt = int(u.get("prompt_tokens", 0))
             cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-            plan.record({**row, "ok": 1, "ttft_ms": round(got["ttft"] * 1000, 3),
-                         "prompt_tokens": prev_prompt, "cached_tokens": cached,
-                         "replica": got["replica"], "finish": got["finish"]})  # fmt: skip
+            plan.record(
+                {
+                    **row,
+                    "ok": 1,
+                    "ttft_ms": round(got["ttft"] * 1000, 3),
+                    "prompt_tokens": prev_prompt,
+                    "cached_tokens": cached,
+                    "replica": got["replica"],
+                    "finish": got["finish"],
+                }
+            )
             if final:
                 return
-            calls = [{"id": c["id"], "type": "function",
-                      "function": {"name": c["name"], "arguments": c["args"]}}
-                     for c in got["calls"]]  # fmt: skip
+            calls = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c["args"]},
+                }
+                for c in got["calls"]
+            ]
             history.append({"role": "assistant", "content": None, "tool_calls": calls})
             for c in calls:
                 history.append({"role": "tool", "tool_call_id": c["id"], "content": turn["result"]})
@@ -200,12 +250,21 @@ class BackgroundUser(FastHttpUser):
         plan: Plan = self.environment.agents_plan
         i = int(time.monotonic() * 1000) % len(plan.background)
         text = f"[{time.monotonic_ns()}] " + plan.background[i]
-        body = {"model": os.environ.get("VCACHE_MODEL", "vcache-demo"), "max_tokens": 8,
-                "messages": [{"role": "user", "content": text}], "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": os.environ.get("VCACHE_MODEL", "vcache-demo"),
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": text}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         headers = _headers("VCACHE_BACKGROUND_KEY")
         if os.environ.get("VCACHE_BACKGROUND_PRIORITY"):  # else its key's default
             headers["x-vcache-priority"] = os.environ["VCACHE_BACKGROUND_PRIORITY"]
         got = _stream(self, body, headers)
-        plan.record({"kind": "background", "ok": 0 if got is None else 1,
-                     "ttft_ms": round(got["ttft"] * 1000, 3) if got else ""})  # fmt: skip
+        plan.record(
+            {
+                "kind": "background",
+                "ok": 0 if got is None else 1,
+                "ttft_ms": round(got["ttft"] * 1000, 3) if got else "",
+            }
+        )

@@ -83,8 +83,20 @@ def run(
     tmp = Path(tempfile.mkdtemp(prefix="vcache-mem-"))
     env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
     port = free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--data-dir",
-           str(data_dir), "--log-level", "warning", "--grpc-port", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--log-level",
+        "warning",
+        "--grpc-port",
+        "0",
+    ]
     base = f"http://127.0.0.1:{port}"
     with contextlib.ExitStack() as stack:
         if path == "provider":

@@ -310,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(out))
     vc = out["phases"][PHASES[1]]["proxies"]["vcache"]["cpu_ms_per_request"]
     ok = vc <= args.target_ms
-    print(f"vcache CPU per request under load: {vc:.2f} ms "
-          f"(target <= {args.target_ms}): {'ok' if ok else 'MISSED'}")  # fmt: skip
+    print(
+        f"vcache CPU per request under load: {vc:.2f} ms "
+        f"(target <= {args.target_ms}): {'ok' if ok else 'MISSED'}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     return 0 if ok else 1

@@ -49,10 +49,15 @@ def agent_prompt(tok: ChatTokenizer, tokens: int, seed: int = 7) -> list[dict[st
         return " ".join(rng.choice(WORDS) for _ in range(words))
 
     def turn(i: int) -> list[dict[str, Any]]:
-        call = {"id": f"c{i}", "type": "function",
-                "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}  # fmt: skip
-        return [{"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": f"c{i}", "content": text(150)}]  # fmt: skip
+        call = {
+            "id": f"c{i}",
+            "type": "function",
+            "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+        }
+        return [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": text(150)},
+        ]
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": text(300)}]
     messages.append({"role": "user", "content": "fix the failing test"})
@@ -125,8 +130,10 @@ async def run(tok: ChatTokenizer, sizes: list[int], seconds: float, tick_ms: flo
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'tokens':>7} {'way':<7} {'renders':>7} {'ms/render':>9} "
-             f"{'lag p50':>8} {'p99':>7} {'max':>7}"]  # fmt: skip
+    lines = [
+        f"{'tokens':>7} {'way':<7} {'renders':>7} {'ms/render':>9} "
+        f"{'lag p50':>8} {'p99':>7} {'max':>7}"
+    ]
     for r in rows:
         lines.append(
             f"{r['tokens']:>7} {r['way']:<7} {r['renders']:>7} {r['render_ms']:>9.1f} "
@@ -159,8 +166,10 @@ def main() -> int:
     print(table(rows))
     late = missed(rows, args.max_lag_ms)
     verdict = f"MISSED at {late} tokens" if late else "met"
-    print(f"target: the loop's worst lateness under {args.max_lag_ms:g} ms with the render "
-          f"thread: {verdict}")  # fmt: skip
+    print(
+        f"target: the loop's worst lateness under {args.max_lag_ms:g} ms with the render "
+        f"thread: {verdict}"
+    )
     result = {"rows": rows, "max_lag_ms": args.max_lag_ms, "missed": late}
     Path(args.out).write_text(json.dumps(result, indent=2))
     return 1 if late else 0

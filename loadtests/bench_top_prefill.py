@@ -69,11 +69,18 @@ def _prompt(rng: random.Random, tokens: int, count: Any) -> str:
 
 def _ttft(client: httpx.Client, prompt: str, max_tokens: int, priority: str) -> float | None:
     """Seconds to the first streamed token (None: the request failed)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
-    with client.stream("POST", "/v1/completions", json=body,
-                       headers={"x-vcache-priority": priority}) as resp:  # fmt: skip
+    with client.stream(
+        "POST", "/v1/completions", json=body, headers={"x-vcache-priority": priority}
+    ) as resp:
         if resp.status_code != 200:
             return None
         first = None
@@ -106,8 +113,10 @@ def measure(
     prompts = [_prompt(rng, args.prompt_tokens, count) for _ in range(args.requests)]
     pool = [_prompt(rng, args.bg_tokens, count) for _ in range(32 if busy else 0)]
     stop, done = threading.Event(), list[float]()
-    threads = [threading.Thread(target=_background, args=(host, args, pool, stop, done))
-               for _ in range(args.bg_streams if busy else 0)]  # fmt: skip
+    threads = [
+        threading.Thread(target=_background, args=(host, args, pool, stop, done))
+        for _ in range(args.bg_streams if busy else 0)
+    ]
     for t in threads:
         t.start()
     time.sleep(3)  # the background reaches its steady state
@@ -131,9 +140,14 @@ def measure(
     stops = after.get("vcache_prefill_stops_total", 0.0) - before.get(
         "vcache_prefill_stops_total", 0.0
     )
-    return {"ttft_ms": ttfts, "failed": failed, "seconds": elapsed,
-            "bg_done": len([t for t in done if t0 <= t <= t0 + elapsed]), "stops": stops,
-            "phases": ttft_phases(before, after, "interactive")}  # fmt: skip
+    return {
+        "ttft_ms": ttfts,
+        "failed": failed,
+        "seconds": elapsed,
+        "bg_done": len([t for t in done if t0 <= t <= t0 + elapsed]),
+        "stops": stops,
+        "phases": ttft_phases(before, after, "interactive"),
+    }
 
 
 def gateway_round(out: Path, args: argparse.Namespace, arm: str, i: int, count: Any) -> Any:
@@ -141,17 +155,35 @@ def gateway_round(out: Path, args: argparse.Namespace, arm: str, i: int, count: 
     host = f"http://127.0.0.1:{port}"
     tag = f"{arm}-{i}"
     busy, settings, workers = ARMS[arm]
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--grpc-port",
-           str(free_port()), "--replicas", "1", "--workers", str(workers)]  # fmt: skip
-    env = {**os.environ, "VCACHE_DATA_DIR": str(out / f"data-{tag}"),
-           "VCACHE_ENGINE__MAX_NUM_SEQS": "4",
-           "VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": str(args.cap),
-           "VCACHE_ENGINE__MAX_MODEL_LEN": str(args.max_model_len),
-           **{f"VCACHE_ENGINE__{k}": v for k, v in settings.items()}}  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--replicas",
+        "1",
+        "--workers",
+        str(workers),
+    ]
+    env = {
+        **os.environ,
+        "VCACHE_DATA_DIR": str(out / f"data-{tag}"),
+        "VCACHE_ENGINE__MAX_NUM_SEQS": "4",
+        "VCACHE_ENGINE__LONG_PREFILL_TOKEN_THRESHOLD": str(args.cap),
+        "VCACHE_ENGINE__MAX_MODEL_LEN": str(args.max_model_len),
+        **{f"VCACHE_ENGINE__{k}": v for k, v in settings.items()},
+    }
     with serving(cmd, lambda: get_ok(f"{host}/readyz"), out / f"gateway-{tag}.log", env):
         row = measure(host, args, count, seed=i, busy=busy)
-    print(f"{tag}: ttft p50 {percentile(row['ttft_ms'], 50):.0f} "
-          f"p90 {percentile(row['ttft_ms'], 90):.0f} ms", flush=True)  # fmt: skip
+    print(
+        f"{tag}: ttft p50 {percentile(row['ttft_ms'], 50):.0f} "
+        f"p90 {percentile(row['ttft_ms'], 90):.0f} ms",
+        flush=True,
+    )
     return row
 
 
@@ -162,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=30, help="interactive prompts a round")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--cap", type=int, default=256, help="long_prefill_token_threshold")
-    ap.add_argument("--arms", default="alone,whole,held,engine",
-                    help=f"comma-separated, of {', '.join(ARMS)}")  # fmt: skip
+    ap.add_argument(
+        "--arms", default="alone,whole,held,engine", help=f"comma-separated, of {', '.join(ARMS)}"
+    )
     ap.add_argument("--bg-priority", default="default", choices=("default", "batch"))
     ap.add_argument("--bg-streams", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -194,26 +227,39 @@ def _row(name: str, rounds: list[Any]) -> dict[str, Any]:
     p50, p90 = percentile(ttfts, 50) or 0.0, percentile(ttfts, 90) or 0.0
     phases = {p: _mean_of(rounds, p) for p in rounds[0]["phases"]}
     seconds = sum(r["seconds"] for r in rounds)
-    return {"arm": name, "requests": len(ttfts), "ttft_ms": {"p50": p50, "p90": p90},
-            "failed": sum(r["failed"] for r in rounds), "phases": phases,
-            "bg_rps": sum(r["bg_done"] for r in rounds) / seconds if seconds else 0.0,
-            "stops": sum(r["stops"] for r in rounds), "rounds": rounds}  # fmt: skip
+    return {
+        "arm": name,
+        "requests": len(ttfts),
+        "ttft_ms": {"p50": p50, "p90": p90},
+        "failed": sum(r["failed"] for r in rounds),
+        "phases": phases,
+        "bg_rps": sum(r["bg_done"] for r in rounds) / seconds if seconds else 0.0,
+        "stops": sum(r["stops"] for r in rounds),
+        "rounds": rounds,
+    }
 
 
 def _text(table: list[dict[str, Any]]) -> str:
     """TTFT per arm, what it adds to ``alone``'s, the step it found running, and what
     the background got done (its requests answered a second, the prefill stops)."""
     base = next((r["ttft_ms"] for r in table if r["arm"] == "alone"), None)
-    lines = [f"{'arm':<15}{'requests':>9}{'failed':>7}{'ttft p50':>9}{'p90':>6}"
-             f"{'added p50':>10}{'p90':>6}{'submit p90':>11}{'bg rps':>8}{'stops':>6}"]  # fmt: skip
+    lines = [
+        f"{'arm':<15}{'requests':>9}{'failed':>7}{'ttft p50':>9}{'p90':>6}"
+        f"{'added p50':>10}{'p90':>6}{'submit p90':>11}{'bg rps':>8}{'stops':>6}"
+    ]
     for r in table:
         t, n = r["ttft_ms"], r["requests"]
-        added = (f"{t['p50'] - base['p50']:>10.0f}{t['p90'] - base['p90']:>6.0f}" if base
-                 else f"{'-':>10}{'-':>6}")  # fmt: skip
+        added = (
+            f"{t['p50'] - base['p50']:>10.0f}{t['p90'] - base['p90']:>6.0f}"
+            if base
+            else f"{'-':>10}{'-':>6}"
+        )
         submit = r["phases"].get("submit", {}).get("p90_ms")
         step = f"{submit:>11.0f}" if submit is not None else f"{'-':>11}"
-        lines.append(f"{r['arm']:<15}{n:>9}{r['failed']:>7}{t['p50']:>9.0f}{t['p90']:>6.0f}"
-                     f"{added}{step}{r['bg_rps']:>8.2f}{r['stops']:>6.0f}")  # fmt: skip
+        lines.append(
+            f"{r['arm']:<15}{n:>9}{r['failed']:>7}{t['p50']:>9.0f}{t['p90']:>6.0f}"
+            f"{added}{step}{r['bg_rps']:>8.2f}{r['stops']:>6.0f}"
+        )
     return "\n".join(lines)
 
 

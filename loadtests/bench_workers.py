@@ -260,11 +260,25 @@ def part_placement(args: argparse.Namespace, work: Path, env: dict[str, str]) ->
     with contextlib.ExitStack() as stack:
         for placement in ("none", "auto"):
             port = free_port()
-            own = {**env, "VCACHE_LOG_LEVEL": "warning", "VCACHE_ENGINE__PLACEMENT": placement,
-                   "VCACHE_SESSION_LOG__PATH": str(work / f"p-{placement}.db")}  # fmt: skip
-            cmd = _gateway(port, 1, ["--data-dir", args.data_dir, "--kv-cache-bytes",
-                                     str(64 << 20), "--max-model-len", "2048",
-                                     "--enforce-eager"])  # fmt: skip
+            own = {
+                **env,
+                "VCACHE_LOG_LEVEL": "warning",
+                "VCACHE_ENGINE__PLACEMENT": placement,
+                "VCACHE_SESSION_LOG__PATH": str(work / f"p-{placement}.db"),
+            }
+            cmd = _gateway(
+                port,
+                1,
+                [
+                    "--data-dir",
+                    args.data_dir,
+                    "--kv-cache-bytes",
+                    str(64 << 20),
+                    "--max-model-len",
+                    "2048",
+                    "--enforce-eager",
+                ],
+            )
             cmd[cmd.index("--replicas") + 1] = "2"
             ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
             proc = stack.enter_context(serving(cmd, ready, work / f"p-{placement}.log", own))
@@ -281,14 +295,35 @@ def part_frontend(args: argparse.Namespace, work: Path, env: dict[str, str]) -> 
     vport, gport = free_port(), free_port()
     events = f"ipc://{work}/events"
     kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
-    vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", "vcache-demo", "--port", str(vport),
-            "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
-            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv),
-            "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "2048",
-            "--enforce-eager", "--enable-scale-out"]  # fmt: skip
-    v_env = {**env, "PYTHONHASHSEED": "0", "VLLM_PLUGINS": "vcache,vcache-control",
-             "VCACHE_CONTROL_SECRET": "bench"}  # fmt: skip
+    vllm = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "vcache-demo",
+        "--port",
+        str(vport),
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo",
+        "sha256_cbor",
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        json.dumps(kv),
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--enable-scale-out",
+    ]
+    v_env = {
+        **env,
+        "PYTHONHASHSEED": "0",
+        "VLLM_PLUGINS": "vcache,vcache-control",
+        "VCACHE_CONTROL_SECRET": "bench",
+    }
     replica = {"url": f"http://127.0.0.1:{vport}", "kv_events": events, "control_secret": "bench"}
     arms: dict[str, Arm] = {}
     with contextlib.ExitStack() as stack:
@@ -299,16 +334,23 @@ def part_frontend(args: argparse.Namespace, work: Path, env: dict[str, str]) -> 
         )
         for api in ("generate", "completions"):  # the replica's route for token ids
             gport = free_port()
-            g_env = {**env, "VCACHE_LOG_LEVEL": "warning", "VCACHE_DATA_DIR": str(work / api),
-                     "VCACHE_REMOTE_REPLICAS": json.dumps([replica | {"api": api}])}  # fmt: skip
+            g_env = {
+                **env,
+                "VCACHE_LOG_LEVEL": "warning",
+                "VCACHE_DATA_DIR": str(work / api),
+                "VCACHE_REMOTE_REPLICAS": json.dumps([replica | {"api": api}]),
+            }
             gready = partial(get_ok, f"http://127.0.0.1:{gport}/readyz")
             gproc = stack.enter_context(
                 serving(_gateway(gport, 1, []), gready, work / f"{api}.log", g_env)
             )
             arms[f"vcache -> {api}"] = Arm(
-                f"http://127.0.0.1:{gport}/v1/chat/completions", "vcache-demo", gproc.pid, False,
+                f"http://127.0.0.1:{gport}/v1/chat/completions",
+                "vcache-demo",
+                gproc.pid,
+                False,
                 upstream=vproc.pid,
-            )  # fmt: skip
+            )
         turns(arms, args, words=args.words)
     out = {}
     for name, arm in arms.items():
@@ -321,17 +363,20 @@ def part_frontend(args: argparse.Namespace, work: Path, env: dict[str, str]) -> 
 
 
 def table(out: dict[str, Any]) -> str:
-    lines = [f"{'part':<10}{'arm':<26}{'req/s':>7}{'CPU ms/req':>11}{'p50 ms':>8}{'p90 ms':>8}"
-             f"  extra"]  # fmt: skip
+    lines = [
+        f"{'part':<10}{'arm':<26}{'req/s':>7}{'CPU ms/req':>11}{'p50 ms':>8}{'p90 ms':>8}  extra"
+    ]
     for part, arms in out["parts"].items():
         for name, r in arms.items():
             extra = ""
             if r.get("worker_cpu_shares"):
                 extra = f"worker CPU shares {r['worker_cpu_shares']}"
             if "ceiling_requests_per_s_per_core" in r:
-                extra = (f"{r['cpu_us_per_output_token']:.0f} us/token; ceiling per core "
-                         f"{r['ceiling_requests_per_s_per_core']:.0f} req/s, "
-                         f"{r['ceiling_output_tokens_per_s_per_core']:.0f} tok/s")  # fmt: skip
+                extra = (
+                    f"{r['cpu_us_per_output_token']:.0f} us/token; ceiling per core "
+                    f"{r['ceiling_requests_per_s_per_core']:.0f} req/s, "
+                    f"{r['ceiling_output_tokens_per_s_per_core']:.0f} tok/s"
+                )
             if r.get("upstream_cpu_ms_per_request") is not None:
                 extra += f"; replica frontend {r['upstream_cpu_ms_per_request']:.2f} ms/req"
             lines.append(
@@ -362,10 +407,15 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-workers-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     env["PYTHONPATH"] = str(HERE.parent)
-    out: dict[str, Any] = {"concurrency": args.concurrency, "slice": args.slice,
-                           "rounds": args.rounds, "cpus": os.cpu_count(),
-                           "new_connections": args.new_connections,
-                           "per_connection": args.per_connection, "parts": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "concurrency": args.concurrency,
+        "slice": args.slice,
+        "rounds": args.rounds,
+        "cpus": os.cpu_count(),
+        "new_connections": args.new_connections,
+        "per_connection": args.per_connection,
+        "parts": {},
+    }
     if args.part in ("workers", "both"):
         out["parts"]["workers"] = part_workers(args, work, env)
     if args.part == "embedded":

@@ -88,9 +88,16 @@ def run_arm(arm: str, emu: str, out: Path, args: argparse.Namespace) -> dict[str
         env["VCACHE_STATE__PREFIX"] = f"control-arms-{time.time_ns():x}:"
     scale = args.time_scale
     workload = bursty(
-        args.anchors, args.anchor_tokens, args.zipf, args.bursts, args.per_burst,
-        args.gap_s / scale, args.burst_s / scale, args.seed, f"{mode}-{time.time_ns():x}",
-    )  # fmt: skip
+        args.anchors,
+        args.anchor_tokens,
+        args.zipf,
+        args.bursts,
+        args.per_burst,
+        args.gap_s / scale,
+        args.burst_s / scale,
+        args.seed,
+        f"{mode}-{time.time_ns():x}",
+    )
     wdir = out / arm.replace(" ", "_")
     wdir.mkdir(parents=True, exist_ok=True)
     workload.dump(wdir / "workload.json")

@@ -95,32 +95,68 @@ def _rates_by(name: str, label: str) -> Callable[[Sample, Sample, float], dict[s
 
 
 PANELS: list[Panel] = [
-    ("Prefix-cache hit rate", lambda p, c, dt: {"hit rate": _ratio(
-        _rate("vcache_cached_tokens_total"), _rate("vcache_prompt_tokens_total"))(p, c, dt)}),
-    ("Predicted == actual cached tokens", lambda p, c, dt: {"matched": _ratio(
-        _rate("vcache_cached_token_predictions_total", outcome="matched"),
-        _rate("vcache_cached_token_predictions_total"))(p, c, dt)}),
-    ("Time to first token (s)", lambda p, c, dt: {
-        "p50": _quantile(p, c, "vcache_ttft_seconds", 0.5),
-        "p90": _quantile(p, c, "vcache_ttft_seconds", 0.9)}),
-    ("Inter-token latency p50 (s)", lambda p, c, dt: {
-        "p50": _quantile(p, c, "vcache_inter_token_latency_seconds", 0.5)}),
-    ("Engine queue", lambda p, c, dt: {
-        "waiting": _sum(c, "vcache_engine_core_waiting_requests"),
-        "running": _sum(c, "vcache_engine_core_running_requests")}),
-    ("KV cache usage by replica", lambda p, c, dt: _by(
-        c, "vcache_engine_kv_cache_usage_ratio", "replica")),
-    ("Engine queue time (s)", lambda p, c, dt: {
-        "p50": _quantile(p, c, "vcache_queue_time_seconds", 0.5),
-        "p90": _quantile(p, c, "vcache_queue_time_seconds", 0.9)}),
-    ("Requests/s by status", lambda p, c, dt: _rates_by(
-        "vcache_requests_total", "status")(p, c, dt)),
-    ("Routing decisions/s by reason", lambda p, c, dt: _rates_by(
-        "vcache_routing_decisions_total", "reason")(p, c, dt)),
-    ("Prompt and cached tokens/s", lambda p, c, dt: {
-        "prompt": _rate("vcache_prompt_tokens_total")(p, c, dt),
-        "cached": _rate("vcache_cached_tokens_total")(p, c, dt)}),
-]  # fmt: skip
+    (
+        "Prefix-cache hit rate",
+        lambda p, c, dt: {
+            "hit rate": _ratio(
+                _rate("vcache_cached_tokens_total"), _rate("vcache_prompt_tokens_total")
+            )(p, c, dt)
+        },
+    ),
+    (
+        "Predicted == actual cached tokens",
+        lambda p, c, dt: {
+            "matched": _ratio(
+                _rate("vcache_cached_token_predictions_total", outcome="matched"),
+                _rate("vcache_cached_token_predictions_total"),
+            )(p, c, dt)
+        },
+    ),
+    (
+        "Time to first token (s)",
+        lambda p, c, dt: {
+            "p50": _quantile(p, c, "vcache_ttft_seconds", 0.5),
+            "p90": _quantile(p, c, "vcache_ttft_seconds", 0.9),
+        },
+    ),
+    (
+        "Inter-token latency p50 (s)",
+        lambda p, c, dt: {"p50": _quantile(p, c, "vcache_inter_token_latency_seconds", 0.5)},
+    ),
+    (
+        "Engine queue",
+        lambda p, c, dt: {
+            "waiting": _sum(c, "vcache_engine_core_waiting_requests"),
+            "running": _sum(c, "vcache_engine_core_running_requests"),
+        },
+    ),
+    (
+        "KV cache usage by replica",
+        lambda p, c, dt: _by(c, "vcache_engine_kv_cache_usage_ratio", "replica"),
+    ),
+    (
+        "Engine queue time (s)",
+        lambda p, c, dt: {
+            "p50": _quantile(p, c, "vcache_queue_time_seconds", 0.5),
+            "p90": _quantile(p, c, "vcache_queue_time_seconds", 0.9),
+        },
+    ),
+    (
+        "Requests/s by status",
+        lambda p, c, dt: _rates_by("vcache_requests_total", "status")(p, c, dt),
+    ),
+    (
+        "Routing decisions/s by reason",
+        lambda p, c, dt: _rates_by("vcache_routing_decisions_total", "reason")(p, c, dt),
+    ),
+    (
+        "Prompt and cached tokens/s",
+        lambda p, c, dt: {
+            "prompt": _rate("vcache_prompt_tokens_total")(p, c, dt),
+            "cached": _rate("vcache_cached_tokens_total")(p, c, dt),
+        },
+    ),
+]
 
 
 def series(samples: list[tuple[float, Sample]]) -> tuple[list[float], dict[str, Series]]:

@@ -48,9 +48,20 @@ grpc_gevent.init_gevent()  # before any channel exists: gRPC's I/O then yields t
 
 
 RAW_FIELDS = [
-    "workload", "label", "ok", "ttft_ms", "itl_mean_ms", "total_ms", "prompt_tokens",
-    "cached_tokens", "completion_tokens", "target", "replica", "predicted_cached_tokens", "t",
-]  # fmt: skip
+    "workload",
+    "label",
+    "ok",
+    "ttft_ms",
+    "itl_mean_ms",
+    "total_ms",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "target",
+    "replica",
+    "predicted_cached_tokens",
+    "t",
+]
 
 
 class Plan:

@@ -83,10 +83,25 @@ def run_locust(
         "VCACHE_RAW_CSV": str(wdir / "raw.csv"),
     }
     cmd = [
-        sys.executable, "-m", "locust", "-f", str(here / locustfile), *user_class.split(),
-        "--headless", "-u", str(users), "-r", str(users), "-t", f"{limit_s}s",
-        "--host", host, "--only-summary", "--loglevel", "WARNING",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(here / locustfile),
+        *user_class.split(),
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        f"{limit_s}s",
+        "--host",
+        host,
+        "--only-summary",
+        "--loglevel",
+        "WARNING",
+    ]
     if reports:
         cmd += ["--csv", str(wdir / "locust"), "--html", str(wdir / "locust.html")]
     t0 = time.monotonic()
@@ -107,12 +122,26 @@ def vllm_router(
     router_port = free_port()
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     servers = [
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-         "--served-model-name", "vcache-demo", "--port", str(p),
-         "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_bytes),
-         "--enable-prefix-caching", "--enable-prompt-tokens-details", *extra]
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            "vcache-demo",
+            "--port",
+            str(p),
+            "--max-model-len",
+            str(max_model_len),
+            "--kv-cache-memory-bytes",
+            str(kv_bytes),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            *extra,
+        ]
         for p in ports
-    ]  # fmt: skip
+    ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     cmd = [router, "--port", str(router_port), "--policy", "cache_aware", "--worker-urls", *urls]
     host = f"http://127.0.0.1:{router_port}"

@@ -61,9 +61,16 @@ def prediction(rows: list[dict[str, str]]) -> dict[str, Any]:
 def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str, str]) -> Any:
     run_id = f"{name}-{time.time_ns():x}"
     w = shared_prefix(
-        args.groups, args.system_tokens, 40, 8, args.requests, args.skew, args.seed, run_id,
+        args.groups,
+        args.system_tokens,
+        40,
+        8,
+        args.requests,
+        args.skew,
+        args.seed,
+        run_id,
         args.count,
-    )  # fmt: skip
+    )
     wdir = out / name
     wdir.mkdir(parents=True, exist_ok=True)
     w.dump(wdir / "workload.json")

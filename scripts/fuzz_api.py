@@ -115,23 +115,57 @@ def main() -> int:
         ready = functools.partial(get_ok, f"http://127.0.0.1:{eport}/admin/requests")
         stack.enter_context(serving(emulator, ready, tmp / "emulator.log", cwd=REPO))
         cmd = [
-            sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--grpc-port", "0",
-            "--data-dir", str(a.data_dir), "--max-model-len", "256", "--enforce-eager",
-            "--kv-cache-bytes", str(32 << 20), "--log-level", "warning",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "0",
+            "--data-dir",
+            str(a.data_dir),
+            "--max-model-len",
+            "256",
+            "--enforce-eager",
+            "--kv-cache-bytes",
+            str(32 << 20),
+            "--log-level",
+            "warning",
+        ]
         env = _env(f"http://127.0.0.1:{eport}", tmp)
         gw = stack.enter_context(serving(cmd, lambda: _ready(base), tmp / "gateway.log", env, REPO))
         a.out.mkdir(parents=True, exist_ok=True)
         ndjson = a.out / "events.ndjson"
         st = [
-            str(Path(sys.executable).with_name("schemathesis")), "run", f"{base}/openapi.json",
-            "--checks", "all", "--phases", "examples,fuzzing,stateful",
-            "--max-examples", str(a.max_examples), "--max-time", str(a.max_time),
-            "--seed", str(a.seed), "--workers", "2", "--request-timeout", "60",
-            "-H", f"Authorization: Bearer {KEY}", "--no-color",
-            "--report", "ndjson", "--report-ndjson-path", str(ndjson),
-            "--generation-database", "none", "--continue-on-failure",
-        ]  # fmt: skip
+            str(Path(sys.executable).with_name("schemathesis")),
+            "run",
+            f"{base}/openapi.json",
+            "--checks",
+            "all",
+            "--phases",
+            "examples,fuzzing,stateful",
+            "--max-examples",
+            str(a.max_examples),
+            "--max-time",
+            str(a.max_time),
+            "--seed",
+            str(a.seed),
+            "--workers",
+            "2",
+            "--request-timeout",
+            "60",
+            "-H",
+            f"Authorization: Bearer {KEY}",
+            "--no-color",
+            "--report",
+            "ndjson",
+            "--report-ndjson-path",
+            str(ndjson),
+            "--generation-database",
+            "none",
+            "--continue-on-failure",
+        ]
         t0 = time.monotonic()
         run = subprocess.run(st, cwd=tmp, capture_output=True, text=True)  # its cache: in tmp
         elapsed = time.monotonic() - t0

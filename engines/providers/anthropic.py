@@ -185,10 +185,14 @@ class AnthropicAdapter:
         finish = _FINISH.get(str(body.get("stop_reason")), "stop")
         thoughts = [b for b in content if b.get("type") in ("thinking", "redacted_thinking")]
         thinking = tuple(
-            ThinkingPart(i, str(b.get("thinking", "")), str(b.get("signature", "")),
-                         b.get("data") if b["type"] == "redacted_thinking" else None)
+            ThinkingPart(
+                i,
+                str(b.get("thinking", "")),
+                str(b.get("signature", "")),
+                b.get("data") if b["type"] == "redacted_thinking" else None,
+            )
             for i, b in enumerate(thoughts)
-        )  # fmt: skip
+        )
         stop = body.get("stop_sequence")
         return Answer(text, usage, finish, calls, thinking, stop if isinstance(stop, str) else None)
 

@@ -39,24 +39,37 @@ PROVIDERS: dict[str, ProviderSpec] = {
     s.name: s
     for s in (
         ProviderSpec(
-            "anthropic", AnthropicAdapter, anthropic_profile,
-            "https://api.anthropic.com/v1", "ANTHROPIC_API_KEY",
+            "anthropic",
+            AnthropicAdapter,
+            anthropic_profile,
+            "https://api.anthropic.com/v1",
+            "ANTHROPIC_API_KEY",
         ),
         ProviderSpec(
-            "openai", OpenAIAdapter, lambda m, _: openai_profile(m),
-            "https://api.openai.com/v1", "OPENAI_API_KEY", cache_key=True,
+            "openai",
+            OpenAIAdapter,
+            lambda m, _: openai_profile(m),
+            "https://api.openai.com/v1",
+            "OPENAI_API_KEY",
+            cache_key=True,
         ),
         ProviderSpec(
-            "gemini", GeminiAdapter, lambda m, _: gemini_profile(m),
-            "https://generativelanguage.googleapis.com/v1beta", "GEMINI_API_KEY",
+            "gemini",
+            GeminiAdapter,
+            lambda m, _: gemini_profile(m),
+            "https://generativelanguage.googleapis.com/v1beta",
+            "GEMINI_API_KEY",
             cached_contents=True,
         ),
         ProviderSpec(
-            "deepseek", DeepSeekAdapter, lambda m, _: deepseek_profile(m),
-            "https://api.deepseek.com", "DEEPSEEK_API_KEY",
+            "deepseek",
+            DeepSeekAdapter,
+            lambda m, _: deepseek_profile(m),
+            "https://api.deepseek.com",
+            "DEEPSEEK_API_KEY",
         ),
     )
-}  # fmt: skip
+}
 
 
 def adapter_for(provider: str) -> Adapter:

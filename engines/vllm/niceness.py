@@ -82,7 +82,10 @@ def apply_from_env(environ: Mapping[str, str] = os.environ) -> int | None:
         try:
             set_niceness(nice)
         except PermissionError:  # below what this process has: only a privileged one may
-            log.warning("niceness %d refused (this process has %d); left as it is",
-                        nice, os.getpriority(os.PRIO_PROCESS, 0))  # fmt: skip
+            log.warning(
+                "niceness %d refused (this process has %d); left as it is",
+                nice,
+                os.getpriority(os.PRIO_PROCESS, 0),
+            )
             return None
     return nice

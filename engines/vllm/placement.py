@@ -78,8 +78,12 @@ def plan(units: HostUnits, replicas: int, tp: int, explicit: Sequence[str] = ())
         log.warning(
             "%d replicas x tensor_parallel_size %d need %d %s; %d here: the replicas share "
             "them (set engine.placement to place them yourself)",
-            replicas, tp, replicas * tp, "cores" if units.cpu else "devices", len(units.ids),
-        )  # fmt: skip
+            replicas,
+            tp,
+            replicas * tp,
+            "cores" if units.cpu else "devices",
+            len(units.ids),
+        )
         return [()] * replicas
     out: list[Env] = []
     for r in range(replicas):

@@ -118,7 +118,7 @@ def lone_top_prefill(scheduler: Any) -> bool:
 
 
 @dataclass
-class Held:
+class Lowered:
     """Lower-class requests that compute no prompt tokens this step."""
 
     running: list[Any] = field(default_factory=list)
@@ -129,29 +129,29 @@ class Held:
         return bool(self.running or self.waiting)
 
 
-def lower_prefills(scheduler: Any, *, decodes: bool = False) -> Held:
+def lower_prefills(scheduler: Any, *, decodes: bool = False) -> Lowered:
     """What waits for the top class's prefill this step: the lower classes' prompts
     (with ``decodes``, all their running requests).  Nothing, when no request of the
     top class is in prefill, when its prompts would not fit in the free blocks, or when
     admitting it could pass the running limit with the held requests back."""
     reqs = [*scheduler.running, *scheduler.waiting, *scheduler.kv_holding_waiting]
     if len(reqs) < 2 or scheduler.policy.value != "priority":
-        return Held()
+        return Lowered()
     top = min(r.priority for r in reqs)
     tops = [r for r in reqs if r.priority == top and _in_prefill(r)]
     if not tops:
-        return Held()
+        return Lowered()
     lower = [r for r in scheduler.running if r.priority > top]
-    held = Held(
+    held = Lowered(
         running=lower if decodes else [r for r in lower if _in_prefill(r)],
         waiting=[r for r in scheduler.waiting if r.priority > top],
     )
     pool, bs = scheduler.kv_cache_manager.block_pool, scheduler.block_size
     if sum(_blocks_needed(r, pool, bs) for r in tops) > pool.get_num_free_blocks():
-        return Held(unfit=True)  # vLLM preempts the lowest class to make room, as it would
+        return Lowered(unfit=True)  # vLLM preempts the lowest class to make room, as it would
     admitted = len(scheduler.waiting) - len(held.waiting) + len(scheduler.kv_holding_waiting)
     if len(scheduler.running) + admitted > scheduler.max_num_running_reqs:
-        return Held(unfit=True)
+        return Lowered(unfit=True)
     return held
 
 
@@ -171,13 +171,13 @@ def _blocks_needed(r: Any, pool: Any, block_size: int) -> int:
     return need
 
 
-def _hold(scheduler: Any, held: Held) -> None:
+def _hold(scheduler: Any, held: Lowered) -> None:
     ids = {id(r) for r in held.running}
     scheduler.running = [r for r in scheduler.running if id(r) not in ids]
     scheduler.waiting.remove_requests(held.waiting)
 
 
-def _release(scheduler: Any, held: Held, before: list[Any]) -> None:
+def _release(scheduler: Any, held: Lowered, before: list[Any]) -> None:
     """The held requests back in their places: ``running`` in its order before the
     step (less what the step preempted or finished, then what it admitted)."""
     now = {id(r) for r in scheduler.running}
@@ -200,7 +200,7 @@ def schedule_top_first(scheduler: Any, schedule: Callable[[], T], modes: TopFirs
     cfg = scheduler.scheduler_config
     cap = cfg.long_prefill_token_threshold
     uncap = modes.whole and cap > 0 and lone_top_prefill(scheduler)
-    held = lower_prefills(scheduler, decodes=modes.decodes) if modes.alone else Held()
+    held = lower_prefills(scheduler, decodes=modes.decodes) if modes.alone else Lowered()
     _count(scheduler, uncap, held)
     if not uncap and not held:
         return schedule()
@@ -216,7 +216,7 @@ def schedule_top_first(scheduler: Any, schedule: Callable[[], T], modes: TopFirs
             _release(scheduler, held, before)
 
 
-def _count(scheduler: Any, uncap: bool, held: Held) -> None:
+def _count(scheduler: Any, uncap: bool, held: Lowered) -> None:
     """Steps by what was changed (``vcache_cache_stats`` reports them): the cap
     lifted, lower requests held, a top prompt that did not fit (nothing held)."""
     steps: dict[str, int] | None = getattr(scheduler, STEPS, None)

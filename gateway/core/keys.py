@@ -29,8 +29,10 @@ class KeyLimits(BaseModel):
 
     def empty(self) -> bool:
         return (self.requests_per_minute, self.tokens_per_minute, self.max_concurrent) == (
-            None, None, None,
-        )  # fmt: skip
+            None,
+            None,
+            None,
+        )
 
 
 class ApiKeyConfig(BaseModel):

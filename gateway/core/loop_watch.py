@@ -159,9 +159,11 @@ class LoopWatch:
         frame = sys._current_frames().get(self._loop_thread)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
         generation = self._gc_generation
-        collecting = f"; a garbage collection of generation {generation} is running" if (
-            generation is not None
-        ) else ""  # fmt: skip
+        collecting = (
+            f"; a garbage collection of generation {generation} is running"
+            if (generation is not None)
+            else ""
+        )
         log.warning(
             "the event loop has not run ready work for %.0f ms%s; its thread is in:\n%s",
             self.stall_s * 1000,

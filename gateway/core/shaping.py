@@ -165,8 +165,11 @@ class _Thought:
     def block(self) -> dict[str, Any]:
         if self.redacted is not None:
             return {"type": "redacted_thinking", "data": self.redacted}
-        return {"type": "thinking", "thinking": "".join(self.text),
-                "signature": "".join(self.signature)}  # fmt: skip
+        return {
+            "type": "thinking",
+            "thinking": "".join(self.text),
+            "signature": "".join(self.signature),
+        }
 
 
 @dataclass
@@ -285,9 +288,13 @@ async def chat_chunks(
         more = {"token_ids": list(ids)} if ids is not None and shape.token_ids else {}
         choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lps, **more)
         return ChatCompletionChunk(
-            id=rid, created=created, model=model, choices=[choice], usage=running.now(index),
+            id=rid,
+            created=created,
+            model=model,
+            choices=[choice],
+            usage=running.now(index),
             **extras,
-        )  # fmt: skip
+        )
 
     finish: dict[int, str] = {}
     async with aclosing(pieces):  # closing the chunks closes the answer (and its request)
@@ -383,9 +390,12 @@ async def completion_chunks(
                     lps = completion_logprobs(p.logprobs, offsets[p.index], shape.as_token_ids)
                 offsets[p.index] += len(p.text)
                 choice = CompletionChoice(
-                    index=p.index, text=p.text, finish_reason=p.finish_reason, logprobs=lps,
+                    index=p.index,
+                    text=p.text,
+                    finish_reason=p.finish_reason,
+                    logprobs=lps,
                     **_ids(shape, p),
-                )  # fmt: skip
+                )
                 yield Completion(id=rid, model=model, choices=[choice], usage=running.now(p.index))
             elif shape.include_usage:
                 yield Completion(id=rid, model=model, choices=[], usage=p.usage)

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from gateway.core.errors import APIError
-from gateway.core.messages import ErrorDetail, ErrorEvent
+from gateway.core.messages_wire import ErrorDetail, ErrorEvent
 from gateway.service.limits import anthropic_headers
 
 PREFIX = "/v1/messages"

@@ -107,9 +107,15 @@ class BodyLimitMiddleware:
 
 # the routes that put work on a model (vLLM's server load counts the same kind)
 GENERATION_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions",
-     "/v1/responses", "/v1/messages", "/invocations"}
-)  # fmt: skip
+    {
+        "/v1/chat/completions",
+        "/v1/chat/completions/batch",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/invocations",
+    }
+)
 
 
 class ServerLoad:

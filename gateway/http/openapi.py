@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from gateway.core.messages import ErrorEvent
+from gateway.core.messages_wire import ErrorEvent
 
 
 class ErrorDetail(BaseModel):

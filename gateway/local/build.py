@@ -102,8 +102,10 @@ def build_replicas(
     model = resolve_model(settings)
     shares = guard_scope(settings)
     if shares:
-        log.info("the first-token guard acts across the %d embedded replicas "
-                 "(engine.guard_scope: host)", settings.engine.replicas)  # fmt: skip
+        log.info(
+            "the first-token guard acts across the %d embedded replicas (engine.guard_scope: host)",
+            settings.engine.replicas,
+        )
     out: list[Replica] = []
     for i, config in enumerate(engine_configs(settings, runtime_dir, model)):
         rid, events = LocationId(f"replica-{i}"), config.kv_events_endpoint

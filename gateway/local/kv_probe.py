@@ -62,7 +62,12 @@ async def probe(
         await asyncio.sleep(0.05)
     st.agreement = "exact" if got == want and want > 0 else "approximate"
     if st.agreement == "approximate":
-        log.warning("replica %s: block hashes disagree with the manifest (%d/%d blocks): "
-                    "predictions are approximate", replica, got, want)  # fmt: skip
+        log.warning(
+            "replica %s: block hashes disagree with the manifest (%d/%d blocks): "
+            "predictions are approximate",
+            replica,
+            got,
+            want,
+        )
     await st.control.evict(expected)
     return st.agreement

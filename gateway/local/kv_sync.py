@@ -231,8 +231,12 @@ class KVSync:
             await self.barrier(st)
         except EngineError as exc:
             st.synced, st.sync_failures = False, st.sync_failures + 1
-            log.warning("replica %s: KV events barrier failed (%s); predictions there are "
-                        "not exact until it answers", st.replica, exc)  # fmt: skip
+            log.warning(
+                "replica %s: KV events barrier failed (%s); predictions there are "
+                "not exact until it answers",
+                st.replica,
+                exc,
+            )
             return
         st.synced = True
 

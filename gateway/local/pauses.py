@@ -47,7 +47,7 @@ from manifest.hashing import BlockHash
 from manifest.index import LocationId
 from manifest.session_tips import Gaps, expected_gap
 
-Outcome = Literal["leased", "refused", "released", "none", "short", "off"]
+PauseResult = Literal["leased", "refused", "released", "none", "short", "off"]
 # the other counted outcomes: "preempted" (a lease in overtime gave way to another
 # session's), "yielded" (a paused session's lease gave way to a live request)
 MAX_PREEMPTED = 8  # leases in overtime released for one new lease, at most
@@ -113,7 +113,7 @@ class SessionTurns:
         replica: LocationId,
         hashes: Sequence[BlockHash],
         called_tools: bool,
-    ) -> Outcome:
+    ) -> PauseResult:
         """A turn of session ``key`` ended on ``replica`` with a prompt of ``hashes``: lease
         them until the next turn if it called tools, else release the session's lease."""
         s = self.sessions.get(key)
@@ -122,7 +122,7 @@ class SessionTurns:
         now = self.clock()
         s.replica, s.ended_at, s.due = replica, now, None
         owner = _owner(key)
-        out: Outcome
+        out: PauseResult
         if kv is None or not self.cfg.enabled:
             out = "off"
         elif not called_tools:  # an answer: the session's lease, if any, is released
@@ -209,8 +209,11 @@ class SessionTurns:
     def _in_flight(self, replica: LocationId) -> list[str]:
         """The sessions whose turn runs and whose lease is on ``replica``, the latest
         begun first."""
-        return [k for k, s in reversed(self.sessions.items())
-                if s.ended_at is None and self._leased_on(k) == replica]  # fmt: skip
+        return [
+            k
+            for k, s in reversed(self.sessions.items())
+            if s.ended_at is None and self._leased_on(k) == replica
+        ]
 
     def _leased_on(self, key: str) -> LocationId | None:
         held = self.leases.held(_owner(key))
@@ -223,9 +226,11 @@ class SessionTurns:
         paused = [
             (s.due, k)
             for k, s in self.sessions.items()
-            if s.replica == replica and s.ended_at is not None and s.due is not None
+            if s.replica == replica
+            and s.ended_at is not None
+            and s.due is not None
             and now < self._lease_end(s)
-        ]  # fmt: skip
+        ]
         late = sorted(x for x in paused if x[0] <= now)
         early = sorted((x for x in paused if x[0] > now), reverse=True)
         return [k for _, k in late + early]
@@ -246,9 +251,12 @@ class SessionTurns:
         late = [
             (s.due, k)
             for k, s in self.sessions.items()
-            if k != but and s.replica == replica and s.ended_at is not None
-            and s.due is not None and s.due <= now < self._lease_end(s)
-        ]  # fmt: skip
+            if k != but
+            and s.replica == replica
+            and s.ended_at is not None
+            and s.due is not None
+            and s.due <= now < self._lease_end(s)
+        ]
         return min(late)[1] if late else None
 
     def _counted(self, outcome: str) -> None:

@@ -137,8 +137,12 @@ class KVSpans:
                 st.predictions_matched += 1
             else:
                 st.predictions_missed += 1
-                log.info("replica %s: predicted %d cached tokens, vLLM served %d",
-                         replica, predicted, actual)  # fmt: skip
+                log.info(
+                    "replica %s: predicted %d cached tokens, vLLM served %d",
+                    replica,
+                    predicted,
+                    actual,
+                )
         return matched
 
     def is_exact(self, replica: LocationId) -> bool:

@@ -148,8 +148,12 @@ class Supervisor:
             if r.events_endpoint and caps.span_control and caps.hash_algo == HASH_ALGO:
                 tracked.append(r)
             elif r.events_endpoint:
-                log.warning("replica %s: no exact spans (hash %s, span control %s)",
-                            r.id, caps.hash_algo, caps.span_control)  # fmt: skip
+                log.warning(
+                    "replica %s: no exact spans (hash %s, span control %s)",
+                    r.id,
+                    caps.hash_algo,
+                    caps.span_control,
+                )
         if not tracked:
             return None
         first = tracked[0].engine.capabilities

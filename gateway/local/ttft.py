@@ -50,8 +50,15 @@ class Stamps:
         the clocks do not agree (a stamp out of order: not this host's clock)."""
         if core is None or not self.sent:
             return None
-        points = (self.arrived, self.dispatched, self.sent, core.queued_s,
-                  core.scheduled_s, core.first_token_s, received)  # fmt: skip
+        points = (
+            self.arrived,
+            self.dispatched,
+            self.sent,
+            core.queued_s,
+            core.scheduled_s,
+            core.first_token_s,
+            received,
+        )
         if any(b < a for a, b in itertools.pairwise(points)):
             return None
         return {p: b - a for p, (a, b) in zip(PHASES, itertools.pairwise(points), strict=True)}

@@ -14,7 +14,7 @@ settle the usage telemetry (verify, then account).
 :meth:`ProviderPath.acquire`, after the journal: the send-one-then-fan hold
 (:meth:`~gateway.providers.control.Control.fan_in`).  The first sibling of a
 cold anchor gets a :class:`~gateway.providers.control.Fan`, the claim its
-siblings wait on; :meth:`Prepared.release` gives it back (at the answer's
+siblings wait on; :meth:`PlannedCall.release` gives it back (at the answer's
 first delta, or on any path where the answer never comes).
 """
 
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Outcome:
+class CallTelemetry:
     """Filled in as a call runs: what the provider reported and what was settled."""
 
     usage: ProviderUsage | None = None
@@ -62,7 +62,7 @@ class Outcome:
 
 
 @dataclass(frozen=True)
-class Prepared:
+class PlannedCall:
     """A call planned and rendered for one target: what is sent (and journaled first)."""
 
     target: ProviderTarget
@@ -142,7 +142,7 @@ class ProviderPath:
         req: ChatCompletionRequest | None = None,
         view: PromptView | None = None,
         session: str | None = None,
-    ) -> Prepared:
+    ) -> PlannedCall:
         """Plan the cache for ``call`` and render it, once, before anything is sent; it
         waits for nothing and claims nothing (the fan-in hold is :meth:`acquire`).
         ``warm``: prefill only, where the provider has a primitive for it.  With the
@@ -192,15 +192,27 @@ class ProviderPath:
             retention=t.config.prompt_cache_retention if t.spec.cache_key else None,
         )
         rendered = t.client.adapter.render(call, directives)
-        return Prepared(
-            t, call, view, believed, marked, handle, directives, rendered, anchor, warm,
-            None, tip, actions, placed_by,
-        )  # fmt: skip
+        return PlannedCall(
+            t,
+            call,
+            view,
+            believed,
+            marked,
+            handle,
+            directives,
+            rendered,
+            anchor,
+            warm,
+            None,
+            tip,
+            actions,
+            placed_by,
+        )
 
-    async def acquire(self, p: Prepared) -> Prepared:
+    async def acquire(self, p: PlannedCall) -> PlannedCall:
         """The send-one-then-fan hold, after the journal: a sibling of a cold anchor whose
         first is on its way waits (at most ``fan_wait_s``) for its answer to begin; the
-        first gets the :class:`Fan` (``p`` with it: :meth:`Prepared.release` gives it
+        first gets the :class:`Fan` (``p`` with it: :meth:`PlannedCall.release` gives it
         back).  Nothing for a warm, or without the control loop."""
         c = self.control
         if c is None or not c.enabled or p.warm or p.anchor is None or p.fan is not None:
@@ -208,7 +220,7 @@ class ProviderPath:
         fan = await c.fan_in(p.anchor, self.book.believed(p.view).index, p.view.anchor())
         return p if fan is None else dataclasses.replace(p, fan=fan)
 
-    def inline(self, p: Prepared) -> Prepared | None:
+    def inline(self, p: PlannedCall) -> PlannedCall | None:
         """After :class:`ProviderNotFound` on a request that used a cached-content handle:
         the handle expired or was deleted on the provider's side (a false warm); the same
         call with the prompt inline.  None when there was no handle to blame."""
@@ -221,7 +233,7 @@ class ProviderPath:
         rendered = p.target.client.adapter.render(p.call, directives)
         return dataclasses.replace(p, handle=None, directives=directives, rendered=rendered)
 
-    async def send(self, p: Prepared, out: Outcome) -> AsyncGenerator[Delta, None]:
+    async def send(self, p: PlannedCall, out: CallTelemetry) -> AsyncGenerator[Delta, None]:
         """One attempt at the provider (its client retries transient failures); ``out``
         holds the usage once it ends."""
         out.cached_content = p.directives.cached_content
@@ -235,7 +247,7 @@ class ProviderPath:
         """A call that did not complete (its error is the caller's to raise)."""
         self._metrics.provider_requests.labels(t.name, "error").inc()
 
-    def settle(self, p: Prepared, request_id: str, out: Outcome) -> None:
+    def settle(self, p: PlannedCall, request_id: str, out: CallTelemetry) -> None:
         """Verify, then account: fold the provider's usage telemetry into the belief."""
         t, m = p.target, self._metrics
         m.provider_requests.labels(t.name, "ok").inc()

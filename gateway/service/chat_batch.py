@@ -62,9 +62,11 @@ def _in_conversation(error: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 async def chat_batch(
-    svc: GatewayService, reqs: list[ChatCompletionRequest], who: Principal,
+    svc: GatewayService,
+    reqs: list[ChatCompletionRequest],
+    who: Principal,
     route: RouteOverride | None,
-) -> Routed[ChatCompletion]:  # fmt: skip
+) -> Routed[ChatCompletion]:
     """Every conversation answered at once; one choice each, in order, and the sum of
     their usage (the first one's placement names the response headers)."""
     done = await asyncio.gather(*(svc.chat(r, who, route) for r in reqs))

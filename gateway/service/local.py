@@ -239,11 +239,18 @@ class LocalChat:
             text = canonical_json(schema.schema_).decode() if schema and schema.schema_ else None
             structured = Structured(json_schema=text, json_object=text is None)
         greq = self.engine_request(
-            rid, ids, req, req.output_limit(), ("messages", limit_param), who,
-            logprobs=req.top_logprobs_asked(), structured=structured,
-            clamp=req.hints.clamp_output, top_k=req.hints.top_k,
+            rid,
+            ids,
+            req,
+            req.output_limit(),
+            ("messages", limit_param),
+            who,
+            logprobs=req.top_logprobs_asked(),
+            structured=structured,
+            clamp=req.hints.clamp_output,
+            top_k=req.hints.top_k,
             prompt_logprobs=req.prompt_logprobs,
-        )  # fmt: skip
+        )
         return greq, plan
 
     # ------------------------------------------------------- the Target
@@ -436,13 +443,17 @@ class LocalChat:
                 if length_as_stop and finish == "length":
                     finish = "stop"
                 yield Piece(
-                    c.text, finish, index=c.index, logprobs=c.logprobs,
-                    stop_sequence=c.stop_sequence, token_ids=c.token_ids,
+                    c.text,
+                    finish,
+                    index=c.index,
+                    logprobs=c.logprobs,
+                    stop_sequence=c.stop_sequence,
+                    token_ids=c.token_ids,
                     prompt_tokens=c.num_prompt_tokens if head else None,  # known at the first
                     cached_tokens=c.num_cached_tokens if head else None,
                     prompt_token_ids=greq.prompt_token_ids if new else None,
                     prompt_logprobs=c.prompt_logprobs,
-                )  # fmt: skip
+                )
         trace.finish("generate", completion_tokens=totals.completion)
         yield Piece(usage=totals.usage())
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
-from gateway.core.messages import (
+from gateway.core.messages_wire import (
     Block,
     ContentBlockDelta,
     ContentBlockStart,
@@ -123,11 +123,14 @@ async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[
         first = await anext(pieces, None)  # produced already: the stream is primed
         prompt, read = (first.prompt_tokens or 0, first.cached_tokens or 0) if first else (0, 0)
         start = Message(
-            id=mid, model=model, content=[], stop_reason=None,
+            id=mid,
+            model=model,
+            content=[],
+            stop_reason=None,
             usage=MessageUsage(
                 input_tokens=prompt - read, output_tokens=0, cache_read_input_tokens=read
             ),
-        )  # fmt: skip
+        )
         yield MessageStart(message=start)
         yield Ping()
         async for p in _chain(first, pieces):

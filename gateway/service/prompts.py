@@ -28,7 +28,7 @@ Template = Mapping[str, Any] | None
 
 
 @dataclass(frozen=True)
-class Rendered:
+class PromptIds:
     """A chat prompt's token ids, with where its parts end: the system prompts and tools
     (the governor's anchor, when asked and there are system prompts) and each client
     breakpoint."""
@@ -66,18 +66,18 @@ class Prompts:
         anchor: bool = False,
         marks: Sequence[Breakpoint] = (),
         memo: list[int] | None = None,
-    ) -> Rendered:
+    ) -> PromptIds:
         """The prompt (``memo``: rendered already, to quote), and where the anchor (if
         ``anchor`` and there are system prompts) and the breakpoints ``marks`` end in it."""
         anchor = anchor and bool(system)
         prefix = self._prefix
 
-        def job(t: ChatTokenizer) -> Rendered:
+        def job(t: ChatTokenizer) -> PromptIds:
             r = functools.partial(render, t)
             ids = memo if memo is not None else r(system, turns, tools, template)
             n = prefix(r, system, (), tools, ids) if anchor else 0
             ends = prefix.ends(r, marks, system, turns, tools, ids) if marks else []
-            return Rendered(ids, n, ends)
+            return PromptIds(ids, n, ends)
 
         return await self._thread.run(tok, job)
 

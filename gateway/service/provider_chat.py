@@ -32,7 +32,7 @@ from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import Piece, Pieces, ToolCallDelta
 from gateway.core.target import Call, Quote, Sent
-from gateway.providers.path import Outcome, Prepared, ProviderPath
+from gateway.providers.path import CallTelemetry, PlannedCall, ProviderPath
 from gateway.providers.targets import ProviderTarget
 from gateway.sessions.render import (
     SystemLayouts,
@@ -77,9 +77,12 @@ def _piece(d: Delta) -> Piece:
     """A provider's delta as an answer piece (its usage is the last piece, apart)."""
     parts = tuple(ToolCallDelta(c.index, c.id, c.name, c.arguments) for c in d.tool_calls)
     return Piece(
-        d.text, d.finish_reason, tool_calls=parts, thinking=d.thinking,
+        d.text,
+        d.finish_reason,
+        tool_calls=parts,
+        thinking=d.thinking,
         stop_sequence=d.stop_sequence,
-    )  # fmt: skip
+    )
 
 
 class _Timing:
@@ -106,13 +109,13 @@ class ProviderPrepared:
 
     call: Call
     target: str
-    planned: Prepared
+    planned: PlannedCall
     header: Header
     turns: tuple[MessageEvent, ...]
     request_id: str
     t0: float
     lint: tuple[str, ...] = ()
-    outcome: Outcome = field(default_factory=Outcome)  # the provider's own telemetry
+    outcome: CallTelemetry = field(default_factory=CallTelemetry)  # the provider's own telemetry
     placement: None = None
 
     @property
@@ -254,7 +257,7 @@ class ProviderChat:
         if inline is None:
             return None
         rid = f"{p.call.request_id}-1"
-        return dataclasses.replace(p, planned=inline, request_id=rid, outcome=Outcome())
+        return dataclasses.replace(p, planned=inline, request_id=rid, outcome=CallTelemetry())
 
     def settle(self, p: ProviderPrepared, usage: Usage) -> None:
         """Verify, then account: the provider's own telemetry into the belief."""

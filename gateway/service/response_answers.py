@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.core.outputs import ChatCompletion, ToolCallOut, Usage
-from gateway.core.responses import (
+from gateway.core.responses_wire import (
     ArgumentsDelta,
     ArgumentsDone,
     CustomInputDelta,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.core.errors import InvalidRequest
-from gateway.core.responses import (
+from gateway.core.responses_wire import (
     CustomTool,
     FunctionChoice,
     FunctionTool,

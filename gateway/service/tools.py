@@ -118,10 +118,12 @@ class ToolPlan:
                     s.ids = ()
                     if head is not None and head.prompt_tokens is not None:
                         out = dataclasses.replace(
-                            out, prompt_tokens=head.prompt_tokens, cached_tokens=head.cached_tokens,
+                            out,
+                            prompt_tokens=head.prompt_tokens,
+                            cached_tokens=head.cached_tokens,
                             prompt_token_ids=head.prompt_token_ids,
                             prompt_logprobs=head.prompt_logprobs,
-                        )  # fmt: skip
+                        )
                         head = Piece()  # passed on
                     yield out
 

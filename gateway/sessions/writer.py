@@ -44,10 +44,10 @@ class _Job:
     done: asyncio.Future[Any]
 
 
-Outcome = tuple[Any, BaseException | None]
+JobResult = tuple[Any, BaseException | None]
 
 
-def _deliver(results: list[tuple[asyncio.Future[Any], Outcome]]) -> None:
+def _deliver(results: list[tuple[asyncio.Future[Any], JobResult]]) -> None:
     """On the callers' loop: answer every caller still waiting."""
     for fut, (value, exc) in results:
         if fut.done():  # cancelled: nobody waits for it any more
@@ -113,14 +113,14 @@ class Writer:
                 batch.append(nxt)
             self._settle(batch, self._together(batch))
 
-    def _alone(self, job: _Job) -> list[Outcome]:
+    def _alone(self, job: _Job) -> list[JobResult]:
         try:
             return [(job.fn(), None)]
         except Exception as exc:
             return [(None, exc)]
 
-    def _together(self, batch: list[_Job]) -> list[Outcome]:
-        out: list[Outcome] = []
+    def _together(self, batch: list[_Job]) -> list[JobResult]:
+        out: list[JobResult] = []
         try:
             with self._store.batch() as item:
                 out = [self._attempt(job, item) for job in batch]
@@ -139,7 +139,7 @@ class Writer:
 
     def _attempt(
         self, job: _Job, item: Callable[[], contextlib.AbstractContextManager[None]]
-    ) -> Outcome:
+    ) -> JobResult:
         """One job in its savepoint; again when it lost a race with another process's
         transaction (a shared log: a deadlock, a lock timeout), which rolled back its
         writes only."""
@@ -153,9 +153,9 @@ class Writer:
                 log.info("session log: job retried after %r", exc)
         raise AssertionError("unreachable")
 
-    def _settle(self, batch: list[_Job], results: list[Outcome]) -> None:
+    def _settle(self, batch: list[_Job], results: list[JobResult]) -> None:
         self.jobs += len(batch)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Outcome]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], JobResult]]] = {}
         for job, outcome in zip(batch, results, strict=True):
             by_loop.setdefault(job.loop, []).append((job.done, outcome))
         for loop, answers in by_loop.items():

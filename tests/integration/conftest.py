@@ -89,17 +89,28 @@ def gateway(
     # (engine.nice; tests/integration/test_placement.py reads it back)
     env["VCACHE_ENGINE__NICE"] = str(ENGINE_NICE)
     cmd = [
-        sys.executable, "-m", "gateway.cli", "serve",
-        "--port", str(port),
-        "--grpc-port", str(grpc_port),
-        "--data-dir", str(data_dir),
-        "--kv-cache-bytes", str(KV_CACHE_BYTES),
-        "--replicas", str(REPLICAS),
-        "--max-model-len", "2048",
-        "--max-queued-requests", str(MAX_QUEUED),
-        "--max-request-body-bytes", str(BODY_LIMIT),
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--data-dir",
+        str(data_dir),
+        "--kv-cache-bytes",
+        str(KV_CACHE_BYTES),
+        "--replicas",
+        str(REPLICAS),
+        "--max-model-len",
+        "2048",
+        "--max-queued-requests",
+        str(MAX_QUEUED),
+        "--max-request-body-bytes",
+        str(BODY_LIMIT),
         "--enforce-eager",
-    ]  # fmt: skip
+    ]
     base_url = f"http://127.0.0.1:{port}"
     with running(cmd, env, f"{base_url}/readyz", log_path, "gateway") as proc:
         yield Gateway(
@@ -150,19 +161,42 @@ def remote_vllm(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     port = _free_port()
     events, replay = f"ipc://{tmp}/events", f"ipc://{tmp}/replay"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
-    env |= {"PYTHONHASHSEED": "0", "VLLM_PLUGINS": "vcache,vcache-control",
-            "VCACHE_CONTROL_SECRET": SECRET}  # fmt: skip
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
-                 "replay_endpoint": replay}  # fmt: skip
+    env |= {
+        "PYTHONHASHSEED": "0",
+        "VLLM_PLUGINS": "vcache,vcache-control",
+        "VCACHE_CONTROL_SECRET": SECRET,
+    }
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events,
+        "replay_endpoint": replay,
+    }
     server = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(demo_model), "--served-model-name", "vcache-demo",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
-        "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
-        "--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "2048", "--enforce-eager",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(demo_model),
+        "--served-model-name",
+        "vcache-demo",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo",
+        "sha256_cbor",
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        json.dumps(kv_events),
+        "--kv-cache-memory-bytes",
+        str(32 << 20),
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
         "--enable-scale-out",  # the token-in/token-out route too (gateways use it on auto)
-    ]  # fmt: skip
+    ]
     url = f"http://127.0.0.1:{port}"
     with running(server, env, f"{url}/v1/models", tmp / "vllm.log", "vllm server"):
         yield RemoteVllm(url, events, replay, tmp / "vllm.log")
@@ -246,9 +280,19 @@ def own_gateway(
     env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
     env["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
     cmd = [
-        sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--grpc-port", "0",
-        "--data-dir", str(data_dir), "--enforce-eager", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--grpc-port",
+        "0",
+        "--data-dir",
+        str(data_dir),
+        "--enforce-eager",
+        *args,
+    ]
     url = f"http://127.0.0.1:{port}"
     with running(cmd, env, f"{url}/readyz", tmp / "gateway.log", "gateway"):
         yield url
@@ -322,8 +366,9 @@ def check_vllm_logprobs(base_url: str, model: str, headers: dict[str, str]) -> N
         assert choice["text"] == prompt
         lp = choice["logprobs"]
         assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
-        assert lp["token_logprobs"][1:] == [steps[i][str(ids[i])]["logprob"] for i in
-                                            range(1, len(ids))]  # fmt: skip
+        assert lp["token_logprobs"][1:] == [
+            steps[i][str(ids[i])]["logprob"] for i in range(1, len(ids))
+        ]
         as_ids = {"max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": True}
         r = c.post("/v1/completions", json={**base, **as_ids, "return_token_ids": True})
         assert r.status_code == 200, r.text

@@ -65,9 +65,19 @@ class Shared:
             **ADMIN_KEYS,
         }
         cmd = [
-            sys.executable, "-m", "gateway.cli", "serve", "--replicas", "0", "--port", str(port),
-            "--grpc-port", str(_free_port()), "--data-dir", str(self.data_dir),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--replicas",
+            "0",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(_free_port()),
+            "--data-dir",
+            str(self.data_dir),
+        ]
         url = f"http://127.0.0.1:{port}"
         with running(cmd, env, f"{url}/readyz", self.tmp / f"{name}.log", name) as proc:
             yield url, proc
@@ -121,26 +131,34 @@ def test_a_conversation_moves_between_gateways_and_rebuilds_from_the_shared_log(
         model="vcache-demo", input="a response on A", max_output_tokens=3, store=True
     )
     second = _openai(b).responses.with_raw_response.create(
-        model="vcache-demo", input="continued on B", max_output_tokens=3,
+        model="vcache-demo",
+        input="continued on B",
+        max_output_tokens=3,
         previous_response_id=first.id,
-    )  # fmt: skip
+    )
     assert second.parse().previous_response_id == first.id
     assert _openai(a).responses.retrieve(second.parse().id).id == second.parse().id
 
     msgs: list[Any] = [{"role": "user", "content": "a message on A"}]
     sdk = {u: anthropic.Anthropic(base_url=u, api_key=ADMIN_KEY, max_retries=0) for u in (a, b)}
     one = sdk[a].messages.with_raw_response.create(
-        model="vcache-demo", max_tokens=3, system=SYSTEM, messages=msgs,
+        model="vcache-demo",
+        max_tokens=3,
+        system=SYSTEM,
+        messages=msgs,
         extra_headers={"x-vcache-session": "moving-messages"},
-    )  # fmt: skip
+    )
     msgs += [
         {"role": "assistant", "content": one.parse().content[0].text},  # type: ignore[union-attr]
         {"role": "user", "content": "and on B"},
     ]
     two = sdk[b].messages.with_raw_response.create(
-        model="vcache-demo", max_tokens=3, system=SYSTEM, messages=msgs,
+        model="vcache-demo",
+        max_tokens=3,
+        system=SYSTEM,
+        messages=msgs,
         extra_headers={"x-vcache-session": "moving-messages"},
-    )  # fmt: skip
+    )
     assert two.headers["x-vcache-session"] == "moving-messages"
     assert _exact(two.headers, two.parse().usage.cache_read_input_tokens or 0)
 
@@ -259,9 +277,11 @@ def test_a_gateway_killed_under_load_loses_nothing_it_acknowledged(
         for u in users:
             u.join(60)
     on_victim = [rid for g, rid in load.acked if g == "victim"]
-    print(f"\nkill -9 under load: {len(load.acked)} acknowledged ({len(on_victim)} by the "
-          f"victim), {len(load.errors)} errors, {in_flight} in flight on the victim, "
-          f"{load.retried} sent to it after its death and then to the survivor")  # fmt: skip
+    print(
+        f"\nkill -9 under load: {len(load.acked)} acknowledged ({len(on_victim)} by the "
+        f"victim), {len(load.errors)} errors, {in_flight} in flight on the victim, "
+        f"{load.retried} sent to it after its death and then to the survivor"
+    )
     assert all(g == "victim" for g, _ in load.errors), load.errors  # the survivor: none
     assert len(load.errors) <= in_flight
     with psycopg.connect(shared.pg) as db:
@@ -272,6 +292,8 @@ def test_a_gateway_killed_under_load_loses_nothing_it_acknowledged(
     assert died_after < LEASE, "the victim outlived its lease: nothing was left to leak"
     wait_for(lambda: _engine_pins(a) == base, timeout_s=LEASE + 40, interval_s=0.5)
     released_after = time.monotonic() - pinned_at
-    print(f"the victim died {died_after:.1f} s after pinning; its pins were released "
-          f"{released_after:.1f} s after they were taken")  # fmt: skip
+    print(
+        f"the victim died {died_after:.1f} s after pinning; its pins were released "
+        f"{released_after:.1f} s after they were taken"
+    )
     assert released_after >= LEASE + 10 - 1  # not before the hold ran out

@@ -92,8 +92,9 @@ def test_a_tool_pause_keeps_the_sessions_kv_through_pressure(gateway: Gateway) -
         assert lost < BLOCK  # the control's blocks went to the flood
         if nxt["choices"][0]["finish_reason"] != "tool_calls":  # an answer: released
             assert _pinned(c) == before
-        final = _turn(c, model, "agent-keep", [*agent, call, result], tools=[TOOL],
-                      tool_choice="none")  # fmt: skip
+        final = _turn(
+            c, model, "agent-keep", [*agent, call, result], tools=[TOOL], tool_choice="none"
+        )
         assert final["choices"][0]["finish_reason"] != "tool_calls"
         assert _pinned(c) == before  # the answer released the session's lease
     metrics = httpx.get(f"{gateway.base_url}/metrics", timeout=10).text
@@ -117,10 +118,15 @@ def test_concurrent_siblings_meet_one_prefill_and_are_predicted_exactly(
             start.wait(timeout=60)
             r = c.post(
                 "/v1/chat/completions",
-                json={"model": gateway.model, "max_tokens": 2, "messages": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": f"question {i}"}]},
-            )  # fmt: skip
+                json={
+                    "model": gateway.model,
+                    "max_tokens": 2,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"question {i}"},
+                    ],
+                },
+            )
             assert r.status_code == 200, r.text
             predicted = r.headers.get("x-vcache-predicted-cached-tokens")
             cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -141,8 +147,11 @@ def test_priorities_reach_vllms_priority_scheduler(gateway: Gateway) -> None:
     """The engine runs vLLM's priority scheduling: requests of every priority are served,
     and a bad one is a 400 naming the header."""
     headers = {"Authorization": f"Bearer {KEY_A}"}
-    body = {"model": gateway.model, "max_tokens": 3,
-            "messages": [{"role": "user", "content": "priority check"}]}  # fmt: skip
+    body = {
+        "model": gateway.model,
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "priority check"}],
+    }
     with httpx.Client(base_url=gateway.base_url, headers=headers, timeout=120) as c:
         for priority in ("batch", "default", "interactive"):
             r = c.post("/v1/chat/completions", json=body, headers={"x-vcache-priority": priority})

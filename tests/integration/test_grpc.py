@@ -57,8 +57,10 @@ def test_unary_chat_and_repeated_prefix_reports_cached_tokens(stub: pb_grpc.Gate
     first = stub.ChatCompletion(chat("How are blocks hashed?", SYSTEM, max_tokens=2), metadata=AUTH)
     second = stub.ChatCompletion(chat("What evicts a block?", SYSTEM, max_tokens=2), metadata=AUTH)
     assert first.usage.completion_tokens <= 2 and first.usage.cached_tokens == 0
-    print(f"\ngRPC repeated prefix: prompt {second.usage.prompt_tokens}, "
-          f"cached {second.usage.cached_tokens} on {second.usage.replica}")  # fmt: skip
+    print(
+        f"\ngRPC repeated prefix: prompt {second.usage.prompt_tokens}, "
+        f"cached {second.usage.cached_tokens} on {second.usage.replica}"
+    )
     assert second.usage.cached_tokens >= 3 * 128
     assert second.usage.replica == first.usage.replica  # kv routing followed the prefix
     assert second.usage.HasField("predicted_cached_tokens")

@@ -20,8 +20,22 @@ pytestmark = pytest.mark.integration
 BLOCK = 128
 
 
-VOCAB = ["cache", "block", "token", "model", "request", "answer", "system", "prompt",
-         "value", "server", "client", "document", "question", "context"]  # fmt: skip
+VOCAB = [
+    "cache",
+    "block",
+    "token",
+    "model",
+    "request",
+    "answer",
+    "system",
+    "prompt",
+    "value",
+    "server",
+    "client",
+    "document",
+    "question",
+    "context",
+]
 
 
 def _words(seed: int, n: int) -> str:
@@ -141,8 +155,10 @@ def test_pinned_anchor_survives_pressure_and_goes_after_unpin(gateway: Gateway) 
         _flood(c, model, replica, seed=1)
         a = post(c, "/v1/cache/lookup", anchor)["replicas"][0]
         ctl = post(c, "/v1/cache/lookup", control)["replicas"][0]
-        print(f"\nunder pressure: pinned anchor {a['predicted_cached_tokens']} cached tokens, "
-              f"unpinned control {ctl['predicted_cached_tokens']}")  # fmt: skip
+        print(
+            f"\nunder pressure: pinned anchor {a['predicted_cached_tokens']} cached tokens, "
+            f"unpinned control {ctl['predicted_cached_tokens']}"
+        )
         assert ctl["predicted_cached_tokens"] == 0  # the control was evicted by the flood
         assert a["predicted_cached_tokens"] == span and all(a["pinned"])
         r = c.post(
@@ -203,8 +219,11 @@ def _groups_run(
                 {"role": "system", "content": _words(seed + g, 520)},
                 {"role": "user", "content": _words(seed + 100 + q * 10 + g, 30)},
             ]
-            r = c.post("/v1/chat/completions", json={"model": model, "messages": messages,
-                       "max_tokens": 1}, headers={"x-vcache-routing": policy})  # fmt: skip
+            r = c.post(
+                "/v1/chat/completions",
+                json={"model": model, "messages": messages, "max_tokens": 1},
+                headers={"x-vcache-routing": policy},
+            )
             assert r.status_code == 200
             usage = r.json()["usage"]
             cached_total += usage["prompt_tokens_details"]["cached_tokens"]
@@ -218,8 +237,10 @@ def test_kv_routing_keeps_groups_on_the_replica_that_holds_them(gateway: Gateway
         kv_cached, kv_prompt, kv_place = _groups_run(c, gateway.model, "kv", seed=300)
         rr_cached, rr_prompt, rr_place = _groups_run(c, gateway.model, "round_robin", seed=400)
     kv_rate, rr_rate = kv_cached / kv_prompt, rr_cached / rr_prompt
-    print(f"\nrouting kv: hit rate {kv_rate:.3f} ({kv_cached}/{kv_prompt} tokens); "
-          f"round_robin: {rr_rate:.3f} ({rr_cached}/{rr_prompt})")  # fmt: skip
+    print(
+        f"\nrouting kv: hit rate {kv_rate:.3f} ({kv_cached}/{kv_prompt} tokens); "
+        f"round_robin: {rr_rate:.3f} ({rr_cached}/{rr_prompt})"
+    )
     # under kv every group stays on one replica; under round_robin groups are split
     assert all(sum(1 for (g2, _) in kv_place if g2 == g) == 1 for g in range(3))
     assert all(sum(1 for (g2, _) in rr_place if g2 == g) == 2 for g in range(3))

@@ -35,8 +35,16 @@ def url(
     data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("lease-room")
-    args = ["--kv-cache-bytes", str(KV_BYTES), "--replicas", "1", "--max-model-len", "2048",
-            "--pin-max-share", "0.75"]  # fmt: skip
+    args = [
+        "--kv-cache-bytes",
+        str(KV_BYTES),
+        "--replicas",
+        "1",
+        "--max-model-len",
+        "2048",
+        "--pin-max-share",
+        "0.75",
+    ]
     with own_gateway(tmp, data_dir, args, ADMIN_KEYS) as base:
         yield base
 
@@ -54,14 +62,22 @@ def _stats(c: httpx.Client) -> dict[str, Any]:
 def test_a_paused_sessions_lease_gives_way_to_a_request_that_needs_its_blocks(url: str) -> None:
     with httpx.Client(base_url=url, headers=ADMIN, timeout=60) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
-        a = [{"role": "system", "content": "You are a coding agent. " + _text(1, 440)},
-             {"role": "user", "content": "Run the unit tests, please."}]  # fmt: skip
+        a = [
+            {"role": "system", "content": "You are a coding agent. " + _text(1, 440)},
+            {"role": "user", "content": "Run the unit tests, please."},
+        ]
         r = c.post(
             "/v1/chat/completions",
-            json={"model": model, "messages": a, "max_tokens": 40, "temperature": 0,
-                  "tools": [TOOL], "tool_choice": FORCED},
+            json={
+                "model": model,
+                "messages": a,
+                "max_tokens": 40,
+                "temperature": 0,
+                "tools": [TOOL],
+                "tool_choice": FORCED,
+            },
             headers={"x-vcache-session": "agent-a"},
-        )  # fmt: skip
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
         leased = r.json()["usage"]["prompt_tokens"] // BLOCK

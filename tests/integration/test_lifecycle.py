@@ -40,11 +40,22 @@ def lone_gateway(
     env["VCACHE_ENGINE__RESTART_BACKOFF_S"] = "0.5"
     env["VCACHE_SESSION_LOG__PATH"] = str(tmp_path_factory.mktemp("lone") / "sessions.db")
     cmd = [
-        sys.executable, "-m", "gateway.cli", "serve",
-        "--port", str(port), "--grpc-port", str(grpc_port),
-        "--data-dir", str(data_dir), "--kv-cache-bytes", str(32 << 20),
-        "--max-model-len", "2048", "--enforce-eager",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--data-dir",
+        str(data_dir),
+        "--kv-cache-bytes",
+        str(32 << 20),
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+    ]
     log_path = tmp_path_factory.mktemp("lone") / "gateway.log"
     base = f"http://127.0.0.1:{port}"
     with running(cmd, env, f"{base}/readyz", log_path, "gateway") as proc:

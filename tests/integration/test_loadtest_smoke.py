@@ -20,10 +20,24 @@ def run_loadtest(gateway: Gateway, demo_model: Path, out: Path, *extra: str) -> 
     """``python -m loadtests.run --small`` against the session's gateway; fails with its
     stderr."""
     cmd = [
-        sys.executable, "-m", "loadtests.run", "--host", gateway.base_url,
-        "--api-key", KEY_A, "--small", "--users", "2", "--duration", "60", "--out", str(out),
-        "--tokenizer", str(demo_model), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "loadtests.run",
+        "--host",
+        gateway.base_url,
+        "--api-key",
+        KEY_A,
+        "--small",
+        "--users",
+        "2",
+        "--duration",
+        "60",
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(demo_model),
+        *extra,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     print("\n" + done.stdout)

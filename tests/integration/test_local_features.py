@@ -126,13 +126,19 @@ def test_vllm_structured_outputs_constrain_the_real_engine(
     """vLLM's own ``structured_outputs`` (not OpenAI's response_format), on chat and text."""
     client = gateway.client()
     chat = client.chat.completions.create(
-        model=gateway.model, messages=_messages("pick"), max_tokens=20, temperature=0,  # type: ignore[arg-type]
+        model=gateway.model,
+        messages=_messages("pick"),  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=0,
         extra_body={"structured_outputs": constraint},
-    )  # fmt: skip
+    )
     text = client.completions.create(
-        model=gateway.model, prompt="pick one:", max_tokens=20, temperature=0,
+        model=gateway.model,
+        prompt="pick one:",
+        max_tokens=20,
+        temperature=0,
         extra_body={"structured_outputs": constraint},
-    )  # fmt: skip
+    )
     for answer, finish in (
         (chat.choices[0].message.content or "", chat.choices[0].finish_reason),
         (text.choices[0].text, text.choices[0].finish_reason),
@@ -181,9 +187,13 @@ def test_logit_bias_steers_the_real_engine(gateway: Gateway) -> None:
     the bias used to change nothing)."""
     client = gateway.client(KEY_A)
     biased = client.completions.create(
-        model=gateway.model, prompt="probe 5", max_tokens=4, temperature=0, logprobs=0,
+        model=gateway.model,
+        prompt="probe 5",
+        max_tokens=4,
+        temperature=0,
+        logprobs=0,
         logit_bias={"1500": 100},
-    )  # fmt: skip
+    )
     plain = client.completions.create(
         model=gateway.model, prompt="probe 5", max_tokens=4, temperature=0, logprobs=0
     )

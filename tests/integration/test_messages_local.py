@@ -58,10 +58,13 @@ def _schema(i: int) -> dict[str, Any]:
 
 
 TOOLS: Any = [
-    {"name": f"tool_{i}", "description": f"Tool {i} does one job well. " * 6,
-     "input_schema": _schema(i)}
+    {
+        "name": f"tool_{i}",
+        "description": f"Tool {i} does one job well. " * 6,
+        "input_schema": _schema(i),
+    }
     for i in range(12)
-]  # fmt: skip
+]
 
 
 def _system(nonce: str, marked: bool) -> list[dict[str, Any]]:
@@ -89,8 +92,9 @@ class Agent:
     def _add_user(self, block: dict[str, Any]) -> None:
         for m in self.history:  # the previous turn's mark moves to this one
             if m["role"] == "user":
-                m["content"] = [{k: v for k, v in b.items() if k != "cache_control"}
-                                for b in m["content"]]  # fmt: skip
+                m["content"] = [
+                    {k: v for k, v in b.items() if k != "cache_control"} for b in m["content"]
+                ]
         if self.marked:
             block = {**block, "cache_control": {"type": "ephemeral"}}
         self.history.append({"role": "user", "content": [block]})
@@ -99,8 +103,12 @@ class Agent:
         if self.turn == 0:
             self._add_user({"type": "text", "text": "Fix the failing test in the parser."})
         else:  # the model called a tool (scripted: a random model calls none); its result
-            call = {"type": "tool_use", "id": f"toolu_{self.turn:04d}", "name": "tool_3",
-                    "input": {"field_0": f"src/file_{self.turn}.py"}}  # fmt: skip
+            call = {
+                "type": "tool_use",
+                "id": f"toolu_{self.turn:04d}",
+                "name": "tool_3",
+                "input": {"field_0": f"src/file_{self.turn}.py"},
+            }
             thought = {"type": "thinking", "thinking": "Look at the file.", "signature": "sig"}
             self.history.append({"role": "assistant", "content": [thought, call]})
             result = " ".join(f"line {self.turn}.{i} of the output" for i in range(15))
@@ -160,14 +168,17 @@ def test_leased_breakpoint_survives_kv_pressure(local: Local) -> None:
     flood = local.sdk()
     for i in range(5):
         words = " ".join(f"unrelated{i} request{j} text" for j in range(900))
-        flood.messages.create(model="vcache-demo", max_tokens=1,
-                              messages=[{"role": "user", "content": words}])  # fmt: skip
+        flood.messages.create(
+            model="vcache-demo", max_tokens=1, messages=[{"role": "user", "content": words}]
+        )
     m_leased, h_leased = leased.step()
     m_plain, h_plain = plain.step()
     kept = m_leased.usage.cache_read_input_tokens or 0
     lost = m_plain.usage.cache_read_input_tokens or 0
-    print(f"after the flood: leased run read {kept} of {_prompt(m_leased.usage)} prompt tokens, "
-          f"the unmarked run {lost} of {_prompt(m_plain.usage)}")  # fmt: skip
+    print(
+        f"after the flood: leased run read {kept} of {_prompt(m_leased.usage)} prompt tokens, "
+        f"the unmarked run {lost} of {_prompt(m_plain.usage)}"
+    )
     assert kept >= 0.9 * _prompt(m_leased.usage)
     assert lost < 0.2 * _prompt(m_plain.usage)
     for m, h in ((m_leased, h_leased), (m_plain, h_plain)):

@@ -165,8 +165,10 @@ def test_metrics_fold_tokens(gateway: Gateway) -> None:
     assert 0 <= waited < 60
     # its TTFT by phase: the engine core's stamps and the gateway's, on one clock
     ttft = _grew(before, after, "vcache_ttft_seconds_sum{")
-    phases = {p: _grew(before, after, f'vcache_ttft_phase_seconds_sum{{phase="{p}"')
-              for p in ("prepare", "gate", "submit", "queue", "prefill", "return")}  # fmt: skip
+    phases = {
+        p: _grew(before, after, f'vcache_ttft_phase_seconds_sum{{phase="{p}"')
+        for p in ("prepare", "gate", "submit", "queue", "prefill", "return")
+    }
     counted = _grew(before, after, 'vcache_ttft_phase_seconds_count{phase="prefill"')
     assert counted == 1
     assert all(s >= 0 for s in phases.values())

@@ -130,12 +130,23 @@ def _interactive_beside_batch(
     with httpx.Client(base_url=url, headers=ADMIN, timeout=120) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
         words = " ".join(random.Random(time.time_ns()).choices(VOCAB, k=440))  # unique
-        batch = {"model": model, "max_tokens": 8, "temperature": 0,
-                 "messages": [{"role": "user", "content": "Summarize: " + words}]}  # fmt: skip
-        quick = {"model": model, "max_tokens": 4,
-                 "messages": [{"role": "user", "content": "Are the tests green?"}]}  # fmt: skip
-        beside = {"model": model, "max_tokens": 600, "min_tokens": 600,
-                  "messages": [{"role": "user", "content": "Count."}]}  # fmt: skip
+        batch = {
+            "model": model,
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Summarize: " + words}],
+        }
+        quick = {
+            "model": model,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Are the tests green?"}],
+        }
+        beside = {
+            "model": model,
+            "max_tokens": 600,
+            "min_tokens": 600,
+            "messages": [{"role": "user", "content": "Count."}],
+        }
         assert metric(url, f'vcache_prefill_stops_total{{replica="{batch_on}"}}') == 0
 
         def stored() -> int:  # the batch prompt's tokens in the prefix cache, by the index
@@ -147,14 +158,17 @@ def _interactive_beside_batch(
             running = pool.submit(c.post, "/v1/chat/completions", json=beside, headers=on_batch)
             wait_for(lambda: metric(url, running_there) >= 1, timeout_s=60, interval_s=0.02)
             bulk = pool.submit(
-                c.post, "/v1/chat/completions", json=batch,
+                c.post,
+                "/v1/chat/completions",
+                json=batch,
                 headers={"x-vcache-priority": "batch", **on_batch},
-            )  # fmt: skip
+            )
             wait_for(lambda: stored() >= 2 * BLOCK, timeout_s=60, interval_s=0.01)
             r = c.post(
-                "/v1/chat/completions", json=quick,
+                "/v1/chat/completions",
+                json=quick,
                 headers={"x-vcache-priority": "interactive", "x-vcache-replica": interactive_on},
-            )  # fmt: skip
+            )
             assert r.status_code == 200, r.text
             done = bulk.result(timeout=120)
             assert running.result(timeout=120).status_code == 200

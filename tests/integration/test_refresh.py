@@ -71,9 +71,15 @@ def test_a_waiting_request_keeps_the_blocks_it_was_predicted_to_read(url: str) -
         model = c.get("/v1/models").json()["data"][0]["id"]
 
         def body(system: str, user: str, max_tokens: int = 1) -> dict[str, Any]:
-            return {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                    "messages": [{"role": "system", "content": system},
-                                 {"role": "user", "content": user}]}  # fmt: skip
+            return {
+                "model": model,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": user},
+                ],
+            }
 
         older = _words(rng, 250)
         r = _chat(c, body(older, "First question?"))

@@ -53,9 +53,19 @@ def remote(
     replica = remote_vllm.replica() | ({} if api == "generate" else {"api": api})
     gw_env = {**base_env, "VCACHE_REMOTE_REPLICAS": json.dumps([replica]), **ADMIN_KEYS}
     gateway = [
-        sys.executable, "-m", "gateway.cli", "serve", "--replicas", "0",
-        "--port", str(gw_port), "--grpc-port", str(_free_port()), "--data-dir", str(data_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--replicas",
+        "0",
+        "--port",
+        str(gw_port),
+        "--grpc-port",
+        str(_free_port()),
+        "--data-dir",
+        str(data_dir),
+    ]
     gw_url = f"http://127.0.0.1:{gw_port}"
     with running(gateway, gw_env, f"{gw_url}/readyz", tmp / "gateway.log", "gateway"):
         yield Remote(remote_vllm.url, gw_url, api, remote_vllm)
@@ -93,11 +103,15 @@ def test_token_ids_go_to_the_route_the_gateway_picked(remote: Remote) -> None:
     for stream in (False, True):
         r = httpx.post(
             f"{remote.gateway_url}/v1/chat/completions",
-            json={"model": "vcache-demo", "max_tokens": 3, "stream": stream,
-                  "messages": [{"role": "user", "content": f"which route, {stream}?"}]},
+            json={
+                "model": "vcache-demo",
+                "max_tokens": 3,
+                "stream": stream,
+                "messages": [{"role": "user", "content": f"which route, {stream}?"}],
+            },
             headers=ADMIN,
             timeout=60,
-        )  # fmt: skip
+        )
         assert r.status_code == 200, r.text
     sent = {api: remote.vllm.routes(path) - before[api] for api, path in routes.items()}
     assert sent == {api: 2 if api == remote.api else 0 for api in routes}
@@ -140,8 +154,13 @@ def _vllm_running(remote: Remote) -> float:
 
 
 def test_disconnect_aborts_on_the_remote_replica(remote: Remote) -> None:
-    body = {"model": "vcache-demo", "stream": True, "max_tokens": 1900, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "talk for a long while"}]}  # fmt: skip
+    body = {
+        "model": "vcache-demo",
+        "stream": True,
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "talk for a long while"}],
+    }
     with (
         httpx.Client(headers=ADMIN, timeout=60) as c,
         c.stream("POST", f"{remote.gateway_url}/v1/chat/completions", json=body) as resp,

@@ -46,10 +46,12 @@ def test_every_request_so_far_rebuilds_offline(gateway: Gateway, demo_model: Pat
     for i in range(3):  # requests of its own, so the check never depends on test order
         client.chat.completions.create(
             model=gateway.model,
-            messages=[{"role": "system", "content": INSTRUCTIONS},
-                      {"role": "user", "content": f"question {i}"}],
+            messages=[
+                {"role": "system", "content": INSTRUCTIONS},
+                {"role": "user", "content": f"question {i}"},
+            ],
             max_tokens=4,
-        )  # fmt: skip
+        )
     rebuilt, failed = rebuild_all(gateway.sessions_db, demo_model)
     print(f"\n{rebuilt} requests rebuilt byte for byte")
     assert failed == [] and rebuilt >= 3

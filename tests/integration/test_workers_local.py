@@ -96,10 +96,26 @@ def pool(
     env |= ADMIN_KEYS
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "gateway.cli", "serve", "--workers", "2", "--replicas", "1",
-        "--port", str(port), "--grpc-port", str(_free_port()), "--data-dir", str(data_dir),
-        "--kv-cache-bytes", str(KV_CACHE_BYTES), "--max-model-len", "2048", "--enforce-eager",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--workers",
+        "2",
+        "--replicas",
+        "1",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(_free_port()),
+        "--data-dir",
+        str(data_dir),
+        "--kv-cache-bytes",
+        str(KV_CACHE_BYTES),
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+    ]
     with running(cmd, env, f"http://127.0.0.1:{port}/readyz", tmp / "gateway.log", "workers") as p:
         pool = Pool(port, psutil.Process(p.pid), tmp / "gateway.log")
         _await_ready(pool, timeout_s=120)

@@ -17,9 +17,20 @@ pytestmark = pytest.mark.processes  # the load test runs as its own process
 def test_layout_comparison_shows_what_the_canonical_layout_buys(tmp_path: Path) -> None:
     out = tmp_path / "report"
     cmd = [
-        sys.executable, "-m", "loadtests.run", "--small", "--workloads", "",
-        "--compare-layout", "--users", "2", "--duration", "60", "--out", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "loadtests.run",
+        "--small",
+        "--workloads",
+        "",
+        "--compare-layout",
+        "--users",
+        "2",
+        "--duration",
+        "60",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     print("\n" + done.stdout)

@@ -70,9 +70,12 @@ def _marks(body: dict[str, Any]) -> list[str]:
 
 
 def test_valid_client_breakpoints_are_relayed_as_sent(gw: Gw) -> None:
-    turn: Any = {"role": "user", "content": [
-        {"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}
-    ]}  # fmt: skip
+    turn: Any = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}
+        ],
+    }
     raw = sdk(gw).messages.with_raw_response.create(
         model=SONNET, max_tokens=16, system=SYSTEM, tools=TOOLS, messages=[turn]
     )
@@ -112,11 +115,16 @@ def test_coding_agent_reads_the_previous_turn_on_anthropic(gw: Gw) -> None:
     for turn in range(21):
         for msg in history:  # the previous turn's mark is dropped, as agents do
             if msg["role"] == "user":
-                msg["content"] = [{k: v for k, v in b.items() if k != "cache_control"}
-                                for b in msg["content"]]  # fmt: skip
+                msg["content"] = [
+                    {k: v for k, v in b.items() if k != "cache_control"} for b in msg["content"]
+                ]
         if turn:  # the tool call the model made, then its result
-            call = {"type": "tool_use", "id": f"toolu_{turn}", "name": "tool_0",
-                    "input": {"path": f"src/{turn}.py"}}  # fmt: skip
+            call = {
+                "type": "tool_use",
+                "id": f"toolu_{turn}",
+                "name": "tool_0",
+                "input": {"path": f"src/{turn}.py"},
+            }
             thoughts = [b.model_dump() for b in m.content if b.type == "thinking"]
             history.append({"role": "assistant", "content": [*thoughts, call]})
             block = {"type": "tool_result", "tool_use_id": call["id"], "content": "out " * 150}
@@ -125,11 +133,17 @@ def test_coding_agent_reads_the_previous_turn_on_anthropic(gw: Gw) -> None:
         mark = {"cache_control": {"type": "ephemeral"}}
         history.append({"role": "user", "content": [{**block, **mark}]})
         m = client.messages.create(
-            model=SONNET, max_tokens=8, system=SYSTEM, tools=tools, messages=history,
+            model=SONNET,
+            max_tokens=8,
+            system=SYSTEM,
+            tools=tools,
+            messages=history,
             extra_headers={"X-Claude-Code-Session-Id": "agent-on-anthropic"},
-            extra_body={"thinking": {"type": "adaptive"},
-                        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
-        )  # fmt: skip
+            extra_body={
+                "thinking": {"type": "adaptive"},
+                "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+            },
+        )
         u = m.usage
         prompt = u.input_tokens + (u.cache_read_input_tokens or 0)
         prompt += u.cache_creation_input_tokens or 0
@@ -144,9 +158,11 @@ def test_coding_agent_reads_the_previous_turn_on_anthropic(gw: Gw) -> None:
 )
 def test_other_providers_serve_messages_through_their_adapters(gw: Gw, target: str) -> None:
     m = sdk(gw).messages.create(
-        model=target, max_tokens=16, system="You are brief.",
+        model=target,
+        max_tokens=16,
+        system="You are brief.",
         messages=[{"role": "user", "content": "hello"}],
-    )  # fmt: skip
+    )
     assert m.content[0].type == "text" and m.content[0].text
     assert m.usage.output_tokens > 0 and m.usage.input_tokens > 0
 
@@ -154,9 +170,11 @@ def test_other_providers_serve_messages_through_their_adapters(gw: Gw, target: s
 def test_alias_falls_back_from_the_local_model(gw: Gw) -> None:
     """The fake local model holds 512 tokens: a coding agent's prompt goes to Anthropic."""
     raw = sdk(gw).messages.with_raw_response.create(
-        model="smart", max_tokens=16, system=SYSTEM,
+        model="smart",
+        max_tokens=16,
+        system=SYSTEM,
         messages=[{"role": "user", "content": "hi"}],
-    )  # fmt: skip
+    )
     assert raw.headers["x-vcache-target"] == SONNET
     assert raw.headers["x-vcache-fallback-from"] == "local"
     assert raw.parse().content[0].type == "text"
@@ -179,9 +197,12 @@ def test_vcache_replay_rebuilds_a_messages_request(gw: Gw) -> None:
     turns: Any = [{"role": "user", "content": "first"}]
     for _ in range(2):
         m = client.messages.create(
-            model=SONNET, max_tokens=8, system=SYSTEM, messages=turns,
+            model=SONNET,
+            max_tokens=8,
+            system=SYSTEM,
+            messages=turns,
             extra_headers={"X-Claude-Code-Session-Id": "replayed-agent"},
-        )  # fmt: skip
+        )
         answer = [b.model_dump() for b in m.content]
         turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": "next"}]
     log = gw.log()
@@ -229,28 +250,34 @@ def test_thinking_is_relayed_to_anthropic_and_back_untouched(gw: Gw) -> None:
         kinds = [ev.delta.type for ev in s if ev.type == "content_block_delta"]
         final = s.get_final_message()
     sent = gw.emulator.last_body()["messages"][1]["content"]
-    assert sent[0] == {"type": "thinking", "thinking": thought.thinking,
-                       "signature": thought.signature}  # fmt: skip
+    assert sent[0] == {
+        "type": "thinking",
+        "thinking": thought.thinking,
+        "signature": thought.signature,
+    }
     assert "thinking_delta" in kinds and "signature_delta" in kinds
     assert final.content[0].type == "thinking" and final.content[0].signature
     # the emulator's checks are real: a lost thinking block or a changed signature is a 400
     lost: Any = [turn[0], {"role": "assistant", "content": [uses[0].model_dump()]}, turn[2]]
     with pytest.raises(anthropic.BadRequestError, match="must start with a thinking block"):
-        client.messages.create(model=SONNET, max_tokens=2048, thinking=think, tools=tools,
-                               messages=lost)  # fmt: skip
+        client.messages.create(
+            model=SONNET, max_tokens=2048, thinking=think, tools=tools, messages=lost
+        )
     forged = copy.deepcopy(turn)
     forged[1]["content"][0]["signature"] = "0" * 64
     with pytest.raises(anthropic.BadRequestError, match="Invalid `signature`"):
-        client.messages.create(model=SONNET, max_tokens=2048, thinking=think, tools=tools,
-                               messages=forged)  # fmt: skip
+        client.messages.create(
+            model=SONNET, max_tokens=2048, thinking=think, tools=tools, messages=forged
+        )
     assert _rebuilt(gw, SONNET) == 4
 
 
 def test_rate_limits_and_mid_stream_failures_in_anthropics_shape(gw: Gw) -> None:
     """A provider that keeps answering 429 is the SDK's RateLimitError (with Retry-After);
     a stream cut after it began ends with an ``event: error`` in Anthropic's shape."""
-    gw.emulator.admin("faults", kind="status", status=429, retry_after="1", count=10,
-                      provider="anthropic")  # fmt: skip
+    gw.emulator.admin(
+        "faults", kind="status", status=429, retry_after="1", count=10, provider="anthropic"
+    )
     with pytest.raises(anthropic.RateLimitError) as limited:
         sdk(gw).messages.create(
             model=SONNET, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
@@ -259,8 +286,12 @@ def test_rate_limits_and_mid_stream_failures_in_anthropics_shape(gw: Gw) -> None
     assert limited.value.response.headers["retry-after"] == "1"
     gw.emulator.admin("reset")
     gw.emulator.admin("faults", kind="cut", after_events=4, provider="anthropic")
-    body = {"model": SONNET, "max_tokens": 64, "stream": True,
-            "messages": [{"role": "user", "content": "tell me more"}]}  # fmt: skip
+    body = {
+        "model": SONNET,
+        "max_tokens": 64,
+        "stream": True,
+        "messages": [{"role": "user", "content": "tell me more"}],
+    }
     headers = {"x-api-key": KEY}
     with gw.http.stream("POST", "/v1/messages", json=body, headers=headers) as r:
         assert r.status_code == 200  # the stream had begun

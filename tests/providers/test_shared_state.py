@@ -168,11 +168,20 @@ def test_a_redis_restarted_under_load_costs_no_request_and_is_rebuilt(
     with make(emulator, tokenizer, state=state) as a:
         statuses = []
         for i in range(5):
-            statuses.append(a.http.post(
-                "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
-                json={"model": ANTHROPIC, "max_tokens": 4, "messages": [
-                    {"role": "system", "content": MANUAL}, {"role": "user", "content": f"q{i}"}]},
-            ).status_code)  # fmt: skip
+            statuses.append(
+                a.http.post(
+                    "/v1/chat/completions",
+                    headers={"authorization": f"Bearer {KEY}"},
+                    json={
+                        "model": ANTHROPIC,
+                        "max_tokens": 4,
+                        "messages": [
+                            {"role": "system", "content": MANUAL},
+                            {"role": "user", "content": f"q{i}"},
+                        ],
+                    },
+                ).status_code
+            )
             if i == 1:
                 throwaway_redis.stop()
                 wait_for(lambda: _bus(a).failing_since is not None, timeout_s=10)

@@ -38,10 +38,23 @@ def workers(
     (tmp_path / "vcache.yaml").write_text(yaml.safe_dump(config))
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "gateway.cli", "serve", "--workers", "2", "--replicas", "0",
-        "--port", str(port), "--grpc-port", str(_free_port()), "--config",
-        str(tmp_path / "vcache.yaml"), "--data-dir", str(tmp_path),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--workers",
+        "2",
+        "--replicas",
+        "0",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(_free_port()),
+        "--config",
+        str(tmp_path / "vcache.yaml"),
+        "--data-dir",
+        str(tmp_path),
+    ]
     url = f"http://127.0.0.1:{port}"
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     with running(cmd, env, f"{url}/readyz", tmp_path / "gateway.log", "workers") as proc:
@@ -57,8 +70,11 @@ def _ready_everywhere(url: str) -> bool:
 
 
 def _ask(url: str, i: int) -> httpx.Response:
-    body = {"model": MODEL, "max_tokens": 3,
-            "messages": [{"role": "user", "content": f"question {i}"}]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": f"question {i}"}],
+    }
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)  # a new connection
 
 
@@ -132,7 +148,9 @@ def test_sigterm_stops_every_worker(workers: tuple[str, psutil.Process, Path]) -
 def test_workers_refuse_a_port_picked_per_process() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "serve", "--workers", "2", "--port", "0"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "share one port" in out.stderr

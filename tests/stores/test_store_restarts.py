@@ -50,8 +50,11 @@ def test_a_postgres_restart_under_load_loses_nothing_acknowledged(
         i = 0
         while not stop.is_set():
             i += 1
-            body = {"model": "vcache-demo", "max_tokens": 2,
-                    "messages": [{"role": "user", "content": f"user {n} asks {i}"}]}  # fmt: skip
+            body = {
+                "model": "vcache-demo",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"user {n} asks {i}"}],
+            }
             r = http.post("/v1/chat/completions", json=body)
             data = r.json()
             data["retry-after"] = r.headers.get("retry-after")

@@ -18,7 +18,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 
 from gateway.core.errors import APIError
-from gateway.core.messages import CountTokensRequest, Message, MessagesRequest, TokenCount
+from gateway.core.messages_wire import CountTokensRequest, Message, MessagesRequest, TokenCount
 from gateway.core.types import Principal, RouteOverride
 from gateway.http import anthropic
 from gateway.http.deps import SESSION_ID, routing_override, service, session_header
@@ -26,7 +26,7 @@ from gateway.http.openapi import anthropic_errors, streamed
 from gateway.http.sse import named_frame, open_stream
 from gateway.service.auth import require_anthropic_principal
 from gateway.service.limits import anthropic_headers
-from gateway.service.messages import Messages
+from gateway.service.messages_api import Messages
 
 router = APIRouter(prefix="/v1", tags=["messages"])
 

@@ -1,4 +1,4 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id} (see gateway/service/responses.py)."""
+"""POST /v1/responses, GET and DELETE /v1/responses/{id} (see gateway/service/responses_api.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from gateway.core.errors import APIError
-from gateway.core.responses import ErrorEvent, ResponseDeleted, ResponseObject, ResponsesRequest
+from gateway.core.responses_wire import (
+    ErrorEvent,
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+)
 from gateway.core.types import Principal
 from gateway.http.deps import SESSION_ID, session_header, whole
 from gateway.http.openapi import GENERATION, errors, streamed
@@ -15,7 +20,7 @@ from gateway.http.sse import named_frame, open_stream
 from gateway.service.auth import require_principal
 from gateway.service.chat import GatewayService
 from gateway.service.response_tools import OMITTED_HEADER, response_tools
-from gateway.service.responses import Responses
+from gateway.service.responses_api import Responses
 
 router = APIRouter(prefix="/v1", tags=["responses"])
 

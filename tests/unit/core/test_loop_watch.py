@@ -48,8 +48,9 @@ def _watched_hold(seconds: float, expected: bool) -> tuple[int, list[float]]:
 
     async def main() -> int:
         got = Lags(asyncio.get_running_loop())
-        watch = LoopWatch(asyncio.get_running_loop(), got.record, lambda g, s: None,
-                          interval_s=0.02, stall_s=0.1)  # fmt: skip
+        watch = LoopWatch(
+            asyncio.get_running_loop(), got.record, lambda g, s: None, interval_s=0.02, stall_s=0.1
+        )
         watch.start()
         try:
             await got.until(lambda seen: len(seen) >= 2)  # a few quiet rounds
@@ -78,8 +79,9 @@ def test_garbage_collections_are_timed_by_generation() -> None:
     seen: list[tuple[int, float]] = []
 
     async def main() -> None:
-        watch = LoopWatch(asyncio.get_running_loop(), lambda s: None,
-                          lambda g, s: seen.append((g, s)))  # fmt: skip
+        watch = LoopWatch(
+            asyncio.get_running_loop(), lambda s: None, lambda g, s: seen.append((g, s))
+        )
         watch.start()
         gc.collect()
         watch.stop()
@@ -96,8 +98,9 @@ def test_garbage_collections_are_timed_by_generation() -> None:
 def test_the_watch_ends_with_its_loop() -> None:
     async def main() -> LoopWatch:
         got = Lags(asyncio.get_running_loop())
-        watch = LoopWatch(asyncio.get_running_loop(), got.record, lambda g, s: None,
-                          interval_s=0.01)  # fmt: skip
+        watch = LoopWatch(
+            asyncio.get_running_loop(), got.record, lambda g, s: None, interval_s=0.01
+        )
         watch.start()
         await got.until(lambda seen: len(seen) >= 2)  # running: a few rounds measured
         return watch
@@ -121,8 +124,9 @@ def test_a_long_collection_is_logged(caplog: pytest.LogCaptureFixture) -> None:
 
     with caplog.at_level(logging.WARNING, logger="gateway.core.loop_watch"):
         asyncio.run(main())
-    assert any("a garbage collection of generation 2 took" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "a garbage collection of generation 2 took" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_the_startup_heap_is_frozen_out_of_the_collectors_passes() -> None:

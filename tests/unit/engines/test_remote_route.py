@@ -49,10 +49,12 @@ def _start(demo_model: Path, paths: list[str] | None, api: str) -> str:
         runner, port = await _replica(paths)
         engine = RemoteVllmEngine(
             RemoteVllmConfig(
-                url=f"http://127.0.0.1:{port}", tokenizer=str(demo_model),
-                control_secret="s", api=api,  # type: ignore[arg-type]
+                url=f"http://127.0.0.1:{port}",
+                tokenizer=str(demo_model),
+                control_secret="s",
+                api=api,  # type: ignore[arg-type]
             )
-        )  # fmt: skip
+        )
         try:
             await engine.start()
             return engine.api

@@ -18,21 +18,54 @@ from engines.vllm.remote_wire import choice_chunk, request_body, usage_chunk
 
 PROMPT = (11, 12, 13, 14)
 RICH = SamplingOptions(
-    max_tokens=7, temperature=0.3, top_p=0.9, top_k=5, stop=("END",), seed=42,
-    presence_penalty=0.1, frequency_penalty=0.2, ignore_eos=True, n=2, logprobs=3,
-    structured=Structured(regex="[a-z]+"), logit_bias=((17, 5.0),), min_p=0.05,
-    repetition_penalty=1.1, min_tokens=2, stop_token_ids=(99,),
-    include_stop_str_in_output=True, skip_special_tokens=False,
-    spaces_between_special_tokens=False, bad_words=("nope",), allowed_token_ids=(17, 18, 19),
-)  # fmt: skip
+    max_tokens=7,
+    temperature=0.3,
+    top_p=0.9,
+    top_k=5,
+    stop=("END",),
+    seed=42,
+    presence_penalty=0.1,
+    frequency_penalty=0.2,
+    ignore_eos=True,
+    n=2,
+    logprobs=3,
+    structured=Structured(regex="[a-z]+"),
+    logit_bias=((17, 5.0),),
+    min_p=0.05,
+    repetition_penalty=1.1,
+    min_tokens=2,
+    stop_token_ids=(99,),
+    include_stop_str_in_output=True,
+    skip_special_tokens=False,
+    spaces_between_special_tokens=False,
+    bad_words=("nope",),
+    allowed_token_ids=(17, 18, 19),
+)
 PLAIN = SamplingOptions(max_tokens=16)
 COMPARED = (
-    "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "presence_penalty",
-    "frequency_penalty", "ignore_eos", "n", "logprobs", "prompt_logprobs", "logit_bias",
-    "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
-    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-    "bad_words", "allowed_token_ids",
-)  # fmt: skip
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+    "n",
+    "logprobs",
+    "prompt_logprobs",
+    "logit_bias",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "bad_words",
+    "allowed_token_ids",
+)
 
 
 def _request(s: SamplingOptions) -> GenerateRequest:
@@ -57,8 +90,11 @@ def test_every_route_gives_vllm_the_same_sampling_params(options: SamplingOption
     embedded = _fields(_sampling_params(_request(options)))
     asked = {name: getattr(options, name) for name in COMPARED}  # what the request said
     asked |= {"stop": list(options.stop), "structured": None}
-    asked |= {"logit_bias": dict(options.logit_bias) or None, "bad_words": list(options.bad_words),
-              "stop_token_ids": list(options.stop_token_ids)}  # fmt: skip
+    asked |= {
+        "logit_bias": dict(options.logit_bias) or None,
+        "bad_words": list(options.bad_words),
+        "stop_token_ids": list(options.stop_token_ids),
+    }
     if options.allowed_token_ids is not None:
         asked["allowed_token_ids"] = list(options.allowed_token_ids)
     if options.structured is not None:
@@ -98,14 +134,26 @@ def test_coalesced_outputs_are_asked_of_the_engine_and_the_generate_route_only()
 
 def test_a_generate_choice_becomes_an_engine_chunk() -> None:
     choice = {
-        "index": 1, "text": " ab", "token_ids": [5, 6], "finish_reason": "stop",
+        "index": 1,
+        "text": " ab",
+        "token_ids": [5, 6],
+        "finish_reason": "stop",
         "stop_reason": "END",
-        "logprobs": {"content": [
-            {"token": " a", "logprob": -0.5, "bytes": [32, 97],
-             "top_logprobs": [{"token": " c", "logprob": -2.0}, {"token": " a", "logprob": -0.5}]},
-            {"token": "b", "logprob": -9999.0, "top_logprobs": []},
-        ]},
-    }  # fmt: skip
+        "logprobs": {
+            "content": [
+                {
+                    "token": " a",
+                    "logprob": -0.5,
+                    "bytes": [32, 97],
+                    "top_logprobs": [
+                        {"token": " c", "logprob": -2.0},
+                        {"token": " a", "logprob": -0.5},
+                    ],
+                },
+                {"token": "b", "logprob": -9999.0, "top_logprobs": []},
+            ]
+        },
+    }
     chunk = choice_chunk("generate", choice, num_prompt=4)
     assert (chunk.text, chunk.token_ids, chunk.index) == (" ab", (5, 6), 1)
     assert chunk.finish_reason == "stop" and chunk.stop_sequence == "END"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engines.vllm import top_prefill
-from engines.vllm.top_prefill import STEPS, Held, TopFirst, lone_top_prefill, lower_prefills
+from engines.vllm.top_prefill import STEPS, Lowered, TopFirst, lone_top_prefill, lower_prefills
 
 BS = 16
 CAP = 64
@@ -29,23 +29,33 @@ def _scheduler(demo_model: Path, blocks: int, asynchronous: bool = False) -> Any
     from vllm.v1.structured_output import StructuredOutputManager
 
     sched = SchedulerConfig(
-        max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
-        long_prefill_token_threshold=CAP, enable_chunked_prefill=True, policy="priority",
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        max_model_len=2048,
+        long_prefill_token_threshold=CAP,
+        enable_chunked_prefill=True,
+        policy="priority",
         is_encoder_decoder=False,
-    )  # fmt: skip
+    )
     model = ModelConfig(model=str(demo_model), dtype="float32", seed=0, max_model_len=2048)
     cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
     config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
     config.scheduler_config.async_scheduling = asynchronous  # vLLM's CPU platform: off
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[],
-                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])  # fmt: skip
+    kv = KVCacheConfig(
+        num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
     cache.num_gpu_blocks = blocks
     outputs = StructuredOutputManager(config)
     from engines.vllm.top_first_scheduler import TopFirstScheduler
 
-    return TopFirstScheduler(vllm_config=config, kv_cache_config=kv, log_stats=True,
-                     structured_output_manager=outputs, block_size=BS)  # fmt: skip
+    return TopFirstScheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        log_stats=True,
+        structured_output_manager=outputs,
+        block_size=BS,
+    )
 
 
 def _request(rid: str, tokens: int, priority: int, ids: list[int] | None = None) -> Any:
@@ -56,9 +66,14 @@ def _request(rid: str, tokens: int, priority: int, ids: list[int] | None = None)
 
     init_none_hash(sha256)
     ids = ids or [(ord(rid[0]) + i) % 97 for i in range(tokens)]
-    return Request(request_id=rid, prompt_token_ids=ids, sampling_params=SamplingParams(
-        max_tokens=8), pooling_params=None, priority=priority,
-        block_hasher=get_request_block_hasher(BS, sha256))  # fmt: skip
+    return Request(
+        request_id=rid,
+        prompt_token_ids=ids,
+        sampling_params=SamplingParams(max_tokens=8),
+        pooling_params=None,
+        priority=priority,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
 
 
 def _step(
@@ -130,9 +145,14 @@ class _Kv:
 
 class _Sched:
     def __init__(
-        self, running: list[_Req], waiting: list[_Req], *, free: int = 100, seqs: int = 8,
+        self,
+        running: list[_Req],
+        waiting: list[_Req],
+        *,
+        free: int = 100,
+        seqs: int = 8,
         policy: str = "priority",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.running, self.waiting = running, waiting
         self.kv_holding_waiting: list[_Req] = []
         self.policy = _Policy(policy)
@@ -260,7 +280,7 @@ def test_what_is_held() -> None:
     # admitting the agent beside the held ones would pass vLLM's running limit
     assert not lower_prefills(_Sched([bprompt, bdecode], [agent], seqs=2))
     assert not lower_prefills(_Sched([bprompt], [agent], policy="fcfs"))
-    assert not Held() and Held(running=[bprompt]) and Held(waiting=[bwait])  # any held
+    assert not Lowered() and Lowered(running=[bprompt]) and Lowered(waiting=[bwait])  # any held
 
 
 def test_the_scheduler_reads_what_is_on_from_the_core_environment(

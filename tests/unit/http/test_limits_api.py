@@ -35,14 +35,19 @@ def _keys() -> list[ApiKeyConfig]:
     return [
         ApiKeyConfig(sha256=hash_api_key("sk-free"), tenant="t", name="free"),
         ApiKeyConfig(
-            sha256=hash_api_key("sk-two"), tenant="t", name="two",
+            sha256=hash_api_key("sk-two"),
+            tenant="t",
+            name="two",
             limits={"requests_per_minute": 2, "tokens_per_minute": 10_000},
         ),
         ApiKeyConfig(
-            sha256=hash_api_key("sk-bulk"), tenant="t", name="bulk", priority="batch",
+            sha256=hash_api_key("sk-bulk"),
+            tenant="t",
+            name="bulk",
+            priority="batch",
             max_priority="default",
         ),
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture
@@ -167,10 +172,11 @@ def test_a_tenant_waits_its_turn_for_a_slot_in_the_engine(tokenizer: ChatTokeniz
             assert held.status_code == 200
             with ThreadPoolExecutor(1) as pool:
                 other = pool.submit(
-                    http.post, "/v1/chat/completions",
+                    http.post,
+                    "/v1/chat/completions",
                     json={**body, "stream": False, "max_tokens": 2},
                     headers={"authorization": "Bearer sk-two"},
-                )  # fmt: skip
+                )
                 waits = 'vcache_fair_queue_waits_total{replica="replica-0"} 1.0'
                 deadline = time.monotonic() + 10
                 try:

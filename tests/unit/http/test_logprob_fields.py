@@ -71,17 +71,25 @@ def test_echo_with_logprobs_scores_the_prompt_first(gw: Gateway) -> None:
 def test_tokens_as_token_ids(gw: Gateway) -> None:
     _, http = gw
     out = _post(
-        http, "/v1/completions", prompt="hi", logprobs=1, return_tokens_as_token_ids=True,
+        http,
+        "/v1/completions",
+        prompt="hi",
+        logprobs=1,
+        return_tokens_as_token_ids=True,
         return_token_ids=True,
-    )  # fmt: skip
+    )
     choice = out["choices"][0]
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
     tops = choice["logprobs"]["top_logprobs"]
     assert all(f"token_id:{t}" in top for t, top in zip(choice["token_ids"], tops, strict=True))
     chat = _post(
-        http, "/v1/chat/completions", messages=ASK, logprobs=True, top_logprobs=1,
+        http,
+        "/v1/chat/completions",
+        messages=ASK,
+        logprobs=True,
+        top_logprobs=1,
         return_tokens_as_token_ids=True,
-    )  # fmt: skip
+    )
     content = chat["choices"][0]["logprobs"]["content"]
     assert content and all(c["token"].startswith("token_id:") for c in content)
 

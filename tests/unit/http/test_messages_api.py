@@ -160,8 +160,12 @@ def test_stream_events_parse_with_the_sdk(gw: tuple[FakeEngine, TestClient]) -> 
 
 def test_raw_stream_has_ping_and_no_done_marker(gw: tuple[FakeEngine, TestClient]) -> None:
     _, http = gw
-    body = {"model": MODEL, "max_tokens": 2, "stream": True,
-            "messages": [{"role": "user", "content": "raw"}]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "stream": True,
+        "messages": [{"role": "user", "content": "raw"}],
+    }
     with http.stream("POST", "/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
         assert r.status_code == 200
         assert r.headers["request-id"].startswith("req_")
@@ -178,9 +182,12 @@ def test_tool_round_trip(tools_gw: tuple[FakeEngine, TestClient]) -> None:
     sdk = _sdk(http)
     ask: Any = [{"role": "user", "content": "weather in Paris?"}]
     forced = sdk.messages.create(
-        model=MODEL, max_tokens=64, tools=[WEATHER], messages=ask,
+        model=MODEL,
+        max_tokens=64,
+        tools=[WEATHER],
+        messages=ask,
         tool_choice={"type": "tool", "name": "get_weather"},
-    )  # fmt: skip
+    )
     assert [(b.type, getattr(b, "name", None)) for b in forced.content] == [
         ("tool_use", "get_weather")
     ]  # the arguments are the engine's constrained JSON (the fake's own object)
@@ -191,11 +198,18 @@ def test_tool_round_trip(tools_gw: tuple[FakeEngine, TestClient]) -> None:
     follow: Any = [
         *ask,
         {"role": "assistant", "content": [b.model_dump() for b in m.content]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C",
-             "cache_control": {"type": "ephemeral"}},
-        ]},
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": use.id,
+                    "content": "sunny, 21 C",
+                    "cache_control": {"type": "ephemeral"},
+                },
+            ],
+        },
+    ]
     again = sdk.messages.create(model=MODEL, max_tokens=8, tools=[WEATHER], messages=follow)
     assert again.usage.output_tokens > 0
     shown = http.app.state.service.local.engine.tokenizer.decode(  # type: ignore[attr-defined]
@@ -207,9 +221,11 @@ def test_tool_round_trip(tools_gw: tuple[FakeEngine, TestClient]) -> None:
 def test_streamed_tool_use_has_input_json_deltas(tools_gw: tuple[FakeEngine, TestClient]) -> None:
     _, http = tools_gw
     with _sdk(http).messages.stream(
-        model=MODEL, max_tokens=64, tools=[WEATHER],
+        model=MODEL,
+        max_tokens=64,
+        tools=[WEATHER],
         messages=[{"role": "user", "content": "weather?"}],
-    ) as s:  # fmt: skip
+    ) as s:
         events = list(s)
         final = s.get_final_message()
     deltas = [ev.delta.type for ev in events if ev.type == "content_block_delta"]
@@ -223,25 +239,31 @@ def test_session_named_by_the_agents_header(gw: tuple[FakeEngine, TestClient]) -
     _, http = gw
     sid = "0f9c1d2e-3b4a-4c5d-8e7f-a1b2c3d4e5f6"
     raw = _sdk(http).messages.with_raw_response.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "agent turn"}],
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "user", "content": "agent turn"}],
         extra_headers={"X-Claude-Code-Session-Id": sid, "anthropic-beta": "a,b"},
         extra_query={"beta": "true"},
-    )  # fmt: skip
+    )
     assert raw.headers["x-vcache-session"] == sid
     meta = json.dumps({"device_id": "d", "session_id": "sess-from-metadata"})
     raw = _sdk(http).messages.with_raw_response.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "meta turn"}],
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "user", "content": "meta turn"}],
         metadata={"user_id": meta},
-    )  # fmt: skip
+    )
     assert raw.headers["x-vcache-session"] == "sess-from-metadata"
 
 
 def test_max_tokens_past_the_context_is_clamped(gw: tuple[FakeEngine, TestClient]) -> None:
     engine, http = gw
     with _sdk(http).messages.with_streaming_response.create(
-        model=MODEL, max_tokens=32000, stream=True,
+        model=MODEL,
+        max_tokens=32000,
+        stream=True,
         messages=[{"role": "user", "content": "long answer"}],
-    ) as raw:  # fmt: skip
+    ) as raw:
         room = 2048 - len(engine.received[-1].prompt_token_ids)
         assert raw.headers["x-vcache-max-tokens-clamped"] == str(room)
         assert engine.received[-1].sampling.max_tokens == room
@@ -302,8 +324,11 @@ def test_body_over_the_limit_is_413_in_anthropic_shape(
 ) -> None:
     engine = FakeEngine(tokenizer, block_size=16, max_model_len=2048)
     with _app(engine, tmp_path, max_request_body_bytes=1024) as http:
-        big = {"model": MODEL, "max_tokens": 4,
-               "messages": [{"role": "user", "content": "x" * 2000}]}  # fmt: skip
+        big = {
+            "model": MODEL,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "x" * 2000}],
+        }
         r = _error(http, big)
         assert r.status_code == 413
         assert r.json()["type"] == "error"

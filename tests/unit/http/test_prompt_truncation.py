@@ -98,9 +98,13 @@ def test_text_prompts_are_truncated_and_minus_one_keeps_what_fits(gw: Gateway) -
 
 @pytest.mark.parametrize(
     ("path", "keep"),
-    [("/v1/chat/completions", MAX_LEN + 1), ("/v1/completions", MAX_LEN + 1),
-     ("/v1/chat/completions", 0), ("/v1/completions", -2)],
-)  # fmt: skip
+    [
+        ("/v1/chat/completions", MAX_LEN + 1),
+        ("/v1/completions", MAX_LEN + 1),
+        ("/v1/chat/completions", 0),
+        ("/v1/completions", -2),
+    ],
+)
 def test_truncation_past_the_context_or_to_nothing_is_a_400(
     gw: Gateway, path: str, keep: int
 ) -> None:

@@ -79,9 +79,12 @@ def test_function_call_round_trip_by_previous_response_id(
 ) -> None:
     engine, sdk = tools_gw
     r = sdk.responses.create(
-        model=MODEL, instructions=INSTRUCTIONS, input="weather in Paris?", tools=[WEATHER],
+        model=MODEL,
+        instructions=INSTRUCTIONS,
+        input="weather in Paris?",
+        tools=[WEATHER],
         max_output_tokens=_call_len(tokenizer),
-    )  # fmt: skip
+    )
     calls = [o for o in r.output if o.type == "function_call"]
     assert r.status == "completed" and len(calls) >= 1
     call = calls[0]
@@ -90,12 +93,18 @@ def test_function_call_round_trip_by_previous_response_id(
     assert r.tools[0].name == "get_weather" and r.tool_choice == "auto"
     # the tools reached the engine through the chat template
     assert "get_weather" in _prompt(engine, tokenizer)
-    out = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"}
-           for c in calls]  # fmt: skip
+    out = [
+        {"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"}
+        for c in calls
+    ]
     again = sdk.responses.create(
-        model=MODEL, instructions=INSTRUCTIONS, input=out, previous_response_id=r.id,
-        tools=[WEATHER], max_output_tokens=8,
-    )  # fmt: skip
+        model=MODEL,
+        instructions=INSTRUCTIONS,
+        input=out,
+        previous_response_id=r.id,
+        tools=[WEATHER],
+        max_output_tokens=8,
+    )
     prompt = _prompt(engine, tokenizer)
     assert "sunny, 21 C" in prompt and "weather in Paris?" in prompt  # the history came back
     assert prompt.count('"city": "Paris"') >= 1  # the assistant's call, in the template's form
@@ -109,23 +118,29 @@ def test_whole_input_sent_back_continues_the_same_session(
     items map onto the same chat turn the log journaled, so the turn extends the session
     (same session name, the earlier prompt as cached prefix)."""
     engine, sdk = tools_gw
-    ask: Any = [{"role": "system", "content": INSTRUCTIONS},
-                {"role": "user", "content": "weather in Paris?"}]  # fmt: skip
+    ask: Any = [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": "weather in Paris?"},
+    ]
     first = sdk.responses.with_raw_response.create(
         model=MODEL, input=ask, tools=[WEATHER], max_output_tokens=_call_len(tokenizer)
     )
     r = first.parse()
     items = [o.model_dump(exclude_none=True) for o in r.output]
-    outputs = [{"type": "function_call_output", "call_id": o.call_id, "output": "sunny"}
-               for o in r.output if o.type == "function_call"]  # fmt: skip
+    outputs = [
+        {"type": "function_call_output", "call_id": o.call_id, "output": "sunny"}
+        for o in r.output
+        if o.type == "function_call"
+    ]
     second = sdk.responses.with_raw_response.create(
         model=MODEL, input=[*ask, *items, *outputs], tools=[WEATHER], max_output_tokens=8
     )
     session = first.headers["x-vcache-session"]
     assert session and second.headers["x-vcache-session"] == session
     assert (first.headers["x-vcache-session-kind"], second.headers["x-vcache-session-kind"]) == (
-        "new", "found",
-    )  # fmt: skip
+        "new",
+        "found",
+    )
     assert _prompt(engine, tokenizer, -1).startswith(_prompt(engine, tokenizer, -2)[:200])
 
 
@@ -165,24 +180,33 @@ def test_forced_tool_then_text(text_gw: tuple[FakeEngine, Any]) -> None:
     next turn with the tool's output answers in text."""
     engine, sdk = text_gw
     r = sdk.responses.create(
-        model=MODEL, input="weather?", tools=[WEATHER],
-        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64,
-    )  # fmt: skip
+        model=MODEL,
+        input="weather?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=64,
+    )
     assert [o.type for o in r.output] == ["function_call"]
     assert engine.received[-1].sampling.structured is not None
     call = r.output[0]
     assert r.tool_choice.name == "get_weather"
     done = sdk.responses.create(
-        model=MODEL, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=4,
+        model=MODEL,
+        previous_response_id=r.id,
+        tools=[WEATHER],
+        max_output_tokens=4,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "rain"}],
-    )  # fmt: skip
+    )
     assert [o.type for o in done.output] == ["message"] and done.output_text
 
 
 def test_text_format_json_schema(text_gw: tuple[FakeEngine, Any]) -> None:
     engine, sdk = text_gw
-    schema = {"type": "object", "properties": {"answer": {"type": "string"}},
-              "required": ["answer"]}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}},
+        "required": ["answer"],
+    }
     fmt: Any = {"format": {"type": "json_schema", "name": "reply", "schema": schema}}
     r = sdk.responses.create(model=MODEL, input="answer", text=fmt, max_output_tokens=32)
     assert engine.received[-1].sampling.structured is not None
@@ -197,20 +221,33 @@ def test_text_format_json_schema(text_gw: tuple[FakeEngine, Any]) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
-         "tool_choice"),
+        ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input",
+        ),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"background": True}, "background"),
         ({"text": {"format": {"type": "json_schema"}}}, "text"),
         ({"tools": True}, "tools"),  # found by the contract fuzzer: was a 500
-        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "",
-                     "status": {"x": 1}}]}, "input"),
+        (
+            {
+                "input": [
+                    {
+                        "type": "function_call",
+                        "call_id": "c",
+                        "name": "f",
+                        "arguments": "",
+                        "status": {"x": 1},
+                    }
+                ]
+            },
+            "input",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_cannot_be_served_is_refused_by_name(
     text_gw: tuple[FakeEngine, Any], body: dict[str, Any], param: str
 ) -> None:
@@ -234,14 +271,18 @@ def test_an_agents_own_session_header_names_the_session(
     )
     assert r.headers["x-vcache-session"] == "agent-7"
     c = sdk.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
         extra_headers={header: "agent-8"},
-    )  # fmt: skip
+    )
     assert c.headers["x-vcache-session"] == "agent-8"
     assert c.headers["x-vcache-session-kind"] == "named"
     bad = sdk.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
         extra_headers={header: "not a name!"},
-    )  # fmt: skip
+    )
     assert bad.headers["x-vcache-session"] != "not a name!"  # ignored: found or started
     assert bad.headers["x-vcache-session-kind"] in ("found", "new")

@@ -76,7 +76,7 @@ def test_shaped_ids_are_what_the_shaped_request_sends(gw: tuple[FakeEngine, Test
         ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
         ("/detokenize", {"tokens": [10**9]}, "tokens[0]"),
     ],
-)  # fmt: skip
+)
 def test_what_would_differ_is_refused(
     gw: tuple[FakeEngine, TestClient], path: str, body: dict[str, Any], param: str | None
 ) -> None:

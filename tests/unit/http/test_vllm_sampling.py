@@ -205,8 +205,12 @@ def test_chat_echo_repeats_the_assistant_message_being_continued(
     _, http = gw
     said = "An apple a day keeps"
     going_on = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": said}]
-    body = {**CHAT, "messages": going_on, "add_generation_prompt": False,
-            "continue_final_message": True}  # fmt: skip
+    body = {
+        **CHAT,
+        "messages": going_on,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
     echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()
     plain = http.post("/v1/chat/completions", json=body).json()
     text = plain["choices"][0]["message"]["content"]

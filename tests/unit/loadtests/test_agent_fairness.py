@@ -17,22 +17,54 @@ def _run(out: Path, name: str, ttfts: list[float], tokens: int = 300) -> None:
     with (out / name / "raw.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)
         w.writeheader()
-        w.writerow({"kind": "agent", "ok": "1", "turn": "0", "prompt_tokens": "5000",
-                    "cached_tokens": "0", "ttft_ms": "900", "t": "0.5"})  # fmt: skip
+        w.writerow(
+            {
+                "kind": "agent",
+                "ok": "1",
+                "turn": "0",
+                "prompt_tokens": "5000",
+                "cached_tokens": "0",
+                "ttft_ms": "900",
+                "t": "0.5",
+            }
+        )
         for i, ms in enumerate(ttfts):
-            w.writerow({"kind": "agent", "ok": "1", "turn": str(i + 1),
-                        "prompt_tokens": str(tokens + 10 * i), "cached_tokens": "0",
-                        "ttft_ms": str(ms), "t": str(1.0 + i)})  # fmt: skip
-        w.writerow({"kind": "background", "ok": "1", "turn": "0", "prompt_tokens": "400",
-                    "cached_tokens": "0", "ttft_ms": "50", "t": "2"})  # fmt: skip
+            w.writerow(
+                {
+                    "kind": "agent",
+                    "ok": "1",
+                    "turn": str(i + 1),
+                    "prompt_tokens": str(tokens + 10 * i),
+                    "cached_tokens": "0",
+                    "ttft_ms": str(ms),
+                    "t": str(1.0 + i),
+                }
+            )
+        w.writerow(
+            {
+                "kind": "background",
+                "ok": "1",
+                "turn": "0",
+                "prompt_tokens": "400",
+                "cached_tokens": "0",
+                "ttft_ms": "50",
+                "t": "2",
+            }
+        )
 
 
 def test_runs_take_turns_alone_first_and_reversed_each_round() -> None:
     assert order(1, False, None) == ["alone", "flooded_guard"]
     assert order(2, True, "decodes") == [
-        "alone.1", "flooded_guard.1", "flooded_batch.1", "flooded_decodes.1",
-        "flooded_decodes.2", "flooded_batch.2", "flooded_guard.2", "alone.2",
-    ]  # fmt: skip
+        "alone.1",
+        "flooded_guard.1",
+        "flooded_batch.1",
+        "flooded_decodes.1",
+        "flooded_decodes.2",
+        "flooded_batch.2",
+        "flooded_guard.2",
+        "alone.2",
+    ]
     assert base("flooded_batch.2") == "flooded_batch" and base("alone") == "alone"
 
 
@@ -58,21 +90,31 @@ def test_one_slow_turn_does_not_tilt_the_fit() -> None:
 
 
 def _row(name: str, p90: float) -> dict[str, object]:
-    return {"arm": name, "agents_rps": 1.0, "background_rps": 0.0, "errors": 0,
-            "ttft_ms_later": {"p50": p90, "p90": p90}, "ttft_ms_first": {"p90": None},
-            "reused_share": None}  # fmt: skip
+    return {
+        "arm": name,
+        "agents_rps": 1.0,
+        "background_rps": 0.0,
+        "errors": 0,
+        "ttft_ms_later": {"p50": p90, "p90": p90},
+        "ttft_ms_first": {"p90": None},
+        "reused_share": None,
+    }
 
 
 def test_the_verdict_is_the_pooled_ratio() -> None:
     steps = {"uncapped": 40, "held": 12, "unfit": 3}  # read off the engines' stats
     loop = {"stalls": 2.0, "gc_ms": 41.6, "gc2_ms": 30.2}  # the gateway's event loop in the run
-    rows = [_row("alone.1", 100),
-            {**_row("flooded_guard.1", 130), "engine_steps": steps, "loop": loop}]  # fmt: skip
+    rows = [
+        _row("alone.1", 100),
+        {**_row("flooded_guard.1", 130), "engine_steps": steps, "loop": loop},
+    ]
 
     def pool(guard: float) -> dict[str, dict[str, object]]:
         one = {"rounds": 1, "turns": 10, "fit": {"ms_per_token": 0.1, "wait_ms": 5.0}}
-        return {"alone": {**one, "p50": 80.0, "p90": 100.0},
-                "flooded_guard": {**one, "p50": 90.0, "p90": guard}}  # fmt: skip
+        return {
+            "alone": {**one, "p50": 80.0, "p90": 100.0},
+            "flooded_guard": {**one, "p50": 90.0, "p90": guard},
+        }
 
     text, ok = fairness_table(rows, pool(119.0), 256)
     assert ok and "ok (1.19x)" in text

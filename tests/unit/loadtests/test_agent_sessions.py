@@ -10,10 +10,17 @@ from loadtests.agent_arm import summarize, workload
 
 def _args() -> argparse.Namespace:
     return argparse.Namespace(
-        seed=3, agent_types=2, system_tokens=50, sessions=4, turns=(2, 3),
-        result_tokens=(5, 9), gap_median_s=1.0, gap_max_s=10.0, background_tokens=20,
+        seed=3,
+        agent_types=2,
+        system_tokens=50,
+        sessions=4,
+        turns=(2, 3),
+        result_tokens=(5, 9),
+        gap_median_s=1.0,
+        gap_max_s=10.0,
+        background_tokens=20,
         count=lambda text: len(text.split()),
-    )  # fmt: skip
+    )
 
 
 def test_the_workload_is_seeded_and_within_its_sizes() -> None:
@@ -32,9 +39,15 @@ def test_the_workload_is_seeded_and_within_its_sizes() -> None:
 
 def test_summary_counts_reusable_tokens_of_later_turns_only() -> None:
     def row(turn: int, prompt: int, cached: int, reusable: int, ttft: float) -> dict[str, str]:
-        return {"kind": "agent", "ok": "1", "turn": str(turn), "prompt_tokens": str(prompt),
-                "cached_tokens": str(cached), "reusable_tokens": str(reusable),
-                "ttft_ms": str(ttft)}  # fmt: skip
+        return {
+            "kind": "agent",
+            "ok": "1",
+            "turn": str(turn),
+            "prompt_tokens": str(prompt),
+            "cached_tokens": str(cached),
+            "reusable_tokens": str(reusable),
+            "ttft_ms": str(ttft),
+        }
 
     rows = [
         row(0, 1000, 0, 0, 50.0),

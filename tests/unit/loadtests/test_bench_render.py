@@ -20,8 +20,15 @@ def test_an_agent_prompt_has_about_the_tokens_asked(demo_model: Path) -> None:
 
 
 def _row(tokens: int, way: str, lag_max: float) -> dict[str, object]:
-    return {"tokens": tokens, "way": way, "renders": 10, "render_ms": 5.0,
-            "lag_p50_ms": 1.0, "lag_p99_ms": 2.0, "lag_max_ms": lag_max}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "way": way,
+        "renders": 10,
+        "render_ms": 5.0,
+        "lag_p50_ms": 1.0,
+        "lag_p99_ms": 2.0,
+        "lag_max_ms": lag_max,
+    }
 
 
 def test_the_target_is_the_loops_lateness_with_the_render_thread() -> None:

@@ -17,8 +17,14 @@ def test_every_arm_sets_engine_settings_that_exist() -> None:
 
 def _round(ttfts: list[float], submit_p90: float | None, bg_done: int) -> dict[str, object]:
     phases = {"submit": {"mean_ms": 1.0, "p90_ms": submit_p90, "count": len(ttfts)}}
-    return {"ttft_ms": ttfts, "failed": 0, "seconds": 10.0, "bg_done": bg_done,
-            "stops": 3.0, "phases": phases}  # fmt: skip
+    return {
+        "ttft_ms": ttfts,
+        "failed": 0,
+        "seconds": 10.0,
+        "bg_done": bg_done,
+        "stops": 3.0,
+        "phases": phases,
+    }
 
 
 def test_the_table_adds_to_alone() -> None:

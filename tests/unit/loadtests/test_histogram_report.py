@@ -43,8 +43,11 @@ def test_a_runs_phases_and_their_table() -> None:
     before = _scrape([1, 1, 1, 1], 0.05)
     after = _scrape([3, 7, 11, 11], 2.05)
     phases = ttft_phases(before, after, "interactive")
-    assert phases["gate"] == {"mean_ms": pytest.approx(200.0), "p90_ms": pytest.approx(350.0),
-                              "count": 10.0}  # fmt: skip
+    assert phases["gate"] == {
+        "mean_ms": pytest.approx(200.0),
+        "p90_ms": pytest.approx(350.0),
+        "count": 10.0,
+    }
     assert phases["prefill"]["mean_ms"] is None  # not in the scrape
     table = phases_table([{"arm": "alone", "phases": phases}]).splitlines()
     assert table[0].split() == ["run", "prepare", "gate", "submit", "queue", "prefill", "return"]

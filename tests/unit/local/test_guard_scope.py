@@ -91,8 +91,9 @@ def test_a_peer_freed_by_a_first_token_is_granted_in_fair_order() -> None:
 
 def _greq(rid: str, priority: int) -> GenerateRequest:
     prompt = tuple(range(1000 * (priority + 2), 1000 * (priority + 2) + 40))
-    return GenerateRequest(rid, prompt, SamplingOptions(max_tokens=3), priority=priority,
-                           tenant=rid)  # fmt: skip
+    return GenerateRequest(
+        rid, prompt, SamplingOptions(max_tokens=3), priority=priority, tenant=rid
+    )
 
 
 def _two_replicas(demo_model: Path, shares: str | None) -> tuple[list[str], list[str]]:
@@ -107,10 +108,18 @@ def _two_replicas(demo_model: Path, shares: str | None) -> tuple[list[str], list
         engines = [FakeEngine(tok, hold=hold) for _ in range(2)]
         for e in engines:
             await e.start()
-        replicas = [Replica(LocationId(f"replica-{i}"), e, shares=shares)
-                    for i, e in enumerate(engines)]  # fmt: skip
-        dispatcher = Dispatcher(replicas, Router(), None, Metrics(), max_inflight=8,
-                                first_token_guard=True, preempt_prefills=True)  # fmt: skip
+        replicas = [
+            Replica(LocationId(f"replica-{i}"), e, shares=shares) for i, e in enumerate(engines)
+        ]
+        dispatcher = Dispatcher(
+            replicas,
+            Router(),
+            None,
+            Metrics(),
+            max_inflight=8,
+            first_token_guard=True,
+            preempt_prefills=True,
+        )
         dispatcher.started = True
         firsts: list[str] = []
 
@@ -158,9 +167,12 @@ def test_replicas_of_their_own_leave_each_others_prefills_alone(demo_model: Path
     ],
 )
 def test_the_guard_scope_by_setting_and_host(
-    monkeypatch: pytest.MonkeyPatch, scope: str | None, replicas: int, cpu: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    scope: str | None,
+    replicas: int,
+    cpu: bool,
     expected: str | None,
-) -> None:  # fmt: skip
+) -> None:
     units = HostUnits(cpu=cpu, variable="X", ids=("0", "1"))
     monkeypatch.setattr(build, "host_units", lambda: units)
     settings = Settings(engine={"replicas": replicas, "guard_scope": scope})

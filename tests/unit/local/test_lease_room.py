@@ -70,8 +70,9 @@ def test_the_load_guard_and_known_homes_come_first() -> None:
     d = kv.choose([a, b], _ctx({a.id: 256, b.id: 0}, 4096, {a.id: 512, b.id: 6000}))
     assert (d.replica, d.reason) == (a, "longest_prefix")  # b is out of balance
     a, b = _replicas(0, 0)
-    ctx = RouteContext({a.id: 256, b.id: 256}, session=a.id, lease_tokens=4096,
-                       lease_room={a.id: 0, b.id: 6000})  # fmt: skip
+    ctx = RouteContext(
+        {a.id: 256, b.id: 256}, session=a.id, lease_tokens=4096, lease_room={a.id: 0, b.id: 6000}
+    )
     assert kv.choose([a, b], ctx).reason == "session"  # its own spans are there
 
 
@@ -79,8 +80,9 @@ def test_a_cold_prefix_goes_where_the_budget_has_room() -> None:
     a, b = _replicas(0, 0)
     kv = KvAware()
     for affinity in range(20):  # whichever the rendezvous hash would pick
-        ctx = RouteContext({a.id: 0, b.id: 0}, affinity, lease_tokens=1024,
-                           lease_room={a.id: 128, b.id: 2048})  # fmt: skip
+        ctx = RouteContext(
+            {a.id: 0, b.id: 0}, affinity, lease_tokens=1024, lease_room={a.id: 128, b.id: 2048}
+        )
         assert kv.choose([a, b], ctx).replica is b
 
 

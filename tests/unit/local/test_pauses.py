@@ -97,8 +97,7 @@ def test_a_lease_in_overtime_gives_its_blocks_to_a_refused_one(setup: Any) -> No
         clock.now += 46  # a and b both past their 45 s: a's lease is the most overdue
         turns.began("t:c", "t")
         assert await turns.ended(kv, "t:c", R, HASHES[6:8], called_tools=True) == "leased"
-        assert kv.pin_owners(R, HASHES[0]) == [] and kv.pin_owners(R, HASHES[6]) == [
-            "session:t:c"]  # fmt: skip
+        assert kv.pin_owners(R, HASHES[0]) == [] and kv.pin_owners(R, HASHES[6]) == ["session:t:c"]
         assert kv.pin_owners(R, HASHES[5]) == ["session:t:b"]  # one preempted lease sufficed
         assert _pinned(core) == 3
         turns.began("t:a", "t")  # a comes back; b is in overtime, c is not

@@ -56,16 +56,24 @@ def test_a_default_request_stops_batch_prefills_too() -> None:
 
 
 def _dispatcher(engine: FakeEngine, metrics: Metrics, preempt: bool) -> Dispatcher:
-    d = Dispatcher([Replica(R, engine)], Router(), None, metrics, max_inflight=8,
-                   first_token_guard=True, preempt_prefills=preempt)  # fmt: skip
+    d = Dispatcher(
+        [Replica(R, engine)],
+        Router(),
+        None,
+        metrics,
+        max_inflight=8,
+        first_token_guard=True,
+        preempt_prefills=preempt,
+    )
     d.started = True
     return d
 
 
 def _greq(rid: str, priority: int, tokens: int = 40) -> GenerateRequest:
     prompt = tuple(range(1000 * (priority + 2), 1000 * (priority + 2) + tokens))
-    return GenerateRequest(rid, prompt, SamplingOptions(max_tokens=3), priority=priority,
-                           tenant=rid)  # fmt: skip
+    return GenerateRequest(
+        rid, prompt, SamplingOptions(max_tokens=3), priority=priority, tenant=rid
+    )
 
 
 def _events(
@@ -159,8 +167,16 @@ def test_a_client_gone_during_a_stoppable_prefill_leaves_nothing_behind(
         engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), hold=hold)
         await engine.start()
         metrics = Metrics()
-        dispatcher = Dispatcher([Replica(R, engine)], Router(), None, metrics, max_inflight=8,
-                                slots=1, preempt_prefills=True, first_token_guard=True)  # fmt: skip
+        dispatcher = Dispatcher(
+            [Replica(R, engine)],
+            Router(),
+            None,
+            metrics,
+            max_inflight=8,
+            slots=1,
+            preempt_prefills=True,
+            first_token_guard=True,
+        )
         replica = dispatcher.replicas[0]
 
         async def send(greq: GenerateRequest) -> None:

@@ -31,17 +31,22 @@ def _run(demo_model: Path, prefill_slots: dict[int, int] | None) -> str:
         await engine.start()
         metrics = Metrics()
         dispatcher = Dispatcher(
-            [Replica(LocationId("replica-0"), engine)], Router(), None, metrics,
-            max_inflight=4, prefill_slots=prefill_slots,
-        )  # fmt: skip
+            [Replica(LocationId("replica-0"), engine)],
+            Router(),
+            None,
+            metrics,
+            max_inflight=4,
+            prefill_slots=prefill_slots,
+        )
         dispatcher.started = True
         svc = GatewayService(dispatcher, "vcache-demo")
 
         async def ask(text: str) -> str:
             req = ChatCompletionRequest(
-                model="vcache-demo", messages=[ChatMessage(role="user", content=text)],
+                model="vcache-demo",
+                messages=[ChatMessage(role="user", content=text)],
                 max_tokens=3,
-            )  # fmt: skip
+            )
             done = await svc.chat(req, Principal(tenant="t"))
             return done.body.choices[0].message.content or ""
 

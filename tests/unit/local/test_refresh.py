@@ -52,8 +52,15 @@ def _run(tmp_path: Path, body: Body, refresh: bool = True, slots: int | None = N
         kv.attach(R, core, f"ipc://{tmp_path}/events", None)
         engine = _Engine(core)
         m = Metrics()
-        d = Dispatcher([Replica(R, engine)], Router(), kv, m, max_inflight=8,  # type: ignore[arg-type]
-                       slots=slots, refresh=refresh)  # fmt: skip
+        d = Dispatcher(
+            [Replica(R, engine)],  # type: ignore[arg-type]
+            Router(),
+            kv,
+            m,
+            max_inflight=8,
+            slots=slots,
+            refresh=refresh,
+        )
         try:
             await body(core, engine, d, m)
         finally:
@@ -97,8 +104,13 @@ def test_a_request_that_waited_for_a_slot_is_touched_again(tmp_path: Path) -> No
         engine.go.set()
         await asyncio.gather(first, second)
         await d.settle()
-        assert core.calls == ["vcache_touch", "generate r1", "vcache_touch",
-                              "vcache_touch", "generate r2"]  # fmt: skip
+        assert core.calls == [
+            "vcache_touch",
+            "generate r1",
+            "vcache_touch",
+            "vcache_touch",
+            "generate r2",
+        ]
         assert _touched(m) == 9
 
     _run(tmp_path, body, slots=1)

@@ -101,9 +101,13 @@ def _client(transport: Any, retries: int) -> ProviderClient:
 
     adapter = PROVIDERS["openai"].adapter()
     return ProviderClient(
-        adapter, "http://emu.test/v1", "sk-x", RetryPolicy(retries), sleep=no_sleep,
+        adapter,
+        "http://emu.test/v1",
+        "sk-x",
+        RetryPolicy(retries),
+        sleep=no_sleep,
         transport=transport,
-    )  # fmt: skip
+    )
 
 
 def _rendered() -> Rendered:
@@ -122,9 +126,12 @@ def test_the_clients_retry_rules_hold_over_the_asgi_transport() -> None:
 def test_nothing_listening_is_unavailable_over_aiohttp() -> None:
     async def main() -> None:
         c = ProviderClient(
-            PROVIDERS["openai"].adapter(), f"http://127.0.0.1:{free_port()}/v1", "sk-x",
-            RetryPolicy(0), transport=None,
-        )  # fmt: skip
+            PROVIDERS["openai"].adapter(),
+            f"http://127.0.0.1:{free_port()}/v1",
+            "sk-x",
+            RetryPolicy(0),
+            transport=None,
+        )
         try:
             await c.send(_rendered())
         finally:

@@ -131,8 +131,10 @@ def test_admission_sheds_batch_first_and_interactive_last() -> None:
         max_queued_requests=10, admission_shares={"batch": 0.5, "default": 0.8, "interactive": 1.0}
     )
     assert EngineSettings(max_queued_requests=256).admission_room() == {
-        "interactive": 282, "default": 256, "batch": 128,
-    }  # fmt: skip
+        "interactive": 282,
+        "default": 256,
+        "batch": 128,
+    }
     metrics = Metrics()
     d = Dispatcher([], Router(), None, metrics, max_inflight=10, room=engine.admission_room())
 

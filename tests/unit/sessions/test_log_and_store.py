@@ -148,9 +148,11 @@ def test_store_shares_blobs_and_retention_drops_whole_sessions(make_store: MakeS
     for i in range(3):
         sid = store.create("t")
         store.append(
-            sid, [HeaderEvent(h, Reason.INITIAL), MessageEvent("user", f"q{i}"), _dispatch(i)],
-            (f"req-{i}", "local", f"{i:064x}"), [("t", f"head-{i}", 2)],
-        )  # fmt: skip
+            sid,
+            [HeaderEvent(h, Reason.INITIAL), MessageEvent("user", f"q{i}"), _dispatch(i)],
+            (f"req-{i}", "local", f"{i:064x}"),
+            [("t", f"head-{i}", 2)],
+        )
         ids.append(sid)
     blobs = store._sql.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]
     assert blobs == 1  # the shared system prompt is stored once

@@ -153,8 +153,9 @@ def test_an_answer_folds_after_another_gateways_turn(make_store: MakeStore) -> N
     async def main() -> str:
         op_b = b.open("t", HEADER, (u1,), "conv")
         await b.dispatch(op_b, "req-b", "local", "vllm", {}, b"b")
-        sid = await _turn(a, [u1, MessageEvent("assistant", "ra"), MessageEvent("user", "qa")],
-                          "req-a", "ra2")  # fmt: skip
+        sid = await _turn(
+            a, [u1, MessageEvent("assistant", "ra"), MessageEvent("user", "qa")], "req-a", "ra2"
+        )
         await b.respond(op_b, "req-b", "rb", {"prompt_tokens": 1})
         return sid
 

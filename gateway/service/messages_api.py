@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from gateway.core.errors import InvalidRequest
-from gateway.core.messages import (
+from gateway.core.messages_wire import (
     Message,
     MessageParam,
     MessagesRequest,

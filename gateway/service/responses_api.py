@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import ChatCompletion
-from gateway.core.responses import (
+from gateway.core.responses_wire import (
     CustomToolCallItem,
     CustomToolCallOutputItem,
     FunctionCallItem,
@@ -204,9 +204,13 @@ class Responses:
         ):
             await asyncio.to_thread(
                 self._store_.add_response,
-                body.id, served.session, served.answer_seq, who.tenant, body.model_dump_json(),
+                body.id,
+                served.session,
+                served.answer_seq,
+                who.tenant,
+                body.model_dump_json(),
                 body.store,
-            )  # fmt: skip
+            )
 
     async def create(
         self, req: ResponsesRequest, tools: ResponseTools, who: Principal, session: str | None
