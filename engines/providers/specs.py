@@ -3,7 +3,7 @@
 Adding a provider is one adapter (its wire format) and one :class:`ProviderSpec`
 here: the capability profile the planner reads (``manifest.planner``), where
 it lives and which environment variable holds its key, and which of the
-cache primitives it offers.
+cache primitives it offers, and whether it sees images and documents (``sees``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ class ProviderSpec:
     key_env: str
     cache_key: bool = False  # routes by a prompt_cache_key (OpenAI)
     cached_contents: bool = False  # explicit cached-content handles (Gemini)
+    # takes images and documents (``Turn.parts``); a target whose provider does not is
+    # never quoted for a call that carries one
+    sees: bool = True
 
 
 PROVIDERS: dict[str, ProviderSpec] = {
@@ -67,6 +70,7 @@ PROVIDERS: dict[str, ProviderSpec] = {
             lambda m, _: deepseek_profile(m),
             "https://api.deepseek.com",
             "DEEPSEEK_API_KEY",
+            sees=False,  # text only: its chat API takes no image or file parts
         ),
     )
 }
@@ -74,3 +78,8 @@ PROVIDERS: dict[str, ProviderSpec] = {
 
 def adapter_for(provider: str) -> Adapter:
     return PROVIDERS[provider].adapter()
+
+
+def sees(provider: str) -> bool:
+    """Whether ``provider`` takes images and documents."""
+    return PROVIDERS[provider].sees
