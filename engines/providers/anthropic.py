@@ -1,4 +1,8 @@
-"""Anthropic Messages API: explicit ``cache_control`` breakpoints, ``max_tokens: 0`` warms."""
+"""Anthropic Messages API: explicit ``cache_control`` breakpoints, ``max_tokens: 0`` warms.
+
+Images travel as ``image`` blocks and documents as ``document`` blocks (a PDF
+as a base64 source, a text document as a text source), each where it sits in
+its turn or tool result, bytes as received; a breakpoint may close on one."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 
 from engines.providers.base import (
     Answer,
+    Attached,
     CacheDirectives,
     ChatCall,
     Delta,
@@ -16,6 +21,8 @@ from engines.providers.base import (
     ToolCall,
     ToolCallPart,
     Turn,
+    base64_of,
+    document_text,
     forced_tool,
 )
 from engines.providers.errors import ProviderUnavailable, from_status
@@ -57,12 +64,48 @@ def _choice(choice: str | dict[str, Any], warm: bool) -> dict[str, Any] | None:
     return {"type": str(choice)}
 
 
+def attachment_block(a: Attached) -> dict[str, Any]:
+    """An image or a document as Anthropic's block, its bytes as received."""
+    ref = a.attachment.ref
+    block: dict[str, Any]
+    if ref.kind == "image":
+        source = {"type": "base64", "media_type": ref.media_type, "data": base64_of(a.attachment)}
+        return {"type": "image", "source": source}
+    if ref.media_type == "text/plain":
+        text = document_text(a.attachment)
+        block = {
+            "type": "document",
+            "source": {"type": "text", "media_type": ref.media_type, "data": text},
+        }
+    else:
+        data = base64_of(a.attachment)
+        block = {
+            "type": "document",
+            "source": {"type": "base64", "media_type": ref.media_type, "data": data},
+        }
+    if a.title:
+        block["title"] = a.title
+    return block
+
+
+def _part_blocks(t: Turn) -> list[dict[str, Any]]:
+    """A turn's parts as content blocks, in order (empty text left out: Anthropic refuses
+    an empty text block)."""
+    return [
+        attachment_block(p) if isinstance(p, Attached) else {"type": "text", "text": p}
+        for p in t.parts
+        if isinstance(p, Attached) or p
+    ]
+
+
 def _turn_blocks(t: Turn) -> tuple[str, list[dict[str, Any]]]:
     """A turn as (role, content blocks): a tool's result is a user ``tool_result`` block,
     an assistant's calls are ``tool_use`` blocks after its text."""
     if t.role == "tool":
         content: Any = t.content
-        if t.tool_changes:  # a tool search's finds, as written
+        if t.parts:  # images in the result, where they sit
+            content = _part_blocks(t) + [dict(b) for b in t.tool_changes]
+        elif t.tool_changes:  # a tool search's finds, as written
             text = [{"type": "text", "text": t.content}] if t.content else []
             content = text + [dict(b) for b in t.tool_changes]
         result = {"type": "tool_result", "tool_use_id": t.tool_call_id or "", "content": content}
@@ -71,7 +114,9 @@ def _turn_blocks(t: Turn) -> tuple[str, list[dict[str, Any]]]:
         text = [{"type": "text", "text": t.content}] if t.content or not t.tool_changes else []
         return SYSTEM_MESSAGE, text + [dict(b) for b in t.tool_changes]
     blocks: list[dict[str, Any]] = [dict(b) for b in t.thinking]  # first, as written
-    if t.content or not (t.tool_calls or t.thinking):
+    if t.parts:
+        blocks += _part_blocks(t)
+    elif t.content or not (t.tool_calls or t.thinking):
         blocks.append({"type": "text", "text": t.content})
     for c in t.tool_calls:
         blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": c.args()})

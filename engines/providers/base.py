@@ -8,10 +8,17 @@ handle, or a warm (``max_tokens: 0``).  The adapter returns a
 :class:`Rendered` request whose ``prompt`` is the provider-ordered byte
 string of the prompt blocks exactly as they appear in ``body``, with the
 byte offset where each segment ends (render records hash these).
+
+A turn that carries images or documents has them in ``Turn.parts`` as
+:class:`Attached` values, bytes included; every adapter writes those bytes as
+received (base64 of the exact bytes, where they sit among the text), and its
+``prompt`` holds them as its body does, so a prefix is credited only up to the
+first image whose bytes changed.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +71,25 @@ class Turn:
     # a message that carries images or documents: its content in order, text as str and
     # each attachment where it sits (``content`` is then its text alone); () otherwise
     parts: tuple[str | Attached, ...] = ()
+
+    def attached(self) -> tuple[Attached, ...]:
+        """The turn's images and documents, in order."""
+        return tuple(p for p in self.parts if isinstance(p, Attached))
+
+
+def base64_of(a: Attachment) -> str:
+    """The attachment's exact bytes in base64 (never decoded, never re-encoded)."""
+    return base64.b64encode(a.data).decode("ascii")
+
+
+def data_url(a: Attachment) -> str:
+    """The attachment's exact bytes as a ``data:`` URL."""
+    return f"data:{a.ref.media_type};base64,{base64_of(a)}"
+
+
+def document_text(a: Attachment) -> str:
+    """A text/plain document's text (intake has checked it is UTF-8)."""
+    return a.data.decode("utf-8")
 
 
 def effective_effort(

@@ -1,4 +1,8 @@
-"""Gemini ``generateContent``: implicit caching, or an explicit ``cachedContents`` handle."""
+"""Gemini ``generateContent``: implicit caching, or an explicit ``cachedContents`` handle.
+
+Images and documents travel as ``inlineData`` parts (their media type and the base64
+of the bytes as received) where they sit in their turn; a tool result's follow its
+``functionResponse`` in the same content."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 from engines.base import call_id
 from engines.providers.base import (
     Answer,
+    Attached,
     CacheDirectives,
     ChatCall,
     Delta,
@@ -17,6 +22,7 @@ from engines.providers.base import (
     ToolCall,
     ToolCallPart,
     Turn,
+    base64_of,
     forced_tool,
     system_text,
 )
@@ -50,6 +56,21 @@ def _content(role: str, text: str) -> dict[str, Any]:
     return {"role": "model" if role == "assistant" else "user", "parts": [{"text": text}]}
 
 
+def inline_part(a: Attached) -> dict[str, Any]:
+    """An image or a document as an ``inlineData`` part, bytes as received."""
+    ref = a.attachment.ref
+    return {"inlineData": {"mimeType": ref.media_type, "data": base64_of(a.attachment)}}
+
+
+def _parts(t: Turn) -> list[dict[str, Any]]:
+    """A turn's parts in order (empty text left out)."""
+    return [
+        inline_part(p) if isinstance(p, Attached) else {"text": p}
+        for p in t.parts
+        if isinstance(p, Attached) or p
+    ]
+
+
 def _tool_config(choice: str | dict[str, Any]) -> dict[str, Any]:
     """OpenAI's ``tool_choice`` as Gemini's function-calling mode."""
     name = forced_tool(choice)
@@ -80,7 +101,9 @@ def _turn_content(
     if t.role == "tool":
         name = names.get(t.tool_call_id or "", "")
         part = {"functionResponse": {"name": name, "response": _response(system_text(t, tools))}}
-        return {"role": "user", "parts": [part]}
+        return {"role": "user", "parts": [part, *(inline_part(a) for a in t.attached())]}
+    if t.parts:
+        return {"role": "model" if t.role == "assistant" else "user", "parts": _parts(t)}
     if not t.tool_calls:
         return _content(t.role, t.content)
     parts: list[dict[str, Any]] = [{"text": t.content}] if t.content else []
@@ -99,7 +122,7 @@ def _turn_content(
 
 
 def _is_responses(content: dict[str, Any]) -> bool:
-    return content["role"] == "user" and "functionResponse" in content["parts"][-1]
+    return content["role"] == "user" and "functionResponse" in content["parts"][0]
 
 
 def _calls(parts: list[dict[str, Any]]) -> list[ToolCall]:

@@ -1,4 +1,10 @@
-"""OpenAI Chat Completions (implicit caching, ``prompt_cache_key``) and DeepSeek (its dialect)."""
+"""OpenAI Chat Completions (implicit caching, ``prompt_cache_key``) and DeepSeek (its dialect).
+
+Images travel as ``image_url`` parts (a data URL of the bytes as received, with the
+client's ``detail``), PDFs as ``file`` parts, a text document as a text part.  A tool
+message takes text only, so a tool result's images follow the run of tool messages in
+a user message of their own (in the prompt where they are in the body).  DeepSeek's
+API takes no images (``specs.ProviderSpec.sees``): its adapter refuses them by name."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import Any
 
 from engines.providers.base import (
     Answer,
+    Attached,
     CacheDirectives,
     ChatCall,
     Delta,
@@ -16,12 +23,39 @@ from engines.providers.base import (
     ToolCall,
     ToolCallPart,
     Turn,
+    data_url,
+    document_text,
     effective_effort,
     system_text,
 )
-from engines.providers.errors import ProviderUnavailable
+from engines.providers.errors import ProviderBadRequest, ProviderUnavailable
 from engines.sse import ServerSentEvent
 from manifest.canonical import canonical_json
+
+
+def attachment_part(a: Attached) -> dict[str, Any]:
+    """An image or a document as a Chat Completions content part, bytes as received."""
+    ref = a.attachment.ref
+    if ref.kind == "image":
+        image: dict[str, Any] = {"url": data_url(a.attachment)}
+        if a.detail is not None:
+            image["detail"] = a.detail
+        return {"type": "image_url", "image_url": image}
+    if ref.media_type == "text/plain":
+        return {"type": "text", "text": document_text(a.attachment)}
+    return {
+        "type": "file",
+        "file": {"filename": a.title or "document.pdf", "file_data": data_url(a.attachment)},
+    }
+
+
+def _content_parts(t: Turn) -> list[dict[str, Any]]:
+    """A turn's parts as content parts, in order (empty text left out)."""
+    return [
+        attachment_part(p) if isinstance(p, Attached) else {"type": "text", "text": p}
+        for p in t.parts
+        if isinstance(p, Attached) or p
+    ]
 
 
 def _message(t: Turn, tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -38,7 +72,15 @@ def _message(t: Turn, tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for c in t.tool_calls
         ]
         return {"role": "assistant", "content": t.content or None, "tool_calls": calls}
+    if t.parts:
+        return {"role": t.role, "content": _content_parts(t)}
     return {"role": t.role, "content": t.content}
+
+
+def _results_images(turns: Sequence[Turn]) -> dict[str, Any] | None:
+    """The images of a run of tool results, as the user message that follows the run."""
+    parts = [attachment_part(a) for t in turns for a in t.attached()]
+    return {"role": "user", "content": parts} if parts else None
 
 
 def _plain(tool: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +103,7 @@ OPENAI_EFFORT = {"max": "xhigh"}
 
 class OpenAIAdapter:
     provider = "openai"
+    sees = True
     supports_cache_key = True
     takes_effort = True
     limit_field = "max_completion_tokens"
@@ -69,12 +112,30 @@ class OpenAIAdapter:
         return {"authorization": f"Bearer {api_key}"}
 
     def render(self, call: ChatCall, cache: CacheDirectives) -> Rendered:
+        if not self.sees:
+            for i, t in enumerate(call.turns):
+                if t.attached():
+                    raise ProviderBadRequest(
+                        self.provider, f"messages[{i}]: this provider takes no images or files"
+                    )
         msgs: list[tuple[str, dict[str, Any]]] = []
         if call.system:
             msgs.append(("system", {"role": "system", "content": call.system}))
         if call.volatile_system:
             msgs.append(("system:volatile", {"role": "system", "content": call.volatile_system}))
-        msgs += [(f"message:{i}", _message(t, call.tools)) for i, t in enumerate(call.turns)]
+        results: list[Turn] = []  # the run of tool results so far
+        for i, t in enumerate(call.turns):
+            if t.role != "tool" and results:
+                images = _results_images(results)
+                if images is not None:  # closes the run: counted in its last segment
+                    msgs.append((f"message:{i - 1}", images))
+                results = []
+            if t.role == "tool":
+                results.append(t)
+            msgs.append((f"message:{i}", _message(t, call.tools)))
+        images = _results_images(results)
+        if images is not None:
+            msgs.append((f"message:{len(call.turns) - 1}", images))
         tools = [_plain(t) for t in call.tools]
         prompt = b""
         ends: dict[str, int] = {}
@@ -137,6 +198,7 @@ class DeepSeekAdapter(OpenAIAdapter):
     ``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``."""
 
     provider = "deepseek"
+    sees = False
     supports_cache_key = False
     takes_effort = False  # its reasoning model thinks as it does, with no knob
     limit_field = "max_tokens"
