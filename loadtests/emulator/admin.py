@@ -93,6 +93,13 @@ async def received(request: Request) -> list[dict[str, object]]:
     return [asdict(r) for r in state_of(request).received]
 
 
+@router.get("/media")
+async def media(request: Request) -> list[dict[str, object]]:
+    """Every image and document received, in order: the sha256 of its decoded bytes
+    (what a test compares with what it sent), media type, size, detail, tokens."""
+    return [asdict(m) for m in state_of(request).media]
+
+
 @router.get("/requests/last")
 async def last_body(request: Request) -> Response:
     """The body of the last request received, as it arrived."""
@@ -105,6 +112,7 @@ async def reset(request: Request) -> dict[str, bool]:
     state.flush()
     state.faults.clear()
     state.received.clear()
+    state.media.clear()
     state.rules.clear()
     state.limits.clear()
     state.bills.clear()

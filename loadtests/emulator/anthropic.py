@@ -12,7 +12,10 @@ Rules modelled (from Anthropic's prompt-caching documentation):
 - usage: ``input_tokens`` (after the last breakpoint),
   ``cache_creation_input_tokens`` (with the 5m/1h split in ``cache_creation``)
   and ``cache_read_input_tokens``;
-- ``max_tokens: 0`` prefills only (a warm), and is refused with streaming.
+- ``max_tokens: 0`` prefills only (a warm), and is refused with streaming;
+- ``image`` and ``document`` blocks (base64 sources, also inside a ``tool_result``)
+  count by Anthropic's image rule (:mod:`.media`), and their bytes are part of the
+  cache key: a prefix through an image is read only when the image is identical.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .common import (
     state_of,
 )
 from .limits import RuleOverride
+from .media import BadMedia, Weigher
 from .state import PrefixStore, compact, tokens
 from .thinking import enabled as thinking_enabled
 from .thinking import problem as thinking_problem
@@ -88,6 +92,10 @@ class BadRequest(Exception):
 class Block:
     data: bytes
     ttl: str | None  # the breakpoint's TTL, None when the block carries no cache_control
+    weight: int | None = None  # its tokens when it carries an image (else 4 bytes a token)
+
+    def tokens(self) -> int:
+        return self.weight if self.weight is not None else tokens(self.data + b"\n")
 
 
 def _strip(block: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -103,7 +111,8 @@ def _strip(block: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return rest, ttl
 
 
-def blocks_of(body: dict[str, Any]) -> list[Block]:
+def blocks_of(body: dict[str, Any], weigher: Weigher | None = None) -> list[Block]:
+    """The prompt's blocks in order; with a weigher, an image's counted by its rule."""
     out: list[Block] = []
     for tool in body.get("tools") or []:
         rest, ttl = _strip(tool)
@@ -123,7 +132,9 @@ def blocks_of(body: dict[str, Any]) -> list[Block]:
             raise BadRequest("messages: each message needs content")
         for p in parts:
             rest, ttl = _strip(p)
-            out.append(Block(role + b":" + compact(rest), ttl))
+            head = role + b":"
+            weight = weigher.weight(head, rest) if weigher is not None else None
+            out.append(Block(head + compact(rest), ttl, weight))
     return out
 
 
@@ -170,7 +181,7 @@ def apply_cache(
     for b in blocks:
         h.update(b.data + b"\n")
         keys.append(h.copy().digest())
-        total += tokens(b.data + b"\n")
+        total += b.tokens()
         cum.append(total)
     minimum = rules.min_prefix or min_prefix(model)
     read = 0
@@ -265,15 +276,15 @@ async def messages(request: Request) -> Response:
         refused = thinking_problem(body)
         if refused is not None:
             raise BadRequest(refused)
-        blocks = blocks_of(body)
-        limited = rate_limited(
-            state, "anthropic", sum(tokens(b.data + b"\n") for b in blocks), error
-        )
+        weigher = Weigher("anthropic")
+        blocks = blocks_of(body, weigher)
+        state.media += weigher.seen
+        limited = rate_limited(state, "anthropic", sum(b.tokens() for b in blocks), error)
         if limited is not None:
             return limited
         store = state.store("anthropic").shard(b"")
         usage = apply_cache(store, body["model"], blocks, state.rule("anthropic"))
-    except (BadRequest, KeyError, TypeError, AttributeError) as exc:
+    except (BadRequest, BadMedia, KeyError, TypeError, AttributeError) as exc:
         return JSONResponse(error(400, str(exc) or "invalid request"), 400)
     n = answer_length(state, body["max_tokens"])
     uses = _tool_uses(body, raw) if n else []

@@ -7,7 +7,9 @@ Rules modelled (Gemini API caching documentation):
 - explicit ``cachedContents``: created with ``ttl`` (default 1 hour) or
   ``expireTime``, refused below the model's minimum; a request that names
   one pays its tokens as cached and may not also set ``systemInstruction``,
-  ``tools`` or ``toolConfig``; an expired or deleted one is ``NOT_FOUND``.
+  ``tools`` or ``toolConfig``; an expired or deleted one is ``NOT_FOUND``;
+- ``inlineData`` images count 258 tokens each (per 768-pixel tile beyond 384
+  pixels, :mod:`.media`), cached only on identical bytes.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from .common import (
     reply_words,
     state_of,
 )
+from .media import BadMedia, Weigher
 from .state import (
     EmulatorState,
+    Piece,
+    TokenStream,
     compact,
     implicit_lookup,
     implicit_write,
-    prefix_keys,
     tokens,
 )
 from .tools import Function, ToolUse, tool_use
@@ -67,12 +71,19 @@ def min_prefix(model: str) -> int:
     return next((v for k, v in MIN_PREFIX.items() if model.startswith(k)), DEFAULT_MIN_PREFIX)
 
 
-def items_of(body: dict[str, Any]) -> list[bytes]:
-    out = [b"tool:" + compact(t) for t in body.get("tools") or []]
+def pieces_of(body: dict[str, Any], weigher: Weigher | None = None) -> list[Piece]:
+    """The prompt's items in order; with a weigher, an image's counted by its rule."""
+    out: list[tuple[bytes, Any]] = [(b"tool:", t) for t in body.get("tools") or []]
     if body.get("systemInstruction"):
-        out.append(b"system:" + compact(body["systemInstruction"]))
-    out += [b"content:" + compact(c) for c in body.get("contents") or []]
-    return [i + b"\n" for i in out]
+        out.append((b"system:", body["systemInstruction"]))
+    out += [(b"content:", c) for c in body.get("contents") or []]
+    return [
+        Piece(h + compact(v) + b"\n", weigher.weight(h, v) if weigher else None) for h, v in out
+    ]
+
+
+def items_of(body: dict[str, Any]) -> list[bytes]:
+    return [p.data for p in pieces_of(body)]
 
 
 def _tool_uses(body: dict[str, Any], raw: bytes) -> list[ToolUse]:
@@ -164,8 +175,13 @@ async def create_cached(request: Request) -> Response:
         ttl = _ttl_s(body)
     except ValueError as exc:
         return JSONResponse(error(400, str(exc)), 400)
-    stream = b"".join(items_of(body))
-    n = tokens(stream)
+    weigher = Weigher("gemini")
+    try:
+        held = TokenStream(pieces_of(body, weigher))
+    except BadMedia as exc:
+        return JSONResponse(error(400, str(exc)), 400)
+    state.media += weigher.seen
+    stream, n = held.data, held.total
     if n < min_prefix(model):
         msg = (
             f"Cached content is too small. total_token_count={n}, "
@@ -235,21 +251,24 @@ async def generate(model_action: str, request: Request) -> Response:
         if cc.model != model:
             return JSONResponse(error(400, "the cached content is for another model"), 400)
         prefix, cached = cc.stream, cc.tokens
-    items = items_of(body)
-    stream_bytes = prefix + b"".join(items)
-    total = tokens(stream_bytes)
+    weigher = Weigher("gemini")
+    try:
+        items = pieces_of(body, weigher)
+    except BadMedia as exc:
+        return JSONResponse(error(400, str(exc)), 400)
+    state.media += weigher.seen
+    # a cached content's stream comes first, its tokens as counted when it was made
+    held = Piece(prefix, None if cached == tokens(prefix) else cached)
+    prompt = TokenStream([held, *items])
+    total = prompt.total
     limited = rate_limited(state, "gemini", total, error)
     if limited is not None:
         return limited
     rules = state.rule("gemini")
     minimum = rules.min_prefix or min_prefix(model)
     if not cached:
-        cuts, pos = [], 0
-        for i in items:
-            pos += len(i)
-            if tokens(stream_bytes[:pos]) >= minimum:
-                cuts.append(tokens(stream_bytes[:pos]))
-        keys = prefix_keys(model.encode() + b"\0", stream_bytes, cuts)
+        cuts = [end for end in prompt.ends() if end >= minimum]
+        keys = prompt.keys(model.encode() + b"\0", cuts)
         shard = state.store("gemini").shard(b"")
         cached = implicit_lookup(shard, keys)
         implicit_write(shard, keys, rules.ttl_s or IMPLICIT_TTL_S)

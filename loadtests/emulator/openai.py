@@ -10,6 +10,10 @@ Rules modelled:
   (chat) and ``input_tokens_details.cached_tokens`` (responses).
 - DeepSeek: caching on by default in 64-token units, one shard; usage
   ``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``.
+- images (``image_url`` data URLs with ``detail``, ``file`` parts; the Responses
+  API's ``input_image`` / ``input_file``) count by OpenAI's tile rule
+  (:mod:`.media`) and are cached only on identical bytes and ``detail``; DeepSeek
+  takes none (a 400).
 
 A request's cache entries are written once its response begins.
 """
@@ -38,12 +42,14 @@ from .common import (
     sse,
     state_of,
 )
+from .media import BadMedia, Weigher
 from .state import (
     EmulatorState,
+    Piece,
+    TokenStream,
     compact,
     implicit_lookup,
     implicit_write,
-    prefix_keys,
     tokens,
 )
 from .tools import Function, ToolUse, tool_use
@@ -94,22 +100,35 @@ def effective(state: EmulatorState, rules: Rules) -> Rules:
 
 
 def _cache(
-    state: EmulatorState, rules: Rules, model: str, stream: bytes, key: str, ttl_s: float
+    state: EmulatorState, rules: Rules, model: str, stream: TokenStream, key: str, ttl_s: float
 ) -> Cached:
-    total = tokens(stream)
+    total = stream.total
     cuts = list(range(rules.minimum, total + 1, rules.step))
-    keys = prefix_keys(model.encode() + b"\0", stream, cuts)
-    route = stream[: ROUTE_TOKENS * 4] + b"\0" + key.encode() if rules.sharded else b""
+    keys = stream.keys(model.encode() + b"\0", cuts)
+    head = stream.data[: stream.byte_end(ROUTE_TOKENS)]
+    route = head + b"\0" + key.encode() if rules.sharded else b""
     shard = state.store(rules.provider).shard(route)
     hit = implicit_lookup(shard, keys)
     implicit_write(shard, keys, ttl_s)  # readable by the next request, not this one
     return Cached(total, hit)
 
 
+def _pieces(heads: list[tuple[bytes, Any]], weigher: Weigher | None) -> TokenStream:
+    """Each (head, value) as the piece ``head + compact(value) + "\n"``, weighed where it
+    carries media."""
+    return TokenStream(
+        [Piece(h + compact(v) + b"\n", weigher.weight(h, v) if weigher else None) for h, v in heads]
+    )
+
+
+def chat_stream(body: dict[str, Any], weigher: Weigher | None = None) -> TokenStream:
+    parts = [(b"tool:", t) for t in body.get("tools") or []]
+    parts += [(b"msg:", m) for m in body["messages"]]
+    return _pieces(parts, weigher)
+
+
 def chat_stream_bytes(body: dict[str, Any]) -> bytes:
-    parts = [b"tool:" + compact(t) for t in body.get("tools") or []]
-    parts += [b"msg:" + compact(m) for m in body["messages"]]
-    return b"\n".join(parts) + b"\n"
+    return chat_stream(body).data
 
 
 def _ttl(rules: Rules, body: dict[str, Any]) -> float:
@@ -183,8 +202,15 @@ async def _chat(request: Request, documented: Rules) -> Response:
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     n = answer_length(state, limit)
     key = str(body.get("prompt_cache_key") or "")
-    prompt = chat_stream_bytes(body)
-    limited = rate_limited(state, rules.provider, tokens(prompt), error)
+    weigher = Weigher(rules.provider)
+    try:
+        prompt = chat_stream(body, weigher)
+    except BadMedia as exc:
+        return JSONResponse(error(400, str(exc)), 400)
+    if weigher.seen and rules.provider == "deepseek":
+        return JSONResponse(error(400, "unknown variant `image_url`, expected `text`"), 400)
+    state.media += weigher.seen
+    limited = rate_limited(state, rules.provider, prompt.total, error)
     if limited is not None:
         return limited
     c = _cache(state, rules, body["model"], prompt, key, _ttl(rules, body))
@@ -280,14 +306,18 @@ async def deepseek_chat(request: Request) -> Response:
     return await _chat(request, DEEPSEEK)
 
 
-def responses_stream_bytes(body: dict[str, Any]) -> bytes:
-    parts = [b"tool:" + compact(t) for t in body.get("tools") or []]
+def responses_stream(body: dict[str, Any], weigher: Weigher | None = None) -> TokenStream:
+    parts = [(b"tool:", t) for t in body.get("tools") or []]
     if body.get("instructions"):
-        parts.append(b"msg:" + compact({"role": "system", "content": body["instructions"]}))
+        parts.append((b"msg:", {"role": "system", "content": body["instructions"]}))
     inp = body.get("input")
     items = [{"role": "user", "content": inp}] if isinstance(inp, str) else list(inp or [])
-    parts += [b"msg:" + compact(i) for i in items]
-    return b"\n".join(parts) + b"\n"
+    parts += [(b"msg:", i) for i in items]
+    return _pieces(parts, weigher)
+
+
+def responses_stream_bytes(body: dict[str, Any]) -> bytes:
+    return responses_stream(body).data
 
 
 @router.post("/v1/responses", response_model=None)
@@ -309,8 +339,13 @@ async def responses(request: Request) -> Response:
     n = answer_length(state, limit)
     key = str(body.get("prompt_cache_key") or "")
     rules = effective(state, OPENAI)
-    prompt = responses_stream_bytes(body)
-    limited = rate_limited(state, "openai", tokens(prompt), error)
+    weigher = Weigher("openai")
+    try:
+        prompt = responses_stream(body, weigher)
+    except BadMedia as exc:
+        return JSONResponse(error(400, str(exc)), 400)
+    state.media += weigher.seen
+    limited = rate_limited(state, "openai", prompt.total, error)
     if limited is not None:
         return limited
     c = _cache(state, rules, body["model"], prompt, key, _ttl(rules, body))

@@ -120,6 +120,64 @@ def prefix_keys(salt: bytes, stream: bytes, cuts: Sequence[int]) -> list[tuple[i
     return out
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Part of a prompt: its bytes, and its tokens when they are not 4 bytes a token
+    (a message that carries an image: the image counts by the provider's rule)."""
+
+    data: bytes
+    weight: int | None = None
+
+
+class TokenStream:
+    """A prompt of pieces, cut in tokens.  Text runs count 4 bytes a token (a stream of
+    text only counts exactly as :func:`tokens` of its bytes); a weighed piece is whole:
+    a cut inside it keys on all of its bytes, so its image must be identical for a hit."""
+
+    def __init__(self, pieces: Sequence[Piece]) -> None:
+        self.data = b"".join(p.data for p in pieces)
+        # per piece: (end byte, end token, where its text run began: byte, token; None
+        # for a weighed piece, which a cut inside keys on whole)
+        self._spans: list[tuple[int, int, tuple[int, int] | None]] = []
+        pos = tok = 0
+        run = (0, 0)
+        for p in pieces:
+            pos += len(p.data)
+            if p.weight is None:
+                tok = run[1] + tokens(self.data[run[0] : pos])
+                self._spans.append((pos, tok, run))
+            else:
+                tok += p.weight
+                self._spans.append((pos, tok, None))
+                run = (pos, tok)
+        self.total = tok
+
+    def ends(self) -> list[int]:
+        """The token count at the end of each piece."""
+        return [t for _, t, _ in self._spans]
+
+    def byte_end(self, cut: int) -> int:
+        """Where the prefix of ``cut`` tokens ends in the bytes."""
+        for end_pos, end_tok, run in self._spans:
+            if cut <= end_tok:
+                if run is None:
+                    return end_pos
+                return min(end_pos, run[0] + (cut - run[1]) * BYTES_PER_TOKEN)
+        return len(self.data)
+
+    def keys(self, salt: bytes, cuts: Sequence[int]) -> list[tuple[int, bytes]]:
+        """(cut, key) for each cut: the sha256 of the salt and the bytes up to it."""
+        out: list[tuple[int, bytes]] = []
+        h = hashlib.sha256(salt)
+        pos = 0
+        for cut in sorted(cuts):
+            end = max(pos, self.byte_end(cut))
+            h.update(self.data[pos:end])
+            pos = end
+            out.append((cut, h.copy().digest()))
+        return out
+
+
 def implicit_lookup(store: PrefixStore, keys: Sequence[tuple[int, bytes]]) -> int:
     """The longest cached cut, in tokens (0: a miss)."""
     for cut, key in sorted(keys, reverse=True):
@@ -155,6 +213,18 @@ class Received:
     size: int
 
 
+@dataclass(frozen=True)
+class Seen:
+    """An image or a document a provider received: what tests compare with what was sent."""
+
+    provider: str
+    sha256: str  # of the decoded bytes
+    media_type: str
+    size: int
+    detail: str | None  # OpenAI's, as sent
+    tokens: int  # what it cost, by the provider's rule
+
+
 @dataclass
 class EmulatorState:
     clock: Clock = field(default_factory=Clock)
@@ -165,6 +235,8 @@ class EmulatorState:
     faults: list[Fault] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
     last_body: bytes = b""  # the last request's body, whole (for tests to read)
+    # every image and document received, in order (sha256 of the decoded bytes)
+    media: list[Seen] = field(default_factory=list)
     stores: dict[str, ShardedStore] = field(default_factory=dict)
     gemini_cached: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
