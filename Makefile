@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit stores processes network integration config-docs bench bench-memory bench-render bench-proxy bench-workers fuzz loadtest loadtest-control loadtest-agents agents clean
+.PHONY: setup serve test lint typecheck unit stores processes network integration config-docs bench bench-memory bench-render bench-proxy bench-workers bench-frontend fuzz loadtest loadtest-control loadtest-agents agents clean
 
 setup:
 	@bash scripts/setup.sh
@@ -54,6 +54,9 @@ bench-render: setup
 
 bench-workers: setup
 	$(BIN)/python -m loadtests.bench_workers $(WORKERS_ARGS)
+
+bench-frontend: setup
+	$(BIN)/python -m loadtests.bench_frontend $(FRONTEND_ARGS)
 
 bench-proxy: setup
 	@bash scripts/litellm_venv.sh

@@ -1,0 +1,633 @@
+"""vcache's frontend against vLLM's own OpenAI server on the same model, in one run.
+
+    .venv/bin/python -m loadtests.bench_frontend                  # make bench-frontend
+    .venv/bin/python -m loadtests.bench_frontend --rounds 1 --requests 16   # ~2 min smoke
+    .venv/bin/python -m loadtests.bench_frontend --arms defaults,no-guard --profile
+
+Two servers of the demo model (CPU engine), both up, taking turns so that only
+one serves load at a time: vLLM's own server (``python -m
+vllm.entrypoints.openai.api_server --enable-prefix-caching
+--enable-prompt-tokens-details --max-model-len 2048``; its KV cache sized and
+hashed as the gateway sizes and hashes its own, so the two engines do the same
+work) and ``vcache serve`` (its defaults, one embedded replica; ``--arms`` adds
+gateways with some of its defaults changed, :data:`ARMS`).  Two loads (issue 48),
+each over 6 system prompts of ~400 words and a fresh 20-word question a
+request:
+
+- ``streamed``: 64 output tokens, 8 concurrent clients, ``stream: true``;
+- ``whole``: 32 output tokens, 16 concurrent clients, whole answers.
+
+Every answer is exactly its output tokens (``ignore_eos``).  Each round runs
+a slice of ``--requests`` requests of each load on each server, in an order
+reversed every round (the drift of a shared machine falls on all of them).
+Per server and load: the frontend's CPU (user + system of the server process
+and its descendants other than vLLM's engine processes, from ``/proc``
+through psutil: the engine core is a child in both) per request and per output
+token, TTFT p50/p90 (the first event with content; for whole answers the
+first byte of the answer, which is the answer), e2e p50/p90, output tokens/s
+and requests/s, and each gateway's ratios to vLLM's.  ``--workers N``:
+``vcache serve --workers N --replicas N`` against vLLM's ``--data-parallel-size
+N --api-server-count N``.
+
+``--profile``: after the measured rounds, one more slice per server and load
+(``--profile-loads``) with py-spy sampling the frontend process (``--nonblocking``:
+the process is never paused); the top functions by cumulative and by own share of
+the samples, and each share as µs per output token of that slice's CPU.
+
+Prints a table and writes JSON (``--out``, default ``.bench/bench_frontend.json``;
+the py-spy stacks beside it).  Each slice records the host's load average, so a
+run on a shared machine can be judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from loadtests.procs import free_port, get_ok, serving
+from loadtests.report import percentile
+from loadtests.workloads import VOCAB
+
+HERE = Path(__file__).resolve().parent
+MODEL = "vcache-demo"
+VLLM = "vllm"
+KV_BYTES = 1 << 30  # the gateway's KV cache on a CPU host (engines/vllm/engine_config.py)
+
+# a gateway arm -> the settings it changes from vcache serve's defaults (docs/configuration.md)
+ARMS: dict[str, dict[str, str]] = {
+    "defaults": {},
+    # vLLM's own scheduler: the top-priority prefill neither whole nor alone
+    "no-top-prefill": {
+        "VCACHE_ENGINE__TOP_PREFILL_WHOLE": "false",
+        "VCACHE_ENGINE__TOP_PREFILL_ALONE": "false",
+    },
+    # no first-token guard, so no prefill stops either
+    "no-guard": {
+        "VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false",
+        "VCACHE_ENGINE__PREEMPT_PREFILLS": "false",
+    },
+    "guard-replica": {"VCACHE_ENGINE__GUARD_SCOPE": "replica"},
+    "no-retention": {"VCACHE_CACHE__RETENTION__ENABLED": "false"},
+    "verify": {"VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION": "true"},  # off by default
+    "fcfs": {"VCACHE_ENGINE__SCHEDULING_POLICY": "fcfs"},
+    # every scheduler change off: what vLLM alone would schedule
+    "plain-scheduler": {
+        "VCACHE_ENGINE__TOP_PREFILL_WHOLE": "false",
+        "VCACHE_ENGINE__TOP_PREFILL_ALONE": "false",
+        "VCACHE_ENGINE__FIRST_TOKEN_GUARD": "false",
+        "VCACHE_ENGINE__PREEMPT_PREFILLS": "false",
+        "VCACHE_ENGINE__SCHEDULING_POLICY": "fcfs",
+    },
+}
+
+
+@dataclass(frozen=True)
+class Load:
+    stream: bool
+    max_tokens: int
+    concurrency: int
+
+
+LOADS: dict[str, Load] = {
+    "streamed": Load(stream=True, max_tokens=64, concurrency=8),
+    "whole": Load(stream=False, max_tokens=32, concurrency=16),
+}
+
+
+def system_prompts(n: int = 6, words: int = 400, seed: int = 48) -> list[str]:
+    """``n`` system prompts of ``words`` words each, the same for every run of a seed."""
+    rng = random.Random(seed)
+    return [
+        f"You are assistant {i} of the vcache manual. " + " ".join(rng.choices(VOCAB, k=words))
+        for i in range(n)
+    ]
+
+
+def question(i: int, words: int = 20) -> str:
+    """Request ``i``'s question: ``words`` words, never asked before in a run."""
+    rng = random.Random(i)
+    return f"question {i}: " + " ".join(rng.choices(VOCAB, k=words - 2))
+
+
+def request_body(i: int, load: Load, systems: Sequence[str]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": load.max_tokens,
+        "ignore_eos": True,  # vLLM's extension, served by both: exactly max_tokens
+        "messages": [
+            {"role": "system", "content": systems[i % len(systems)]},
+            {"role": "user", "content": question(i)},
+        ],
+    }
+    if load.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+@dataclass
+class Answer:
+    ttft_s: float
+    e2e_s: float
+    tokens: int
+    events: int  # SSE events with content (streamed); 1 for a whole answer
+
+
+@dataclass
+class Slice:
+    """One slice of one load on one server: what the client saw and the frontend's CPU."""
+
+    wall_s: float
+    cpu_s: float
+    cpu_by_pid: dict[int, float]
+    answers: list[Answer]
+    errors: int
+    load_avg: tuple[float, float] = (0.0, 0.0)  # the 1-minute load average before, after
+    at: str = ""
+
+
+@dataclass
+class Row:
+    requests: int = 0
+    errors: int = 0
+    tokens: int = 0
+    events_per_request: float = 0.0
+    cpu_ms_per_request: float = 0.0
+    cpu_us_per_token: float = 0.0
+    ttft_p50_ms: float = 0.0
+    ttft_p90_ms: float = 0.0
+    e2e_p50_ms: float = 0.0
+    e2e_p90_ms: float = 0.0
+    tokens_per_s: float = 0.0
+    requests_per_s: float = 0.0
+    load_avg_max: float = 0.0
+    slices: list[dict[str, Any]] = field(default_factory=list)
+
+
+def summarize(slices: Sequence[Slice]) -> Row:
+    """The slices of one server and load as one row (CPU and wall summed over slices;
+    percentiles over every answer)."""
+    answers = [a for s in slices for a in s.answers]
+    n, tokens = len(answers), sum(a.tokens for a in answers)
+    cpu, wall = sum(s.cpu_s for s in slices), sum(s.wall_s for s in slices)
+    ttft = [a.ttft_s * 1e3 for a in answers]
+    e2e = [a.e2e_s * 1e3 for a in answers]
+    return Row(
+        requests=n,
+        errors=sum(s.errors for s in slices),
+        tokens=tokens,
+        events_per_request=sum(a.events for a in answers) / n if n else 0.0,
+        cpu_ms_per_request=cpu / n * 1e3 if n else 0.0,
+        cpu_us_per_token=cpu / tokens * 1e6 if tokens else 0.0,
+        ttft_p50_ms=percentile(ttft, 50) or 0.0,
+        ttft_p90_ms=percentile(ttft, 90) or 0.0,
+        e2e_p50_ms=percentile(e2e, 50) or 0.0,
+        e2e_p90_ms=percentile(e2e, 90) or 0.0,
+        tokens_per_s=tokens / wall if wall else 0.0,
+        requests_per_s=n / wall if wall else 0.0,
+        load_avg_max=max((max(s.load_avg) for s in slices), default=0.0),
+        slices=[
+            {"at": s.at, "wall_s": s.wall_s, "cpu_s": s.cpu_s, "load_avg": list(s.load_avg)}
+            for s in slices
+        ],
+    )
+
+
+RATIO_KEYS = (
+    "cpu_us_per_token",
+    "cpu_ms_per_request",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "e2e_p50_ms",
+    "tokens_per_s",
+)
+
+
+def ratios(row: Row, base: Row) -> dict[str, float | None]:
+    """``row`` over ``base``, key by key (None where ``base`` has nothing to divide by)."""
+    out: dict[str, float | None] = {}
+    for key in RATIO_KEYS:
+        b = getattr(base, key)
+        out[key] = getattr(row, key) / b if b else None
+    return out
+
+
+def table(rows: Mapping[str, Mapping[str, Row]]) -> str:
+    """One line per load and server (``rows[load][server]``), vLLM's first, each gateway's
+    ratios to it under it."""
+    head = (
+        f"{'load':<9}{'server':<24}{'req':>5}{'CPU ms/req':>11}{'µs/tok':>8}"
+        f"{'TTFT p50':>9}{'p90':>7}{'e2e p50':>8}{'tok/s':>7}{'ev/req':>7}{'load':>6}"
+    )
+    lines = [head]
+    for load, servers in rows.items():
+        base = servers.get(VLLM)
+        for name in sorted(servers, key=lambda s: (s != VLLM, s)):
+            r = servers[name]
+            lines.append(
+                f"{load:<9}{name:<24}{r.requests:>5}{r.cpu_ms_per_request:>11.2f}"
+                f"{r.cpu_us_per_token:>8.0f}{r.ttft_p50_ms:>9.0f}{r.ttft_p90_ms:>7.0f}"
+                f"{r.e2e_p50_ms:>8.0f}{r.tokens_per_s:>7.0f}{r.events_per_request:>7.1f}"
+                f"{r.load_avg_max:>6.1f}"
+            )
+            if base is not None and name != VLLM:
+                x = ratios(r, base)
+                lines.append(
+                    f"{'':<9}{'  ratio to vllm':<24}{'':>5}{_x(x['cpu_ms_per_request']):>11}"
+                    f"{_x(x['cpu_us_per_token']):>8}{_x(x['ttft_p50_ms']):>9}"
+                    f"{_x(x['ttft_p90_ms']):>7}{_x(x['e2e_p50_ms']):>8}{_x(x['tokens_per_s']):>7}"
+                )
+            if r.errors:
+                lines.append(f"{'':<9}  {r.errors} requests failed")
+    return "\n".join(lines)
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+# -- the profile ------------------------------------------------------------------------
+
+_LINE = re.compile(r":\d+\)$")
+# where a source path's package starts: site-packages, the stdlib, this repository
+_ROOTS = (r"\(\S*site-packages/", r"\(\S*/lib/python3\.\d+/", r"\(" + re.escape(f"{HERE.parent}/"))
+
+
+def _frame(frame: str) -> str:
+    """``func (path:line)`` as ``func (path)``, the path from its package on."""
+    name = _LINE.sub(")", frame.strip())
+    for marker in _ROOTS:
+        m = re.search(marker, name)
+        if m:
+            name = name[: m.start() + 1] + name[m.end() :]
+            break
+    return name
+
+
+@dataclass(frozen=True)
+class Cost:
+    function: str
+    cumulative: float  # share of the samples with it on the stack
+    own: float  # share of the samples with it on top
+
+
+def top_costs(collapsed: Iterable[str], n: int = 30) -> tuple[int, list[Cost]]:
+    """From py-spy's collapsed stacks (``frame;frame;... count`` a line, root first): the
+    number of samples and the ``n`` functions with the largest cumulative share."""
+    total = 0
+    cum: Counter[str] = Counter()
+    own: Counter[str] = Counter()
+    for line in collapsed:
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        k = int(count)
+        frames = [_frame(f) for f in stack.split(";") if f]
+        if not frames:
+            continue
+        total += k
+        for f in set(frames):
+            cum[f] += k
+        own[frames[-1]] += k
+    if not total:
+        return 0, []
+    ranked = sorted(cum, key=lambda f: (-cum[f], f))[:n]
+    return total, [Cost(f, cum[f] / total, own[f] / total) for f in ranked]
+
+
+def own_by_file(collapsed: Iterable[str], n: int = 20) -> list[tuple[str, float]]:
+    """The share of the samples on top in each source file, largest first."""
+    total = 0
+    files: Counter[str] = Counter()
+    for line in collapsed:
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        top = _frame(stack.split(";")[-1])
+        path = top[top.find("(") + 1 : -1] if "(" in top else top
+        files[path] += int(count)
+        total += int(count)
+    return [(f, c / total) for f, c in files.most_common(n)] if total else []
+
+
+def profile_text(name: str, load: str, collapsed: list[str], cpu_us_per_token: float) -> str:
+    total, costs = top_costs(collapsed)
+    lines = [
+        f"{name}, {load}: {total} samples; {cpu_us_per_token:.0f} µs CPU per output token",
+        f"{'cum %':>6}{'own %':>7}{'cum µs/tok':>11}  function",
+    ]
+    for c in costs:
+        lines.append(
+            f"{c.cumulative * 100:>6.1f}{c.own * 100:>7.1f}"
+            f"{c.cumulative * cpu_us_per_token:>11.1f}  {c.function}"
+        )
+    lines.append("own share by file:")
+    for path, share in own_by_file(collapsed):
+        lines.append(f"{share * 100:>6.1f}  {path}")
+    return "\n".join(lines)
+
+
+# -- processes --------------------------------------------------------------------------
+
+
+def is_engine(name: str, cmdline: str) -> bool:
+    """A vLLM engine process (``VLLM::EngineCore``, ``VLLM::Worker``, the DP coordinator)
+    or multiprocessing's resource tracker: not the frontend's."""
+    return name.startswith("VLLM") or "resource_tracker" in cmdline
+
+
+def frontend_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of ``pid`` and of each descendant that is not an engine process."""
+    out: dict[int, float] = {}
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            if p is not root and is_engine(p.name(), " ".join(p.cmdline())):
+                continue
+            t = p.cpu_times()
+            out[p.pid] = float(t.user + t.system)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    pid: int
+    slices: dict[str, list[Slice]] = field(default_factory=dict)
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], stream: bool
+) -> Answer:
+    t0 = time.perf_counter()
+    first: float | None = None
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        if not stream:
+            raw = await r.read()
+            first = time.perf_counter() - t0
+            tokens = int(json.loads(raw)["usage"]["completion_tokens"])
+            return Answer(first, time.perf_counter() - t0, tokens, 1)
+        events, last = 0, b""
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            last = line
+            if b'"content":"' in line and b'"content":""' not in line:
+                events += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+    e2e = time.perf_counter() - t0
+    usage = json.loads(last[6:]).get("usage") or {}
+    return Answer(first if first is not None else e2e, e2e, int(usage["completion_tokens"]), events)
+
+
+async def _slice(server: Server, load: Load, ids: range, systems: Sequence[str]) -> Slice:
+    todo = iter(ids)
+    answers: list[Answer] = []
+    errors = 0
+    url = f"{server.url}/v1/chat/completions"
+    timeout = aiohttp.ClientTimeout(total=600)
+    conn = aiohttp.TCPConnector(limit=load.concurrency)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+
+        async def client() -> None:
+            nonlocal errors
+            for i in todo:
+                try:
+                    answers.append(
+                        await _one(session, url, request_body(i, load, systems), load.stream)
+                    )
+                except (RuntimeError, aiohttp.ClientError, KeyError, ValueError) as e:
+                    errors += 1
+                    if errors <= 3:
+                        print(f"{server.name}: {e}", file=sys.stderr, flush=True)
+
+        before_load = os.getloadavg()[0]
+        at = time.strftime("%H:%M:%S", time.gmtime())
+        before = frontend_cpu(server.pid)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(load.concurrency)))
+        wall = time.perf_counter() - t0
+        after = frontend_cpu(server.pid)
+    by_pid = {pid: v - before.get(pid, 0.0) for pid, v in after.items()}
+    return Slice(
+        wall, sum(by_pid.values()), by_pid, answers, errors, (before_load, os.getloadavg()[0]), at
+    )
+
+
+def _vllm_cmd(model: Path, port: int, workers: int) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        str(port),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--max-model-len",
+        "2048",
+        # the engine as the gateway configures its own: the same KV size and block hashes
+        "--kv-cache-memory-bytes",
+        str(KV_BYTES),
+        "--prefix-caching-hash-algo",
+        "sha256_cbor",
+    ]
+    if workers > 1:
+        cmd += ["--data-parallel-size", str(workers), "--api-server-count", str(workers)]
+    return cmd
+
+
+def _vcache_cmd(data_dir: Path, port: int, workers: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--data-dir",
+        str(data_dir),
+        "--replicas",
+        str(workers),
+        "--workers",
+        str(workers),
+    ]
+
+
+def demo_model(data_dir: Path) -> Path:
+    """The demo model's path, built by ``vcache demo-model`` if this data dir has none."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "demo-model", "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _profile(
+    server: Server, load_name: str, ids: range, systems: Sequence[str], out: Path
+) -> tuple[Slice, list[str]]:
+    """One slice with py-spy sampling the frontend process; its collapsed stacks."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    raw = out / f"pyspy-{server.name}-{load_name}.txt"
+    cmd = [spy, "record", "--pid", str(server.pid), "--rate", "200", "--nonblocking"]
+    proc = subprocess.Popen(
+        [*cmd, "--format", "raw", "-o", str(raw)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)  # py-spy attached
+    got = asyncio.run(_slice(server, LOADS[load_name], ids, systems))
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    return got, raw.read_text().splitlines() if raw.exists() else []
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    data_dir = Path(args.data_dir)
+    model = demo_model(data_dir)
+    work = Path(tempfile.mkdtemp(prefix="bench-frontend-"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
+    env["PYTHONPATH"] = str(HERE.parent)
+    env["PYTHONHASHSEED"] = "0"
+    systems = system_prompts()
+    loads = args.loads.split(",")
+    servers: list[Server] = []
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with contextlib.ExitStack() as stack:
+        port = free_port()
+        ready = partial(get_ok, f"http://127.0.0.1:{port}/v1/models")
+        cmd = _vllm_cmd(model, port, args.workers)
+        proc = stack.enter_context(serving(cmd, ready, work / "vllm.log", env))
+        servers.append(Server(VLLM, f"http://127.0.0.1:{port}", proc.pid))
+        for arm in args.arms.split(","):
+            port = free_port()
+            own = {
+                **env,
+                "VCACHE_LOG_LEVEL": "warning",
+                "VCACHE_SESSION_LOG__PATH": str(work / f"{arm}.db"),
+                **ARMS[arm],
+            }
+            ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
+            cmd = _vcache_cmd(data_dir, port, args.workers)
+            proc = stack.enter_context(serving(cmd, ready, work / f"vcache-{arm}.log", own))
+            name = "vcache" if arm == "defaults" else f"vcache:{arm}"
+            servers.append(Server(name, f"http://127.0.0.1:{port}", proc.pid))
+        print(f"servers up: {', '.join(s.name for s in servers)}; logs in {work}", flush=True)
+        n = 1_000_000  # request ids: every question fresh
+        for s in servers:  # warm-up, not counted: the system prompts cached, paths warm
+            for name in loads:
+                asyncio.run(_slice(s, LOADS[name], range(n, n + args.warmup), systems))
+                n += args.warmup
+        for rnd in range(args.rounds):
+            order = servers if rnd % 2 == 0 else servers[::-1]
+            for name in loads:
+                for s in order:
+                    got = asyncio.run(_slice(s, LOADS[name], range(n, n + args.requests), systems))
+                    n += args.requests
+                    s.slices.setdefault(name, []).append(got)
+                    ms = got.cpu_s * 1e3 / max(1, len(got.answers))
+                    print(
+                        f"{got.at} round {rnd} {name:<8} {s.name:<22} {ms:6.2f} CPU ms/req "
+                        f"{got.wall_s:5.1f} s, load {got.load_avg[1]:.2f}",
+                        flush=True,
+                    )
+        profiles: dict[str, dict[str, Any]] = {}
+        if args.profile:
+            for name in args.profile_loads.split(","):
+                for s in servers:
+                    got, stacks = _profile(
+                        s, name, range(n, n + args.requests), systems, args.out.parent
+                    )
+                    n += args.requests
+                    per_tok = summarize([got]).cpu_us_per_token
+                    text = profile_text(s.name, name, stacks, per_tok)
+                    print(text, flush=True)
+                    total, costs = top_costs(stacks)
+                    profiles[f"{s.name} {name}"] = {
+                        "samples": total,
+                        "cpu_us_per_token": per_tok,
+                        "top": [asdict(c) for c in costs],
+                        "own_by_file": own_by_file(stacks),
+                        "text": text,
+                    }
+    rows = {name: {s.name: summarize(s.slices.get(name, [])) for s in servers} for name in loads}
+    print(table(rows))
+    out: dict[str, Any] = {
+        "started": started,
+        "cpus": os.cpu_count(),
+        "workers": args.workers,
+        "requests_per_slice": args.requests,
+        "rounds": args.rounds,
+        "loads": {k: asdict(LOADS[k]) for k in loads},
+        "rows": {load: {s: asdict(r) for s, r in by.items()} for load, by in rows.items()},
+        "ratios": {
+            load: {s: ratios(r, by[VLLM]) for s, r in by.items() if s != VLLM}
+            for load, by in rows.items()
+        },
+        "profiles": profiles,
+        "table": table(rows),
+    }
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=48, help="requests per slice")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=16, help="requests per server and load")
+    ap.add_argument("--loads", default="streamed,whole", help=f"of {', '.join(LOADS)}")
+    ap.add_argument(
+        "--arms", default="defaults", help=f"gateways, comma-separated, of {', '.join(ARMS)}"
+    )
+    ap.add_argument("--workers", type=int, default=1, help="gateway workers = replicas")
+    ap.add_argument("--profile", action="store_true", help="py-spy each frontend after")
+    ap.add_argument("--profile-loads", default="streamed")
+    ap.add_argument("--data-dir", default=str(HERE.parent / ".vcache-test-data"))
+    ap.add_argument("--out", type=Path, default=Path(".bench/bench_frontend.json"))
+    args = ap.parse_args(argv)
+    if unknown := set(args.arms.split(",")) - set(ARMS):
+        ap.error(f"unknown arms: {', '.join(sorted(unknown))}")
+    if unknown := (set(args.loads.split(",")) | set(args.profile_loads.split(","))) - set(LOADS):
+        ap.error(f"unknown loads: {', '.join(sorted(unknown))}")
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The frontend bench's arithmetic: rows from slices, the ratios to vLLM's server, the
+table, the profile's shares from py-spy's collapsed stacks, and that its arms and loads
+are the issue's."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.core.config import Settings
+from loadtests.bench_frontend import (
+    ARMS,
+    LOADS,
+    VLLM,
+    Answer,
+    Row,
+    Slice,
+    is_engine,
+    own_by_file,
+    question,
+    ratios,
+    request_body,
+    summarize,
+    system_prompts,
+    table,
+    top_costs,
+)
+
+
+def _slice(cpu_s: float, wall_s: float, answers: list[Answer], load: float = 1.0) -> Slice:
+    return Slice(wall_s, cpu_s, {1: cpu_s}, answers, 0, (load, load + 0.5), "14:00:00")
+
+
+def test_a_row_sums_cpu_and_wall_over_slices_and_ranks_every_answer() -> None:
+    a = [Answer(0.1 * i, 0.5 + 0.1 * i, 64, 60) for i in range(1, 6)]  # ttft 100..500 ms
+    b = [Answer(0.6, 1.2, 64, 64), Answer(0.7, 1.3, 64, 64)]
+    row = summarize([_slice(0.35, 2.0, a), _slice(0.14, 1.5, b, load=3.0)])
+    assert row.requests == 7 and row.tokens == 7 * 64
+    assert row.cpu_ms_per_request == pytest.approx(490 / 7)
+    assert row.cpu_us_per_token == pytest.approx(0.49 / 448 * 1e6)
+    assert row.tokens_per_s == pytest.approx(448 / 3.5)
+    assert row.requests_per_s == pytest.approx(2.0)
+    assert row.ttft_p50_ms == pytest.approx(400)  # nearest rank: 4th of 7
+    assert row.ttft_p90_ms == pytest.approx(700)
+    assert row.e2e_p50_ms == pytest.approx(900)
+    assert row.events_per_request == pytest.approx((5 * 60 + 2 * 64) / 7)
+    assert row.load_avg_max == pytest.approx(3.5)
+    assert [s["wall_s"] for s in row.slices] == [2.0, 1.5]
+
+
+def test_no_slices_is_an_empty_row_not_a_division_by_zero() -> None:
+    row = summarize([])
+    assert row.requests == 0 and row.cpu_us_per_token == 0.0 and row.tokens_per_s == 0.0
+
+
+def test_ratios_are_the_gateway_over_vllm_and_none_where_vllm_has_nothing() -> None:
+    vllm = Row(cpu_us_per_token=200, cpu_ms_per_request=10, ttft_p50_ms=400, ttft_p90_ms=0)
+    vllm.e2e_p50_ms, vllm.tokens_per_s = 500, 1000
+    gw = Row(cpu_us_per_token=140, cpu_ms_per_request=9, ttft_p50_ms=300, ttft_p90_ms=800)
+    gw.e2e_p50_ms, gw.tokens_per_s = 450, 1250
+    x = ratios(gw, vllm)
+    assert x["cpu_us_per_token"] == pytest.approx(0.7)
+    assert x["cpu_ms_per_request"] == pytest.approx(0.9)
+    assert x["ttft_p50_ms"] == pytest.approx(0.75)
+    assert x["ttft_p90_ms"] is None
+    assert x["e2e_p50_ms"] == pytest.approx(0.9)
+    assert x["tokens_per_s"] == pytest.approx(1.25)
+
+
+def test_the_table_puts_vllm_first_and_each_gateway_with_its_ratios() -> None:
+    vllm = Row(requests=10, cpu_us_per_token=200, cpu_ms_per_request=10, tokens_per_s=1000)
+    vllm.ttft_p50_ms = vllm.ttft_p90_ms = vllm.e2e_p50_ms = 100
+    gw = Row(requests=10, cpu_us_per_token=300, cpu_ms_per_request=15, tokens_per_s=850)
+    gw.ttft_p50_ms = gw.ttft_p90_ms = gw.e2e_p50_ms = 120
+    gw.errors = 2
+    lines = table({"streamed": {"vcache": gw, VLLM: vllm}}).splitlines()
+    assert lines[1].split()[:2] == ["streamed", VLLM]
+    assert lines[2].split()[:2] == ["streamed", "vcache"]
+    assert lines[3].split() == ["ratio", "to", "vllm", "1.50x", "1.50x"] + ["1.20x"] * 3 + ["0.85x"]
+    assert lines[4].split() == ["2", "requests", "failed"]
+
+
+STACKS = [
+    "<module> (/x/lib/python3.12/asyncio/runners.py:118);_run (/x/lib/python3.12/asyncio/"
+    "events.py:84);relay (/work/main/gateway/service/chat.py:10) 30",
+    "<module> (/x/lib/python3.12/asyncio/runners.py:118);_run (/x/lib/python3.12/asyncio/"
+    "events.py:84);relay (/work/main/gateway/service/chat.py:12);dumps "
+    "(/v/site-packages/orjson/__init__.py:3) 50",
+    "<module> (/x/lib/python3.12/asyncio/runners.py:118);select (/x/lib/python3.12/"
+    "selectors.py:468) 20",
+    "garbage line without a count",
+]
+
+
+def test_top_costs_share_samples_by_function_across_line_numbers() -> None:
+    total, costs = top_costs(STACKS)
+    assert total == 100
+    by = {c.function: c for c in costs}
+    assert by["<module> (asyncio/runners.py)"].cumulative == pytest.approx(1.0)
+    relay = next(c for f, c in by.items() if f.startswith("relay ("))
+    assert relay.cumulative == pytest.approx(0.8) and relay.own == pytest.approx(0.3)
+    assert by["dumps (orjson/__init__.py)"].own == pytest.approx(0.5)
+    assert costs[0].cumulative >= costs[1].cumulative >= costs[-1].cumulative
+    assert top_costs([]) == (0, [])
+
+
+def test_own_by_file_is_the_top_frames_file() -> None:
+    shares = dict(own_by_file(STACKS))
+    assert shares["orjson/__init__.py"] == pytest.approx(0.5)
+    assert shares["selectors.py"] == pytest.approx(0.2)
+    assert sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_engine_processes_are_not_the_frontends() -> None:
+    assert is_engine("VLLM::EngineCore", "")
+    assert is_engine("VLLM::DPCoordinator", "")
+    assert is_engine("python", "python -c from multiprocessing.resource_tracker import main")
+    assert not is_engine("python", "python -m gateway.cli serve --workers 2")
+
+
+def test_the_loads_and_prompts_are_the_issues() -> None:
+    assert (LOADS["streamed"].max_tokens, LOADS["streamed"].concurrency) == (64, 8)
+    assert (LOADS["whole"].max_tokens, LOADS["whole"].concurrency) == (32, 16)
+    systems = system_prompts()
+    assert len(systems) == 6 and systems == system_prompts()
+    assert all(400 <= len(s.split()) <= 410 for s in systems)
+    assert len(question(7).split()) == 20 and question(7) != question(8)
+    body = request_body(13, LOADS["streamed"], systems)
+    assert body["messages"][0]["content"] == systems[13 % 6]
+    assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"]
+    assert "stream" not in request_body(13, LOADS["whole"], systems)
+
+
+def test_every_arm_sets_settings_that_exist() -> None:
+    for arm, env in ARMS.items():
+        settings = Settings.model_validate({})  # the defaults
+        for key, value in env.items():
+            assert key.startswith("VCACHE_"), arm
+            *path, leaf = key.removeprefix("VCACHE_").lower().split("__")
+            node = settings
+            for part in path:
+                node = getattr(node, part)
+            assert leaf in type(node).model_fields, (arm, key)  # else it would run defaults
+            assert str(getattr(node, leaf)).lower() != value, (arm, key)  # and change one
