@@ -1,12 +1,7 @@
-"""One answer shape, shaped once per API at the edge.
-
-Every path (the local engine, a hosted provider) produces an answer as a
-stream of :class:`Piece`: text as it is generated (with its token logprobs
-when asked for, and the index of its sample when ``n > 1``), the finish
-reason on the piece that ends a sample, and a last piece that carries only
-the usage.  The functions here turn that stream into OpenAI's chat
-completion (whole or as chunks) and text completion (whole or as chunks);
-the gRPC edge and the Responses API read the same pieces.
+"""OpenAI's shapes of an answer: its pieces (:mod:`gateway.core.pieces`) turned into a
+chat completion (whole or as chunks) and a text completion (whole or as chunks), with
+what the client asked them to carry (:class:`Shape`).  The gRPC edge, the Responses and
+the Messages APIs shape the same pieces in their own modules.
 """
 
 from __future__ import annotations
@@ -14,11 +9,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
-from engines.base import TokenLogprob
-from engines.providers.base import ThinkingPart
 from gateway.core.logprob_shapes import chat_logprobs, completion_logprobs, prompt_logprobs
 from gateway.core.outputs import (
     AssistantMessage,
@@ -29,48 +22,12 @@ from gateway.core.outputs import (
     ChunkDelta,
     Completion,
     CompletionChoice,
-    FunctionCallOut,
     FunctionDeltaOut,
     ToolCallDeltaOut,
-    ToolCallOut,
     Usage,
 )
-
-T = TypeVar("T")
-Pieces = AsyncGenerator["Piece", None]
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """Part of a tool call: the first part of call ``index`` names it; ``arguments``
-    (JSON text) may come in several parts."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A piece of an answer: generated text of sample ``index``, the finish reason once
-    that sample ends, or (last) the usage of the whole answer."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    index: int = 0
-    logprobs: tuple[TokenLogprob, ...] = ()
-    tool_calls: tuple[ToolCallDelta, ...] = ()
-    # on the first piece, where the engine knows them then: the prompt's tokens and how
-    # many were served from the prefix cache (the usage at the end is the answer's total)
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    thinking: tuple[ThinkingPart, ...] = ()  # a provider's thinking blocks, relayed as written
-    stop_sequence: str | None = None  # with finish "stop": the stop string that ended it
-    token_ids: tuple[int, ...] = ()  # the output tokens of this piece (the engine's)
-    prompt_token_ids: tuple[int, ...] | None = None  # on a choice's first, where asked
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first, where asked
+from gateway.core.pieces import Piece, Pieces, ToolCallDelta
+from gateway.core.samples import Sample, collect
 
 
 @dataclass(frozen=True)
@@ -112,125 +69,6 @@ class _Running:
             return None
         prompt, cached = self._prompt.get(index, (0, 0))
         return Usage.of(prompt, self._out.get(index, 0), cached)
-
-
-class _Primed(AsyncGenerator[T, None]):
-    """An async generator whose first item was produced already (``primed``): closing it
-    closes the one underneath, even before that first item was read."""
-
-    def __init__(self, first: T, gen: AsyncGenerator[T, None]) -> None:
-        self._first: list[T] = [first]
-        self._gen = gen
-
-    async def asend(self, value: None) -> T:
-        if self._first:
-            return self._first.pop()
-        return await self._gen.asend(value)
-
-    async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> T:
-        self._first.clear()
-        return await self._gen.athrow(typ, val, tb)
-
-    async def aclose(self) -> None:
-        self._first.clear()
-        await self._gen.aclose()
-
-
-async def primed(gen: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
-    """``gen`` with its first item already produced: errors before it are raised here,
-    before a streamed response has started."""
-    try:
-        first = await anext(gen)
-    except BaseException:
-        await gen.aclose()
-        raise
-    return _Primed(first, gen)
-
-
-@dataclass
-class _Call:
-    """One tool call as its deltas arrive."""
-
-    id: str = ""
-    name: str = ""
-    arguments: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Thought:
-    text: list[str] = field(default_factory=list)
-    signature: list[str] = field(default_factory=list)
-    redacted: str | None = None
-
-    def block(self) -> dict[str, Any]:
-        if self.redacted is not None:
-            return {"type": "redacted_thinking", "data": self.redacted}
-        return {
-            "type": "thinking",
-            "thinking": "".join(self.text),
-            "signature": "".join(self.signature),
-        }
-
-
-@dataclass
-class Sample:
-    """One sample of an answer, as its pieces arrive."""
-
-    text: list[str] = field(default_factory=list)
-    finish_reason: str = "stop"
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    calls: dict[int, _Call] = field(default_factory=dict)
-    thoughts: dict[int, _Thought] = field(default_factory=dict)
-    stop_sequence: str | None = None
-    token_ids: tuple[int, ...] = ()
-    prompt_token_ids: tuple[int, ...] | None = None
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-
-    def add(self, p: Piece) -> None:
-        self.stop_sequence = p.stop_sequence or self.stop_sequence
-        self.text.append(p.text)
-        self.token_ids += p.token_ids
-        if p.prompt_token_ids is not None:
-            self.prompt_token_ids = p.prompt_token_ids
-        if p.prompt_logprobs is not None:
-            self.prompt_logprobs = p.prompt_logprobs
-        self.logprobs += p.logprobs
-        self.finish_reason = p.finish_reason or self.finish_reason
-        for t in p.thinking:
-            thought = self.thoughts.setdefault(t.index, _Thought())
-            thought.text.append(t.text)
-            thought.signature.append(t.signature)
-            thought.redacted = t.redacted if t.redacted is not None else thought.redacted
-        for d in p.tool_calls:
-            call = self.calls.setdefault(d.index, _Call())
-            call.id = d.id or call.id
-            call.name = d.name or call.name
-            call.arguments.append(d.arguments)
-
-    def thinking_blocks(self) -> list[dict[str, Any]]:
-        """The thinking blocks, whole, in order (Anthropic's shape)."""
-        return [t.block() for _, t in sorted(self.thoughts.items())]
-
-    def tool_calls(self) -> list[ToolCallOut] | None:
-        if not self.calls:
-            return None
-        return [
-            ToolCallOut(
-                id=c.id, function=FunctionCallOut(name=c.name, arguments="".join(c.arguments))
-            )
-            for _, c in sorted(self.calls.items())
-        ]
-
-
-async def collect(pieces: Pieces, n: int = 1) -> tuple[list[Sample], Usage]:
-    """The whole answer: each sample's text, finish reason and logprobs, and the usage."""
-    samples = [Sample() for _ in range(n)]
-    usage = Usage.of(0, 0, 0)
-    async with aclosing(pieces):
-        async for p in pieces:
-            samples[p.index].add(p)
-            usage = p.usage or usage
-    return samples, usage
 
 
 def _prompt_extras(shape: Shape, s: Sample | Piece) -> dict[str, Any]:
@@ -399,11 +237,3 @@ async def completion_chunks(
                 yield Completion(id=rid, model=model, choices=[choice], usage=running.now(p.index))
             elif shape.include_usage:
                 yield Completion(id=rid, model=model, choices=[], usage=p.usage)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """An answer under way: its id, and its pieces (the first already produced)."""
-
-    id: str
-    pieces: Pieces

@@ -38,8 +38,8 @@ from typing import Any, Literal, Protocol, TypeVar
 from gateway.core.completion_request import TextPrompt
 from gateway.core.errors import InvalidRequest
 from gateway.core.outputs import Usage
+from gateway.core.pieces import Piece
 from gateway.core.schemas import ChatCompletionRequest
-from gateway.core.shaping import Piece
 from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Placement, Principal, RouteOverride
 from manifest.sessionlog import Header, MessageEvent

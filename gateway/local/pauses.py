@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.core.config import RetentionSettings
-from gateway.core.shaping import Pieces
+from gateway.core.pieces import Pieces
 from gateway.local.retention import BreakpointLeases
 from gateway.local.spans import KVSpans, PinResult
 from manifest.hashing import BlockHash

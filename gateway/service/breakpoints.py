@@ -17,8 +17,8 @@ from contextlib import aclosing
 from typing import Any
 
 from gateway.core.outputs import Usage
+from gateway.core.pieces import Pieces
 from gateway.core.schemas import Breakpoint
-from gateway.core.shaping import Pieces
 from gateway.local.dispatch import Dispatch
 from gateway.local.retention import BreakpointLeases
 from gateway.local.spans import KVSpans

@@ -34,20 +34,12 @@ from gateway.core.outputs import (
     ModelList,
     Usage,
 )
+from gateway.core.pieces import Answer, Pieces, primed
 from gateway.core.schemas import (
     ChatCompletionRequest,
     SamplingFields,
 )
-from gateway.core.shaping import (
-    Answer,
-    Pieces,
-    Shape,
-    chat_chunks,
-    chat_completion,
-    completion,
-    completion_chunks,
-    primed,
-)
+from gateway.core.shaping import Shape, chat_chunks, chat_completion, completion, completion_chunks
 from gateway.core.target import Call, Target
 from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Principal, Routed, RouteOverride, Served

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from engines.base import TokenLogprob
 from gateway.core.completion_request import CompletionRequest
 from gateway.core.outputs import Usage
-from gateway.core.shaping import Piece, Pieces
+from gateway.core.pieces import Piece, Pieces
 
 Prompt = str | list[int]
 

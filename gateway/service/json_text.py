@@ -15,7 +15,7 @@ from contextlib import aclosing
 from typing import Literal
 
 from engines.base import GenerateRequest
-from gateway.core.shaping import Pieces
+from gateway.core.pieces import Pieces
 
 
 def _escape(ch: str) -> str:

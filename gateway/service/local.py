@@ -32,12 +32,12 @@ from engines.vllm.tool_calls import ToolCallParser, known_parser
 from gateway.core.config import LOCAL_TARGET, RetentionSettings
 from gateway.core.errors import APIError, InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import Usage
+from gateway.core.pieces import Piece, Pieces
 from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     SamplingFields,
 )
-from gateway.core.shaping import Piece, Pieces
 from gateway.core.target import Call, Quote, Sent
 from gateway.core.tracing import RequestTrace
 from gateway.core.types import (

@@ -31,7 +31,7 @@ from gateway.core.completion_request import CompletionRequest, TextPrompt
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import APIError, InvalidRequest
 from gateway.core.outputs import Usage
-from gateway.core.shaping import Pieces
+from gateway.core.pieces import Pieces
 from gateway.core.target import Call, Quote, Sent
 from gateway.core.tracing import RequestTrace
 from gateway.core.types import Placement, Principal, RouteOverride, request_salt

@@ -35,8 +35,9 @@ from gateway.core.config import RoutingSettings
 from gateway.core.errors import APIError
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
+from gateway.core.pieces import Pieces, primed
+from gateway.core.samples import Sample
 from gateway.core.schemas import tool_calls_json
-from gateway.core.shaping import Pieces, Sample, primed
 from gateway.core.target import Call, Prepared, Quote, Target
 from gateway.core.types import Served
 from gateway.service.journal import Journal

@@ -37,7 +37,8 @@ from gateway.core.messages_wire import (
     ToolUseOut,
 )
 from gateway.core.outputs import Usage
-from gateway.core.shaping import Piece, Pieces, collect
+from gateway.core.pieces import Piece, Pieces
+from gateway.core.samples import collect
 
 _STOP: dict[str, StopReason] = {
     "stop": "end_turn",

@@ -40,6 +40,7 @@ from gateway.core.messages_wire import (
     ToolUseBlock,
     UnsupportedBlock,
 )
+from gateway.core.pieces import Pieces
 from gateway.core.schemas import (
     Breakpoint,
     ChatCompletionRequest,
@@ -55,7 +56,6 @@ from gateway.core.schemas import (
     ToolCallIn,
     ToolSpec,
 )
-from gateway.core.shaping import Pieces
 from gateway.core.types import Principal, Routed, RouteOverride
 from gateway.service.chat import GatewayService
 from gateway.service.message_answers import stream_events, whole_message

@@ -29,8 +29,8 @@ from engines.providers.errors import ProviderNotFound
 from gateway.core.errors import APIError, InvalidRequest, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
+from gateway.core.pieces import Piece, Pieces, ToolCallDelta
 from gateway.core.schemas import ChatCompletionRequest
-from gateway.core.shaping import Piece, Pieces, ToolCallDelta
 from gateway.core.target import Call, Quote, Sent
 from gateway.providers.path import CallTelemetry, PlannedCall, ProviderPath
 from gateway.providers.targets import ProviderTarget

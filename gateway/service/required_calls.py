@@ -14,7 +14,7 @@ import json
 from typing import Literal
 
 from engines.base import call_id
-from gateway.core.shaping import ToolCallDelta
+from gateway.core.pieces import ToolCallDelta
 from gateway.service.json_text import JsonEscaper, JsonStrings
 
 ITEM_DEPTH = 2  # inside [ { ... } ]: where a call's keys are

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.core.outputs import ChatCompletion, ToolCallOut, Usage
+from gateway.core.pieces import Pieces
 from gateway.core.responses_wire import (
     ArgumentsDelta,
     ArgumentsDone,
@@ -45,7 +46,6 @@ from gateway.core.responses_wire import (
     TextDelta,
     TextDone,
 )
-from gateway.core.shaping import Pieces
 from gateway.service.response_tools import ResponseTools, custom_input
 
 Status = Literal["in_progress", "completed", "incomplete"]

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import ChatCompletion
+from gateway.core.pieces import Answer
 from gateway.core.responses_wire import (
     CustomToolCallItem,
     CustomToolCallOutputItem,
@@ -44,7 +45,6 @@ from gateway.core.schemas import (
     FunctionCallIn,
     ToolCallIn,
 )
-from gateway.core.shaping import Answer
 from gateway.core.types import Principal, Routed, Served
 from gateway.service.response_answers import (
     ResponseStream,

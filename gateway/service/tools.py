@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 from engines.base import Structured, call_id
 from engines.vllm.tool_calls import ParsedCalls
+from gateway.core.pieces import Piece, Pieces, ToolCallDelta
 from gateway.core.schemas import ChatCompletionRequest, NamedToolChoice
-from gateway.core.shaping import Piece, Pieces, ToolCallDelta
 from gateway.service.json_text import JsonEscaper
 from gateway.service.required_calls import RequiredCalls
 from manifest.canonical import canonical_json

@@ -22,8 +22,8 @@ from engines.tokenizer import ChatTokenizer
 from gateway.core.config import ControlSettings
 from gateway.core.errors import Unavailable
 from gateway.core.metrics import Metrics
+from gateway.core.pieces import Piece
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
-from gateway.core.shaping import Piece
 from gateway.core.target import Call, Target
 from gateway.core.types import Principal, Served
 from gateway.local.dispatch import Dispatcher

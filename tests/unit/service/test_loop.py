@@ -17,8 +17,8 @@ from gateway.core.config import RoutingSettings
 from gateway.core.errors import BadGateway, InvalidRequest, Unavailable
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
+from gateway.core.pieces import Piece, Pieces
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
-from gateway.core.shaping import Piece, Pieces
 from gateway.core.target import Call, Quote, Sent
 from gateway.core.types import Principal, Served
 from gateway.service.journal import Journal

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.shaping import ToolCallDelta
+from gateway.core.pieces import ToolCallDelta
 from gateway.service.json_text import JsonEscaper
 from gateway.service.required_calls import RequiredCalls
 from tests.settings import gateway_settings
