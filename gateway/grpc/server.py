@@ -2,7 +2,10 @@
 
 Requests are converted to the HTTP API's pydantic models (so validation is
 identical), handed to :class:`GatewayService` / :class:`CacheService`, and
-answered in proto.  Errors become a status with details: ``BadRequest``
+answered in proto.  A message's ``parts`` (text, images and documents in
+order, their bytes as sent) become chat's content parts, an image's or a
+document's bytes a data URL of exactly those bytes, so the one intake reads
+them as it reads HTTP's.  Errors become a status with details: ``BadRequest``
 naming the field, ``ErrorInfo`` with the error code, ``RetryInfo`` when the
 client should come back.  A cancelled call or an expired deadline cancels
 the handler, which aborts its engine request.
@@ -10,6 +13,7 @@ the handler, which aborts its engine request.
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -23,7 +27,7 @@ from grpc_status import rpc_status
 from pydantic import BaseModel, ValidationError
 
 from gateway.core.completion_request import CompletionRequest
-from gateway.core.errors import APIError, invalid_request_from
+from gateway.core.errors import APIError, InvalidRequest, invalid_request_from
 from gateway.core.outputs import Usage
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.types import Principal, Served
@@ -65,10 +69,40 @@ def _sampling(s: pb.SamplingParams) -> dict[str, Any]:
     return out
 
 
+def _data_url(data: bytes, media_type: str) -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def _part(p: pb.ContentPart, where: str) -> dict[str, Any]:
+    """One content part in chat's shape."""
+    kind = p.WhichOneof("part")
+    if kind == "text":
+        return {"type": "text", "text": p.text}
+    if kind == "image":
+        img = p.image
+        if bool(img.data) == bool(img.url):
+            raise InvalidRequest(f"{where}.image: give data or url, one of them", param=where)
+        url = img.url or _data_url(img.data, img.media_type)
+        return {"type": "image_url", "image_url": {"url": url, "detail": img.detail or None}}
+    if kind == "document":
+        doc = p.document
+        file = {"file_data": _data_url(doc.data, doc.media_type), "filename": doc.filename or None}
+        return {"type": "file", "file": file}
+    raise InvalidRequest(f"{where}: an empty content part", param=where)
+
+
 def _messages(ms: Any) -> list[dict[str, Any]]:
-    return [
-        {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in ms
-    ]
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(ms):
+        content: Any = m.content
+        if m.parts:
+            if m.content:
+                raise InvalidRequest(
+                    f"messages[{i}]: content and parts are exclusive", param=f"messages[{i}]"
+                )
+            content = [_part(p, f"messages[{i}].parts[{j}]") for j, p in enumerate(m.parts)]
+        out.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+    return out
 
 
 def _usage(u: Usage | None, served: Served) -> pb.Usage:
