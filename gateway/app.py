@@ -1,9 +1,14 @@
 """The FastAPI application: thin edges over the service core.
 
-Engines, the KV-cache manager and metrics are created per app in
-``create_app`` and the lifespan; nothing lives at module level.  The
-replicas load in a tracked task so ``/healthz`` answers while the model
-loads, and ``/readyz`` turns ready when every replica is up and probed.
+The one composition root: :func:`create_app` builds every collaborator in
+dependency order (the state bus, the hosted providers, the local replicas'
+set, dispatcher and chat, the session log, the service core, the supervisor)
+and hands each to the constructors of those that use it; nothing is assigned
+onto an object after it is built.  What runs (the state bus, the gRPC server,
+the replicas, the control loops, retention) is started and stopped by
+:func:`lifespan`; nothing lives at module level.  The replicas load in a
+tracked task so ``/healthz`` answers while the model loads, and ``/readyz``
+turns ready when every replica is up and probed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 
@@ -45,18 +51,25 @@ from gateway.http.routes import (
 from gateway.local.dispatch import Dispatcher
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns
+from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
 from gateway.local.retention import BreakpointLeases
 from gateway.local.routing import Router
-from gateway.local.supervisor import Supervisor
+from gateway.local.supervisor import AttachSpans, Supervisor
+from gateway.providers.book import ProviderCacheBook
 from gateway.providers.control import Control
 from gateway.providers.path import ProviderPath
 from gateway.service.auth import KeyRing
 from gateway.service.cache import CacheService
-from gateway.service.chat import GatewayService
+from gateway.service.chat import GatewayService, ServiceParts, chat_targets, text_targets
 from gateway.service.health import Health, StoreProbe
+from gateway.service.journal import Journal
+from gateway.service.limits import RateLimits
+from gateway.service.local import LocalChat
+from gateway.service.local_completions import LocalCompletions
+from gateway.service.loop import ServiceLoop
 from gateway.service.provider_chat import ProviderChat
-from gateway.service.shared_state import share_key_limits, share_provider_state
+from gateway.service.shared_state import control_leads, share_key_limits, share_provider_state
 from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
 from gateway.sessions.reconstruct import Reconstructor
@@ -130,65 +143,137 @@ def _scaled(clock: Callable[[], float], scale: float) -> Callable[[], float]:
     return lambda: start + (clock() - start) * scale
 
 
-def create_app(
-    settings: Settings,
-    built: Sequence[Replica | Engine],
-    provider_clock: Callable[[], float] = time.monotonic,
-    tracing: Tracing | None = None,
-    provider_transport: Transport | None = None,
-) -> FastAPI:
-    """An app over ``built`` replicas (bare engines become replicas without KV events) and,
-    when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``;
-    ``provider_transport``: how requests reach them, aiohttp by default)."""
-    metrics = Metrics(os.environ.get(MULTIPROC_ENV) if settings.workers > 1 else None)
-    tracing = tracing or Tracing(settings.otlp_endpoint)
-    if settings.control.clock_scale != 1.0:  # a load test against a time-scaled emulator
-        provider_clock = _scaled(provider_clock, settings.control.clock_scale)
-    providers = (
-        ProviderPath(settings, metrics, provider_clock, transport=provider_transport)
-        if settings.providers
-        else None
-    )
-    control = Control(settings.control, provider_clock, retention=settings.cache.retention)
-    bus = _state_bus(settings)
-    if providers is not None:
-        providers.control = control
-        share_provider_state(bus, providers, control, settings.control.clock_scale)
-    replicas = [
-        b if isinstance(b, Replica) else Replica(LocationId(f"replica-{i}"), b)
-        for i, b in enumerate(built)
-    ]
+def _store_probes(
+    settings: Settings, session_log: SessionLog | None, bus: StateBus
+) -> list[StoreProbe]:
+    """The shared stores readiness watches: the session log's, the state bus's."""
+    probes = []
+    if session_log is not None:
+        grace = settings.session_log.unavailable_grace_s
+        probes.append(StoreProbe("session_log", lambda: session_log.writer.failing_since, grace))
+    if settings.state.url is not None:
+        probes.append(
+            StoreProbe("state", lambda: bus.failing_since, settings.state.unavailable_grace_s)
+        )
+    return probes
+
+
+def dispatcher(
+    settings: Settings, replicas: ReplicaSet, metrics: Metrics, turns: SessionTurns
+) -> Dispatcher:
+    """The local replicas' dispatcher as ``settings`` configure it; paused sessions'
+    leases (``turns``) give way to live requests."""
     router = Router(settings.cache.routing, settings.cache.load_imbalance, metrics.count_routing)
-    dispatcher = Dispatcher(
+    e = settings.engine
+    return Dispatcher(
         replicas,
         router,
-        None,
         metrics,
-        max_inflight=settings.engine.max_queued_requests,
+        max_inflight=e.max_queued_requests,
         model=settings.model_name,
-        room=settings.engine.admission_room(),
-        slots=settings.engine.max_num_seqs,
-        first_token_guard=settings.engine.first_token_guard,
-        preempt_prefills=settings.engine.preempt_prefills,
+        room=e.admission_room(),
+        slots=e.max_num_seqs,
+        first_token_guard=e.first_token_guard,
+        preempt_prefills=e.preempt_prefills,
         refresh=settings.cache.refresh_predicted,
-        prefill_slots={ENGINE_PRIORITY[p]: n for p, n in settings.engine.prefill_slots.items()},
-    )
-    supervisor = Supervisor(
-        dispatcher,
-        pin_max_share=settings.cache.pin_max_share,
-        default_lease_s=settings.cache.default_lease_s,
-        poll_s=settings.engine.watch_interval_s,
-        backoff_base_s=settings.engine.restart_backoff_s,
-        backoff_cap_s=settings.engine.restart_backoff_cap_s,
-        instance_id=settings.instance_id,
+        prefill_slots={ENGINE_PRIORITY[p]: n for p, n in e.prefill_slots.items()},
+        make_room=turns.make_room,
     )
 
+
+def session_turns(settings: Settings, metrics: Metrics) -> SessionTurns:
+    """Agent sessions: the replica of the last turn, KV leased across tool-call pauses."""
+    return SessionTurns(
+        settings.cache.retention,
+        BreakpointLeases(),
+        count=lambda outcome: metrics.retention.labels(outcome).inc(),
+    )
+
+
+def local_chat(
+    settings: Settings,
+    dispatcher: Dispatcher,
+    turns: SessionTurns,
+    governor: LocalGovernor | None = None,
+) -> LocalChat:
+    """The local replicas as the chat target (``turns``: the dispatcher's too)."""
+    e = settings.engine
+    return LocalChat(
+        dispatcher,
+        turns,
+        BreakpointLeases(),
+        governor,
+        tool_parser=e.tool_parser,
+        trust_chat_template=e.trust_request_chat_template,
+        input_price=settings.routing.local_input_price,
+        max_output_tokens=e.max_output_tokens,
+        ceiling_finish=e.max_output_tokens_finish,
+    )
+
+
+def gateway_service(
+    settings: Settings,
+    local: LocalChat,
+    metrics: Metrics,
+    tracing: Tracing,
+    limits: RateLimits,
+    providers: ProviderChat | None = None,
+    session_log: SessionLog | None = None,
+) -> GatewayService:
+    """The service core over the local chat and the hosted providers: the chat loop and
+    the text loop, one journal over ``session_log``."""
+    completions = LocalCompletions(local)
+    journal = Journal(session_log)
+    loop = ServiceLoop(journal, metrics, chat_targets(local, providers), settings.routing)
+    text_loop = ServiceLoop(journal, metrics, text_targets(completions), settings.routing)
+    local_name = settings.model_name if local.dispatcher.replicas else None
+    targets = Targets(local_name, settings.aliases, list(settings.providers))
+    parts = ServiceParts(
+        local,
+        completions,
+        loop,
+        text_loop,
+        targets,
+        limits,
+        metrics,
+        tracing,
+        providers,
+        session_log,
+    )
+    return GatewayService(parts, settings.model_name)
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """Everything ``create_app`` built, for the lifespan to start and stop."""
+
+    settings: Settings
+    metrics: Metrics
+    tracing: Tracing
+    bus: StateBus
+    dispatcher: Dispatcher
+    supervisor: Supervisor
+    service: GatewayService
+    keyring: KeyRing
+    cache: CacheService
+    providers: ProviderPath | None
+    control: Control
+    governor: LocalGovernor | None
+    session_log: SessionLog | None
+    grpc: list[GrpcServer]  # the gRPC server, while the lifespan runs one
+
+
+def lifespan(g: Gateway) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Start what ``g`` runs (the state bus, the gRPC server, the replicas in a tracked
+    task, the control loops, the session log's retention), and stop it all in order."""
+
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics.watch_engines(dispatcher.replica_stats)
+    async def span(app: FastAPI) -> AsyncIterator[None]:
+        settings, service, supervisor = g.settings, g.service, g.supervisor
+        g.metrics.watch_engines(g.dispatcher.replica_stats)
         grpc_server = None
         if settings.grpc_port is not None:
-            servicer = GatewayServicer(app.state.service, app.state.keyring, app.state.cache)
+            servicer = GatewayServicer(service, g.keyring, g.cache)
             grpc_server = GrpcServer(
                 servicer,
                 settings.host,
@@ -197,18 +282,13 @@ def create_app(
                 reuse_port=settings.workers > 1,
             )
             await grpc_server.start()
+            g.grpc.append(grpc_server)  # the supervisor's changes reach its health now
         app.state.grpc = grpc_server
-
-        async def health_changed() -> None:
-            if grpc_server is not None:
-                await grpc_server.set_serving(app.state.service.ready)
-
-        supervisor.on_change = health_changed
 
         watch = LoopWatch(
             asyncio.get_running_loop(),
-            metrics.loop_lag.observe,
-            lambda generation, s: metrics.gc_pause.labels(str(generation)).observe(s),
+            g.metrics.loop_lag.observe,
+            lambda generation, s: g.metrics.gc_pause.labels(str(generation)).observe(s),
         )
         watch.start()
 
@@ -217,22 +297,22 @@ def create_app(
             with watch.expected():  # one full collection, then the collector skips it all
                 frozen = freeze_startup_heap()
             log.info("froze the startup heap: %d objects out of the collector's passes", frozen)
-            if app.state.service.ready:
+            if service.ready:
                 port = grpc_server.port if grpc_server is not None else None
-                log.info("%s", banner(settings, app.state.service, port))
+                log.info("%s", banner(settings, service, port))
 
-        await bus.start()
+        await g.bus.start()
         starting = asyncio.create_task(boot(), name="engine-start")
         steering = []
-        if providers is not None and control.enabled:
-            warm = app.state.service.warm_provider
-            steering.append(asyncio.create_task(control.run(warm), name="provider-control"))
-        if local_governor is not None:
-            steering.append(asyncio.create_task(local_governor.run(), name="local-governor"))
+        if g.providers is not None and g.control.enabled:
+            warm = service.warm_provider
+            steering.append(asyncio.create_task(g.control.run(warm), name="provider-control"))
+        if g.governor is not None:
+            steering.append(asyncio.create_task(g.governor.run(), name="local-governor"))
         retention = None
-        if session_log is not None and settings.worker_index == 0:  # one worker retains
+        if g.session_log is not None and settings.worker_index == 0:  # one worker retains
             retention = asyncio.create_task(
-                _retain_forever(settings, session_log), name="session-retention"
+                _retain_forever(settings, g.session_log), name="session-retention"
             )
         try:
             yield
@@ -243,80 +323,161 @@ def create_app(
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             if grpc_server is not None:
+                g.grpc.remove(grpc_server)
                 await grpc_server.stop(grace_s=5)
             if not starting.done():
                 starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
             await supervisor.close()
-            app.state.service.close()
-            await bus.close()
+            service.close()
+            await g.bus.close()
             watch.stop()
-            if providers is not None:
-                await providers.close()
-            if session_log is not None:
-                session_log.close()
-            tracing.shutdown()
+            if g.providers is not None:
+                await g.providers.close()
+            if g.session_log is not None:
+                g.session_log.close()
+            g.tracing.shutdown()
 
-    app = FastAPI(title="vcache", version=str(version_info()["version"]), lifespan=lifespan)
-    app.state.settings = settings
-    app.state.bus = bus
-    app.state.metrics = metrics
-    app.state.supervisor = supervisor
-    app.state.keyring = KeyRing(settings.api_keys)
-    app.state.providers = providers
-    app.state.control = control
-    session_log = _session_log(settings, replicas)
-    app.state.session_log = session_log
-    provider_chat = None
-    if providers is not None:
-        provider_chat = ProviderChat(providers, settings.prompt_layout, metrics)
-    app.state.service = GatewayService(
-        dispatcher,
-        model_name=settings.model_name,
-        targets=Targets(
-            settings.model_name if replicas else None, settings.aliases, list(settings.providers)
-        ),
-        providers=provider_chat,
-        metrics=metrics,
-        log=session_log,
-        tool_parser=settings.engine.tool_parser,
-        trust_chat_template=settings.engine.trust_request_chat_template,
-        routing=settings.routing,
-        max_output_tokens=settings.engine.max_output_tokens,
-        ceiling_finish=settings.engine.max_output_tokens_finish,
-        tracing=tracing,
-        turns=SessionTurns(
-            settings.cache.retention,
-            BreakpointLeases(),
-            count=lambda outcome: metrics.retention.labels(outcome).inc(),
-        ),
+    return span
+
+
+def create_app(
+    settings: Settings,
+    built: Sequence[Replica | Engine],
+    provider_clock: Callable[[], float] = time.monotonic,
+    tracing: Tracing | None = None,
+    provider_transport: Transport | None = None,
+    attach_spans: AttachSpans | None = None,
+) -> FastAPI:
+    """An app over ``built`` replicas (bare engines become replicas without KV events) and,
+    when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``;
+    ``provider_transport``: how requests reach them, aiohttp by default).
+    ``attach_spans``: the exact KV spans over the started replicas (by default, those
+    that publish KV events: :meth:`Supervisor.attach_spans`).
+
+    The one composition root: every collaborator is built here, in dependency order, and
+    handed to the constructors of those that use it."""
+    metrics = Metrics(os.environ.get(MULTIPROC_ENV) if settings.workers > 1 else None)
+    tracing = tracing or Tracing(settings.otlp_endpoint)
+    if settings.control.clock_scale != 1.0:  # a load test against a time-scaled emulator
+        provider_clock = _scaled(provider_clock, settings.control.clock_scale)
+    bus = _state_bus(settings)
+
+    # the hosted providers: what this gateway learns goes out on the bus
+    control = Control(
+        settings.control,
+        provider_clock,
+        publish=bus.publish,
+        leads=control_leads(bus),
+        retention=settings.cache.retention,
+        claim=bus.claim,
     )
-    local_governor = None
-    if settings.control.mode == "govern" and replicas:
-        local_governor = LocalGovernor(
-            settings.control, lambda: dispatcher.kv, settings.cache.pin_max_share
+    providers = None
+    if settings.providers:
+        book = ProviderCacheBook(provider_clock, publish=bus.publish)
+        providers = ProviderPath(
+            settings,
+            metrics,
+            provider_clock,
+            transport=provider_transport,
+            book=book,
+            control=control,
         )
-        app.state.service.local.governor = local_governor
-    app.state.local_governor = local_governor
-    svc = app.state.service
-    app.state.cache = CacheService(
-        svc.local, svc.model_name, svc.targets, svc.providers, svc.warm_provider, svc.warm_local
+        share_provider_state(bus, providers, control, settings.control.clock_scale)
+    provider_chat = (
+        ProviderChat(providers, settings.prompt_layout, metrics) if providers is not None else None
     )
-    probes = []
-    if session_log is not None:
-        grace = settings.session_log.unavailable_grace_s
-        probes.append(StoreProbe("session_log", lambda: session_log.writer.failing_since, grace))
-    if settings.state.url is not None:
-        probes.append(
-            StoreProbe("state", lambda: bus.failing_since, settings.state.unavailable_grace_s)
+
+    # the local replicas: one set the supervisor writes and the dispatcher reads
+    replicas = ReplicaSet(
+        [
+            b if isinstance(b, Replica) else Replica(LocationId(f"replica-{i}"), b)
+            for i, b in enumerate(built)
+        ]
+    )
+    turns = session_turns(settings, metrics)
+    local_dispatcher = dispatcher(settings, replicas, metrics, turns)
+    governor = None
+    if settings.control.mode == "govern" and replicas.replicas:
+        governor = LocalGovernor(
+            settings.control, lambda: replicas.kv, settings.cache.pin_max_share
         )
-    app.state.health = Health(supervisor, app.state.service, probes)
-    share_key_limits(bus, app.state.service.limits)
+    local = local_chat(settings, local_dispatcher, turns, governor)
+
+    # the service core, its session log and the key limits (shared on the bus)
+    session_log = _session_log(settings, replicas.replicas)
+    limits = RateLimits(publish=bus.publish)
+    share_key_limits(bus, limits)
+    service = gateway_service(settings, local, metrics, tracing, limits, provider_chat, session_log)
+    cache_ops = CacheService(
+        local,
+        settings.model_name,
+        service.targets,
+        provider_chat,
+        service.warm_provider,
+        service.warm_local,
+    )
+
+    # supervision: readiness changes reach the gRPC server's health while one runs
+    grpc_servers: list[GrpcServer] = []
+
+    async def health_changed() -> None:
+        for server in grpc_servers:
+            await server.set_serving(service.ready)
+
+    supervisor = Supervisor(
+        replicas,
+        local_dispatcher,
+        pin_max_share=settings.cache.pin_max_share,
+        default_lease_s=settings.cache.default_lease_s,
+        on_change=health_changed,
+        poll_s=settings.engine.watch_interval_s,
+        backoff_base_s=settings.engine.restart_backoff_s,
+        backoff_cap_s=settings.engine.restart_backoff_cap_s,
+        instance_id=settings.instance_id,
+        attach_spans=attach_spans,
+    )
+    keyring = KeyRing(settings.api_keys)
+    gateway = Gateway(
+        settings,
+        metrics,
+        tracing,
+        bus,
+        local_dispatcher,
+        supervisor,
+        service,
+        keyring,
+        cache_ops,
+        providers,
+        control,
+        governor,
+        session_log,
+        grpc_servers,
+    )
+
+    # the edges
+    app = FastAPI(
+        title="vcache", version=str(version_info()["version"]), lifespan=lifespan(gateway)
+    )
+    state = app.state  # what the routes read (request.app.state), built above
+    state.settings = settings
+    state.bus = bus
+    state.metrics = metrics
+    state.supervisor = supervisor
+    state.keyring = keyring
+    state.providers = providers
+    state.control = control
+    state.session_log = session_log
+    state.service = service
+    state.local_governor = governor
+    state.cache = cache_ops
+    state.health = Health(supervisor, service, _store_probes(settings, session_log, bus))
+    state.server_load = ServerLoad()
     install_error_handlers(app, metrics)
     install_openapi(app)
-    routers = (health, models, chat, completions, responses, messages, cache, tokenize, sagemaker)
-    for r in (m.router for m in routers):
+    routers = (health, models, chat, completions, responses, messages, cache, tokenize)
+    for r in (m.router for m in (*routers, sagemaker)):
         app.include_router(r)
     app.add_middleware(
         BodyLimitMiddleware,
@@ -324,6 +485,5 @@ def create_app(
         metrics=metrics,
         chunk_timeout_s=settings.http.body_timeout_s,
     )
-    app.state.server_load = ServerLoad()
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, load=app.state.server_load)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, load=state.server_load)
     return app

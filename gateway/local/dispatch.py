@@ -19,7 +19,7 @@ import asyncio
 import time
 import zlib
 from array import array
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
@@ -35,6 +35,7 @@ from gateway.local.fairness import Entry, FairGate, gates
 from gateway.local.preempt import Held, chunks
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.refresh import Refresh
+from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
 from gateway.local.room import MakeRoom, keep_room
 from gateway.local.routing import RouteContext, Router
@@ -84,9 +85,8 @@ class Dispatch:
 class Dispatcher:
     def __init__(
         self,
-        replicas: Sequence[Replica],
+        replicas: ReplicaSet,
         router: Router,
-        kv: KVSpans | None,
         metrics: Metrics,
         max_inflight: int,
         model: str = "local",
@@ -97,10 +97,14 @@ class Dispatcher:
         prefill_slots: dict[int, int] | None = None,
         preempt_prefills: bool = False,
         refresh: bool = False,
+        make_room: MakeRoom | None = None,
     ) -> None:
-        self.replicas = list(replicas)
+        """``replicas``: the set the supervisor starts and restarts (its readiness and
+        the KV spans attached at boot are read from it); ``make_room``: room in a
+        replica's KV for a request before it starts (``SessionTurns.make_room``: paused
+        sessions' leases give way to live requests)."""
+        self.replica_set = replicas
         self.router = router
-        self.kv = kv
         self._metrics = metrics
         self.admission = Admission(max_inflight, room, metrics)  # queue_full, by priority
         self.admit = self.admission.admit
@@ -109,24 +113,28 @@ class Dispatcher:
         self._prefill_wait_s = prefill_wait_s
         # per replica, the requests its engine takes at once, the rest in fair order
         gated = slots is not None or first_token_guard or bool(prefill_slots)
-        shares = {r.id: r.shares for r in self.replicas}
+        shares = {r.id: r.shares for r in replicas.replicas}
         self._gates: dict[LocationId, FairGate] = (
             gates(shares, slots, first_token_guard, prefill_slots, preempt_prefills)
             if gated
             else {}
         )
-        self.started = False  # set once every replica is up (and probed)
-        self.failed: str | None = None  # why the replicas could not start at boot
-        self.retry_after_s: Callable[[], float] = lambda: 5.0  # the supervisor's estimate
-        # room in a replica's KV for a request before it starts: paused sessions' leases
-        # give way (SessionTurns.make_room, set by the local chat service)
-        self.make_room: MakeRoom | None = None
+        self.make_room = make_room
         self._refresh_on = refresh  # predicted blocks touched before the request runs
         self._refresh: Refresh | None = None
 
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.replica_set.replicas
+
+    @property
+    def kv(self) -> KVSpans | None:
+        """The exact KV spans the boot attached (None: none, or not yet)."""
+        return self.replica_set.kv
+
     def serving(self) -> list[Replica]:
         """The replicas that can take a request now (a dead one is being restarted)."""
-        return [r for r in self.replicas if r.engine.ready]
+        return self.replica_set.serving()
 
     def replica_stats(self) -> dict[str, EngineStats]:
         """What each replica's engine holds now (the metrics read it at scrape time)."""
@@ -142,7 +150,7 @@ class Dispatcher:
         return max((n for r, n in predicted.items() if r in serving), default=0)
 
     def replica(self, replica_id: str) -> Replica | None:
-        return next((r for r in self.replicas if r.id == replica_id), None)
+        return self.replica_set.replica(replica_id)
 
     def forced(self, override: RouteOverride | None) -> Replica | None:
         """An admin's forced replica (None: the router chooses); 404 when it is unknown.
@@ -200,7 +208,7 @@ class Dispatcher:
                 raise Unavailable(
                     "the local engine is not running; it is being restarted",
                     code="engine_unavailable",
-                    retry_after_s=self.retry_after_s(),
+                    retry_after_s=self.replica_set.retry_after_s(),
                 )
             ctx = RouteContext(view, affinity, session)
             if lease_blocks is not None and session is None and view is not None:

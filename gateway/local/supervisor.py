@@ -20,6 +20,10 @@ restarted replica is reattached to the KV manager (fresh subscriber, resync,
 probe) before it is ``ready`` again.  Meanwhile requests go to the other
 replicas; with none left, the local target is unavailable (503 with the time
 until the next attempt as ``Retry-After``) and aliases fall back.
+
+What it learns it writes to the :class:`~gateway.local.replica_set.ReplicaSet` it
+is built with (the boot's outcome, each replica's health, a restarted engine); the
+dispatcher and the local chat read the same set.
 """
 
 from __future__ import annotations
@@ -27,30 +31,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Literal, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import cast
 
 from engines.base import Engine
 from gateway.local.dispatch import Dispatcher
+from gateway.local.replica_set import ReplicaHealth, ReplicaSet
+from gateway.local.replicas import Replica
 from gateway.local.spans import CoreControlled, KVSpans
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
 
-ReplicaState = Literal["starting", "ready", "dead", "restarting", "failed"]
 HASH_ALGO = "sha256_cbor"  # what manifest.hashing computes
 PROBE_TEXT = "vcache probe: the manifest must hash blocks exactly as the engine does. "
 
-
-@dataclass
-class ReplicaHealth:
-    state: ReplicaState = "starting"
-    restarts: int = 0  # successful restarts since boot
-    failures: int = 0  # consecutive failed restart attempts
-    last_error: str | None = None
-    next_attempt_at: float | None = None  # monotonic time of the next restart attempt
+# the exact KV spans over the started replicas (None: none publishes KV events)
+AttachSpans = Callable[[Sequence[Replica]], Awaitable[KVSpans | None]]
 
 
 def backoff_s(failures: int, base_s: float, cap_s: float) -> float:
@@ -61,6 +58,7 @@ def backoff_s(failures: int, base_s: float, cap_s: float) -> float:
 class Supervisor:
     def __init__(
         self,
+        replicas: ReplicaSet,
         dispatcher: Dispatcher,
         *,
         pin_max_share: float,
@@ -69,43 +67,49 @@ class Supervisor:
         poll_s: float = 1.0,
         backoff_base_s: float = 1.0,
         backoff_cap_s: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
         instance_id: str = "",
+        attach_spans: AttachSpans | None = None,
     ) -> None:
-        self._dispatcher = dispatcher
-        self._replicas = {r.id: r for r in dispatcher.replicas}
+        """``replicas``: the set it starts, restarts and marks (the dispatcher reads
+        it); ``on_change``: told after each change of the replicas' readiness;
+        ``attach_spans``: the KV spans over the started replicas (by default those that
+        publish KV events, as their capabilities declare: :meth:`attach_spans`)."""
+        self.replicas = replicas
+        self._dispatcher = dispatcher  # its touches under way end before the spans close
         self._kv_args = (pin_max_share, default_lease_s)
         self._instance_id = instance_id  # this gateway's holds on the engines' pins
-        self.on_change = on_change
+        self._on_change = on_change
         self._poll_s = poll_s
         self._backoff = (backoff_base_s, backoff_cap_s)
-        self._clock = clock
-        self.health: dict[LocationId, ReplicaHealth] = {r: ReplicaHealth() for r in self._replicas}
-        self.kv: KVSpans | None = None
+        self._clock = replicas.clock
+        self._attach = attach_spans or self.attach_spans
         self._start_s = 0.0  # the longest engine start seen: how long a restart takes
         self._watch: asyncio.Task[None] | None = None
-        dispatcher.retry_after_s = self.retry_after_s
 
     # ------------------------------------------------------------- view
 
     @property
+    def health(self) -> dict[LocationId, ReplicaHealth]:
+        return self.replicas.health
+
+    @property
+    def kv(self) -> KVSpans | None:
+        return self.replicas.kv
+
+    @property
     def boot_failure(self) -> str | None:
-        """Why the replicas could not start at boot (kept by the dispatcher, which refuses
-        requests with it)."""
-        return self._dispatcher.failed
+        """Why the replicas could not start at boot (the dispatcher refuses requests
+        with it)."""
+        return self.replicas.failed
 
     @property
     def engine_dead(self) -> bool:
         """Every local replica has died after boot (none can serve until one restarts)."""
-        return bool(self.health) and all(
-            h.state in ("dead", "restarting") for h in self.health.values()
-        )
+        return self.replicas.engine_dead
 
     def retry_after_s(self) -> float:
-        """How long until a dead local engine may serve again (at least 1 s): the next
-        restart attempt, or the end of the one under way (as long as a boot start took)."""
-        at = [h.next_attempt_at for h in self.health.values() if h.next_attempt_at is not None]
-        return max(1.0, min(at) - self._clock()) if at else 5.0
+        """How long until a dead local engine may serve again (at least 1 s)."""
+        return self.replicas.retry_after_s()
 
     def report(self) -> dict[str, dict[str, object]]:
         return {
@@ -119,31 +123,27 @@ class Supervisor:
         """Start every replica, attach KV tracking, then watch.  Never raises: a failure
         is recorded in ``boot_failure`` and the replica states."""
         try:
-            n = len(self._replicas)
-            for i, b in enumerate(self._replicas.values(), 1):
+            n = len(self.replicas.replicas)
+            for i, b in enumerate(self.replicas.replicas, 1):
                 log.info("starting replica %s (%d of %d): loading the model", b.id, i, n)
                 t0 = self._clock()
                 await b.engine.start()
                 self._start_s = max(self._start_s, self._clock() - t0)
                 self.health[b.id].state = "ready"
                 log.info("replica %s ready in %.1f s", b.id, self._clock() - t0)
-            self.kv = await self._attach_kv()
-            self._dispatcher.kv = self.kv
-            self._dispatcher.started = True
+            self.replicas.booted(await self._attach(self.replicas.replicas))
         except Exception as exc:
             log.exception("engine failed to start")
-            self._dispatcher.failed = f"{type(exc).__name__}: {exc}"
-            for h in self.health.values():
-                h.state = "failed"
+            self.replicas.boot_failed(f"{type(exc).__name__}: {exc}")
             return
         await self._changed()
         self._watch = asyncio.create_task(self._watch_forever(), name="replica-watch")
 
-    async def _attach_kv(self) -> KVSpans | None:
+    async def attach_spans(self, replicas: Sequence[Replica]) -> KVSpans | None:
         """Exact spans over the replicas that publish KV events, run the vcache plugin and
         hash blocks as the manifest does (their declared capabilities say so)."""
         tracked = []
-        for r in self._replicas.values():
+        for r in replicas:
             caps = r.engine.capabilities
             if r.events_endpoint and caps.span_control and caps.hash_algo == HASH_ALGO:
                 tracked.append(r)
@@ -188,7 +188,7 @@ class Supervisor:
         await self._dispatcher.settle()  # touches under way end before the spans close
         if self.kv is not None:
             await self.kv.close()
-        for r in self._replicas.values():
+        for r in self.replicas.replicas:
             await r.engine.close()
 
     # ------------------------------------------------------------ watch
@@ -200,7 +200,8 @@ class Supervisor:
 
     async def check(self) -> None:
         """One pass: notice replicas that died, restart those whose backoff has passed."""
-        for rid, replica in self._replicas.items():
+        for replica in self.replicas.replicas:
+            rid = replica.id
             h = self.health[rid]
             if h.state == "ready" and not replica.engine.ready:
                 await self._died(rid, h)
@@ -215,13 +216,13 @@ class Supervisor:
         if self.kv is not None and rid in self.kv.replicas:
             self.kv.detach(rid)
         with contextlib.suppress(Exception):
-            await self._replicas[rid].engine.close()
-        if self._replicas[rid].factory is None:
+            await self._replica(rid).engine.close()
+        if self._replica(rid).factory is None:
             h.next_attempt_at = None  # a bare engine: nothing to restart it from
         await self._changed()
 
     async def _restart(self, rid: LocationId, h: ReplicaHealth) -> None:
-        factory = self._replicas[rid].factory
+        factory = self._replica(rid).factory
         assert factory is not None  # dead replicas without one have no next attempt
         h.state = "restarting"
         h.next_attempt_at = self._clock() + self._start_s  # when it should serve again
@@ -239,12 +240,17 @@ class Supervisor:
             h.next_attempt_at = self._clock() + backoff_s(h.failures, *self._backoff)
             log.exception("replica %s: restart failed (attempt %d)", rid, h.failures)
             return
-        self._replicas[rid].engine = engine
+        self.replicas.swap(rid, engine)
         h.state, h.failures, h.next_attempt_at = "ready", 0, None
         h.restarts += 1
         log.info("replica %s: restarted and ready (%d restarts)", rid, h.restarts)
         await self._changed()
 
+    def _replica(self, rid: LocationId) -> Replica:
+        r = self.replicas.replica(rid)
+        assert r is not None  # the supervisor walks its own set
+        return r
+
     async def _changed(self) -> None:
-        if self.on_change is not None:
-            await self.on_change()
+        if self._on_change is not None:
+            await self._on_change()

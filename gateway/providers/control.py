@@ -151,12 +151,17 @@ class Control:
         publish: Publish = no_one,
         leads: Callable[[], bool] = lambda: True,
         retention: RetentionSettings | None = None,
+        claim: Claim | None = None,
     ) -> None:
+        """``publish``: the facts this gateway learns, to the others (the state bus's);
+        ``leads``: whether this gateway sends the heartbeats (holds the bus's
+        ``provider-control`` role); ``claim``: whether it is the first of the gateways to
+        write a cold anchor (the bus's; one gateway alone always is)."""
         self.cfg = cfg
         self.clock = clock
         self.publish = publish
         self.leads = leads
-        self.claim: Claim = _alone  # the first of the gateways to write a cold anchor
+        self.claim: Claim = claim or _alone
         self.fanned: dict[Key, float] = {}  # anchors another gateway wrote, and when
         self.tips = SessionTips(cfg, retention or RetentionSettings(), clock)
         self.anchors: dict[Key, Anchor] = {}

@@ -105,12 +105,16 @@ class ProviderPath:
         clock: Callable[[], float] = time.monotonic,
         client_factory: Callable[..., ProviderClient] = ProviderClient,
         transport: Transport | None = None,
+        book: ProviderCacheBook | None = None,
+        control: Control | None = None,
     ) -> None:
+        """``book``: the belief and ledger (one of its own, publishing to no one, if not
+        given); ``control``: the control loop, when one runs."""
         self.targets = ProviderTargets(settings, client_factory, transport)
         self._metrics = metrics
         self._clock = clock
-        self.book = ProviderCacheBook(clock)
-        self.control: Control | None = None  # the control loop, when one runs
+        self.book = book or ProviderCacheBook(clock)
+        self.control = control
         gemini = settings.providers.get("gemini")
         ttl = gemini.cached_content_ttl_s if gemini is not None else 3600
         self.cached_contents = CachedContents(clock, ttl)

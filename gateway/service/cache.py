@@ -378,7 +378,7 @@ class CacheService:
             raise Unavailable(
                 f"replica '{replica}' is not serving; it is being restarted",
                 code="engine_unavailable",
-                retry_after_s=d.retry_after_s(),
+                retry_after_s=d.replica_set.retry_after_s(),
             )
         return replica
 

@@ -8,6 +8,9 @@ release).  A text completion goes through the same loop over the targets that
 serve text (the local replicas: :mod:`gateway.service.local_completions`),
 one engine request per prompt; so does the local cache warm
 (:meth:`GatewayService.warm_local`).
+The service is built from its parts (:class:`ServiceParts`: the local chat,
+the loops and their journal, the limits), each built once by the composition
+root, ``gateway/app.py``.
 Each path produces answer pieces (:mod:`gateway.core.shaping`); they are
 shaped once into the API's objects.  Streams produce their first piece before
 returning, so every error before the first token (and every fallback) happens
@@ -20,10 +23,11 @@ import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.core.completion_request import CompletionRequest
-from gateway.core.config import LOCAL_TARGET, RoutingSettings
+from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import InvalidRequest, NotFound, RateLimited, Unavailable
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import (
@@ -44,13 +48,11 @@ from gateway.core.target import Call, Target
 from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Principal, Routed, RouteOverride, Served
 from gateway.local.dispatch import Dispatcher
-from gateway.local.pauses import SessionTurns
 from gateway.local.routing import POLICIES
-from gateway.service.journal import Journal
 from gateway.service.limits import Grant, RateLimits
 from gateway.service.local import LocalChat
 from gateway.service.local_completions import LocalCompletions, prompt_calls
-from gateway.service.loop import ServiceLoop
+from gateway.service.loop import Resolve, ServiceLoop
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
@@ -107,46 +109,65 @@ async def _ended(pieces: Pieces, trace: RequestTrace, served: Served) -> Pieces:
         trace.end(error, target=served.target, **(_usage_attrs(usage) if usage else {}))
 
 
-class GatewayService:
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        model_name: str,
-        targets: Targets | None = None,
-        providers: ProviderChat | None = None,
-        metrics: Metrics | None = None,
-        log: SessionLog | None = None,
-        tool_parser: str = "hermes",
-        tracing: Tracing | None = None,
-        limits: RateLimits | None = None,
-        turns: SessionTurns | None = None,
-        trust_chat_template: bool = False,
-        routing: RoutingSettings | None = None,
-        max_output_tokens: int | None = None,
-        ceiling_finish: str = "length",
-    ) -> None:
-        routing = routing or RoutingSettings()
-        self._model = model_name
-        self.limits = limits or RateLimits()
-        self.tracing = tracing or Tracing()
-        self._targets = targets or Targets(model_name, {}, [])
-        self.providers = providers
-        self._metrics = metrics or Metrics()
-        self.log = log
-        self.local = LocalChat(
-            dispatcher,
-            tool_parser,
-            turns,
-            trust_chat_template,
-            routing.local_input_price,
-            max_output_tokens,
-            ceiling_finish,
+def chat_targets(local: LocalChat, providers: ProviderChat | None) -> Resolve:
+    """The target a chat call's loop sends to by name: the local replicas, or the hosted
+    providers (a 503 when none is configured)."""
+
+    def target(name: str) -> Target[Any]:
+        if name == LOCAL_TARGET:
+            return local
+        if providers is None:
+            raise Unavailable("no hosted providers are configured", code="no_providers")
+        return providers
+
+    return target
+
+
+def text_targets(completions: LocalCompletions) -> Resolve:
+    """The target a text completion's loop sends to by name: the local replicas only."""
+
+    def target(name: str) -> Target[Any]:
+        if name == LOCAL_TARGET:
+            return completions
+        raise InvalidRequest(  # the text loop is given the local target only
+            f"{name} does not serve text completions", param="model", code="unsupported_model"
         )
-        self.completions = LocalCompletions(self.local)
-        journal = Journal(log)
-        self.loop = ServiceLoop(journal, self._metrics, self._target, routing)
-        # the same loop over the targets that serve text completions' prompts
-        self.text_loop = ServiceLoop(journal, self._metrics, self._text_target, routing)
+
+    return target
+
+
+@dataclass(frozen=True)
+class ServiceParts:
+    """What the service is built from, each built once by the composition root
+    (``gateway/app.py``): the loops over the chat targets (``loop``, over
+    :func:`chat_targets`) and the text targets (``text_loop``, over
+    :func:`text_targets`) share one journal over ``log``."""
+
+    local: LocalChat
+    completions: LocalCompletions
+    loop: ServiceLoop
+    text_loop: ServiceLoop
+    targets: Targets
+    limits: RateLimits
+    metrics: Metrics
+    tracing: Tracing
+    providers: ProviderChat | None = None
+    log: SessionLog | None = None
+
+
+class GatewayService:
+    def __init__(self, parts: ServiceParts, model_name: str) -> None:
+        self._model = model_name
+        self.local = parts.local
+        self.completions = parts.completions
+        self.loop = parts.loop
+        self.text_loop = parts.text_loop  # the same loop over the targets of text prompts
+        self._targets = parts.targets
+        self.limits = parts.limits
+        self._metrics = parts.metrics
+        self.tracing = parts.tracing
+        self.providers = parts.providers
+        self.log = parts.log
 
     @property
     def targets(self) -> Targets:
@@ -221,20 +242,6 @@ class GatewayService:
         if grant is not None:
             served.limits = grant.headers()
         return grant
-
-    def _target(self, name: str) -> Target[Any]:
-        if name == LOCAL_TARGET:
-            return self.local
-        if self.providers is None:
-            raise Unavailable("no hosted providers are configured", code="no_providers")
-        return self.providers
-
-    def _text_target(self, name: str) -> Target[Any]:
-        if name == LOCAL_TARGET:
-            return self.completions
-        raise InvalidRequest(  # the text loop is given the local target only
-            f"{name} does not serve text completions", param="model", code="unsupported_model"
-        )
 
     def _call(
         self,

@@ -29,7 +29,7 @@ from engines.base import Engine, GenerateRequest, Structured
 from engines.providers.base import effective_effort
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
-from gateway.core.config import LOCAL_TARGET, RetentionSettings
+from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import APIError, InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import Usage
 from gateway.core.pieces import Piece, Pieces
@@ -114,26 +114,30 @@ class LocalChat:
     def __init__(
         self,
         dispatcher: Dispatcher,
+        turns: SessionTurns,
+        leases: BreakpointLeases,
+        governor: LocalGovernor | None = None,
         tool_parser: str = "hermes",
-        turns: SessionTurns | None = None,
         trust_chat_template: bool = False,
         input_price: float = 0.0,
         max_output_tokens: int | None = None,
         ceiling_finish: str = "length",
     ) -> None:
+        """``turns``: agent sessions (the replica of the last turn, KV leased across
+        tool-call pauses; the dispatcher makes room with the same one); ``leases``: the KV
+        blocks through clients' breakpoints; ``governor``: pins anchors worth holding."""
         self.dispatcher = dispatcher
+        self.replicas = dispatcher.replica_set  # readiness: the supervisor writes it
+        self.turns = turns
+        self.leases = leases
+        self.governor = governor
         self.max_output_tokens = max_output_tokens  # the operator's ceiling per answer
         self.ceiling_finish = ceiling_finish  # how an answer the ceiling cut ends
         self.input_price = input_price  # per million uncached prompt tokens (routing)
         self.trust_chat_template = trust_chat_template  # a request's own chat_template
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
-        self.governor: LocalGovernor | None = None  # pins anchors worth holding
         self._prompts = Prompts()  # templates and tokenizers run off the event loop
-        self.leases = BreakpointLeases()  # the KV blocks through clients' breakpoints
-        # agent sessions: the replica of the last turn, KV leased across tool-call pauses
-        self.turns = turns or SessionTurns(RetentionSettings(), self.leases)
-        dispatcher.make_room = self.turns.make_room  # live requests before paused sessions
 
     @property
     def engine(self) -> Engine:
@@ -146,14 +150,14 @@ class LocalChat:
     @property
     def ready(self) -> bool:
         """Started, and (unless provider-only) at least one local replica serving."""
-        d = self.dispatcher
-        return d.started and (not d.replicas or bool(d.serving()))
+        rs = self.replicas
+        return rs.started and (not rs.replicas or bool(rs.serving()))
 
     def check_ready(self) -> None:
-        d = self.dispatcher
-        if d.failed is not None:
+        rs = self.replicas
+        if rs.failed is not None:
             raise Unavailable("the local engine failed to start", code="engine_failed")
-        if not d.started:
+        if not rs.started:
             raise Unavailable(
                 "the engine is still starting", code="engine_starting", retry_after_s=5
             )
@@ -161,7 +165,7 @@ class LocalChat:
             raise Unavailable(
                 "the local engine is not running; it is being restarted",
                 code="engine_unavailable",
-                retry_after_s=d.retry_after_s(),
+                retry_after_s=rs.retry_after_s(),
             )
 
     # ------------------------------------------------------------ tokens

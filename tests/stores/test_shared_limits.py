@@ -29,7 +29,7 @@ def test_requests_and_tokens_per_minute_hold_across_two_gateways(
 
     async def main() -> None:
         buses = [RedisBus(url, f"gw-{i}", prefix) for i in range(2)]
-        limiters = [RateLimits(), RateLimits()]
+        limiters = [RateLimits(publish=bus.publish) for bus in buses]
         for bus, lim in zip(buses, limiters, strict=True):
             share_key_limits(bus, lim)
             await bus.start()

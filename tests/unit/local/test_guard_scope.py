@@ -21,6 +21,7 @@ from gateway.local.fairness import FairGate, Scope
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from manifest.index import LocationId
+from tests.unit.builders import booted
 from tests.unit.waits import until
 
 INTERACTIVE, DEFAULT, BATCH = -1, 0, 1  # vLLM's priorities: lower first
@@ -112,15 +113,13 @@ def _two_replicas(demo_model: Path, shares: str | None) -> tuple[list[str], list
             Replica(LocationId(f"replica-{i}"), e, shares=shares) for i, e in enumerate(engines)
         ]
         dispatcher = Dispatcher(
-            replicas,
+            booted(replicas),
             Router(),
-            None,
             Metrics(),
             max_inflight=8,
             first_token_guard=True,
             preempt_prefills=True,
         )
-        dispatcher.started = True
         firsts: list[str] = []
 
         async def send(greq: GenerateRequest, replica: Replica) -> None:

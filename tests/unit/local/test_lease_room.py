@@ -24,6 +24,7 @@ from gateway.local.routing import KvAware, RouteContext, Router
 from gateway.local.spans import KVSpans
 from manifest.hashing import block_hashes
 from manifest.index import LocationId
+from tests.unit.builders import booted
 from tests.unit.local.fake_core import Clock, FakeCore
 
 R0, R1 = LocationId("replica-0"), LocationId("replica-1")
@@ -122,7 +123,7 @@ def test_the_dispatcher_weighs_the_pin_budget_left_on_each_replica(tmp_path: Pat
         kv.index.apply_stored(R0, hashes[:8])
         await kv.pin(R0, hashes[2:8], "session:t:paused", 60)
         router = Router(count=lambda p, r: decisions.update([(p, r)]))
-        dispatcher = Dispatcher(_replicas(0, 0), router, kv, Metrics(), max_inflight=8)
+        dispatcher = Dispatcher(booted(_replicas(0, 0), kv), router, Metrics(), max_inflight=8)
         prompt = tuple(range(16 * 2)) + tuple(range(5000, 5000 + 16 * 4 + 5))
         greq = GenerateRequest("r", prompt, SamplingOptions(max_tokens=8))
         plain = await dispatcher.route(greq, None)

@@ -27,6 +27,7 @@ from gateway.local.routing import Router
 from gateway.local.spans import KVSpans
 from manifest.hashing import BlockHash, block_hashes
 from manifest.index import LocationId
+from tests.unit.builders import booted
 from tests.unit.local.fake_core import Clock, FakeCore
 from tests.unit.waits import until
 
@@ -188,14 +189,14 @@ def test_the_dispatcher_makes_room_before_the_engine_hears_of_the_request(
         kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)
         kv.attach(R, FakeCore([], capacity=4, num_blocks=TOTAL), f"ipc://{tmp_path}/e", None)
         replica = Replica(R, engine)
-        dispatcher = Dispatcher([replica], Router(), kv, Metrics(), max_inflight=4)
         asked: list[tuple[Any, ...]] = []
 
         async def room(k: KVSpans, r: LocationId, hashes: Sequence[BlockHash], need: int) -> int:
             asked.append((k is kv, r, list(hashes), need, len(engine.received)))
             return 0
 
-        dispatcher.make_room = room
+        replicas = booted([replica], kv)
+        dispatcher = Dispatcher(replicas, Router(), Metrics(), max_inflight=4, make_room=room)
         prompt = tuple(range(1, 41))  # 40 tokens: 2 full blocks of 16, 3 blocks held
         greq = GenerateRequest("r1", prompt, SamplingOptions(max_tokens=20, n=2))
         d = Dispatch(replica, R, None, HASHES[:2])
@@ -224,7 +225,6 @@ def test_a_request_waiting_for_its_first_token_asks_for_room_again(
         kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)
         kv.attach(R, FakeCore([], capacity=4, num_blocks=TOTAL), f"ipc://{tmp_path}/e", None)
         replica = Replica(R, engine)
-        dispatcher = Dispatcher([replica], Router(), kv, Metrics(), max_inflight=4)
         asked = 0
 
         async def room(k: KVSpans, r: LocationId, hashes: Sequence[BlockHash], need: int) -> int:
@@ -232,7 +232,8 @@ def test_a_request_waiting_for_its_first_token_asks_for_room_again(
             asked += 1
             return 0
 
-        dispatcher.make_room = room
+        replicas = booted([replica], kv)
+        dispatcher = Dispatcher(replicas, Router(), Metrics(), max_inflight=4, make_room=room)
         greq = GenerateRequest("r1", tuple(range(1, 41)), SamplingOptions(max_tokens=4))
         d = Dispatch(replica, R, None, HASHES[:2])
         at_first = 0

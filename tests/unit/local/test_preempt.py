@@ -17,6 +17,7 @@ from gateway.local.preempt import MAX_STOPS
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from manifest.index import LocationId
+from tests.unit.builders import booted
 from tests.unit.waits import until
 
 R = LocationId("replica-0")
@@ -57,15 +58,13 @@ def test_a_default_request_stops_batch_prefills_too() -> None:
 
 def _dispatcher(engine: FakeEngine, metrics: Metrics, preempt: bool) -> Dispatcher:
     d = Dispatcher(
-        [Replica(R, engine)],
+        booted([Replica(R, engine)]),
         Router(),
-        None,
         metrics,
         max_inflight=8,
         first_token_guard=True,
         preempt_prefills=preempt,
     )
-    d.started = True
     return d
 
 
@@ -168,9 +167,8 @@ def test_a_client_gone_during_a_stoppable_prefill_leaves_nothing_behind(
         await engine.start()
         metrics = Metrics()
         dispatcher = Dispatcher(
-            [Replica(R, engine)],
+            booted([Replica(R, engine)]),
             Router(),
-            None,
             metrics,
             max_inflight=8,
             slots=1,

@@ -12,11 +12,9 @@ from engines.tokenizer import ChatTokenizer
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.core.types import Principal
-from gateway.local.dispatch import Dispatcher
 from gateway.local.replicas import Replica
-from gateway.local.routing import Router
-from gateway.service.chat import GatewayService
 from manifest.index import LocationId
+from tests.unit.builders import booted, service
 from tests.unit.waits import until
 
 WAITS = 'vcache_fair_queue_waits_total{replica="replica-0"}'
@@ -30,16 +28,8 @@ def _run(demo_model: Path, prefill_slots: dict[int, int] | None) -> str:
         engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), hold=hold)
         await engine.start()
         metrics = Metrics()
-        dispatcher = Dispatcher(
-            [Replica(LocationId("replica-0"), engine)],
-            Router(),
-            None,
-            metrics,
-            max_inflight=4,
-            prefill_slots=prefill_slots,
-        )
-        dispatcher.started = True
-        svc = GatewayService(dispatcher, "vcache-demo")
+        replicas = booted([Replica(LocationId("replica-0"), engine)])
+        svc = service(replicas, metrics, prefill_slots=prefill_slots)
 
         async def ask(text: str) -> str:
             req = ChatCompletionRequest(

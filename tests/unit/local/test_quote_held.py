@@ -15,6 +15,7 @@ from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.spans import KVSpans
 from manifest.index import LocationId
+from tests.unit.builders import booted
 
 A, B = LocationId("replica-0"), LocationId("replica-1")
 PROMPT = list(range(100))  # 6 full blocks of 16, and 4 tokens
@@ -33,7 +34,7 @@ def held() -> Iterator[tuple[Dispatcher, KVSpans, list[_Engine]]]:
     for r in (A, B):
         kv.index.add_location(r)
     replicas = [Replica(r, e, None, None) for r, e in zip((A, B), engines, strict=True)]  # type: ignore[arg-type]
-    yield Dispatcher(replicas, Router(), kv, Metrics(), max_inflight=8), kv, engines
+    yield Dispatcher(booted(replicas, kv), Router(), Metrics(), max_inflight=8), kv, engines
 
 
 def test_the_replica_holding_the_most_of_the_prompt_is_quoted(

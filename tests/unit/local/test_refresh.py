@@ -17,6 +17,7 @@ from gateway.local.routing import Router
 from gateway.local.spans import KVSpans
 from manifest.hashing import block_hashes
 from manifest.index import LocationId
+from tests.unit.builders import booted
 from tests.unit.local.fake_core import FakeCore
 from tests.unit.waits import until
 
@@ -52,15 +53,8 @@ def _run(tmp_path: Path, body: Body, refresh: bool = True, slots: int | None = N
         kv.attach(R, core, f"ipc://{tmp_path}/events", None)
         engine = _Engine(core)
         m = Metrics()
-        d = Dispatcher(
-            [Replica(R, engine)],  # type: ignore[arg-type]
-            Router(),
-            kv,
-            m,
-            max_inflight=8,
-            slots=slots,
-            refresh=refresh,
-        )
+        replicas = booted([Replica(R, engine)], kv)  # type: ignore[arg-type]
+        d = Dispatcher(replicas, Router(), m, max_inflight=8, slots=slots, refresh=refresh)
         try:
             await body(core, engine, d, m)
         finally:

@@ -9,7 +9,7 @@ with details over gRPC), never a 500.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from gateway.app import create_app
 from gateway.core.config import ApiKeyConfig, hash_api_key
 from gateway.grpc.api import gateway_pb2 as pb
 from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
+from gateway.local.replicas import Replica
 from gateway.local.spans import KVSpans
 from manifest.index import LocationId
 from tests.settings import gateway_settings
@@ -53,15 +54,18 @@ class SickCore:
 def sick(demo_model: Path, tmp_path: Path) -> Iterator[tuple[TestClient, SickCore, KVSpans, str]]:
     engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), block_size=16)
     keys = [ApiKeyConfig(sha256=hash_api_key(KEY), tenant="a", name="admin", admin=True)]
-    app = create_app(gateway_settings(api_keys=keys, grpc_port=0), [engine])
     core = SickCore()
+    kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)
+    kv.attach(R, core, f"ipc://{tmp_path}/events", None)
+    kv.state(R).agreement = "exact"  # the probe had agreed before the endpoint went down
+
+    async def attach(replicas: Sequence[Replica]) -> KVSpans:
+        return kv  # the spans the boot attaches to the replica
+
+    settings = gateway_settings(api_keys=keys, grpc_port=0)
+    app = create_app(settings, [engine], attach_spans=attach)
     with TestClient(app) as client:
-        kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)
-        kv.attach(R, core, f"ipc://{tmp_path}/events", None)
-        kv.state(R).agreement = "exact"  # the probe had agreed before the endpoint went down
-        app.state.service.dispatcher.kv = kv
         yield client, core, kv, f"127.0.0.1:{app.state.grpc.port}"
-        client.portal.call(kv.close)  # type: ignore[union-attr]
 
 
 def _chat(client: TestClient) -> Any:

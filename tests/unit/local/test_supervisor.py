@@ -14,6 +14,7 @@ from gateway.app import create_app
 from gateway.core.errors import Unavailable
 from gateway.core.metrics import Metrics
 from gateway.local.dispatch import Dispatcher
+from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.supervisor import Supervisor, backoff_s
@@ -57,17 +58,27 @@ class Factory:
         return e
 
 
-def _setup(tokenizer: ChatTokenizer, n: int) -> tuple[Supervisor, Dispatcher, Factory, Clock]:
+def _setup(
+    tokenizer: ChatTokenizer, n: int, changes: list[bool] | None = None
+) -> tuple[Supervisor, Dispatcher, Factory, Clock]:
+    """``changes``: whether a replica was ready, at each change the supervisor told."""
+    told = changes if changes is not None else []
     factory, clock = Factory(tokenizer), Clock()
     built = [Replica(LocationId(f"replica-{i}"), factory(), factory=factory) for i in range(n)]
-    dispatcher = Dispatcher(built, Router(), None, Metrics(), max_inflight=8)
+    replicas = ReplicaSet(built, clock)
+    dispatcher = Dispatcher(replicas, Router(), Metrics(), max_inflight=8)
+
+    async def changed() -> None:
+        told.append(any(h.state == "ready" for h in replicas.health.values()))
+
     sup = Supervisor(
+        replicas,
         dispatcher,
         pin_max_share=0.5,
         default_lease_s=60,
+        on_change=changed,
         backoff_base_s=2.0,
         backoff_cap_s=8.0,
-        clock=clock,
     )
     return sup, dispatcher, factory, clock
 
@@ -81,13 +92,8 @@ def test_a_dead_replica_is_unrouted_then_restarted_after_backoff(
     tokenizer: ChatTokenizer,
 ) -> None:
     async def scenario() -> None:
-        sup, dispatcher, factory, clock = _setup(tokenizer, 2)
         changes: list[bool] = []
-
-        async def changed() -> None:
-            changes.append(any(h.state == "ready" for h in sup.health.values()))
-
-        sup.on_change = changed
+        sup, dispatcher, factory, clock = _setup(tokenizer, 2, changes)
         await sup.boot()
         assert sup.report()["replica-0"]["state"] == "ready" and changes == [True]
 

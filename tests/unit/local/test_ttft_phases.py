@@ -16,6 +16,7 @@ from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.ttft import PHASES, Stamps
 from manifest.index import LocationId
+from tests.unit.builders import booted
 from tests.unit.waits import until
 
 R = LocationId("replica-0")
@@ -58,7 +59,7 @@ def test_phases_add_up_to_the_ttft_and_each_wait_lands_in_its_own() -> None:
     async def main() -> None:
         engine = _Engine()
         m = Metrics()
-        d = Dispatcher([Replica(R, engine)], Router(), None, m, max_inflight=8, slots=1)  # type: ignore[arg-type]
+        d = Dispatcher(booted([Replica(R, engine)]), Router(), m, max_inflight=8, slots=1)  # type: ignore[arg-type]
         ahead, behind = Totals(), Totals()
         first = asyncio.create_task(_answer(d, "r1", ahead))
         await until(lambda: ahead.phases is not None, "r1 holds the one slot, past its first token")

@@ -10,11 +10,9 @@ from engines.tokenizer import ChatTokenizer
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.core.types import Principal
-from gateway.local.dispatch import Dispatcher
 from gateway.local.replicas import Replica
-from gateway.local.routing import Router
-from gateway.service.chat import GatewayService
 from manifest.index import LocationId
+from tests.unit.builders import booted, service
 
 
 def test_closing_a_stream_aborts_the_engine_request(demo_model: Path) -> None:
@@ -23,11 +21,7 @@ def test_closing_a_stream_aborts_the_engine_request(demo_model: Path) -> None:
         engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), hold=hold)
         await engine.start()
         metrics = Metrics()
-        dispatcher = Dispatcher(
-            [Replica(LocationId("replica-0"), engine)], Router(), None, metrics, max_inflight=4
-        )
-        dispatcher.started = True
-        svc = GatewayService(dispatcher, "vcache-demo")
+        svc = service(booted([Replica(LocationId("replica-0"), engine)]), metrics)
         req = ChatCompletionRequest(
             model="vcache-demo",
             messages=[ChatMessage(role="user", content="hello")],
@@ -40,7 +34,7 @@ def test_closing_a_stream_aborts_the_engine_request(demo_model: Path) -> None:
         await routed.body.aclose()  # the client went away
         assert engine.aborted == [first.id]
         assert engine.stats().unfinished_requests == 0
-        assert dispatcher.replicas[0].inflight == 0
+        assert svc.dispatcher.replicas[0].inflight == 0
         text = metrics.render().decode()
         assert 'vcache_requests_aborted_total{endpoint="chat"} 1.0' in text
 

@@ -29,7 +29,6 @@ from gateway.core.types import Principal, Served
 from gateway.local.dispatch import Dispatcher
 from gateway.local.prefills import Prefill
 from gateway.local.replicas import Replica
-from gateway.local.routing import Router
 from gateway.local.spans import KVSpans
 from gateway.providers.control import Control
 from gateway.providers.path import ProviderPath
@@ -39,6 +38,8 @@ from gateway.service.loop import ServiceLoop
 from gateway.service.provider_chat import ProviderChat
 from manifest.index import LocationId
 from tests.settings import gateway_settings
+from tests.unit import builders
+from tests.unit.builders import booted
 from tests.unit.local.fake_core import FakeCore
 
 R = LocationId("replica-0")
@@ -114,19 +115,17 @@ async def world(demo_model: Path, tmp_path: Path, wait_s: float = WAIT_S) -> Asy
     await engine.start()
     kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)
     kv.attach(R, FakeCore([], capacity=8, num_blocks=64), f"ipc://{tmp_path}/events", None)
-    dispatcher = Dispatcher(
-        [Replica(R, engine)], Router(), kv, metrics, max_inflight=4, prefill_wait_s=wait_s
-    )
-    dispatcher.started = True
-    local = LocalChat(dispatcher)
+    turns = builders.turns(metrics)
+    replicas = booted([Replica(R, engine)], kv)
+    dispatcher = builders.dispatcher(replicas, metrics, turns, prefill_wait_s=wait_s)
+    local = builders.local(dispatcher, turns)
     settings = gateway_settings(
         providers={"anthropic": {"base_url": "http://provider.invalid/v1", "api_key": "k"}},
         control=ControlSettings(mode="govern", fan_wait_s=wait_s),
     )
     clock = Clock()
-    path = ProviderPath(settings, metrics, clock)
     control = Control(settings.control, clock)
-    path.control = control
+    path = ProviderPath(settings, metrics, clock, control=control)
     provider = ProviderChat(path, settings.prompt_layout, metrics)
     journal = SessionLog503()
     w = World(

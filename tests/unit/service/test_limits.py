@@ -15,6 +15,7 @@ from gateway.local.dispatch import Dispatcher
 from gateway.local.routing import Router
 from gateway.service.auth import KeyRing
 from gateway.service.limits import RateLimits, anthropic_headers
+from tests.unit.builders import booted
 
 
 class Clock:
@@ -136,7 +137,7 @@ def test_admission_sheds_batch_first_and_interactive_last() -> None:
         "batch": 128,
     }
     metrics = Metrics()
-    d = Dispatcher([], Router(), None, metrics, max_inflight=10, room=engine.admission_room())
+    d = Dispatcher(booted([]), Router(), metrics, max_inflight=10, room=engine.admission_room())
 
     def room(priority: str) -> int:
         """How many requests in flight a request of ``priority`` is still admitted beside."""

@@ -27,15 +27,14 @@ from gateway.core.schemas import ChatMessage
 from gateway.core.types import Principal
 from gateway.local.dispatch import Dispatcher
 from gateway.local.replicas import Replica
-from gateway.local.routing import Router
 from gateway.local.spans import KVSpans
 from gateway.service.cache import CacheRequest, CacheService, WarmResponse
-from gateway.service.chat import GatewayService
 from gateway.sessions.log import SessionLog
 from gateway.sessions.reconstruct import Reconstructor
 from gateway.sessions.render import vllm_payload
 from gateway.sessions.store import SessionStore
 from manifest.index import LocationId
+from tests.unit.builders import booted, service
 from tests.unit.local.fake_core import FakeCore
 
 MODEL = "vcache-demo"
@@ -80,11 +79,10 @@ async def world(demo_model: Path, tmp_path: Path, **dispatch: Any) -> AsyncItera
         kv.attach(r, BarrierCore([], capacity=8, num_blocks=64), f"ipc://{tmp_path}/{r}", None)
     metrics = Metrics()
     replicas = [Replica(r, e) for r, e in engines.items()]
-    dispatcher = Dispatcher(replicas, Router(), kv, metrics, **{"max_inflight": 4, **dispatch})
-    dispatcher.started = True
     store = SessionStore(tmp_path / "sessions.db")
     log = SessionLog(store, Reconstructor(adapter_for, lambda: tok), verify=True)
-    svc = GatewayService(dispatcher, MODEL, metrics=metrics, log=log)
+    svc = service(booted(replicas, kv), metrics, log, **dispatch)
+    dispatcher = svc.dispatcher
     cache = CacheService(
         svc.local, svc.model_name, svc.targets, svc.providers, svc.warm_provider, svc.warm_local
     )
