@@ -113,3 +113,16 @@ def zipf_fit(counts: list[int]) -> float | None:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def recall_pays(prefix_tokens: int, unit_tokens: int, siblings: int, read_mult: float) -> bool:
+    """§11.0's cost gate on recall by rebuild: replaying a ``prefix_tokens`` prefix (read
+    at ``read_mult`` of the input price) so ``siblings`` units of ``unit_tokens`` each read
+    it from cache pays only when k*u*(1 - r) > P*r.  One 10-token unit under a 30k-token
+    prefix at r = 0.1: 9 < 3000, refused (the 300x loss); the same prefix pays from 334
+    siblings recalled together while it is hot."""
+    if not 0 <= read_mult < 1:
+        raise ValueError("read multiplier must be in [0, 1)")
+    if prefix_tokens < 0 or unit_tokens < 0 or siblings < 0:
+        raise ValueError("token counts and siblings must be >= 0")
+    return siblings * unit_tokens * (1 - read_mult) > prefix_tokens * read_mult
