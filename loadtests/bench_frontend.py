@@ -269,19 +269,36 @@ def _x(v: float | None) -> str:
 # -- the profile ------------------------------------------------------------------------
 
 _LINE = re.compile(r":\d+\)$")
-# where a source path's package starts: site-packages, the stdlib, this repository
-_ROOTS = (r"\(\S*site-packages/", r"\(\S*/lib/python3\.\d+/", r"\(" + re.escape(f"{HERE.parent}/"))
+# where a source path's package starts: site-packages, the stdlib, a checkout of this
+# repository (its packages' names)
+_ROOTS = (
+    re.compile(r"\(\S*site-packages/"),
+    re.compile(r"\(\S*/lib/python3\.\d+/"),
+    re.compile(r"\(\S*?/(?=(?:gateway|engines|manifest|loadtests)/)"),
+)
+_THREAD = "thread ("  # py-spy --threads: each stack's root, "thread (tid): name"
 
 
 def _frame(frame: str) -> str:
     """``func (path:line)`` as ``func (path)``, the path from its package on."""
     name = _LINE.sub(")", frame.strip())
-    for marker in _ROOTS:
-        m = re.search(marker, name)
+    for root in _ROOTS:
+        m = root.search(name)
         if m:
-            name = name[: m.start() + 1] + name[m.end() :]
-            break
+            return name[: m.start() + 1] + name[m.end() :]
     return name
+
+
+def stacks(collapsed: Iterable[str]) -> list[tuple[list[str], int]]:
+    """py-spy's collapsed stacks (``frame;frame;... count`` a line, root first) as frames
+    without line numbers, and counts; lines that are not stacks are skipped."""
+    out = []
+    for line in collapsed:
+        stack, _, count = line.rstrip().rpartition(" ")
+        frames = [_frame(f) for f in stack.split(";") if f]
+        if frames and count.isdigit():
+            out.append((frames, int(count)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -292,58 +309,78 @@ class Cost:
 
 
 def top_costs(collapsed: Iterable[str], n: int = 30) -> tuple[int, list[Cost]]:
-    """From py-spy's collapsed stacks (``frame;frame;... count`` a line, root first): the
-    number of samples and the ``n`` functions with the largest cumulative share."""
+    """The number of samples and the ``n`` functions with the largest cumulative share.
+    Of functions on exactly the same stacks (a chain of callers, each calling only the
+    next: the interpreter's, the server's, a thread's bootstrap) only the innermost is
+    listed; a thread's root (``--threads``) is not a function."""
     total = 0
     cum: Counter[str] = Counter()
     own: Counter[str] = Counter()
-    for line in collapsed:
-        stack, _, count = line.rstrip().rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        k = int(count)
-        frames = [_frame(f) for f in stack.split(";") if f]
+    where: dict[str, set[int]] = {}
+    depth: dict[str, int] = {}
+    for i, (frames, k) in enumerate(stacks(collapsed)):
+        frames = [f for f in frames if not f.startswith(_THREAD)]
         if not frames:
             continue
         total += k
-        for f in set(frames):
-            cum[f] += k
+        for d, f in enumerate(frames):
+            if i not in where.setdefault(f, set()):
+                where[f].add(i)
+                cum[f] += k
+            depth[f] = max(depth.get(f, 0), d)
         own[frames[-1]] += k
     if not total:
         return 0, []
-    ranked = sorted(cum, key=lambda f: (-cum[f], f))[:n]
+    chains: dict[frozenset[int], str] = {}
+    for f in cum:
+        key = frozenset(where[f])
+        if key not in chains or depth[f] > depth[chains[key]]:
+            chains[key] = f
+    ranked = sorted(chains.values(), key=lambda f: (-cum[f], f))[:n]
     return total, [Cost(f, cum[f] / total, own[f] / total) for f in ranked]
 
 
 def own_by_file(collapsed: Iterable[str], n: int = 20) -> list[tuple[str, float]]:
     """The share of the samples on top in each source file, largest first."""
-    total = 0
     files: Counter[str] = Counter()
-    for line in collapsed:
-        stack, _, count = line.rstrip().rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        top = _frame(stack.split(";")[-1])
-        path = top[top.find("(") + 1 : -1] if "(" in top else top
-        files[path] += int(count)
-        total += int(count)
+    for frames, k in stacks(collapsed):
+        top = frames[-1]
+        files[top[top.find("(") + 1 : -1] if "(" in top else top] += k
+    total = sum(files.values())
     return [(f, c / total) for f, c in files.most_common(n)] if total else []
 
 
-def profile_text(name: str, load: str, collapsed: list[str], cpu_us_per_token: float) -> str:
+def by_thread(collapsed: Iterable[str]) -> list[tuple[str, float]]:
+    """The share of the samples in each thread (by name; ``--threads`` stacks), largest
+    first; stacks without a thread root count as ``?``."""
+    threads: Counter[str] = Counter()
+    for frames, k in stacks(collapsed):
+        root = frames[0]
+        threads[root.partition(": ")[2] or "?" if root.startswith(_THREAD) else "?"] += k
+    total = sum(threads.values())
+    return [(t, c / total) for t, c in threads.most_common()] if total else []
+
+
+def profile_text(
+    name: str, load: str, collapsed: list[str], us_per_token: float, ms_per_request: float
+) -> str:
+    """The top functions of one profiled slice, each share also as CPU per output token
+    and per request of that slice; the shares by thread and by file."""
     total, costs = top_costs(collapsed)
     lines = [
-        f"{name}, {load}: {total} samples; {cpu_us_per_token:.0f} µs CPU per output token",
-        f"{'cum %':>6}{'own %':>7}{'cum µs/tok':>11}  function",
+        f"{name}, {load}: {total} samples; frontend CPU {us_per_token:.0f} µs per output "
+        f"token, {ms_per_request:.2f} ms per request",
+        f"{'cum %':>6}{'own %':>7}{'µs/tok':>8}{'ms/req':>8}  function (cumulative)",
     ]
     for c in costs:
         lines.append(
-            f"{c.cumulative * 100:>6.1f}{c.own * 100:>7.1f}"
-            f"{c.cumulative * cpu_us_per_token:>11.1f}  {c.function}"
+            f"{c.cumulative * 100:>6.1f}{c.own * 100:>7.1f}{c.cumulative * us_per_token:>8.1f}"
+            f"{c.cumulative * ms_per_request:>8.2f}  {c.function}"
         )
+    lines.append("by thread:")
+    lines += [f"{share * 100:>6.1f}  {t}" for t, share in by_thread(collapsed)]
     lines.append("own share by file:")
-    for path, share in own_by_file(collapsed):
-        lines.append(f"{share * 100:>6.1f}  {path}")
+    lines += [f"{share * 100:>6.1f}  {path}" for path, share in own_by_file(collapsed)]
     return "\n".join(lines)
 
 
@@ -440,7 +477,7 @@ async def _slice(server: Server, load: Load, ids: range, systems: Sequence[str])
     )
 
 
-def _vllm_cmd(model: Path, port: int, workers: int) -> list[str]:
+def _vllm_cmd(model: Path, port: int, workers: int, kv_bytes: int) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -457,7 +494,7 @@ def _vllm_cmd(model: Path, port: int, workers: int) -> list[str]:
         "2048",
         # the engine as the gateway configures its own: the same KV size and block hashes
         "--kv-cache-memory-bytes",
-        str(KV_BYTES),
+        str(kv_bytes),
         "--prefix-caching-hash-algo",
         "sha256_cbor",
     ]
@@ -466,7 +503,7 @@ def _vllm_cmd(model: Path, port: int, workers: int) -> list[str]:
     return cmd
 
 
-def _vcache_cmd(data_dir: Path, port: int, workers: int) -> list[str]:
+def _vcache_cmd(data_dir: Path, port: int, workers: int, kv_bytes: int) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -482,6 +519,8 @@ def _vcache_cmd(data_dir: Path, port: int, workers: int) -> list[str]:
         str(workers),
         "--workers",
         str(workers),
+        "--kv-cache-bytes",
+        str(kv_bytes),
     ]
 
 
@@ -502,7 +541,7 @@ def _profile(
     """One slice with py-spy sampling the frontend process; its collapsed stacks."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     raw = out / f"pyspy-{server.name}-{load_name}.txt"
-    cmd = [spy, "record", "--pid", str(server.pid), "--rate", "200", "--nonblocking"]
+    cmd = [spy, "record", "--pid", str(server.pid), "--rate", "200", "--nonblocking", "--threads"]
     proc = subprocess.Popen(
         [*cmd, "--format", "raw", "-o", str(raw)],
         stdout=subprocess.DEVNULL,
@@ -515,81 +554,119 @@ def _profile(
     return got, raw.read_text().splitlines() if raw.exists() else []
 
 
+def _room(gib: float) -> None:
+    """Refuse to start another server on a host with less than ``gib`` GiB available (each
+    of them, engine included, takes about 2 GiB and its KV cache)."""
+    free = psutil.virtual_memory().available / (1 << 30)
+    if free < gib:
+        raise SystemExit(f"{free:.1f} GiB available, under --min-free-gib {gib}: no more servers")
+
+
+def _servers(
+    stack: contextlib.ExitStack, args: argparse.Namespace, work: Path, env: dict[str, str]
+) -> list[Server]:
+    """vLLM's server, then one gateway per arm (from ``--checkout``), each up and ready."""
+    data_dir = Path(args.data_dir).resolve()
+    port = free_port()
+    ready = partial(get_ok, f"http://127.0.0.1:{port}/v1/models")
+    _room(args.min_free_gib)
+    cmd = _vllm_cmd(demo_model(data_dir), port, args.workers, args.kv_bytes)
+    proc = stack.enter_context(serving(cmd, ready, work / "vllm.log", env))
+    servers = [Server(VLLM, f"http://127.0.0.1:{port}", proc.pid)]
+    source = args.checkout.resolve()
+    for arm in args.arms.split(","):
+        port = free_port()
+        own = {
+            **env,
+            "PYTHONPATH": str(source),
+            "VCACHE_LOG_LEVEL": "warning",
+            "VCACHE_SESSION_LOG__PATH": str(work / f"{arm}.db"),
+            **ARMS[arm],
+        }
+        ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
+        _room(args.min_free_gib)
+        cmd = _vcache_cmd(data_dir, port, args.workers, args.kv_bytes)
+        log = work / f"vcache-{arm}.log"
+        proc = stack.enter_context(serving(cmd, ready, log, own, cwd=source))
+        name = "vcache" if arm == "defaults" else f"vcache:{arm}"
+        servers.append(Server(name, f"http://127.0.0.1:{port}", proc.pid))
+    return servers
+
+
+def _rounds(servers: list[Server], args: argparse.Namespace, systems: Sequence[str]) -> int:
+    """The warm-up, then ``--rounds`` rounds of a slice of each load on each server;
+    returns the next request id."""
+    loads = args.loads.split(",")
+    n = 1_000_000  # request ids: every question fresh
+    for s in servers:  # not counted: the system prompts cached, every path warm
+        for name in loads:
+            asyncio.run(_slice(s, LOADS[name], range(n, n + args.warmup), systems))
+            n += args.warmup
+    for rnd in range(args.rounds):
+        for name in loads:
+            for s in servers if rnd % 2 == 0 else servers[::-1]:
+                got = asyncio.run(_slice(s, LOADS[name], range(n, n + args.requests), systems))
+                n += args.requests
+                s.slices.setdefault(name, []).append(got)
+                ms = got.cpu_s * 1e3 / max(1, len(got.answers))
+                print(
+                    f"{got.at} round {rnd} {name:<8} {s.name:<22} {ms:6.2f} CPU ms/req "
+                    f"{got.wall_s:5.1f} s, load {got.load_avg[1]:.2f}",
+                    flush=True,
+                )
+    return n
+
+
+def _profiles(
+    servers: list[Server], args: argparse.Namespace, systems: Sequence[str], n: int
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    size = args.profile_requests
+    for name in args.profile_loads.split(","):
+        for s in servers:
+            got, collapsed = _profile(s, name, range(n, n + size), systems, args.out.parent)
+            n += size
+            row = summarize([got])
+            text = profile_text(
+                s.name, name, collapsed, row.cpu_us_per_token, row.cpu_ms_per_request
+            )
+            print(text, flush=True)
+            total, costs = top_costs(collapsed)
+            out[f"{s.name} {name}"] = {
+                "samples": total,
+                "cpu_us_per_token": row.cpu_us_per_token,
+                "cpu_ms_per_request": row.cpu_ms_per_request,
+                "top": [asdict(c) for c in costs],
+                "by_thread": by_thread(collapsed),
+                "own_by_file": own_by_file(collapsed),
+                "text": text,
+            }
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    data_dir = Path(args.data_dir)
-    model = demo_model(data_dir)
     work = Path(tempfile.mkdtemp(prefix="bench-frontend-"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     env["PYTHONPATH"] = str(HERE.parent)
     env["PYTHONHASHSEED"] = "0"
     systems = system_prompts()
-    loads = args.loads.split(",")
-    servers: list[Server] = []
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with contextlib.ExitStack() as stack:
-        port = free_port()
-        ready = partial(get_ok, f"http://127.0.0.1:{port}/v1/models")
-        cmd = _vllm_cmd(model, port, args.workers)
-        proc = stack.enter_context(serving(cmd, ready, work / "vllm.log", env))
-        servers.append(Server(VLLM, f"http://127.0.0.1:{port}", proc.pid))
-        for arm in args.arms.split(","):
-            port = free_port()
-            own = {
-                **env,
-                "VCACHE_LOG_LEVEL": "warning",
-                "VCACHE_SESSION_LOG__PATH": str(work / f"{arm}.db"),
-                **ARMS[arm],
-            }
-            ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
-            cmd = _vcache_cmd(data_dir, port, args.workers)
-            proc = stack.enter_context(serving(cmd, ready, work / f"vcache-{arm}.log", own))
-            name = "vcache" if arm == "defaults" else f"vcache:{arm}"
-            servers.append(Server(name, f"http://127.0.0.1:{port}", proc.pid))
+        servers = _servers(stack, args, work, env)
         print(f"servers up: {', '.join(s.name for s in servers)}; logs in {work}", flush=True)
-        n = 1_000_000  # request ids: every question fresh
-        for s in servers:  # warm-up, not counted: the system prompts cached, paths warm
-            for name in loads:
-                asyncio.run(_slice(s, LOADS[name], range(n, n + args.warmup), systems))
-                n += args.warmup
-        for rnd in range(args.rounds):
-            order = servers if rnd % 2 == 0 else servers[::-1]
-            for name in loads:
-                for s in order:
-                    got = asyncio.run(_slice(s, LOADS[name], range(n, n + args.requests), systems))
-                    n += args.requests
-                    s.slices.setdefault(name, []).append(got)
-                    ms = got.cpu_s * 1e3 / max(1, len(got.answers))
-                    print(
-                        f"{got.at} round {rnd} {name:<8} {s.name:<22} {ms:6.2f} CPU ms/req "
-                        f"{got.wall_s:5.1f} s, load {got.load_avg[1]:.2f}",
-                        flush=True,
-                    )
-        profiles: dict[str, dict[str, Any]] = {}
-        if args.profile:
-            for name in args.profile_loads.split(","):
-                for s in servers:
-                    got, stacks = _profile(
-                        s, name, range(n, n + args.requests), systems, args.out.parent
-                    )
-                    n += args.requests
-                    per_tok = summarize([got]).cpu_us_per_token
-                    text = profile_text(s.name, name, stacks, per_tok)
-                    print(text, flush=True)
-                    total, costs = top_costs(stacks)
-                    profiles[f"{s.name} {name}"] = {
-                        "samples": total,
-                        "cpu_us_per_token": per_tok,
-                        "top": [asdict(c) for c in costs],
-                        "own_by_file": own_by_file(stacks),
-                        "text": text,
-                    }
+        n = _rounds(servers, args, systems)
+        profiles = _profiles(servers, args, systems, n) if args.profile else {}
+    loads = args.loads.split(",")
     rows = {name: {s.name: summarize(s.slices.get(name, [])) for s in servers} for name in loads}
     print(table(rows))
     out: dict[str, Any] = {
         "started": started,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpus": os.cpu_count(),
+        "checkout": str(args.checkout.resolve()),
         "workers": args.workers,
+        "kv_bytes": args.kv_bytes,
         "requests_per_slice": args.requests,
         "rounds": args.rounds,
         "loads": {k: asdict(LOADS[k]) for k in loads},
@@ -608,7 +685,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--requests", type=int, default=48, help="requests per slice")
+    ap.add_argument("--requests", type=int, default=64, help="requests per slice")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=16, help="requests per server and load")
     ap.add_argument("--loads", default="streamed,whole", help=f"of {', '.join(LOADS)}")
@@ -618,6 +695,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="gateway workers = replicas")
     ap.add_argument("--profile", action="store_true", help="py-spy each frontend after")
     ap.add_argument("--profile-loads", default="streamed")
+    ap.add_argument("--profile-requests", type=int, default=192, help="per profiled slice")
+    ap.add_argument(
+        "--checkout",
+        type=Path,
+        default=HERE.parent,
+        help="the source tree the gateways run from (its gRPC stubs generated)",
+    )
+    ap.add_argument(
+        "--kv-bytes", type=int, default=KV_BYTES, help="each engine's KV cache (both servers)"
+    )
+    ap.add_argument("--min-free-gib", type=float, default=4.0, help="to start another server")
     ap.add_argument("--data-dir", default=str(HERE.parent / ".vcache-test-data"))
     ap.add_argument("--out", type=Path, default=Path(".bench/bench_frontend.json"))
     args = ap.parse_args(argv)
@@ -625,8 +713,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown arms: {', '.join(sorted(unknown))}")
     if unknown := (set(args.loads.split(",")) | set(args.profile_loads.split(","))) - set(LOADS):
         ap.error(f"unknown loads: {', '.join(sorted(unknown))}")
+    signal.signal(signal.SIGTERM, _stop)  # the servers are stopped on the way out
     run(args)
     return 0
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from loadtests.bench_frontend import (
     Answer,
     Row,
     Slice,
+    by_thread,
     is_engine,
     own_by_file,
     question,
@@ -96,10 +97,13 @@ def test_top_costs_share_samples_by_function_across_line_numbers() -> None:
     assert total == 100
     by = {c.function: c for c in costs}
     assert by["<module> (asyncio/runners.py)"].cumulative == pytest.approx(1.0)
-    relay = next(c for f, c in by.items() if f.startswith("relay ("))
+    relay = by["relay (gateway/service/chat.py)"]  # its two lines, one function
     assert relay.cumulative == pytest.approx(0.8) and relay.own == pytest.approx(0.3)
     assert by["dumps (orjson/__init__.py)"].own == pytest.approx(0.5)
-    assert costs[0].cumulative >= costs[1].cumulative >= costs[-1].cumulative
+    assert by["select (selectors.py)"].cumulative == pytest.approx(0.2)
+    # _run is on exactly relay's stacks: the chain is listed by its innermost function
+    assert "_run (asyncio/events.py)" not in by
+    assert [c.cumulative for c in costs] == sorted((c.cumulative for c in costs), reverse=True)
     assert top_costs([]) == (0, [])
 
 
@@ -108,6 +112,18 @@ def test_own_by_file_is_the_top_frames_file() -> None:
     assert shares["orjson/__init__.py"] == pytest.approx(0.5)
     assert shares["selectors.py"] == pytest.approx(0.2)
     assert sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_threads_are_stack_roots_and_not_functions() -> None:
+    threaded = [
+        "thread (11): MainThread;run (uvloop/__init__.py:1);relay (gateway/service/chat.py:3) 6",
+        "thread (12): render;Thread.run (threading.py:9);encode (tokenizers/x.py:4) 3",
+        "thread (12): render;Thread.run (threading.py:9) 1",
+    ]
+    assert by_thread(threaded) == [("MainThread", 0.6), ("render", 0.4)]
+    total, costs = top_costs(threaded)
+    assert total == 10 and not any(c.function.startswith("thread") for c in costs)
+    assert by_thread(STACKS[:1]) == [("?", 1.0)]
 
 
 def test_engine_processes_are_not_the_frontends() -> None:
