@@ -81,11 +81,15 @@ from manifest.index import LocationId
 log = logging.getLogger(__name__)
 
 
-def _session_log(settings: Settings, replicas: Sequence[Replica]) -> SessionLog | None:
+def _session_log(
+    settings: Settings, replicas: Sequence[Replica], store: SessionStore | None = None
+) -> SessionLog | None:
+    """The session log over ``store`` (by default the one ``settings.session_log`` names)."""
     cfg = settings.session_log
     if not cfg.enabled:
         return None
-    store = SessionStore(cfg.db_path(settings.data_dir), cfg.fsync, url=cfg.url)
+    if store is None:
+        store = SessionStore(cfg.db_path(settings.data_dir), cfg.fsync, url=cfg.url)
 
     copies = ThreadCopies()  # a rebuild to verify runs on a worker thread: a copy there
 
@@ -349,12 +353,14 @@ def create_app(
     tracing: Tracing | None = None,
     provider_transport: Transport | None = None,
     attach_spans: AttachSpans | None = None,
+    session_store: SessionStore | None = None,
 ) -> FastAPI:
     """An app over ``built`` replicas (bare engines become replicas without KV events) and,
     when ``settings.providers`` names any, the hosted providers (TTLs on ``provider_clock``;
     ``provider_transport``: how requests reach them, aiohttp by default).
     ``attach_spans``: the exact KV spans over the started replicas (by default, those
-    that publish KV events: :meth:`Supervisor.attach_spans`).
+    that publish KV events: :meth:`Supervisor.attach_spans`); ``session_store``: the
+    session log's store (by default the one ``settings.session_log`` names).
 
     The one composition root: every collaborator is built here, in dependency order, and
     handed to the constructors of those that use it."""
@@ -406,7 +412,7 @@ def create_app(
     local = local_chat(settings, local_dispatcher, turns, governor)
 
     # the service core, its session log and the key limits (shared on the bus)
-    session_log = _session_log(settings, replicas.replicas)
+    session_log = _session_log(settings, replicas.replicas, session_store)
     limits = RateLimits(publish=bus.publish)
     share_key_limits(bus, limits)
     service = gateway_service(settings, local, metrics, tracing, limits, provider_chat, session_log)

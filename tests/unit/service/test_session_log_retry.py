@@ -1,9 +1,10 @@
 """The session log answers 503 once, and the client's retry is answered at once.
 
-The whole local path as the gateway composes it (``tests/unit/builders.py``: the
-constructors ``gateway/app.py`` uses): the service core, its loop and journal, the
-session log over a SQLite store, the dispatcher with the exact index (a fake engine
-core) and its default prefill wait, the claim age of 30 s.  The store fails once
+The whole local path as the gateway composes it: the service core, its loop and
+journal, the session log over a SQLite store, the dispatcher with the exact index
+(a fake engine core) and its default prefill wait, the claim age of 30 s; once
+built from the service's parts (``tests/unit/builders.py``: the functions
+``gateway/app.py`` uses), once the app itself over HTTP.  The store fails once
 (its server restarting): the request is refused with 503 ``session_log_unavailable``
 and Retry-After 2, and nothing it could have claimed is left (no prompt registered
 as a running prefill, no admission or in-flight count).  The client's retry, with
@@ -14,14 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 from engines.fake import FakeEngine
 from engines.providers.specs import adapter_for
 from engines.tokenizer import ChatTokenizer
+from gateway.app import create_app
 from gateway.core.errors import Unavailable
 from gateway.core.metrics import Metrics
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
@@ -32,6 +36,7 @@ from gateway.sessions.log import SessionLog
 from gateway.sessions.reconstruct import Reconstructor
 from gateway.sessions.store import SessionStore
 from manifest.index import LocationId
+from tests.settings import gateway_settings
 from tests.unit.builders import booted, service
 from tests.unit.local.fake_core import FakeCore
 
@@ -104,3 +109,35 @@ def test_a_session_log_503_leaves_no_claim_and_the_retry_does_not_wait(
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_over_http_the_503_says_retry_after_2_and_the_retry_is_answered_at_once(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    engine = FakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), max_model_len=2048)
+    kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60)
+    kv.attach(R, FakeCore([], capacity=8, num_blocks=64), f"ipc://{tmp_path}/events", None)
+
+    async def attach(replicas: Sequence[Replica]) -> KVSpans:
+        return kv  # the exact spans the boot attaches to the replica
+
+    store = FailsOnce(tmp_path / "sessions.db")
+    app = create_app(gateway_settings(), [engine], attach_spans=attach, session_store=store)
+    body = _request().model_dump(exclude_none=True)
+    with TestClient(app) as client:
+        refused = client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "2"
+        assert refused.json()["error"]["code"] == "session_log_unavailable"
+        d = app.state.service.dispatcher
+        assert len(d.prefills) == 0 and d.admission.inflight == 0
+        assert engine.received == []
+
+        start = time.monotonic()  # the client's retry
+        answered = client.post("/v1/chat/completions", json=body)
+        took = time.monotonic() - start
+        assert answered.status_code == 200, answered.text
+        assert took < CLAIM_AGE_S / 6, took
+        assert answered.headers["x-vcache-replica"] == R
+        assert answered.headers["x-vcache-session-kind"] == "new"  # in the log
+        assert len(d.prefills) == 0 and len(engine.received) == 1
