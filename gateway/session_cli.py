@@ -12,6 +12,7 @@ from gateway.core.config import Settings
 from gateway.sessions.log import SessionLog
 from gateway.sessions.reconstruct import Reconstructor, sha256
 from gateway.sessions.store import SessionStore
+from manifest.attachments import AttachmentMismatch
 
 
 def _store(settings: Settings, db: Path | None) -> SessionStore:
@@ -36,7 +37,10 @@ def list_sessions(settings: Settings, db: Path | None, limit: int) -> int:
 
 
 def replay(settings: Settings, db: Path | None, request_id: str, quiet: bool) -> int:
-    """Print the request rebuilt from the log and its sha256; 1 when it does not match."""
+    """Print the request rebuilt from the log and its sha256; 1 when it does not match,
+    or when an image or document it references is missing from the attachments store or
+    is not the object the log names (the error names its digest: nothing is rebuilt from
+    other bytes)."""
     store = _store(settings, db)
     row = store.request(request_id)
     if row is None:
@@ -49,7 +53,13 @@ def replay(settings: Settings, db: Path | None, request_id: str, quiet: bool) ->
         return ChatTokenizer.from_pretrained(resolve_model(settings))
 
     log = SessionLog(store, Reconstructor(adapter_for, tokenizer), verify=False)
-    event, data = log.rebuild(row.session_id, row.seq)
+    try:
+        event, data = log.rebuild(row.session_id, row.seq)
+    except AttachmentMismatch as exc:
+        print(f"request  {request_id}  session {row.session_id}  target {row.target}")
+        print(f"MISMATCH: the request does not rebuild: {exc}", file=sys.stderr)
+        store.close()
+        return 1
     digest = sha256(data)
     if not quiet:
         sys.stdout.write(data.decode(errors="replace") + "\n")

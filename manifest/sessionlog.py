@@ -7,7 +7,10 @@ A session is a sequence of events:
   the call config; reason ``initial``, ``resume`` or ``change``.  Empty
   values are canonicalized to absent, so ``[]``, ``{}``, ``""`` and ``None``
   never make two snapshots differ.
-- :class:`MessageEvent` — one conversation entry after the system prompt.  A text
+- :class:`MessageEvent` — one conversation entry after the system prompt; one that
+  carries images or documents keeps its content in order as ``parts`` (text, and a
+  reference to each attachment by digest with its recorded metadata: never the
+  bytes, which live in the attachments store, :mod:`manifest.attachments`).  A text
   completion's prompt (one engine request of ``/v1/completions``, or a cache warm
   named by a prompt) is the one entry of its conversation: role ``prompt`` (its
   text) or ``prompt_tokens`` (its token ids, as canonical JSON), see
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
+from manifest.attachments import AttachmentRef
 from manifest.canonical import canonical_json
 
 BLOB_MIN_BYTES = 256  # shorter strings (ids, digests, short turns) stay inline
@@ -115,11 +119,27 @@ class MessageEvent:
     # a message's own output control (Anthropic's per-turn ``output_config``), as
     # canonical JSON: in effect from this message on
     control: str | None = None
+    # a message that carries images or documents: its content in order (text parts and
+    # attachment references, :func:`parts_json`), as canonical JSON; ``content`` is then
+    # its text alone
+    parts: str | None = None
 
     def key(self) -> tuple[str | None, ...]:
         """What identifies the message in a conversation (messages without tool calls,
-        thinking or tool changes keep the shorter keys they always had, so their digests
-        do not change)."""
+        thinking, tool changes or attachments keep the shorter keys they always had, so
+        their digests do not change)."""
+        if self.parts is not None:
+            return (
+                self.role,
+                self.content,
+                self.name,
+                self.tool_calls,
+                self.tool_call_id,
+                self.thinking,
+                self.tool_changes,
+                self.control,
+                self.parts,
+            )
         if self.tool_changes is not None or self.control is not None:
             return (
                 self.role,
@@ -143,6 +163,54 @@ class MessageEvent:
         if self.tool_calls is None and self.tool_call_id is None:
             return (self.role, self.content, self.name)
         return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id)
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """An attachment where it sits in a message: the stored object's reference, an
+    image's OpenAI ``detail`` and a document's title (file name), as sent."""
+
+    ref: AttachmentRef
+    detail: str | None = None
+    title: str | None = None
+
+
+def parts_json(parts: Sequence[str | PartRef]) -> str:
+    """A message's content in order as the log keeps it (canonical JSON): each text as
+    ``{"type": "text", "text"}``, each attachment as ``{"type": "image" | "document",
+    digest, media_type, size, width?, height?, detail?, title?}``."""
+    out: list[dict[str, Any]] = []
+    for p in parts:
+        if isinstance(p, str):
+            out.append({"type": "text", "text": p})
+            continue
+        d: dict[str, Any] = {"type": p.ref.kind, **p.ref.as_json()}
+        if p.detail is not None:
+            d["detail"] = p.detail
+        if p.title is not None:
+            d["title"] = p.title
+        out.append(d)
+    return canonical_json(out).decode()
+
+
+def parts_of(m: MessageEvent) -> tuple[str | PartRef, ...]:
+    """The content in order that :func:`parts_json` wrote into ``m.parts`` (() when the
+    message carries no attachment); a ValueError for a part it never writes."""
+    if m.parts is None:
+        return ()
+    out: list[str | PartRef] = []
+    for d in json.loads(m.parts):
+        kind = d.get("type")
+        if kind == "text":
+            out.append(str(d["text"]))
+        elif kind in ("image", "document"):
+            ref = AttachmentRef.from_json(d)
+            if ref.kind != kind:
+                raise ValueError(f"a {kind} part naming a {ref.media_type} object")
+            out.append(PartRef(ref, d.get("detail"), d.get("title")))
+        else:
+            raise ValueError(f"a message part of type {kind!r}")
+    return tuple(out)
 
 
 PROMPT_TEXT = "prompt"  # a text completion's prompt, as text
@@ -208,6 +276,16 @@ class ResponseEvent:
 
 
 Event = HeaderEvent | MessageEvent | ReplaceEvent | TruncateEvent | DispatchEvent | ResponseEvent
+
+
+def attachment_digests(events: Iterable[Event]) -> set[str]:
+    """The digests of the attachment objects ``events`` reference (what retention keeps)."""
+    out: set[str] = set()
+    for e in events:
+        m = e.message if isinstance(e, ReplaceEvent) else e
+        if isinstance(m, MessageEvent) and m.parts is not None:
+            out.update(p.ref.digest for p in parts_of(m) if isinstance(p, PartRef))
+    return out
 
 
 @dataclass(frozen=True)
@@ -310,6 +388,8 @@ def _as_dict(event: Event) -> dict[str, Any]:
             out["tool_changes"] = event.tool_changes
         if event.control is not None:
             out["control"] = event.control
+        if event.parts is not None:
+            out["parts"] = event.parts
         return out
     if isinstance(event, ReplaceEvent):
         m = event.message
@@ -364,6 +444,7 @@ def _message(d: dict[str, Any]) -> MessageEvent:
         thinking=d.get("thinking"),
         tool_changes=d.get("tool_changes"),
         control=d.get("control"),
+        parts=d.get("parts"),
     )
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "LOCAL_TARGET",
     "PRIORITIES",
     "ApiKeyConfig",
+    "AttachmentSettings",
     "CacheSettings",
     "ControlSettings",
     "EngineSettings",
@@ -108,6 +109,25 @@ class SessionLogSettings(BaseModel):
 
     def db_path(self, data_dir: Path) -> Path:
         return self.path or data_dir / "sessions.db"
+
+
+class AttachmentSettings(BaseModel):
+    """Images and documents in requests (OpenAI's image_url and file parts; the Messages
+    and Responses APIs' images arrive in those shapes): what intake takes, each refused
+    by name (400 or 413) beyond these bounds; stored by digest beside the session log."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # hosts an http(s) image URL may be fetched from (exact names, or host:port); none:
+    # URLs are refused, data URLs only
+    fetch_hosts: list[str] = Field(default_factory=list)
+    fetch_timeout_s: float = Field(10.0, gt=0)  # the whole fetch of one URL, else a 400
+    max_bytes: int = Field(20 << 20, ge=1024)  # one image's or document's bytes, else 413
+    max_count: int = Field(100, ge=1)  # images and documents in one request, else 400
+    max_total_bytes: int = Field(64 << 20, ge=1024)  # all of a request's, else 413
+    # decoded pixels (width * height) of one image, checked before it is decoded
+    # (decompression bombs), else 400
+    max_pixels: int = Field(8000 * 8000, ge=1)
 
 
 class StateSettings(BaseModel):
@@ -190,6 +210,7 @@ class Settings(BaseSettings):
     # passthrough sends them where they are
     prompt_layout: Literal["canonical", "passthrough"] = "canonical"
     session_log: SessionLogSettings = Field(default_factory=SessionLogSettings)
+    attachments: AttachmentSettings = Field(default_factory=AttachmentSettings)
     state: StateSettings = Field(default_factory=StateSettings)
     max_request_body_bytes: int = Field(4 << 20, ge=1024)  # a larger body is a 413
     http: HttpSettings = Field(default_factory=HttpSettings)

@@ -8,6 +8,7 @@ Output models allow extra fields and are never built as raw dicts.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -25,6 +26,7 @@ from pydantic_core import PydanticCustomError
 from gateway.core.chat_shaping import ChatShaping
 from gateway.core.errors import InvalidRequest
 from gateway.core.vllm_params import VllmSampling
+from manifest.attachments import Attachment
 from manifest.canonical import canonical_json
 
 # ---------------------------------------------------------------- requests
@@ -93,7 +95,22 @@ class ImageUrl(BaseModel):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImageUrlPart(BaseModel):
+class _Attaching(BaseModel):
+    """A content part that carries an image or a document: intake
+    (gateway/service/attachment_intake.py) decodes or fetches it, checks it and stores
+    it, then sets :attr:`attachment` (never read from the wire)."""
+
+    _attachment: Attachment | None = PrivateAttr(default=None)
+
+    @property
+    def attachment(self) -> Attachment | None:
+        return self._attachment
+
+    def with_attachment(self, attachment: Attachment) -> None:
+        self._attachment = attachment
+
+
+class ImageUrlPart(_Attaching):
     """An image in a chat message (OpenAI's ``image_url`` part); the Messages and
     Responses APIs' images arrive here in this shape too."""
 
@@ -107,7 +124,7 @@ class FileData(BaseModel):
     file_id: str | None = None  # refused by name: there is no files API
 
 
-class FilePart(BaseModel):
+class FilePart(_Attaching):
     """A document in a chat message (OpenAI's ``file`` part)."""
 
     type: Literal["file"]
@@ -152,16 +169,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool's result: which call it answers
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        """Images and documents are refused by name until attachments are served."""
-        if isinstance(v, list):
-            for p in v:
-                if not isinstance(p, TextPart):
-                    raise ValueError(f"content parts of type '{p.type}' are not supported")
-        return v
 
     def tool_calls_json(self) -> str | None:
         """The tool calls as canonical JSON (how the session log keeps them)."""
@@ -471,6 +478,15 @@ class ChatCompletionRequest(SamplingFields, ChatShaping):
     def with_hints(self, hints: EdgeHints) -> ChatCompletionRequest:
         self._hints = hints
         return self
+
+    def attachment_parts(self) -> Iterator[tuple[str, ImageUrlPart | FilePart]]:
+        """Each image and document part of the messages, in order, with its name in the
+        request (``messages[2].content[1]``)."""
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                for j, p in enumerate(m.content):
+                    if not isinstance(p, TextPart):
+                        yield f"messages[{i}].content[{j}]", p
 
     def top_logprobs_asked(self) -> int | None:
         """How many alternatives per token the client wants (None: no logprobs)."""

@@ -2,6 +2,9 @@
 chats (OpenAI's, the Responses and Messages APIs, batches, a provider's warm), text
 completions and the local cache warm.
 
+First, intake (:mod:`gateway.service.attachment_intake`): the images and
+documents a chat carries are decoded or fetched, bounded, checked and stored,
+before anything is quoted or prepared (nothing to do for a text-only call).
 For each target of the request's model, cheapest first (each quotes what the
 prompt would cost there; :func:`by_cost`), else in alias order: admit,
 prepare (decide and render; nothing claimed, nothing sent), journal what
@@ -14,7 +17,9 @@ through journal, acquire, send, settle and release on its own; their
 answers are joined into the request's.  A target that fails before the
 first token (unavailable, overloaded, a context too small, a provider that
 still fails after its retries) gives way to the next, and
-``served.fallback_from`` says so.  What a target acquired is released in
+``served.fallback_from`` says so.  A call with images or documents goes only
+to the targets that see (:func:`~gateway.service.targets.seeing`): the rest
+are not quoted nor tried.  What a target acquired is released in
 one ``finally`` (:meth:`ServiceLoop._sent`) on every path: the answer, an
 error, a fallback, a journal that failed (503 ``session_log_unavailable``),
 a client that left; so a client's retry never waits on a claim whose
@@ -31,17 +36,18 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
-from gateway.core.config import RoutingSettings
+from gateway.core.config import AttachmentSettings, RoutingSettings
 from gateway.core.errors import APIError
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.pieces import Pieces, primed
 from gateway.core.samples import Sample
-from gateway.core.schemas import tool_calls_json
+from gateway.core.schemas import ChatCompletionRequest, tool_calls_json
 from gateway.core.target import Call, Prepared, Quote, Target
 from gateway.core.types import Served
+from gateway.service.attachment_intake import AttachmentIntake
 from gateway.service.journal import Journal
-from gateway.service.targets import by_cost, can_fall_back
+from gateway.service.targets import by_cost, can_fall_back, seeing, sees
 from manifest.canonical import canonical_json
 
 log = logging.getLogger(__name__)
@@ -57,11 +63,19 @@ class ServiceLoop:
         metrics: Metrics,
         resolve: Resolve,
         routing: RoutingSettings | None = None,
+        can_see: Callable[[str], bool] = sees,
+        intake: AttachmentIntake | None = None,
     ) -> None:
+        """``intake``: by default, the default bounds over the journal's log's store."""
         self.journal = journal
         self._metrics = metrics
         self._resolve = resolve  # a target name → the Target that serves it
         self.routing = routing or RoutingSettings()
+        self._sees = can_see  # a target name → whether it takes images and documents
+        if intake is None:
+            store = journal.log.store.attachments if journal.log is not None else None
+            intake = AttachmentIntake(AttachmentSettings(), store)
+        self.intake = intake
 
     async def order(
         self, names: Sequence[str], call: Call, served: Served
@@ -112,6 +126,8 @@ class ServiceLoop:
         text completion's prompts, each with a request id of its own), their answers
         joined by ``join``; the request id is the first call's.  Several calls are not
         quoted: they go in alias order."""
+        names = seeing(names, calls[0], self._sees)
+        await self._take(calls)
         order = await self.order(names, calls[0], served) if len(calls) == 1 else None
         tried = order or [(n, None) for n in names]
         for i, (name, quote) in enumerate(tried):
@@ -152,6 +168,8 @@ class ServiceLoop:
         journaled, acquired, sent, settled and released on its own (:meth:`_sent`), their
         answers joined by ``join`` (one call: its answer).  ``served`` says where the first
         went; ``quote``, the first's (one call only)."""
+        seeing([name], calls[0], self._sees)  # a target that cannot see refuses by name
+        await self._take(calls)  # done already when the call came through first_answer
         target = self._resolve(name)
         with target.admission(calls[0]):
             prepared: list[Prepared] = []
@@ -173,6 +191,14 @@ class ServiceLoop:
                     if placed is not None and not placed.is_set():
                         await placed.wait()
                     yield piece
+
+    async def _take(self, calls: Sequence[Call]) -> None:
+        """Intake of the chats' images and documents (a text-only call: nothing)."""
+        for c in calls:
+            req = c.request
+            if isinstance(req, ChatCompletionRequest) and next(req.attachment_parts(), None):
+                with c.trace.step("intake"):
+                    await self.intake.take(req)
 
     async def _sent(
         self,

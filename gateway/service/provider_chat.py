@@ -38,6 +38,7 @@ from gateway.sessions.render import (
     SystemLayouts,
     directives_of,
     provider_call,
+    request_attachments,
     request_config,
     request_parts,
 )
@@ -170,7 +171,7 @@ class ProviderChat:
         system, turns = request_parts(req)
         config = request_config(req, self.layout)
         header = Header.make(req.model, name, system, req.tool_dicts(), config)
-        chat, lint = provider_call(header, turns, self.layouts)
+        chat, lint = provider_call(header, turns, self.layouts, request_attachments(req))
         return header, turns, chat, lint
 
     async def quote(self, name: str, call: Call) -> Quote | None:

@@ -8,15 +8,23 @@ request moves to the next target when the current one is unavailable or
 overloaded, the prompt exceeds its context, or a provider still fails after
 its retries; never for the client's own mistakes, and a streamed answer only
 before its first token.
+
+A call that carries images or documents goes only to targets that see
+(:func:`sees`: not the local model, until it can; a provider as its spec says,
+so not DeepSeek): the others are neither quoted nor tried, and a call no
+target of its model can see is a 400 naming the first image
+(:func:`seeing`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from engines.providers import specs
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import APIError, InvalidRequest, NotFound, RateLimited, Unavailable
-from gateway.core.target import Quote
+from gateway.core.schemas import ChatCompletionRequest
+from gateway.core.target import Call, Quote
 
 
 class Targets:
@@ -68,3 +76,38 @@ def by_cost(names: Sequence[str], quotes: Sequence[Quote], margin: float) -> lis
         order.append(names[pick])
         left.remove(pick)
     return order
+
+
+def sees(name: str) -> bool:
+    """Whether target ``name`` takes images and documents: the local model does not yet
+    (a later issue); a provider as its spec says."""
+    if name == LOCAL_TARGET:
+        return False
+    provider = name.partition("/")[0]
+    return provider in specs.PROVIDERS and specs.sees(provider)
+
+
+def shown(call: Call) -> str | None:
+    """The name of the first image or document ``call`` carries (None: text only)."""
+    req = call.request
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    return next((where for where, _ in req.attachment_parts()), None)
+
+
+def seeing(names: Sequence[str], call: Call, can_see: Callable[[str], bool] = sees) -> list[str]:
+    """Of ``names``, those that can serve ``call``: all of them for a text-only call; for
+    one with images or documents, those that see (a 400 naming the first when none)."""
+    where = shown(call)
+    if where is None:
+        return list(names)
+    kept = [n for n in names if can_see(n)]
+    if kept:
+        return kept
+    blind = ", ".join("the local model" if n == LOCAL_TARGET else n for n in names)
+    raise InvalidRequest(
+        f"{where}: images and documents are not supported by {blind} (the targets of "
+        f"'{call.request.model}')",
+        param=where,
+        code="unsupported_on_target",
+    )

@@ -15,6 +15,11 @@ it, in arrival order, committing the appends of the requests waiting at once
 in one transaction; a request goes on only after the commit that holds its
 events.  Being the only writer, it also keeps concurrent forks of a
 conversation from interleaving inside one session.
+
+Images and documents are rebuilt from the store's attachments
+(``store.attachments``, stored by intake before the dispatch is journaled);
+one missing or corrupt fails the verify with :class:`AttachmentUnreadable`
+(a 500 naming ``sha256:<digest>``), never a rebuild from other bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from gateway.core.errors import APIError, NotFound, Unavailable
 from gateway.sessions.reconstruct import Reconstructor, sha256
 from gateway.sessions.store import SessionStore
 from gateway.sessions.writer import Writer
+from manifest.attachments import AttachmentMismatch
 from manifest.belief import first_difference
 from manifest.canonical import canonical_json
 from manifest.sessionlog import (
@@ -58,6 +64,14 @@ log = logging.getLogger(__name__)
 
 
 class ReconstructionMismatch(APIError):
+    status = 500
+    type = "server_error"
+
+
+class AttachmentUnreadable(APIError):
+    """An attachment object a request references is missing from the store or is not
+    the object its reference names: the request is not rebuilt, so not sent."""
+
     status = 500
     type = "server_error"
 
@@ -237,15 +251,25 @@ class SessionLog:
                 await asyncio.to_thread(self._verify, sid, seqs[-1], event, sent)
 
     def rebuild(self, session_id: str, dispatch_seq: int) -> tuple[DispatchEvent, bytes]:
-        """The request a dispatch event sent, rebuilt from the store alone."""
+        """The request a dispatch event sent, rebuilt from the store alone (its
+        attachments read back verified: AttachmentMismatch names one that is not)."""
         events = self.store.events(session_id, dispatch_seq)
         seq, last = events[-1]
         if seq != dispatch_seq or not isinstance(last, DispatchEvent):
             raise ValueError(f"event {dispatch_seq} of {session_id} is not a dispatch")
-        return last, self._rebuild.rebuild(fold(e for _, e in events[:-1]), last)
+        state = fold(e for _, e in events[:-1])
+        return last, self._rebuild.rebuild(state, last, self.store.attachments.get)
 
     def _verify(self, sid: str, seq: int, event: DispatchEvent, sent: bytes) -> None:
-        _, rebuilt = self.rebuild(sid, seq)
+        try:
+            _, rebuilt = self.rebuild(sid, seq)
+        except AttachmentMismatch as exc:
+            log.error("request %s does not rebuild: %s", event.request_id, exc)
+            raise AttachmentUnreadable(
+                f"request {event.request_id} was not sent: it does not rebuild from the "
+                f"session log ({exc})",
+                code="attachment_unreadable",
+            ) from exc
         if rebuilt != sent:
             offset = first_difference(rebuilt, sent)
             log.error(

@@ -6,7 +6,11 @@ with a ``prompt`` directive) tokenized or as given.
 The live paths render through the same functions (``provider_call`` and the
 adapters; the model's chat template), so a rebuilt request differs from the
 sent one only when the log or a renderer is wrong — which the verifier turns
-into a refused request.
+into a refused request.  An image or a document a logged message references is
+read back from the attachments store, verified against the reference (digest,
+size, media type, pixel size): a missing or corrupt object raises
+:class:`~manifest.attachments.AttachmentMismatch` naming its digest, and nothing
+is rebuilt from other bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 from engines.providers.base import Adapter, CacheDirectives
 from engines.tokenizer import ChatTokenizer
 from gateway.sessions.render import (
+    Attachments,
     chat_prompt,
     local_messages,
     provider_call,
@@ -39,12 +44,18 @@ class Reconstructor:
         self._adapters = adapters
         self._tokenizer = tokenizer
 
-    def rebuild(self, state: State, dispatch: DispatchEvent) -> bytes:
-        """The request ``dispatch`` sent, from the state the log folds to just before it."""
+    def rebuild(
+        self, state: State, dispatch: DispatchEvent, attachments: Attachments | None = None
+    ) -> bytes:
+        """The request ``dispatch`` sent, from the state the log folds to just before it
+        and the attachment objects it references (``attachments``: the store's verified
+        read)."""
         if state.header is None:
             raise ValueError("no header snapshot before the dispatch")
         d = dispatch.settings()
         if dispatch.render == "vllm":
+            if any(m.parts is not None for m in state.messages):
+                raise ValueError("a local model's request with attachments (it sees none)")
             tok = self._tokenizer()
             if tok is None:
                 raise ValueError("no local tokenizer to rebuild a vLLM request with")
@@ -57,7 +68,7 @@ class Reconstructor:
                 messages = local_messages(state.header.system, state.messages, tools)
                 ids = chat_prompt(tok, messages, tools, d.get("template"))
             return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"))
-        call, _ = provider_call(state.header, state.messages)
+        call, _ = provider_call(state.header, state.messages, attachments=attachments)
         directives = CacheDirectives(
             breakpoints=tuple(d.get("breakpoints") or ()),
             ttl_s=int(d.get("ttl_s", 300)),

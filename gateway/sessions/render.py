@@ -11,6 +11,13 @@ provider adapter renders to bytes; :func:`local_messages` and
 :mod:`gateway.sessions.reconstruct` call the same functions, so a rebuilt
 request differs from the sent one only when the log or a renderer is wrong.
 
+A message that carries images or documents keeps them in its event as
+references (``MessageEvent.parts``, never the bytes); :func:`provider_call`
+resolves each through the attachments resolver it is handed: on the live path
+the request's own attachments (:func:`request_attachments`, stored by intake
+before the request is journaled), when rebuilt the attachments store, verified,
+so a missing or corrupt object fails naming its digest.
+
 The prefix lint runs over the system prompt; under the ``canonical`` layout
 the lines it flags (dates, times, ids) move to a volatile part rendered after
 the stable one, so the stable part stays a cacheable anchor.
@@ -28,13 +35,56 @@ from typing import Any
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from engines.providers.base import CacheDirectives, ChatCall, ToolCall, Turn, system_text
+from engines.providers.base import (
+    Attached,
+    CacheDirectives,
+    ChatCall,
+    ToolCall,
+    Turn,
+    system_text,
+)
 from engines.tokenizer import ChatTokenizer
 from gateway.core.completion_request import CompletionRequest
 from gateway.core.outputs import Usage
-from gateway.core.schemas import ChatCompletionRequest, ChatMessage
+from gateway.core.schemas import ChatCompletionRequest, ChatMessage, FilePart, TextPart
+from manifest.attachments import Attachment, AttachmentMismatch, AttachmentRef
 from manifest.canonical import canonical_json, canonicalize, lint, split_volatile
-from manifest.sessionlog import Header, MessageEvent
+from manifest.sessionlog import Header, MessageEvent, PartRef, parts_json, parts_of
+
+# an attachment's bytes by its reference: verified, else AttachmentMismatch naming it
+Attachments = Callable[[AttachmentRef], Attachment]
+
+
+def message_parts(m: ChatMessage) -> str | None:
+    """A message's content in order as its event keeps it (:func:`parts_json`), when it
+    carries an image or a document (intake has taken each in); else None."""
+    if not isinstance(m.content, list) or all(isinstance(p, TextPart) for p in m.content):
+        return None
+    out: list[str | PartRef] = []
+    for p in m.content:
+        if isinstance(p, TextPart):
+            out.append(p.text)
+            continue
+        if p.attachment is None:
+            raise ValueError(f"a {p.type} part that intake has not taken in")
+        if isinstance(p, FilePart):
+            out.append(PartRef(p.attachment.ref, title=p.file.filename))
+        else:
+            out.append(PartRef(p.attachment.ref, detail=p.image_url.detail))
+    return parts_json(out)
+
+
+def request_attachments(req: ChatCompletionRequest) -> Attachments:
+    """The live path's resolver: the request's own attachments (already stored)."""
+    own = {p.attachment.ref: p.attachment for _, p in req.attachment_parts() if p.attachment}
+
+    def get(ref: AttachmentRef) -> Attachment:
+        found = own.get(ref)
+        if found is None:
+            raise AttachmentMismatch(ref.digest, "not among the request's attachments")
+        return found
+
+    return get
 
 
 def split_messages(
@@ -57,6 +107,7 @@ def split_messages(
             thinking=m.thinking,
             tool_changes=m.tool_changes,
             control=m.control,
+            parts=message_parts(m),
         )
         for m in msgs[lead:]
     )
@@ -147,16 +198,19 @@ def provider_call(
     header: Header,
     turns: Sequence[MessageEvent],
     layouts: Callable[[str | None, bool], SystemLayout] = layout_system,
+    attachments: Attachments | None = None,
 ) -> tuple[ChatCall, list[str]]:
     """The provider-neutral call a header and turns render to (live and when rebuilt);
-    the system prompts are joined and laid out by ``layouts``."""
+    the system prompts are joined and laid out by ``layouts``; each attachment a turn
+    references is resolved by ``attachments`` (none given: a turn that has one fails
+    naming its digest)."""
     cfg = header.settings()
     joined = "\n\n".join(header.system) or None
     laid = layouts(joined, cfg.get("layout") == "canonical")
     system, volatile, named = laid.stable, laid.volatile, list(laid.findings)
     call = ChatCall(
         model=header.target.partition("/")[2],
-        turns=tuple(provider_turn(m) for m in turns),
+        turns=tuple(provider_turn(m, attachments) for m in turns),
         system=system,
         volatile_system=volatile,
         tools=tuple(header.tool_list()),
@@ -175,11 +229,29 @@ def provider_call(
     return call, named
 
 
-def provider_turn(m: MessageEvent) -> Turn:
+def provider_turn(m: MessageEvent, attachments: Attachments | None = None) -> Turn:
     turn = _provider_turn(m)
+    if m.parts is not None:
+        turn = dataclasses.replace(turn, parts=turn_parts(m, attachments))
     if m.control is None:
         return turn
     return dataclasses.replace(turn, control=json.loads(m.control))
+
+
+def turn_parts(m: MessageEvent, attachments: Attachments | None) -> tuple[str | Attached, ...]:
+    """A logged message's content in order with each attachment's verified bytes."""
+    out: list[str | Attached] = []
+    for p in parts_of(m):
+        if isinstance(p, str):
+            out.append(p)
+            continue
+        if attachments is None:
+            raise AttachmentMismatch(p.ref.digest, "no attachments store to read it from")
+        found = attachments(p.ref)
+        if found.ref != p.ref:  # a resolver's answer is checked, never trusted
+            raise AttachmentMismatch(p.ref.digest, "resolved to another object")
+        out.append(Attached(found, p.detail, p.title))
+    return tuple(out)
 
 
 def _provider_turn(m: MessageEvent) -> Turn:

@@ -39,7 +39,17 @@ CREATE TABLE IF NOT EXISTS responses(
   id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq INTEGER NOT NULL, tenant TEXT NOT NULL,
   body TEXT NOT NULL, stored INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0,
   created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS attachment_refs(
+  digest TEXT NOT NULL, session_id TEXT NOT NULL, PRIMARY KEY(digest, session_id)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS requests_by_session ON requests(session_id);
+"""
+
+# The attachments store's table where the log is PostgreSQL (gateway/sessions/attachments.py;
+# beside a SQLite log the objects are files)
+ATTACHMENTS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS attachments(
+  digest TEXT PRIMARY KEY, media_type TEXT NOT NULL, size INTEGER NOT NULL, width INTEGER,
+  height INTEGER, data BLOB NOT NULL, created REAL NOT NULL);
 """
 
 # The conflict target of each table an ``INSERT OR ...`` writes (PostgreSQL names it).
@@ -47,6 +57,8 @@ _KEYS = {
     "sessions": "id",
     "blobs": "digest",
     "blob_refs": "digest, session_id",
+    "attachment_refs": "digest, session_id",
+    "attachments": "digest",
     "heads": "tenant, digest",
 }
 
@@ -129,7 +141,8 @@ def postgres_sql(sql: str) -> str:
 
 def postgres_schema() -> str:
     return (
-        SCHEMA.replace(" WITHOUT ROWID", "")
+        (SCHEMA + ATTACHMENTS_SCHEMA)
+        .replace(" WITHOUT ROWID", "")
         .replace(" BLOB ", " BYTEA ")
         .replace(" REAL ", " DOUBLE PRECISION ")
     )

@@ -12,6 +12,12 @@ that references them.  ``fsync``: ``full`` (every commit reaches the disk),
 ``normal`` (WAL default: a power cut may lose the last commits, never
 corrupt) or ``off``.  Retention deletes whole sessions, oldest first, then
 every blob no remaining session references.
+
+Images and documents are not events: they live in the attachments store
+(:mod:`gateway.sessions.attachments`; files beside a SQLite log, a table of a
+PostgreSQL one), which this store opens beside itself as ``attachments``.  An
+append records which objects its messages reference (``attachment_refs``), and
+retention deletes the objects no remaining session references.
 """
 
 from __future__ import annotations
@@ -25,8 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.sessions.attachments import (
+    SWEEP_GRACE_S,
+    AttachmentStore,
+    FileAttachments,
+    SqlAttachments,
+)
 from gateway.sessions.sql import Dialect, FsyncPolicy, connect
-from manifest.sessionlog import Event, decode, encode
+from manifest.sessionlog import Event, attachment_digests, decode, encode
 
 __all__ = ["FsyncPolicy", "RequestRow", "ResponseRow", "SessionInfo", "SessionStore"]
 
@@ -71,17 +83,28 @@ class SessionStore:
         fsync: FsyncPolicy = "normal",
         url: str | None = None,
         clock: Callable[[], float] = time.time,
+        attachments: AttachmentStore | None = None,
     ) -> None:
         """``clock``: the wall clock (seconds) of the sessions' and responses' times and
-        of retention's cutoff."""
+        of retention's cutoff.  ``attachments``: the attachments store; by default the
+        log's own (files in ``attachments/`` beside a SQLite file, a table of a
+        PostgreSQL log)."""
         self._sql: Dialect = connect(url, path, fsync)
         self._clock = clock
         self.path = path
         self._lock = threading.RLock()
         self._batch = False  # inside a group commit (:meth:`batch`): appends join it
+        if attachments is None:
+            if self._sql.name == "postgres":
+                attachments = SqlAttachments(self._sql, self._lock, clock)
+            else:
+                db = Path(url.removeprefix("sqlite:///")) if url else path
+                attachments = FileAttachments(db.parent / "attachments")
+        self.attachments: AttachmentStore = attachments
 
     def close(self) -> None:
         with self._lock:
+            self.attachments.close()
             self._sql.close()
 
     def retryable(self, exc: BaseException) -> bool:
@@ -182,6 +205,12 @@ class SessionStore:
                     db.executemany(
                         "INSERT OR IGNORE INTO blob_refs VALUES (?, ?)",
                         [(digest, session_id) for digest in blobs],
+                    )
+                shown = attachment_digests(events)
+                if shown:
+                    db.executemany(
+                        "INSERT OR IGNORE INTO attachment_refs VALUES (?, ?)",
+                        [(digest, session_id) for digest in sorted(shown)],
                     )
                 db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)", rows)
                 last = seqs[-1] if seqs else first - 1
@@ -326,7 +355,9 @@ class SessionStore:
 
     def retain(self, max_age_s: float | None = None, max_bytes: int | None = None) -> list[str]:
         """Delete whole sessions (oldest first) older than ``max_age_s`` or until the store
-        holds at most ``max_bytes``; then the blobs nothing references.  Returns their ids."""
+        holds at most ``max_bytes``; then the blobs nothing references, and the attachment
+        objects no remaining session references (stored before the sweep's grace: see
+        :mod:`gateway.sessions.attachments`).  Returns their ids."""
         doomed: list[str] = []
         infos = sorted(self.sessions(), key=lambda s: s.updated)
         if max_age_s is not None:
@@ -351,6 +382,7 @@ class SessionStore:
                         ("heads", "session_id"),
                         ("responses", "session_id"),
                         ("blob_refs", "session_id"),
+                        ("attachment_refs", "session_id"),
                         ("sessions", "id"),
                     ):
                         db.execute(f"DELETE FROM {table} WHERE {col} = ?", (sid,))
@@ -359,4 +391,11 @@ class SessionStore:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+        self.attachments.sweep(self.attachment_digests(), self._clock() - SWEEP_GRACE_S)
         return doomed
+
+    def attachment_digests(self) -> set[str]:
+        """The attachment objects the retained sessions reference."""
+        with self._lock:
+            rows = self._sql.execute("SELECT DISTINCT digest FROM attachment_refs").fetchall()
+        return {str(d) for (d,) in rows}
