@@ -164,6 +164,7 @@ class Slice:
     errors: int
     load_avg: tuple[float, float] = (0.0, 0.0)  # the 1-minute load average before, after
     at: str = ""
+    sys_s: float = 0.0  # of cpu_s, in the kernel (system calls: socket writes, wakeups)
 
 
 @dataclass
@@ -174,6 +175,7 @@ class Row:
     events_per_request: float = 0.0
     cpu_ms_per_request: float = 0.0
     cpu_us_per_token: float = 0.0
+    sys_share: float = 0.0  # of the CPU, in the kernel
     ttft_p50_ms: float = 0.0
     ttft_p90_ms: float = 0.0
     e2e_p50_ms: float = 0.0
@@ -199,6 +201,7 @@ def summarize(slices: Sequence[Slice]) -> Row:
         events_per_request=sum(a.events for a in answers) / n if n else 0.0,
         cpu_ms_per_request=cpu / n * 1e3 if n else 0.0,
         cpu_us_per_token=cpu / tokens * 1e6 if tokens else 0.0,
+        sys_share=sum(s.sys_s for s in slices) / cpu if cpu else 0.0,
         ttft_p50_ms=percentile(ttft, 50) or 0.0,
         ttft_p90_ms=percentile(ttft, 90) or 0.0,
         e2e_p50_ms=percentile(e2e, 50) or 0.0,
@@ -237,7 +240,7 @@ def table(rows: Mapping[str, Mapping[str, Row]]) -> str:
     ratios to it under it."""
     head = (
         f"{'load':<9}{'server':<24}{'req':>5}{'CPU ms/req':>11}{'µs/tok':>8}"
-        f"{'TTFT p50':>9}{'p90':>7}{'e2e p50':>8}{'tok/s':>7}{'ev/req':>7}{'load':>6}"
+        f"{'TTFT p50':>9}{'p90':>7}{'e2e p50':>8}{'tok/s':>7}{'ev/req':>7}{'sys%':>5}{'load':>6}"
     )
     lines = [head]
     for load, servers in rows.items():
@@ -248,6 +251,7 @@ def table(rows: Mapping[str, Mapping[str, Row]]) -> str:
                 f"{load:<9}{name:<24}{r.requests:>5}{r.cpu_ms_per_request:>11.2f}"
                 f"{r.cpu_us_per_token:>8.0f}{r.ttft_p50_ms:>9.0f}{r.ttft_p90_ms:>7.0f}"
                 f"{r.e2e_p50_ms:>8.0f}{r.tokens_per_s:>7.0f}{r.events_per_request:>7.1f}"
+                f"{r.sys_share * 100:>5.0f}"
                 f"{r.load_avg_max:>6.1f}"
             )
             if base is not None and name != VLLM:
@@ -393,16 +397,17 @@ def is_engine(name: str, cmdline: str) -> bool:
     return name.startswith("VLLM") or "resource_tracker" in cmdline
 
 
-def frontend_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds of ``pid`` and of each descendant that is not an engine process."""
-    out: dict[int, float] = {}
+def frontend_cpu(pid: int) -> dict[int, tuple[float, float]]:
+    """CPU seconds (user, system) of ``pid`` and of each descendant that is not an engine
+    process."""
+    out: dict[int, tuple[float, float]] = {}
     root = psutil.Process(pid)
     for p in [root, *root.children(recursive=True)]:
         try:
             if p is not root and is_engine(p.name(), " ".join(p.cmdline())):
                 continue
             t = p.cpu_times()
-            out[p.pid] = float(t.user + t.system)
+            out[p.pid] = (float(t.user), float(t.system))
         except psutil.NoSuchProcess:
             continue
     return out
@@ -471,9 +476,12 @@ async def _slice(server: Server, load: Load, ids: range, systems: Sequence[str])
         await asyncio.gather(*(client() for _ in range(load.concurrency)))
         wall = time.perf_counter() - t0
         after = frontend_cpu(server.pid)
-    by_pid = {pid: v - before.get(pid, 0.0) for pid, v in after.items()}
+    user = {pid: u - before.get(pid, (0.0, 0.0))[0] for pid, (u, _) in after.items()}
+    system = {pid: v - before.get(pid, (0.0, 0.0))[1] for pid, (_, v) in after.items()}
+    by_pid = {pid: user[pid] + system[pid] for pid in after}
+    loads = (before_load, os.getloadavg()[0])
     return Slice(
-        wall, sum(by_pid.values()), by_pid, answers, errors, (before_load, os.getloadavg()[0]), at
+        wall, sum(by_pid.values()), by_pid, answers, errors, loads, at, sum(system.values())
     )
 
 

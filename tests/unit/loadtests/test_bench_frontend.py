@@ -28,7 +28,7 @@ from loadtests.bench_frontend import (
 
 
 def _slice(cpu_s: float, wall_s: float, answers: list[Answer], load: float = 1.0) -> Slice:
-    return Slice(wall_s, cpu_s, {1: cpu_s}, answers, 0, (load, load + 0.5), "14:00:00")
+    return Slice(wall_s, cpu_s, {1: cpu_s}, answers, 0, (load, load + 0.5), "14:00", cpu_s / 4)
 
 
 def test_a_row_sums_cpu_and_wall_over_slices_and_ranks_every_answer() -> None:
@@ -45,6 +45,7 @@ def test_a_row_sums_cpu_and_wall_over_slices_and_ranks_every_answer() -> None:
     assert row.e2e_p50_ms == pytest.approx(900)
     assert row.events_per_request == pytest.approx((5 * 60 + 2 * 64) / 7)
     assert row.load_avg_max == pytest.approx(3.5)
+    assert row.sys_share == pytest.approx(0.25)
     assert [s["wall_s"] for s in row.slices] == [2.0, 1.5]
 
 
