@@ -76,7 +76,8 @@ STAGES: dict[str, set[str]] = {
     "providers": {"core"},
     "sessions": {"core"},
     "service": {"core", "local", "providers", "sessions", "state"},
-    "http": {"core", "service"},
+    "batches": {"core", "service", "sessions"},
+    "http": {"batches", "core", "service"},
     "grpc": {"core", "service"},
 }
 ROOTS = {"app", "cli", "session_cli", "plan_cli", "workers", "__init__"}

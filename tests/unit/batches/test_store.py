@@ -1,0 +1,151 @@
+"""Batch state on the session log's database: items claimed under leases, results
+written before an item counts as done, cancel, expiry, a batch ended once, tenants
+apart, pages newest first."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.batches.store import BatchRow, BatchStore, ItemRow, NewItem, Totals
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: Clock) -> Iterator[BatchStore]:
+    s = BatchStore(tmp_path / "batches.db", clock=clock)
+    yield s
+    s.close()
+
+
+def _batch(store: BatchStore, n: int = 3, tenant: str = "one", window_s: float = 100.0) -> str:
+    items = [NewItem(f"c{i}", f'{{"i": {i}}}') for i in range(n)]
+    return store.create(
+        "openai", tenant, "key", "/v1/chat/completions", "m", items, window_s=window_s
+    ).id
+
+
+def _files(batch: BatchRow, items: list[ItemRow]) -> tuple[bytes | None, bytes | None]:
+    return b"".join(i.custom_id.encode() for i in items if i.state == "done"), None
+
+
+def test_an_item_is_claimed_once_and_done_only_by_its_owner(store: BatchStore) -> None:
+    bid = _batch(store)
+    assert store.claim(bid, 0, "a", lease_s=10)
+    assert not store.claim(bid, 0, "b", lease_s=10)  # a holds it
+    assert not store.finish(bid, 0, "b", True, 200, {"body": 1}, Totals(5, 2, 1))
+    assert store.finish(bid, 0, "a", True, 200, {"body": 1}, Totals(5, 2, 1))
+    assert not store.claim(bid, 0, "b", lease_s=10)  # done: never run again
+    row = store.batch(bid)
+    assert row is not None
+    assert (row.counts.done, row.counts.pending, row.totals) == (1, 2, Totals(5, 2, 1))
+    assert store.items(bid)[0].result == {"body": 1}
+
+
+def test_a_dead_owners_item_is_taken_again_once_its_lease_runs_out(
+    store: BatchStore, clock: Clock
+) -> None:
+    bid = _batch(store)
+    assert store.claim(bid, 1, "dead", lease_s=10)
+    clock.t += 9
+    assert not store.claim(bid, 1, "new", lease_s=10)
+    assert store.renew("dead", lease_s=10) == 1  # a live owner renews: its lease moves on
+    clock.t += 9
+    assert not store.claim(bid, 1, "new", lease_s=10)
+    clock.t += 11  # the owner stopped renewing
+    assert store.claim(bid, 1, "new", lease_s=10)
+    assert not store.finish(bid, 1, "dead", True, 200, {}, Totals())  # too late: dropped
+    assert store.finish(bid, 1, "new", True, 200, {"by": "new"}, Totals())
+    assert store.items(bid)[1].result == {"by": "new"}
+
+
+def test_cancel_stops_pending_items_and_the_batch_ends_once_settled(store: BatchStore) -> None:
+    bid = _batch(store)
+    assert store.claim(bid, 0, "a", lease_s=10)
+    row = store.cancel(bid, "one", "openai")
+    assert row is not None and row.status == "cancelling"
+    assert (row.counts.running, row.counts.canceled) == (1, 2)
+    assert not store.claim(bid, 1, "a", lease_s=10)  # nothing new once cancelled
+    assert not store.finalize(bid, _files)  # item 0 still runs
+    assert store.finish(bid, 0, "a", True, 200, {}, Totals(1, 0, 1))
+    assert store.finalize(bid, _files)
+    assert not store.finalize(bid, _files)  # ended once
+    row = store.batch(bid)
+    assert row is not None and row.status == "cancelled" and row.ended
+    assert row.output_file_id is not None and row.error_file_id is None
+    assert store.file_content("one", row.output_file_id) == b"c0"
+    assert store.file_content("two", row.output_file_id) is None
+
+
+def test_items_outliving_the_window_expire(store: BatchStore, clock: Clock) -> None:
+    bid = _batch(store, n=2, window_s=50)
+    assert store.claim(bid, 0, "a", lease_s=10)
+    assert store.finish(bid, 0, "a", True, 200, {}, Totals())
+    clock.t += 51
+    assert store.expire() == [bid]
+    assert store.finalize(bid, _files)
+    row = store.batch(bid)
+    assert row is not None and (row.status, row.counts.expired, row.counts.done) == (
+        "expired",
+        1,
+        1,
+    )
+
+
+def test_tenants_and_apis_are_apart_and_pages_go_newest_first(
+    store: BatchStore, clock: Clock
+) -> None:
+    ids = []
+    for _ in range(5):
+        clock.t += 1
+        ids.append(_batch(store, n=1))
+    theirs = _batch(store, n=1, tenant="two")
+    assert store.batch(theirs, "one") is None and store.batch(theirs, "two") is not None
+    assert store.batch(ids[0], "one", "anthropic") is None
+    assert store.cancel(theirs, "one", "openai") is None
+    assert not store.delete(theirs, "one", "openai")
+    page, more = store.page("one", "openai", 2)
+    assert [b.id for b in page] == ids[::-1][:2] and more
+    page, more = store.page("one", "openai", 2, after=page[-1].id)
+    assert [b.id for b in page] == ids[::-1][2:4] and more
+    page, more = store.page("one", "openai", 2, after=page[-1].id)
+    assert [b.id for b in page] == [ids[0]] and not more
+    page, _ = store.page("one", "openai", 2, before=ids[0])
+    assert [b.id for b in page] == [ids[2], ids[1]]
+
+
+def test_a_second_store_over_the_same_file_sees_the_first_ones_state(
+    tmp_path: Path, store: BatchStore
+) -> None:
+    bid = _batch(store)
+    assert store.claim(bid, 0, "a", lease_s=10)
+    assert store.finish(bid, 0, "a", True, 200, {"x": 1}, Totals(3, 0, 1))
+    again = BatchStore(tmp_path / "batches.db")
+    try:
+        assert [i.state for i in again.items(bid)] == ["done", "pending", "pending"]
+        assert again.active() == [bid]
+    finally:
+        again.close()
+
+
+def test_beside_puts_the_file_next_to_the_session_log(tmp_path: Path) -> None:
+    s = BatchStore.beside(tmp_path / "log" / "sessions.db", "normal", None)
+    s.close()
+    assert (tmp_path / "log" / "batches.db").exists()
+    s = BatchStore.beside(tmp_path / "x.db", "normal", f"sqlite:///{tmp_path}/elsewhere/s.db")
+    s.close()
+    assert (tmp_path / "elsewhere" / "batches.db").exists()
