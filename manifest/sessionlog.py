@@ -278,13 +278,13 @@ class ResponseEvent:
 Event = HeaderEvent | MessageEvent | ReplaceEvent | TruncateEvent | DispatchEvent | ResponseEvent
 
 
-def attachment_digests(events: Iterable[Event]) -> set[str]:
-    """The digests of the attachment objects ``events`` reference (what retention keeps)."""
-    out: set[str] = set()
+def attachment_refs(events: Iterable[Event]) -> dict[str, AttachmentRef]:
+    """The attachment objects ``events`` reference, by digest (what retention keeps)."""
+    out: dict[str, AttachmentRef] = {}
     for e in events:
         m = e.message if isinstance(e, ReplaceEvent) else e
         if isinstance(m, MessageEvent) and m.parts is not None:
-            out.update(p.ref.digest for p in parts_of(m) if isinstance(p, PartRef))
+            out.update((p.ref.digest, p.ref) for p in parts_of(m) if isinstance(p, PartRef))
     return out
 
 

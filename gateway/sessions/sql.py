@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS responses(
   body TEXT NOT NULL, stored INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0,
   created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS attachment_refs(
-  digest TEXT NOT NULL, session_id TEXT NOT NULL, PRIMARY KEY(digest, session_id)) WITHOUT ROWID;
+  digest TEXT NOT NULL, session_id TEXT NOT NULL, size INTEGER NOT NULL,
+  PRIMARY KEY(digest, session_id)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS requests_by_session ON requests(session_id);
 """
 

@@ -38,7 +38,7 @@ from gateway.sessions.attachments import (
     SqlAttachments,
 )
 from gateway.sessions.sql import Dialect, FsyncPolicy, connect
-from manifest.sessionlog import Event, attachment_digests, decode, encode
+from manifest.sessionlog import Event, attachment_refs, decode, encode
 
 __all__ = ["FsyncPolicy", "RequestRow", "ResponseRow", "SessionInfo", "SessionStore"]
 
@@ -71,7 +71,7 @@ class SessionInfo:
     tenant: str
     events: int
     requests: int
-    bytes: int  # event bytes plus the blobs it references
+    bytes: int  # event bytes plus the blobs and attachment objects it references
     created: float
     updated: float
 
@@ -206,11 +206,11 @@ class SessionStore:
                         "INSERT OR IGNORE INTO blob_refs VALUES (?, ?)",
                         [(digest, session_id) for digest in blobs],
                     )
-                shown = attachment_digests(events)
+                shown = attachment_refs(events)
                 if shown:
                     db.executemany(
-                        "INSERT OR IGNORE INTO attachment_refs VALUES (?, ?)",
-                        [(digest, session_id) for digest in sorted(shown)],
+                        "INSERT OR IGNORE INTO attachment_refs VALUES (?, ?, ?)",
+                        [(d, session_id, shown[d].size) for d in sorted(shown)],
                     )
                 db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)", rows)
                 last = seqs[-1] if seqs else first - 1
@@ -334,7 +334,9 @@ class SessionStore:
                   (SELECT COALESCE(SUM(LENGTH(e.data)), 0) FROM events e
                      WHERE e.session_id = s.id)
                   + (SELECT COALESCE(SUM(LENGTH(b.data)), 0) FROM blob_refs f
-                     JOIN blobs b ON b.digest = f.digest WHERE f.session_id = s.id),
+                     JOIN blobs b ON b.digest = f.digest WHERE f.session_id = s.id)
+                  + (SELECT COALESCE(SUM(a.size), 0) FROM attachment_refs a
+                     WHERE a.session_id = s.id),
                   s.created, s.updated
                 FROM sessions s ORDER BY s.updated DESC
                 """
@@ -345,7 +347,11 @@ class SessionStore:
         with self._lock:
             ev = self._sql.execute("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM events").fetchone()
             bl = self._sql.execute("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM blobs").fetchone()
-        return int(ev[0]) + int(bl[0])
+            at = self._sql.execute(
+                "SELECT COALESCE(SUM(size), 0) FROM "
+                "(SELECT DISTINCT digest, size FROM attachment_refs) AS objects"
+            ).fetchone()
+        return int(ev[0]) + int(bl[0]) + int(at[0])
 
     def integrity(self) -> str:
         with self._lock:

@@ -37,13 +37,14 @@ from gateway.sessions.render import (
 from gateway.sessions.store import SessionStore
 from manifest.attachments import Attachment, AttachmentMismatch
 from manifest.sessionlog import (
+    Event,
     Header,
     HeaderEvent,
     MessageEvent,
     PartRef,
     Reason,
     ReplaceEvent,
-    attachment_digests,
+    attachment_refs,
     decode,
     encode,
     parts_json,
@@ -86,6 +87,17 @@ def remove(store: SessionStore, digest: str) -> None:
         objects.path(digest).unlink()
         return
     store._sql.execute("DELETE FROM attachments WHERE digest = ?", (digest,))
+
+
+def logged_bytes(events: list[Event]) -> int:
+    """What ``events`` take in the log: their encodings and the blobs they reference."""
+    blobs: dict[str, bytes] = {}
+    total = 0
+    for e in events:
+        enc = encode(e)
+        total += len(enc.data)
+        blobs.update(enc.blobs)
+    return total + sum(len(b) for b in blobs.values())
 
 
 # ------------------------------------------------------------------ the store
@@ -143,6 +155,11 @@ def test_objects_are_shared_by_two_stores_and_follow_retention(make_store: MakeS
     a.append("s1", [HeaderEvent(header, Reason.INITIAL), shown], new_for="t")
     a.append("s2", [HeaderEvent(header, Reason.INITIAL), shown, doc], new_for="t")
     assert a.attachment_digests() == {PNG.ref.digest, PDF.ref.digest}
+    sizes = {s.id: s.bytes for s in a.sessions()}  # a session's bytes count its objects
+    events_only = {sid: logged_bytes([e for _, e in a.events(sid)]) for sid in ("s1", "s2")}
+    assert sizes["s1"] == events_only["s1"] + PNG.ref.size
+    assert sizes["s2"] == events_only["s2"] + PNG.ref.size + PDF.ref.size
+    assert a.size_bytes() == sum(events_only.values()) + PNG.ref.size + PDF.ref.size
     a.retain(max_age_s=None, max_bytes=None)  # nothing dropped: both still referenced
     assert later.attachments.get(PDF.ref).data == PDF.data
     # s2 dropped (long untouched): the PDF only it referenced goes, once past its grace
@@ -187,7 +204,8 @@ def test_message_parts_round_trip_and_old_digests_do_not_change() -> None:
         "detail": "high",
     }
     assert b"base64" not in encode(m).data and PNG.data not in encode(m).data  # refs only
-    assert attachment_digests([m, ReplaceEvent(0, m)]) == {PNG.ref.digest, PDF.ref.digest}
+    found = attachment_refs([m, ReplaceEvent(0, m)])
+    assert found == {PNG.ref.digest: PNG.ref, PDF.ref.digest: PDF.ref}
     old = MessageEvent("user", "q")  # no parts: the key (and so its digest) it always had
     assert old.key() == ("user", "q", None)
     assert "parts" not in json.loads(encode(old).data)
