@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from engines.providers.anthropic import AnthropicAdapter
 from engines.providers.base import Attached, CacheDirectives
 from engines.providers.specs import adapter_for
 from gateway.core.config import AttachmentSettings, Settings
@@ -238,7 +237,7 @@ def sent(req: ChatCompletionRequest, target: str) -> tuple[Header, tuple[Message
     system, turns = request_parts(req)
     header = Header.make(req.model, target, system, req.tool_dicts(), request_config(req, None))
     call, _ = provider_call(header, turns, attachments=request_attachments(req))
-    body = AnthropicAdapter().render(call, CacheDirectives()).body
+    body = adapter_for(target.partition("/")[0]).render(call, CacheDirectives()).body
     return header, turns, body
 
 
@@ -259,19 +258,20 @@ def test_turn_parts_carry_the_verified_bytes_in_order(make_store: MakeStore) -> 
         provider_call(header, turns)
 
 
+@pytest.mark.parametrize("target", ["anthropic/claude-x", "openai/gpt-x", "gemini/gem-x"])
 def test_an_image_request_rebuilds_byte_for_byte_and_a_flipped_object_fails(
-    make_store: MakeStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    make_store: MakeStore, tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str
 ) -> None:
     store = make_store()
     log = SessionLog(store, Reconstructor(adapter_for, lambda: None), verify=True)
     req = image_request(PNG.data)
     asyncio.run(AttachmentIntake(AttachmentSettings(), store.attachments).take(req))
-    header, turns, body = sent(req, "anthropic/claude-x")
+    header, turns, body = sent(req, target)
     assert base64.b64encode(PNG.data) in body  # the bytes as sent, base64 in the body
 
     async def dispatch(rid: str) -> None:
         op = log.open("t", header, turns)
-        await log.dispatch(op, rid, "anthropic/claude-x", "provider", {}, body)
+        await log.dispatch(op, rid, target, "provider", {}, body)
 
     asyncio.run(dispatch("req-1"))  # verify on: rebuilt from log + store, equal
     assert log.verified == 1
