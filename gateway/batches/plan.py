@@ -1,0 +1,90 @@
+"""A batch's items as the prefix DAG's units, and what the DAG measures of them.
+
+Each item's request body is cut into segments the way the session log splits a
+request (:func:`gateway.sessions.render.request_parts`: a header of what frames it,
+then its turns), read off the JSON as sent so it is cheap and the same for every
+target: the header (model, system prompt or instructions, tools) is one segment,
+then each message (each input item of a Responses request; a completion's prompt).
+A segment is named by the digest of its canonical JSON and sized at one token per
+four bytes of it, an estimate that only orders anchors.
+
+:func:`units` are a batch's items as the DAG's units (unit ids are the items'
+indexes) and :func:`measures` what is reported on the batch: the units, the anchors, the tokens
+the send order lets units read from cache, the measured Zipf skew ``s`` of the
+top-level prefixes and the share of items under the top 7 of them (shared/seeds/001,
+§5.2), beside what Zipf(s) predicts for that share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from manifest.economics import zipf_coverage
+from manifest.prefix_dag import PrefixDag, Unit
+
+TOP = 7  # the design note's "7 → 85%"
+_SYSTEM_ROLES = ("system", "developer")
+
+
+def _segment(value: Any) -> tuple[str, int]:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    return digest, max(1, len(text.encode()) // 4)
+
+
+def segments(endpoint: str, body: dict[str, Any]) -> list[tuple[str, int]]:
+    """The segments of one request body of ``endpoint`` (see the module)."""
+    turns: list[Any]
+    if endpoint == "/v1/completions":
+        header: dict[str, Any] = {"model": body.get("model")}
+        turns = [body.get("prompt")]
+    elif endpoint == "/v1/responses":
+        header = {k: body.get(k) for k in ("model", "instructions", "tools")}
+        items = body.get("input")
+        turns = items if isinstance(items, list) else [items]
+    else:  # chat completions, Anthropic messages
+        messages = body.get("messages")
+        messages = messages if isinstance(messages, list) else [messages]
+        system = [m for m in messages if isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES]
+        turns = [
+            m for m in messages if not (isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES)
+        ]
+        header = {
+            "model": body.get("model"),
+            "system": body.get("system", system),
+            "tools": body.get("tools"),
+        }
+    return [_segment(header), *(_segment(t) for t in turns)]
+
+
+def units(endpoint: str, bodies: Sequence[dict[str, Any]]) -> list[Unit]:
+    """A batch's item bodies as the DAG's units; unit ``str(i)`` is item ``i``."""
+    out = []
+    for i, body in enumerate(bodies):
+        segs = segments(endpoint, body)
+        out.append(Unit(str(i), tuple(d for d, _ in segs), tuple(n for _, n in segs)))
+    return out
+
+
+def measures(dag: PrefixDag, units: Sequence[Unit]) -> dict[str, Any]:
+    """What the batch object reports of the DAG of ``units`` (see the module)."""
+    steps = dag.order()
+    roots = Counter(u.blocks[0] for u in units if u.blocks)
+    n = sum(roots.values())
+    s = dag.concentration()
+    top = sum(c for _, c in roots.most_common(TOP))
+    return {
+        "units": len(steps),
+        "anchors": len(dag.anchors()),
+        "prefixes": len(roots),
+        "shared_tokens": sum(st.shared_tokens for st in steps),
+        "concentration": s,
+        "top7_coverage": top / n if n else None,
+        "top7_coverage_zipf": (
+            zipf_coverage(min(TOP, len(roots)), len(roots), s) if s is not None else None
+        ),
+    }

@@ -1,0 +1,192 @@
+"""The batch runner: a background task that sends batches' items in the prefix DAG's
+order through the service path.
+
+Each pass (every ``poll_s``, or at once when woken: a batch created or cancelled)
+expires what outlived its window, and takes every batch in progress that it is not
+already running.  For a batch it builds the prefix DAG of its items
+(:mod:`gateway.batches.plan`) and walks :meth:`PrefixDag.order`: depth first, so an
+anchor's siblings go together, and each item waits until the item it is ``after``
+(the one that computes the deepest prefix it shares) has ended before it is sent,
+so its siblings read that prefix from cache (send-one-then-fan, shared/seeds/001
+§8).  At most ``concurrency`` items run at once over all batches; each goes through
+the :class:`Sender` (the service path, at the ``batch`` priority).
+
+Items are claimed in the store for ``lease_s`` seconds, renewed every third of it
+while they run; an item's result is written before it counts as done.  So a restart
+(or another gateway, on a shared PostgreSQL store) resumes a batch: done items are
+never sent again, and an item whose runner died is taken again once its lease has
+run out.  A cancel stops new items (the walk stops at the next item); items already
+sent finish and keep their results.  When a batch has settled, the runner ends it
+with its output files (:meth:`BatchStore.finalize`, once over every gateway).
+
+Every task the runner starts is its own and awaited: :meth:`BatchRunner.run`'s
+cancellation cancels the batches' walks and their items (a cancelled item stays
+claimed until its lease runs out, and is sent again after the restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+
+from gateway.batches.output_files import output_files
+from gateway.batches.plan import units
+from gateway.batches.send import Sender, batch_caller
+from gateway.batches.store import BatchStore
+from gateway.core.types import Principal
+from manifest.prefix_dag import PrefixDag
+
+log = logging.getLogger(__name__)
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        store: BatchStore,
+        send: Sender,
+        *,
+        concurrency: int = 8,
+        lease_s: float = 60.0,
+        poll_s: float = 1.0,
+        owner: str | None = None,
+    ) -> None:
+        """``owner``: this runner's name on the items it claims (unique per process by
+        default: a restarted gateway does not take over its old claims before their
+        leases run out)."""
+        if concurrency < 1 or lease_s <= 0 or poll_s <= 0:
+            raise ValueError("concurrency >= 1, lease_s > 0 and poll_s > 0")
+        self._store = store
+        self._send = send
+        self._lease_s = lease_s
+        self._poll_s = poll_s
+        self.owner = owner or f"runner-{uuid.uuid4().hex[:12]}"
+        self._slots = asyncio.Semaphore(concurrency)
+        self._wake = asyncio.Event()
+        self._walks: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def store(self) -> BatchStore:
+        return self._store
+
+    def wake(self) -> None:
+        """Look for work now (a batch was created or cancelled)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Run batches until cancelled."""
+        heartbeat = asyncio.create_task(self._heartbeat(), name="batch-leases")
+        try:
+            while True:
+                try:
+                    await self._pass()
+                except Exception:  # a store that failed this pass may answer the next
+                    log.exception("batch runner pass failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._poll_s)
+                self._wake.clear()
+        finally:
+            tasks = [heartbeat, *self._walks.values()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease_s / 3)
+            try:
+                await asyncio.to_thread(self._store.renew, self.owner, self._lease_s)
+            except Exception:
+                log.exception("renewing batch item leases failed")
+
+    async def _pass(self) -> None:
+        store = self._store
+        await asyncio.to_thread(store.expire)
+        for bid in await asyncio.to_thread(store.active):
+            if bid not in self._walks:
+                task = asyncio.create_task(self._walk(bid), name=f"batch-{bid}")
+                self._walks[bid] = task
+                task.add_done_callback(self._walked)
+
+    def _walked(self, task: asyncio.Task[None]) -> None:
+        self._walks.pop(task.get_name().removeprefix("batch-"), None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("batch walk %s failed", task.get_name(), exc_info=task.exception())
+
+    async def _walk(self, bid: str) -> None:
+        """Send the batch's unsettled items in DAG order, then end it if it settled."""
+        store = self._store
+        batch = await asyncio.to_thread(store.batch, bid)
+        if batch is None:
+            return
+        items = await asyncio.to_thread(store.items, bid)
+        bodies = {i.idx: json.loads(i.body) for i in items}
+        open_ = {i.idx for i in items if i.state in ("pending", "running")}
+        who = batch_caller(batch.tenant, batch.key_name)
+        ended: dict[int, asyncio.Event] = {}
+        sent: list[asyncio.Task[None]] = []
+        try:
+            if open_:
+                dag = PrefixDag(units(batch.endpoint, [bodies[i.idx] for i in items]))
+                for step in dag.order():
+                    idx = int(step.unit)
+                    if idx not in open_:
+                        continue
+                    lead = ended.get(int(step.after)) if step.after is not None else None
+                    if lead is not None:
+                        await lead.wait()  # send-one-then-fan
+                    if await asyncio.to_thread(store.status, bid) != "in_progress":
+                        break  # cancelled (or ended elsewhere): no new items
+                    await self._slots.acquire()
+                    claimed = False
+                    try:
+                        claimed = await asyncio.to_thread(
+                            store.claim, bid, idx, self.owner, self._lease_s
+                        )
+                    finally:
+                        if not claimed:
+                            self._slots.release()
+                    if not claimed:
+                        continue  # settled, or another gateway runs it
+                    ended[idx] = done = asyncio.Event()
+                    sent.append(
+                        asyncio.create_task(
+                            self._item(bid, idx, batch.endpoint, bodies[idx], who, done),
+                            name=f"batch-item-{bid}-{idx}",
+                        )
+                    )
+            await asyncio.gather(*sent)
+        finally:
+            for t in sent:
+                t.cancel()
+            await asyncio.gather(*sent, return_exceptions=True)
+        await asyncio.to_thread(store.finalize, bid, output_files)
+
+    async def _item(
+        self,
+        bid: str,
+        idx: int,
+        endpoint: str,
+        body: dict[str, object],
+        who: Principal,
+        done: asyncio.Event,
+    ) -> None:
+        try:
+            out = await self._send(endpoint, body, who)
+            kept = await asyncio.to_thread(
+                self._store.finish,
+                bid,
+                idx,
+                self.owner,
+                out.ok,
+                out.status_code,
+                out.result(),
+                out.usage,
+            )
+            if not kept:
+                log.warning("batch %s item %d: lease lost, its result dropped", bid, idx)
+        finally:
+            done.set()
+            self._slots.release()

@@ -1,0 +1,212 @@
+"""The runner over a real store and a recording sender: items in the prefix DAG's order
+(an anchor's siblings together, the lead first and alone until it ends), at the
+batch priority, a restart that finishes a half-done batch without sending a done
+item again, cancel mid-batch, and an item's error kept as its result."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.batches.runner import BatchRunner
+from gateway.batches.send import Outcome
+from gateway.batches.store import BatchStore, NewItem, Totals
+from gateway.core.types import Principal
+from tests.unit.waits import until
+
+CHAT = "/v1/chat/completions"
+
+
+def body(system: str, tag: str) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": f"You classify documents. Instruction set {system}."},
+            {"role": "user", "content": tag},
+        ],
+    }
+
+
+# interleaved as they arrive: two instruction sets
+ARRIVAL = [("A", "a1"), ("B", "b1"), ("A", "a2"), ("B", "b2"), ("A", "a3")]
+
+
+class Sender:
+    """Records what is sent and by whom; an item whose tag is gated waits for its gate."""
+
+    def __init__(self, gated: tuple[str, ...] = (), fail: tuple[str, ...] = ()) -> None:
+        self.sent: list[str] = []
+        self.ended: list[str] = []
+        self.who: list[Principal] = []
+        self.gates = {tag: asyncio.Event() for tag in gated}
+        self.fail = fail
+
+    async def __call__(self, endpoint: str, body: dict[str, Any], who: Principal) -> Outcome:
+        tag = body["messages"][-1]["content"]
+        self.sent.append(tag)
+        self.who.append(who)
+        if tag in self.gates:
+            await self.gates[tag].wait()
+        self.ended.append(tag)
+        if tag in self.fail:
+            err = {"status": 400, "type": "invalid_request_error", "message": "no", "code": None}
+            return Outcome(400, f"req-{tag}", error=err)
+        return Outcome(200, f"req-{tag}", body={"tag": tag}, usage=Totals(10, 4, 2))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[BatchStore]:
+    s = BatchStore(tmp_path / "batches.db")
+    yield s
+    s.close()
+
+
+def _create(store: BatchStore, arrival: list[tuple[str, str]] = ARRIVAL) -> str:
+    items = [NewItem(tag, json.dumps(body(system, tag))) for system, tag in arrival]
+    return store.create("openai", "one", "key", CHAT, "m", items, window_s=3600).id
+
+
+def _ended(store: BatchStore, bid: str) -> bool:
+    row = store.batch(bid)
+    return row is not None and row.ended
+
+
+def test_items_go_in_dag_order_at_the_batch_priority(store: BatchStore) -> None:
+    bid = _create(store)
+    sender = Sender()
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, concurrency=1, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert sender.sent == ["a1", "a2", "a3", "b1", "b2"]  # depth first, not arrival order
+    assert {w.priority for w in sender.who} == {"batch"}
+    assert {(w.tenant, w.key_name) for w in sender.who} == {("one", "key")}
+    row = store.batch(bid)
+    assert row is not None and row.status == "completed"
+    assert (row.counts.done, row.totals) == (5, Totals(50, 20, 10))
+    assert row.output_file_id is not None and row.error_file_id is None
+    out = store.file_content("one", row.output_file_id)
+    assert out is not None
+    lines = [json.loads(line) for line in out.decode().splitlines()]
+    assert [ln["custom_id"] for ln in lines] == [t for _, t in ARRIVAL]  # input order
+    assert all(ln["response"]["body"] == {"tag": ln["custom_id"]} for ln in lines)
+    assert all(ln["response"]["status_code"] == 200 and ln["error"] is None for ln in lines)
+
+
+def test_the_lead_goes_alone_then_its_siblings_fan_out(store: BatchStore) -> None:
+    bid = _create(store, [("A", "a1"), ("A", "a2"), ("A", "a3"), ("A", "a4")])
+    sender = Sender(gated=("a1", "a2", "a3", "a4"))
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, concurrency=8, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: sender.sent == ["a1"], "the lead sent")
+        for _ in range(50):  # the siblings wait while the lead runs
+            await asyncio.sleep(0)
+        assert sender.sent == ["a1"]
+        sender.gates["a1"].set()
+        await until(lambda: len(sender.sent) == 4, "the siblings sent together")
+        assert sender.ended == ["a1"]  # all three in flight at once
+        for tag in ("a2", "a3", "a4"):
+            sender.gates[tag].set()
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_restart_finishes_a_half_done_batch_without_sending_done_items(
+    store: BatchStore, tmp_path: Path
+) -> None:
+    bid = _create(store)
+    # the first gateway: a1 answered, a2 under way when it died (its lease never renewed)
+    assert store.claim(bid, 0, "first", lease_s=60)
+    assert store.finish(bid, 0, "first", True, 200, {"body": {"tag": "a1"}}, Totals(10, 0, 2))
+    assert store.claim(bid, 2, "first", lease_s=0.001)
+    store.close()
+    again = BatchStore(tmp_path / "batches.db")  # the restarted gateway's store
+    sender = Sender()
+
+    async def main() -> None:
+        runner = BatchRunner(again, sender, concurrency=2, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(again, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+        assert sorted(sender.sent) == ["a2", "a3", "b1", "b2"]  # a1 never again
+        items = again.items(bid)
+        assert [i.state for i in items] == ["done"] * 5
+        assert items[0].result == {"body": {"tag": "a1"}}
+        row = again.batch(bid)
+        assert row is not None and row.status == "completed" and row.counts.done == 5
+    finally:
+        again.close()
+
+
+def test_cancel_stops_new_items_and_keeps_the_finished(store: BatchStore) -> None:
+    bid = _create(store)
+    sender = Sender(gated=("a1",))
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, concurrency=4, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: sender.sent == ["a1"], "the lead sent")
+        cancelled = await asyncio.to_thread(store.cancel, bid, "one", "openai")
+        assert cancelled is not None and cancelled.status == "cancelling"
+        runner.wake()
+        sender.gates["a1"].set()
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert sender.sent == ["a1"]
+    row = store.batch(bid)
+    assert row is not None and row.status == "cancelled"
+    assert (row.counts.done, row.counts.canceled) == (1, 4)
+    assert row.output_file_id is not None and row.error_file_id is not None
+    errors = store.file_content("one", row.error_file_id)
+    assert errors is not None
+    lines = [json.loads(line) for line in errors.decode().splitlines()]
+    assert [ln["custom_id"] for ln in lines] == ["b1", "a2", "b2", "a3"]
+    assert {ln["error"]["code"] for ln in lines} == {"batch_cancelled"}
+    assert all(ln["response"] is None for ln in lines)
+
+
+def test_an_items_error_is_its_result_and_the_batch_goes_on(store: BatchStore) -> None:
+    bid = _create(store)
+    sender = Sender(fail=("b1",))
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, concurrency=2, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    row = store.batch(bid)
+    assert row is not None and row.status == "completed"
+    assert (row.counts.done, row.counts.error) == (4, 1)
+    assert row.error_file_id is not None
+    errors = store.file_content("one", row.error_file_id)
+    assert errors is not None
+    (line,) = [json.loads(x) for x in errors.decode().splitlines()]
+    assert line["custom_id"] == "b1"
+    assert line["response"]["status_code"] == 400
+    assert line["response"]["request_id"] == "req-b1"
+    assert line["response"]["body"]["error"]["type"] == "invalid_request_error"
