@@ -3,8 +3,12 @@
 Input models validate as Anthropic does and refuse fields it does not
 document (a 400 naming the field: a client that sends them expects
 something this gateway would otherwise silently not do).  Output models
-allow extra fields and are never built as raw dicts.  Images and documents
-are refused by name (``unsupported_content``): the local model reads text.
+allow extra fields and are never built as raw dicts.  Images (``image``:
+base64 or URL sources) and documents (``document``: a base64 PDF or a text
+source) are read, in a turn and in a ``tool_result``; what this gateway cannot
+serve (``search_result`` and ``container_upload`` blocks, Files API ``file``
+sources, a URL or ``content`` document source, citations) is refused by name
+when the request is mapped (:mod:`gateway.service.messages_api`).
 """
 
 from __future__ import annotations
@@ -63,11 +67,70 @@ class ToolReferenceBlock(_Strict):
     cache_control: CacheControl | None = None
 
 
+class Base64Source(_Strict):
+    """An image's or a PDF's bytes, in base64."""
+
+    type: Literal["base64"]
+    media_type: Literal["image/png", "image/jpeg", "image/gif", "image/webp", "application/pdf"]
+    data: str = Field(min_length=1)
+
+
+class UrlSource(_Strict):
+    """An image (or a PDF) at a URL: fetched by the gateway from allowed hosts only."""
+
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class TextSource(_Strict):
+    """A plain-text document."""
+
+    type: Literal["text"]
+    media_type: Literal["text/plain"]
+    data: str
+
+
+class OtherSource(BaseModel):
+    """A source this gateway cannot read (a Files API ``file_id``, a ``content``
+    document): refused by name when the request is mapped."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["file", "content"]
+
+
+class ImageBlock(_Strict):
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource | OtherSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+
+class CitationsConfig(_Strict):
+    enabled: bool | None = None
+
+
+class DocumentBlock(_Strict):
+    type: Literal["document"]
+    source: Annotated[
+        Base64Source | UrlSource | TextSource | OtherSource, Field(discriminator="type")
+    ]
+    title: str | None = None
+    context: str | None = None
+    citations: CitationsConfig | None = None
+    cache_control: CacheControl | None = None
+
+
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: (
-        str | list[Annotated[TextBlock | ToolReferenceBlock, Field(discriminator="type")]] | None
+        str
+        | list[
+            Annotated[
+                TextBlock | ImageBlock | DocumentBlock | ToolReferenceBlock,
+                Field(discriminator="type"),
+            ]
+        ]
+        | None
     ) = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
@@ -137,18 +200,20 @@ class ToolRemovalBlock(_Strict):
     cache_control: CacheControl | None = None
 
 
-UNSUPPORTED_CONTENT = ("image", "document", "search_result", "container_upload")
+UNSUPPORTED_CONTENT = ("search_result", "container_upload")
 
 
 class UnsupportedBlock(BaseModel):
     """Content this gateway does not read: refused by name when the request is mapped."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image", "document", "search_result", "container_upload"]
+    type: Literal["search_result", "container_upload"]
 
 
 ContentBlock = Annotated[
     TextBlock
+    | ImageBlock
+    | DocumentBlock
     | ToolUseBlock
     | ToolResultBlock
     | ThinkingBlock

@@ -7,8 +7,11 @@ turn), and ``reasoning`` items from earlier answers (accepted and not shown
 to the model: see :mod:`gateway.service.response_tools`).  Tools are
 ``function`` tools, ``custom`` (freeform) tools, ``namespace`` tools that
 group them, and hosted tools (``web_search``, ``file_search``...), which are
-kept as sent: a target that cannot run them leaves them out.  What OpenAI
-defines and this gateway cannot do (images, files, prompt templates,
+kept as sent: a target that cannot run them leaves them out.  Images
+(``input_image``: a data URL or an http(s) URL, with ``detail``) and files
+(``input_file``: a data URL with its ``filename``) are read in messages and in
+a call's output.  What OpenAI defines and this gateway cannot do (``file_id``
+and ``file_url`` files: there is no files API; audio, prompt templates,
 background runs, stored conversations) is a 400 naming it, never ignored.
 The answer is a :class:`ResponseObject` whose ``output`` holds a message item
 and one call item per tool call; a stream is the typed events below, each
@@ -39,14 +42,90 @@ class ContentPart(BaseModel):
     text: str
 
 
+def _no_file_id(v: str | None) -> str | None:
+    if v is not None:
+        raise ValueError("file_id is not supported: there is no files API; send the data itself")
+    return v
+
+
+class InputImage(BaseModel):
+    """An image: a data URL (base64) or an http(s) URL the gateway may fetch."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    detail: Literal["low", "high", "auto"] | None = None
+    file_id: str | None = None
+
+    _file_id = field_validator("file_id")(_no_file_id)
+
+    @field_validator("image_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("data:", "http://", "https://")):
+            raise ValueError("input_image.image_url: a data URL or an http(s) URL")
+        return v
+
+    @model_validator(mode="after")
+    def _given(self) -> InputImage:
+        if self.image_url is None:
+            raise ValueError("input_image needs an image_url")
+        return self
+
+
+class InputFile(BaseModel):
+    """A file (a PDF) as a data URL, with its name."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["input_file"]
+    file_data: str | None = None
+    filename: str | None = None
+    file_id: str | None = None
+    file_url: str | None = None
+
+    _file_id = field_validator("file_id")(_no_file_id)
+
+    @field_validator("file_url")
+    @classmethod
+    def _no_file_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("input_file.file_url is not supported; send file_data")
+        return v
+
+    @field_validator("file_data")
+    @classmethod
+    def _data_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("data:"):
+            raise ValueError("input_file.file_data: a data URL (data:<type>;base64,...)")
+        return v
+
+    @model_validator(mode="after")
+    def _given(self) -> InputFile:
+        if self.file_data is None:
+            raise ValueError("input_file needs file_data")
+        return self
+
+
+Part = Annotated[ContentPart | InputImage | InputFile, Field(discriminator="type")]
+_PART_TYPES = ("input_text", "output_text", "text", "input_image", "input_file")
+
+
 def _refuse_parts(v: Any) -> Any:
-    """A message part that is not text (an image, a file, audio) is refused by name."""
+    """A part that is none of text, an image or a file (audio...) is refused by name."""
     if isinstance(v, list):
         for p in v:
             kind = p.get("type") if isinstance(p, dict) else None
-            if kind not in (None, "input_text", "output_text", "text"):
+            if kind not in (None, *_PART_TYPES):
                 raise ValueError(f"content parts of type '{kind}' are not supported")
     return v
+
+
+def _text(parts: str | list[Any]) -> str:
+    if isinstance(parts, str):
+        return parts
+    return "".join(p.text for p in parts if isinstance(p, ContentPart))
 
 
 class MessageItem(BaseModel):
@@ -54,14 +133,12 @@ class MessageItem(BaseModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
+    content: str | list[Part]
 
     _parts = field_validator("content", mode="before")(_refuse_parts)
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        return _text(self.content)
 
 
 class _Call(BaseModel):
@@ -96,16 +173,14 @@ class _Output(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     call_id: str = Field(min_length=1)
-    output: str | list[ContentPart]
+    output: str | list[Part]
     id: str | None = None
     status: str | None = None
 
     _parts = field_validator("output", mode="before")(_refuse_parts)
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(p.text for p in self.output)
+        return _text(self.output)
 
 
 class FunctionCallOutputItem(_Output):

@@ -13,12 +13,24 @@ gets it through its adapter (an Anthropic target gets the client's own
 breakpoints and thinking blocks as written), and an alias falls back across
 both.  The answer pieces are shaped by :mod:`gateway.service.message_answers`.
 
+Images and documents become the chat request's content parts where they sit
+(in a turn or in a ``tool_result``), so one intake decodes, fetches, bounds
+and stores every image whatever API it came by: an ``image`` block as an
+``image_url`` part (a base64 source as a data URL, a URL source as its URL), a
+``document`` block as a ``file`` part (a PDF as a data URL, a text source as a
+``text/plain`` data URL of its UTF-8 bytes, which an Anthropic target gets back
+as a text source; ``title`` as the file name); a ``cache_control`` on one is a
+breakpoint like a text block's.  What cannot be served is refused by name:
+Files API sources, URL and ``content`` document sources, citations and
+``context`` on documents, ``search_result`` and ``container_upload`` blocks.
+
 Thinking blocks sent back in assistant turns are not shown to the local
 model (as Anthropic's own models drop earlier turns' thinking from context).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from collections.abc import AsyncGenerator
@@ -26,12 +38,16 @@ from typing import Any
 
 from gateway.core.errors import InvalidRequest
 from gateway.core.messages_wire import (
+    Base64Source,
+    DocumentBlock,
+    ImageBlock,
     Message,
     MessageParam,
     MessagesRequest,
     RedactedThinkingBlock,
     StreamEvent,
     TextBlock,
+    TextSource,
     ThinkingBlock,
     TokenCount,
     ToolAdditionBlock,
@@ -39,6 +55,7 @@ from gateway.core.messages_wire import (
     ToolResultBlock,
     ToolUseBlock,
     UnsupportedBlock,
+    UrlSource,
 )
 from gateway.core.pieces import Pieces
 from gateway.core.schemas import (
@@ -46,8 +63,12 @@ from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     EdgeHints,
+    FileData,
+    FilePart,
     FunctionCallIn,
     FunctionSpec,
+    ImageUrl,
+    ImageUrlPart,
     JsonSchemaSpec,
     NamedFunction,
     NamedToolChoice,
@@ -74,23 +95,80 @@ def _arguments(value: dict[str, Any]) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+Part = TextPart | ImageUrlPart | FilePart
+
+
+def _unsupported(where: str, what: str, param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{where}: {what} is not supported by this gateway",
+        param=param,
+        code="unsupported_content",
+    )
+
+
+def attachment_part(b: ImageBlock | DocumentBlock, where: str) -> ImageUrlPart | FilePart:
+    """An image or a document block as the chat content part intake reads."""
+    src = b.source
+    if isinstance(b, ImageBlock):
+        if isinstance(src, Base64Source):
+            url = f"data:{src.media_type};base64,{src.data}"
+        elif isinstance(src, UrlSource):
+            url = src.url
+        else:
+            raise _unsupported(
+                where, f"an image source of type '{src.type}'", f"{where}.source.type"
+            )
+        return ImageUrlPart(type="image_url", image_url=ImageUrl(url=url))
+    if b.context is not None:
+        raise _unsupported(where, "a document's context", f"{where}.context")
+    if b.citations is not None and b.citations.enabled:
+        raise _unsupported(where, "citations", f"{where}.citations")
+    if isinstance(src, Base64Source):
+        data = f"data:{src.media_type};base64,{src.data}"
+    elif isinstance(src, TextSource):
+        text = base64.b64encode(src.data.encode("utf-8")).decode("ascii")
+        data = f"data:text/plain;base64,{text}"
+    else:
+        what = f"a document source of type '{src.type}' (send the bytes as base64)"
+        raise _unsupported(where, what, f"{where}.source.type")
+    return FilePart(type="file", file=FileData(file_data=data, filename=b.title))
+
+
+def _result(b: ToolResultBlock, where: str) -> ChatMessage:
+    """A tool result as a tool turn: its text, and its images and documents where they
+    sit."""
+    prefix = "[error] " if b.is_error else ""
+    if not isinstance(b.content, list) or not any(
+        isinstance(c, ImageBlock | DocumentBlock) for c in b.content
+    ):
+        return ChatMessage(role="tool", content=prefix + b.text(), tool_call_id=b.tool_use_id)
+    parts: list[Part] = [TextPart(type="text", text=prefix)] if prefix else []
+    for k, c in enumerate(b.content):
+        if isinstance(c, TextBlock):
+            parts.append(TextPart(type="text", text=c.text))
+        elif isinstance(c, ImageBlock | DocumentBlock):
+            parts.append(attachment_part(c, f"{where}.content.{k}"))
+    return ChatMessage(role="tool", content=parts, tool_call_id=b.tool_use_id)
+
+
 def _user(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
-    """Append a user turn: its tool results as tool turns, then its text.  True when a
-    block of it carries a breakpoint."""
-    text: list[TextPart] = []
+    """Append a user turn: its tool results as tool turns, then its text, images and
+    documents.  True when a block of it carries a breakpoint."""
+    text: list[Part] = []
     marked = False
     for j, b in enumerate(m.blocks()):
         if isinstance(b, UnsupportedBlock):
             raise InvalidRequest(
                 f"{where}.content.{j}: '{b.type}' content is not supported by this gateway "
-                "(text, tool_use and tool_result are)",
+                "(text, image, document, tool_use and tool_result are)",
                 param=f"{where}.content.{j}.type",
                 code="unsupported_content",
             )
         if isinstance(b, ToolResultBlock):
-            prefix = "[error] " if b.is_error else ""
-            result = ChatMessage(role="tool", content=prefix + b.text(), tool_call_id=b.tool_use_id)
+            result = _result(b, f"{where}.content.{j}")
             turns.append(result.with_tool_changes(b.references()))  # a tool search's finds
+        elif isinstance(b, ImageBlock | DocumentBlock):
+            text.append(attachment_part(b, f"{where}.content.{j}"))
         elif isinstance(b, TextBlock):
             text.append(TextPart(type="text", text=b.text))
         else:
@@ -118,7 +196,7 @@ def _assistant(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
         elif isinstance(b, ToolUseBlock):
             fn = FunctionCallIn(name=b.name, arguments=_arguments(b.input))
             calls.append(ToolCallIn(id=b.id, function=fn))
-        elif isinstance(b, UnsupportedBlock | ToolResultBlock):
+        elif isinstance(b, UnsupportedBlock | ToolResultBlock | ImageBlock | DocumentBlock):
             raise InvalidRequest(
                 f"{where}.content.{j}: an assistant turn cannot carry '{b.type}' blocks",
                 param=f"{where}.content.{j}.type",

@@ -8,13 +8,17 @@ the last and the local engine's prefix cache keeps hitting).
 OpenAI's API.  Input items map onto chat turns: messages as they are, an
 assistant's ``function_call`` items onto its tool calls (``call_id`` is the
 chat call id), ``function_call_output`` items onto tool results; tools,
-``tool_choice`` and ``text.format`` onto their chat counterparts.  Answers come
-from the same chat path (targets, fallback, caching, verify-before-dispatch).
+``tool_choice`` and ``text.format`` onto their chat counterparts.  An
+``input_image`` (in a message or a call's output) becomes an ``image_url`` part
+with its ``detail``, an ``input_file`` a ``file`` part, where they sit, so the
+one intake reads them as it reads chat's.  Answers come from the same chat
+path (targets, fallback, caching, verify-before-dispatch).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -26,10 +30,13 @@ from gateway.core.errors import InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import ChatCompletion
 from gateway.core.pieces import Answer
 from gateway.core.responses_wire import (
+    ContentPart,
     CustomToolCallItem,
     CustomToolCallOutputItem,
     FunctionCallItem,
     FunctionCallOutputItem,
+    InputFile,
+    InputImage,
     Item,
     MessageItem,
     ResponseDeleted,
@@ -42,7 +49,12 @@ from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     EdgeHints,
+    FileData,
+    FilePart,
     FunctionCallIn,
+    ImageUrl,
+    ImageUrlPart,
+    TextPart,
     ToolCallIn,
 )
 from gateway.core.types import Principal, Routed, Served
@@ -59,9 +71,32 @@ from gateway.service.response_tools import (
     custom_arguments,
 )
 from gateway.sessions.store import ResponseRow, SessionStore
-from manifest.sessionlog import MessageEvent, fold, session_name
+from manifest.attachments import Attachment, AttachmentRef
+from manifest.sessionlog import MessageEvent, PartRef, fold, parts_of, session_name
 
 Ask = Callable[[ChatCompletionRequest, Principal, None, str | None], Awaitable[Routed[Any]]]
+
+
+def chat_content(
+    parts: str | Sequence[ContentPart | InputImage | InputFile],
+) -> str | list[TextPart | ImageUrlPart | FilePart]:
+    """A message's content or a call's output in chat's terms: text alone as a string, else
+    its parts in order, each image an ``image_url`` part and each file a ``file`` part."""
+    if isinstance(parts, str):
+        return parts
+    if all(isinstance(p, ContentPart) for p in parts):
+        return "".join(p.text for p in parts if isinstance(p, ContentPart))
+    out: list[TextPart | ImageUrlPart | FilePart] = []
+    for p in parts:
+        if isinstance(p, ContentPart):
+            out.append(TextPart(type="text", text=p.text))
+        elif isinstance(p, InputImage):
+            image = ImageUrl(url=p.image_url or "", detail=p.detail)
+            out.append(ImageUrlPart(type="image_url", image_url=image))
+        else:
+            file = FileData(file_data=p.file_data, filename=p.filename)
+            out.append(FilePart(type="file", file=file))
+    return out
 
 
 def chat_turns(items: Sequence[Item], tools: ResponseTools) -> list[ChatMessage]:
@@ -71,7 +106,7 @@ def chat_turns(items: Sequence[Item], tools: ResponseTools) -> list[ChatMessage]
     out: list[ChatMessage] = []
     for item in items:
         if isinstance(item, MessageItem):
-            out.append(ChatMessage(role=item.role, content=item.text()))
+            out.append(ChatMessage(role=item.role, content=chat_content(item.content)))
         elif isinstance(item, FunctionCallItem | CustomToolCallItem):
             if isinstance(item, FunctionCallItem):
                 args = item.arguments
@@ -85,16 +120,38 @@ def chat_turns(items: Sequence[Item], tools: ResponseTools) -> list[ChatMessage]
             else:
                 out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem | CustomToolCallOutputItem):
-            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.text()))
+            content = chat_content(item.output)
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=content))
     return out
 
 
-def logged_turn(m: MessageEvent) -> ChatMessage:
-    """A turn of the log as the chat request it was part of."""
+def _logged_part(
+    p: str | PartRef, attachments: Callable[[AttachmentRef], Attachment]
+) -> TextPart | ImageUrlPart | FilePart:
+    """A logged part with its object's bytes (verified by the store), taken in already."""
+    if isinstance(p, str):
+        return TextPart(type="text", text=p)
+    att = attachments(p.ref)
+    url = f"data:{p.ref.media_type};base64,{base64.b64encode(att.data).decode('ascii')}"
+    part: ImageUrlPart | FilePart
+    if p.ref.kind == "image":
+        part = ImageUrlPart(type="image_url", image_url=ImageUrl(url=url, detail=p.detail))
+    else:
+        part = FilePart(type="file", file=FileData(file_data=url, filename=p.title))
+    part.with_attachment(att)
+    return part
+
+
+def logged_turn(m: MessageEvent, attachments: Callable[[AttachmentRef], Attachment]) -> ChatMessage:
+    """A turn of the log as the chat request it was part of (its images and documents
+    from the attachments store, ``attachments``, verified: a missing or corrupt object
+    fails naming its digest)."""
+    parts = parts_of(m)
+    content: Any = [_logged_part(p, attachments) for p in parts] if parts else m.content
     msg = ChatMessage.model_validate(
         {
             "role": m.role,
-            "content": m.content,
+            "content": content,
             "name": m.name,
             "tool_calls": json.loads(m.tool_calls) if m.tool_calls else None,
             "tool_call_id": m.tool_call_id,
@@ -176,7 +233,9 @@ class Responses:
             row = await self._stored(req.previous_response_id, who, "previous_response_id")
             session = session_name(row.session_id)  # the name the chat path scopes again
             events = await asyncio.to_thread(self._store.events, row.session_id, row.seq)
-            messages += [logged_turn(m) for m in fold(e for _, e in events).messages]
+            logged = fold(e for _, e in events).messages
+            get = self._store.attachments.get  # read off the event loop, with the events
+            messages += await asyncio.to_thread(lambda: [logged_turn(m, get) for m in logged])
         messages += chat_turns(req.items(), tools)
         fields = {
             "model": req.model,

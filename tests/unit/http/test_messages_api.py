@@ -286,10 +286,11 @@ def test_errors_in_anthropic_shape(gw: tuple[FakeEngine, TestClient]) -> None:
         },
         "request_id": r.headers["request-id"],
     }
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
-    r = _error(http, {**ok, "messages": [{"role": "user", "content": [image]}]})
+    found = {"type": "search_result", "source": "s", "title": "t", "content": []}
+    r = _error(http, {**ok, "messages": [{"role": "user", "content": [found]}]})
     assert (
-        r.status_code == 400 and "'image' content is not supported" in r.json()["error"]["message"]
+        r.status_code == 400
+        and "'search_result' content is not supported" in r.json()["error"]["message"]
     )
     long = {**ok, "messages": [{"role": "user", "content": "word " * 4000}]}
     r = _error(http, long)
