@@ -27,6 +27,9 @@ from engines.base import Engine
 from engines.providers.specs import adapter_for
 from engines.providers.transport import Transport
 from engines.tokenizer import ChatTokenizer, ThreadCopies
+from gateway.batches.runner import BatchRunner
+from gateway.batches.send import ServiceSender
+from gateway.batches.store import BatchStore
 from gateway.core.config import Settings
 from gateway.core.loop_watch import LoopWatch, freeze_startup_heap
 from gateway.core.metrics import MULTIPROC_ENV, Metrics
@@ -38,10 +41,13 @@ from gateway.http.errors import install_error_handlers
 from gateway.http.middleware import BodyLimitMiddleware, RequestMetricsMiddleware, ServerLoad
 from gateway.http.openapi import install_openapi
 from gateway.http.routes import (
+    batches,
     cache,
     chat,
     completions,
+    files,
     health,
+    message_batches,
     messages,
     models,
     responses,
@@ -265,6 +271,7 @@ class Gateway:
     governor: LocalGovernor | None
     session_log: SessionLog | None
     grpc: list[GrpcServer]  # the gRPC server, while the lifespan runs one
+    batches: BatchRunner  # the batch APIs' runner, over its store
 
 
 def lifespan(g: Gateway) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
@@ -318,10 +325,11 @@ def lifespan(g: Gateway) -> Callable[[FastAPI], contextlib.AbstractAsyncContextM
             retention = asyncio.create_task(
                 _retain_forever(settings, g.session_log), name="session-retention"
             )
+        batch_runner = asyncio.create_task(g.batches.run(), name="batch-runner")
         try:
             yield
         finally:
-            for task in (retention, *steering):
+            for task in (retention, batch_runner, *steering):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -341,6 +349,7 @@ def lifespan(g: Gateway) -> Callable[[FastAPI], contextlib.AbstractAsyncContextM
                 await g.providers.close()
             if g.session_log is not None:
                 g.session_log.close()
+            g.batches.store.close()
             g.tracing.shutdown()
 
     return span
@@ -445,6 +454,9 @@ def create_app(
         attach_spans=attach_spans,
     )
     keyring = KeyRing(settings.api_keys)
+    log_cfg = settings.session_log  # batches live on the session log's database
+    batch_store = BatchStore.beside(log_cfg.db_path(settings.data_dir), log_cfg.fsync, log_cfg.url)
+    batch_runner = BatchRunner(batch_store, ServiceSender(service))
     gateway = Gateway(
         settings,
         metrics,
@@ -460,6 +472,7 @@ def create_app(
         governor,
         session_log,
         grpc_servers,
+        batch_runner,
     )
 
     # the edges
@@ -480,10 +493,11 @@ def create_app(
     state.cache = cache_ops
     state.health = Health(supervisor, service, _store_probes(settings, session_log, bus))
     state.server_load = ServerLoad()
+    state.batches, state.batch_runner = batch_store, batch_runner
     install_error_handlers(app, metrics)
     install_openapi(app)
     routers = (health, models, chat, completions, responses, messages, cache, tokenize)
-    for r in (m.router for m in (*routers, sagemaker)):
+    for r in (m.router for m in (*routers, files, batches, message_batches, sagemaker)):
         app.include_router(r)
     app.add_middleware(
         BodyLimitMiddleware,
