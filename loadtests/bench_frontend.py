@@ -30,9 +30,13 @@ and requests/s, and each gateway's ratios to vLLM's.  ``--workers N``:
 N --api-server-count N``.
 
 ``--profile``: after the measured rounds, one more slice per server and load
-(``--profile-loads``) with py-spy sampling the frontend process (``--nonblocking``:
-the process is never paused); the top functions by cumulative and by own share of
-the samples, and each share as µs per output token of that slice's CPU.
+(``--profile-loads``, ``--profile-requests``) with py-spy sampling the frontend
+process at 100 Hz, every thread (paused for each sample: ``--nonblocking`` read
+the gateway's stacks torn, half its samples with no Python frame above the
+loop); the top functions by cumulative and by own share of the samples, each
+share as µs per output token and ms per request of that slice's CPU, the shares
+by thread and by file.  ``--profile-native``: py-spy's ``--native`` too (C
+frames: the event loop's, the socket writes).
 
 Prints a table and writes JSON (``--out``, default ``.bench/bench_frontend.json``;
 the py-spy stacks beside it).  Each slice records the host's load average, so a
@@ -544,12 +548,13 @@ def demo_model(data_dir: Path) -> Path:
 
 
 def _profile(
-    server: Server, load_name: str, ids: range, systems: Sequence[str], out: Path
+    server: Server, load_name: str, ids: range, systems: Sequence[str], out: Path, native: bool
 ) -> tuple[Slice, list[str]]:
     """One slice with py-spy sampling the frontend process; its collapsed stacks."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     raw = out / f"pyspy-{server.name}-{load_name}.txt"
-    cmd = [spy, "record", "--pid", str(server.pid), "--rate", "200", "--nonblocking", "--threads"]
+    cmd = [spy, "record", "--pid", str(server.pid), "--rate", "100", "--threads"]
+    cmd += ["--native"] if native else []
     proc = subprocess.Popen(
         [*cmd, "--format", "raw", "-o", str(raw)],
         stdout=subprocess.DEVNULL,
@@ -632,7 +637,8 @@ def _profiles(
     size = args.profile_requests
     for name in args.profile_loads.split(","):
         for s in servers:
-            got, collapsed = _profile(s, name, range(n, n + size), systems, args.out.parent)
+            ids = range(n, n + size)
+            got, collapsed = _profile(s, name, ids, systems, args.out.parent, args.profile_native)
             n += size
             row = summarize([got])
             text = profile_text(
@@ -703,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="gateway workers = replicas")
     ap.add_argument("--profile", action="store_true", help="py-spy each frontend after")
     ap.add_argument("--profile-loads", default="streamed")
+    ap.add_argument("--profile-native", action="store_true", help="py-spy --native")
     ap.add_argument("--profile-requests", type=int, default=192, help="per profiled slice")
     ap.add_argument(
         "--checkout",
