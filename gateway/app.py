@@ -65,6 +65,7 @@ from gateway.local.supervisor import AttachSpans, Supervisor
 from gateway.providers.book import ProviderCacheBook
 from gateway.providers.control import Control
 from gateway.providers.path import ProviderPath
+from gateway.service.attachment_intake import AttachmentIntake
 from gateway.service.auth import KeyRing
 from gateway.service.cache import CacheService
 from gateway.service.chat import GatewayService, ServiceParts, chat_targets, text_targets
@@ -234,7 +235,10 @@ def gateway_service(
     the text loop, one journal over ``session_log``."""
     completions = LocalCompletions(local)
     journal = Journal(session_log)
-    loop = ServiceLoop(journal, metrics, chat_targets(local, providers), settings.routing)
+    objects = session_log.store.attachments if session_log is not None else None
+    intake = AttachmentIntake(settings.attachments, objects)  # images: decoded, stored
+    chat = chat_targets(local, providers)
+    loop = ServiceLoop(journal, metrics, chat, settings.routing, intake=intake)
     text_loop = ServiceLoop(journal, metrics, text_targets(completions), settings.routing)
     local_name = settings.model_name if local.dispatcher.replicas else None
     targets = Targets(local_name, settings.aliases, list(settings.providers))
