@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engines.providers import image_tokens
 from engines.providers.base import (
     Answer,
     Attached,
@@ -24,6 +25,7 @@ from engines.providers.base import (
     base64_of,
     document_text,
     forced_tool,
+    media_spans,
 )
 from engines.providers.errors import ProviderUnavailable, from_status
 from engines.sse import ServerSentEvent
@@ -215,7 +217,9 @@ class AnthropicAdapter:
             body["context_management"] = dict(call.context_management)
         if call.safeguards is not None:
             body["safeguards"] = [dict(s) for s in call.safeguards]
-        return Rendered("/messages", canonical_json(body), prompt, ends, bool(body.get("stream")))
+        media = media_spans(prompt, call.turns, lambda a: image_tokens.anthropic(a.attachment.ref))
+        stream = bool(body.get("stream"))
+        return Rendered("/messages", canonical_json(body), prompt, ends, stream, media)
 
     def parse(self, body: Any) -> Answer:
         content = body.get("content", [])

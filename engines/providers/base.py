@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -208,12 +208,56 @@ class CacheDirectives:
 
 
 @dataclass(frozen=True)
+class MediaSpan:
+    """Where an image's (or a document's) base64 sits in a render's ``prompt``, and the
+    tokens the provider counts for it (:mod:`engines.providers.image_tokens`), which
+    its bytes are no measure of."""
+
+    start: int
+    end: int
+    tokens: int
+
+
+def media_spans(
+    prompt: bytes, turns: Sequence[Turn], weigh: Callable[[Attached], int]
+) -> tuple[MediaSpan, ...]:
+    """Each attachment's base64 in ``prompt``, in order (an adapter renders them in turn
+    order), weighed by ``weigh``; one an adapter wrote otherwise (a text document as
+    its text) is text, and not a span."""
+    out: list[MediaSpan] = []
+    cursor = 0
+    for t in turns:
+        for a in t.attached():
+            needle = base64_of(a.attachment).encode("ascii")
+            at = prompt.find(needle, cursor)
+            if at < 0:
+                continue
+            cursor = at + len(needle)
+            out.append(MediaSpan(at, cursor, weigh(a)))
+    return tuple(out)
+
+
+def estimate_tokens(end: int, media: Sequence[MediaSpan]) -> int:
+    """The tokens of ``prompt[:end]``: text at 4 bytes a token, each image in it as the
+    provider counts it."""
+    text, images = end, 0
+    for s in media:
+        if s.start >= end:
+            break
+        text -= min(s.end, end) - s.start
+        if s.end <= end:
+            images += s.tokens
+    return -(-text // 4) + images
+
+
+@dataclass(frozen=True)
 class Rendered:
     path: str  # relative to the provider's base URL
     body: bytes = field(repr=False)
     prompt: bytes = field(repr=False)  # the prompt blocks, in the provider's prefix order
     segment_ends: Mapping[str, int] = field(default_factory=dict)  # key → end offset in prompt
     stream: bool = False
+    media: tuple[MediaSpan, ...] = ()  # the images in ``prompt``, as the provider counts them
 
 
 @dataclass(frozen=True)

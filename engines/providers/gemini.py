@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engines.base import call_id
+from engines.providers import image_tokens
 from engines.providers.base import (
     Answer,
     Attached,
@@ -24,6 +25,7 @@ from engines.providers.base import (
     Turn,
     base64_of,
     forced_tool,
+    media_spans,
     system_text,
 )
 from engines.providers.errors import ProviderUnavailable
@@ -201,7 +203,8 @@ class GeminiAdapter:
             body["generationConfig"] = config
         action = "streamGenerateContent?alt=sse" if call.stream else "generateContent"
         path = f"/models/{call.model}:{action}"
-        return Rendered(path, canonical_json(body), prompt, ends, call.stream)
+        media = media_spans(prompt, call.turns, lambda a: image_tokens.gemini(a.attachment.ref))
+        return Rendered(path, canonical_json(body), prompt, ends, call.stream, media)
 
     def render_cache(self, call: ChatCall, ttl_s: int) -> Rendered:
         """``POST /cachedContents`` holding the system segment (the anchor)."""

@@ -12,6 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from engines.providers import image_tokens
 from engines.providers.base import (
     Answer,
     Attached,
@@ -26,6 +27,7 @@ from engines.providers.base import (
     data_url,
     document_text,
     effective_effort,
+    media_spans,
     system_text,
 )
 from engines.providers.errors import ProviderBadRequest, ProviderUnavailable
@@ -171,7 +173,10 @@ class OpenAIAdapter:
         effort = effective_effort(call.effort, (t.control for t in call.turns))
         if effort is not None and self.takes_effort:
             body["reasoning_effort"] = OPENAI_EFFORT.get(effort, effort)
-        return Rendered("/chat/completions", canonical_json(body), prompt, ends, call.stream)
+        media = media_spans(
+            prompt, call.turns, lambda a: image_tokens.openai(a.attachment.ref, a.detail)
+        )
+        return Rendered("/chat/completions", canonical_json(body), prompt, ends, call.stream, media)
 
     def usage(self, u: dict[str, Any]) -> ProviderUsage:
         details = u.get("prompt_tokens_details") or {}

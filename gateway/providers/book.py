@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engines.providers.base import ProviderUsage
+from engines.providers.base import MediaSpan, ProviderUsage, estimate_tokens
 from gateway.core.facts import Publish, no_one
 from manifest.belief import Telemetry, WarmthBelief
 from manifest.canonical import SegmentKind
@@ -60,8 +60,16 @@ class PromptView:
 
     @classmethod
     def of(
-        cls, target: str, salt: str, prompt: bytes, ends: dict[str, int], keys: list[str]
+        cls,
+        target: str,
+        salt: str,
+        prompt: bytes,
+        ends: dict[str, int],
+        keys: list[str],
+        media: tuple[MediaSpan, ...] = (),
     ) -> PromptView:
+        """``media``: the images in ``prompt``, each counted as the provider counts it
+        (its base64 is no measure), the rest 4 bytes a token."""
         head = f"{salt}\0{target}\0".encode()
         byte_ends = tuple(ends[k] for k in keys)
         digests = prefix_digests(prompt, byte_ends, head)
@@ -70,7 +78,7 @@ class PromptView:
             prompt,
             tuple(keys),
             byte_ends,
-            tuple(-(-e // 4) for e in byte_ends),
+            tuple(estimate_tokens(e, media) for e in byte_ends),
             tuple(digests[e] for e in byte_ends),
         )
 

@@ -128,7 +128,12 @@ class ProviderPath:
         token estimates and digests."""
         plain = t.client.adapter.render(call, CacheDirectives())
         return PromptView.of(
-            t.name, tenant, plain.prompt, dict(plain.segment_ends), call.segment_keys()
+            t.name,
+            tenant,
+            plain.prompt,
+            dict(plain.segment_ends),
+            call.segment_keys(),
+            plain.media,
         )
 
     @staticmethod

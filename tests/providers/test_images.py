@@ -8,6 +8,7 @@ whose first target cannot see skips it."""
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import io
 from collections.abc import Iterator
@@ -264,3 +265,66 @@ def test_previous_response_id_carries_the_image_from_the_store(gw: Gw) -> None:
     # the history's image, rebuilt from the attachments store, went again byte for byte
     assert [(m["sha256"], m["detail"]) for m in media(gw)] == [(sha(RED), "high")] * 2
     assert second.usage is not None and second.usage.input_tokens_details.cached_tokens > 0
+
+
+@functools.cache
+def screenshot(n: int) -> bytes:
+    """The n-th screenshot: noise PNG compresses no better than a real screen's detail
+    (its base64 is hundreds of times what a provider counts for it), the same each time
+    it is asked for."""
+    pixels = bytes((i * 7919 + n * 31) % 251 for i in range(320 * 200 * 3))
+    out = io.BytesIO()
+    Image.frombytes("RGB", (320, 200), pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def agent_turns(upto: int, answers: list[str]) -> list[Any]:
+    """An agent's conversation through turn ``upto``: a screenshot in every fifth turn;
+    after the tenth, every screenshot but the latest stripped (replaced by a note)."""
+    out: list[Any] = [{"role": "system", "content": MANUAL}]
+    shots = [i for i in range(upto + 1) if i % 5 == 0]
+    for i in range(upto + 1):
+        content: list[Any] = [{"type": "text", "text": f"Step {i}: what next?"}]
+        if i in shots:
+            if upto > 10 and i != shots[-1]:
+                content.append({"type": "text", "text": "[screenshot removed]"})
+            else:
+                url = data_url(screenshot(i), "image/png")
+                content.append({"type": "image_url", "image_url": {"url": url}})
+        out.append({"role": "user", "content": content})
+        if i < upto:
+            out.append({"role": "assistant", "content": answers[i]})
+    return out
+
+
+ANTHROPIC_CALIBRATION = pytest.mark.xfail(
+    strict=True,
+    reason="the turn that strips screenshots reads only the system prompt, and the "
+    "ledger's one prompt-wide calibration (provider tokens / estimated tokens) scales "
+    "the system's estimate past the read by Anthropic's per-block framing: a false warm",
+)
+
+
+@pytest.mark.parametrize(
+    "provider", [pytest.param("anthropic", marks=ANTHROPIC_CALIBRATION), "openai", "gemini"]
+)
+def test_agent_screenshots_stripped_credit_exactly_what_was_served(gw: Gw, provider: str) -> None:
+    """A screenshot every fifth turn, the older ones stripped after the tenth: each read is
+    what the emulator served, and the ledger credits all of it, verified."""
+    model = f"{provider}/{MODELS[provider]}"
+    client = gw.client()
+    answers: list[str] = []
+    served = 0
+    for turn in range(15):
+        before = reads(gw, provider)
+        c = client.chat.completions.create(
+            model=model, messages=agent_turns(turn, answers), max_tokens=6
+        )
+        answers.append(c.choices[0].message.content or "ok")
+        assert c.usage is not None and c.usage.prompt_tokens_details is not None
+        cached = c.usage.prompt_tokens_details.cached_tokens or 0
+        assert cached == reads(gw, provider) - before
+        served += cached
+    st = gw.stats()[model]
+    assert st["cached_tokens"] == served > 0
+    assert (st["credited_tokens"], st["unverified_tokens"], st["false_warm"]) == (served, 0, 0)

@@ -14,13 +14,22 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from engines.providers import image_tokens
 from engines.providers.anthropic import AnthropicAdapter
-from engines.providers.base import Attached, CacheDirectives, ChatCall, ToolCall, Turn
+from engines.providers.base import (
+    Attached,
+    CacheDirectives,
+    ChatCall,
+    ToolCall,
+    Turn,
+    estimate_tokens,
+)
 from engines.providers.errors import ProviderBadRequest
 from engines.providers.gemini import GeminiAdapter
 from engines.providers.openai import DeepSeekAdapter, OpenAIAdapter
 from engines.providers.specs import PROVIDERS, sees
-from manifest.attachments import Attachment
+from gateway.providers.book import PromptView
+from manifest.attachments import Attachment, AttachmentRef
 
 
 def png(w: int, h: int, color: tuple[int, int, int] = (200, 10, 10)) -> bytes:
@@ -211,3 +220,39 @@ def test_deepseek_does_not_see() -> None:
     assert sees("anthropic") and sees("openai") and sees("gemini")
     with pytest.raises(ProviderBadRequest, match="messages\\[0\\]"):
         DeepSeekAdapter().render(call(user_with_images()), CacheDirectives())
+
+
+def test_image_token_rules() -> None:
+    def ref(w: int, h: int) -> AttachmentRef:
+        return AttachmentRef("0" * 64, "image/png", 10, w, h)
+
+    assert image_tokens.anthropic(ref(300, 200)) == 80  # ceil(60000 / 750)
+    assert image_tokens.anthropic(ref(3000, 1500)) == pytest.approx(1600, abs=1)
+    assert image_tokens.openai(ref(1024, 1024), "high") == 765
+    assert image_tokens.openai(ref(2048, 4096), None) == 1105
+    assert image_tokens.openai(ref(4096, 4096), "low") == 85
+    assert image_tokens.gemini(ref(384, 300)) == 258
+    assert image_tokens.gemini(ref(1600, 900)) == 258 * 6
+    assert image_tokens.anthropic(DOC.ref) == -(-len(PDF) // 4)  # a PDF: as its bytes
+
+
+def test_renders_say_where_images_sit_and_what_they_cost() -> None:
+    """The planner's estimate counts an image as the provider does, not as its base64."""
+    for adapter, cost in (
+        (AnthropicAdapter(), image_tokens.anthropic(PNG.ref)),
+        (OpenAIAdapter(), image_tokens.openai(PNG.ref, "high")),
+        (GeminiAdapter(), image_tokens.gemini(PNG.ref)),
+    ):
+        t = Turn("user", "a", parts=("a", Attached(PNG, detail="high"), "b"))
+        r = adapter.render(call(t), CacheDirectives())
+        (span,) = r.media
+        b64 = base64.b64encode(PNG.data)
+        assert r.prompt[span.start : span.end] == b64 and span.tokens == cost
+        end = r.segment_ends["message:0"]
+        text = end - len(b64)
+        assert estimate_tokens(end, r.media) == -(-text // 4) + cost
+        assert estimate_tokens(span.start, r.media) == -(-span.start // 4)
+        view = PromptView.of(
+            "x", "t", r.prompt, dict(r.segment_ends), ["system", "message:0"], r.media
+        )
+        assert view.tokens[-1] == -(-text // 4) + cost
