@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from gateway.core.config import AttachmentSettings
@@ -422,3 +424,29 @@ def test_a_direct_serve_on_the_local_target_refuses_images_by_name() -> None:
     with pytest.raises(InvalidRequest) as e:
         asyncio.run(main())
     assert e.value.param == "messages[1].content[1]"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    url=st.one_of(
+        st.text(min_size=1, max_size=80),
+        st.builds(lambda s: "data:" + s, st.text(max_size=80)),
+        st.builds(lambda s: "data:image/png;base64," + s, st.text(max_size=80)),
+        st.builds(lambda s: "https://" + s, st.text(max_size=40)),
+    ),
+    as_file=st.booleans(),
+)
+def test_any_url_or_file_data_is_taken_or_refused_in_the_api_s_terms(
+    url: str, as_file: bool
+) -> None:
+    """What the contract fuzzer may send: never anything but an answer or an APIError."""
+    part = {"type": "file", "file": {"file_data": url, "filename": "f"}} if as_file else image(url)
+    req = request(part)
+    intake = AttachmentIntake(
+        AttachmentSettings(fetch_hosts=["img.example"]), Recording(), served({})
+    )
+    try:
+        asyncio.run(intake.take(req))
+    except APIError as exc:
+        assert exc.status in (400, 413) and exc.param is not None
+        assert exc.param.startswith("messages[1].content[1]")
