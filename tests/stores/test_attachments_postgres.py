@@ -13,6 +13,7 @@ from tests.unit.sessions.test_attachments import (
     test_an_image_request_rebuilds_byte_for_byte_and_a_flipped_object_fails,
     test_objects_are_shared_by_two_stores_and_follow_retention,
     test_put_is_idempotent_and_get_verifies,
+    test_the_next_turn_through_another_gateway_rebuilds_from_the_shared_store,
     test_turn_parts_carry_the_verified_bytes_in_order,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "test_an_image_request_rebuilds_byte_for_byte_and_a_flipped_object_fails",
     "test_objects_are_shared_by_two_stores_and_follow_retention",
     "test_put_is_idempotent_and_get_verifies",
+    "test_the_next_turn_through_another_gateway_rebuilds_from_the_shared_store",
     "test_turn_parts_carry_the_verified_bytes_in_order",
 ]

@@ -21,7 +21,7 @@ from PIL import Image
 from engines.providers.base import Attached, CacheDirectives
 from engines.providers.specs import adapter_for
 from gateway.core.config import AttachmentSettings, Settings
-from gateway.core.schemas import ChatCompletionRequest
+from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.service.attachment_intake import AttachmentIntake
 from gateway.session_cli import replay
 from gateway.sessions.attachments import FileAttachments, SqlAttachments
@@ -298,3 +298,38 @@ def test_an_image_request_rebuilds_byte_for_byte_and_a_flipped_object_fails(
         store.attachments.put(PNG)  # the object whole again: replay matches
         assert replay(settings, store.path, "req-1", quiet=True) == 0
         assert "match: the log rebuilds what was sent" in capsys.readouterr().out
+
+
+def test_the_next_turn_through_another_gateway_rebuilds_from_the_shared_store(
+    make_store: MakeStore,
+) -> None:
+    """The image is sent through gateway A (stored there), the next turn through B: B's
+    verify rebuilds both turns' image from the store the gateways share (B's own intake
+    here stores nothing, so only A's object can serve it)."""
+    target = "anthropic/claude-x"
+    a_store, b_store = make_store(), make_store()
+    a = SessionLog(a_store, Reconstructor(adapter_for, lambda: None), verify=True)
+    b = SessionLog(b_store, Reconstructor(adapter_for, lambda: None), verify=True)
+    first = image_request(PNG.data)
+    asyncio.run(AttachmentIntake(AttachmentSettings(), a_store.attachments).take(first))
+    header, turns, body = sent(first, target)
+
+    async def turn(log: SessionLog, rid: str, turns: tuple[MessageEvent, ...], body: bytes) -> str:
+        op = log.open("t", header, turns)
+        await log.dispatch(op, rid, target, "provider", {}, body)
+        await log.respond(op, rid, "a red square", {"prompt_tokens": 1})
+        assert op.session_id is not None
+        return op.session_id
+
+    sid = asyncio.run(turn(a, "req-a", turns, body))
+    second = image_request(PNG.data)
+    second.messages += [
+        ChatMessage(role="assistant", content="a red square"),
+        ChatMessage(role="user", content="and its size?"),
+    ]
+    asyncio.run(AttachmentIntake(AttachmentSettings(), None).take(second))  # B stores nothing
+    _, turns2, body2 = sent(second, target)
+    assert asyncio.run(turn(b, "req-b", turns2, body2)) == sid  # the same conversation
+    assert b.verified == 1  # rebuilt through B, the image read from A's object
+    row = b_store.request("req-b")
+    assert row is not None and b.rebuild(row.session_id, row.seq)[1] == body2
