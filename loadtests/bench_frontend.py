@@ -369,11 +369,44 @@ def by_thread(collapsed: Iterable[str]) -> list[tuple[str, float]]:
     return [(t, c / total) for t, c in threads.most_common()] if total else []
 
 
+def thread_cpu(
+    before: Mapping[int, float], after: Mapping[int, float], names: Mapping[int, str]
+) -> list[tuple[str, float]]:
+    """Each thread's share of the CPU the process spent between two readings of its
+    threads' CPU seconds (by thread id; from ``/proc``), named as py-spy named it (a thread
+    it never saw in Python, e.g. a native library's, by its id), largest first."""
+    spent = {tid: cpu - before.get(tid, 0.0) for tid, cpu in after.items()}
+    total = sum(v for v in spent.values() if v > 0)
+    shares: dict[str, float] = {}
+    for tid, v in spent.items():
+        if v > 0:
+            name = names.get(tid, f"thread {tid}")
+            shares[name] = shares.get(name, 0.0) + v / total
+    return sorted(shares.items(), key=lambda x: -x[1])
+
+
+def thread_names(collapsed: Iterable[str]) -> dict[int, str]:
+    """The thread ids and names of py-spy's ``--threads`` stacks."""
+    out: dict[int, str] = {}
+    for frames, _ in stacks(collapsed):
+        m = re.match(r"thread \((\d+)\): (.*)", frames[0])
+        if m:
+            out[int(m.group(1))] = m.group(2)
+    return out
+
+
 def profile_text(
-    name: str, load: str, collapsed: list[str], us_per_token: float, ms_per_request: float
+    name: str,
+    load: str,
+    collapsed: list[str],
+    us_per_token: float,
+    ms_per_request: float,
+    threads: Sequence[tuple[str, float]] = (),
 ) -> str:
     """The top functions of one profiled slice, each share also as CPU per output token
-    and per request of that slice; the shares by thread and by file."""
+    and per request of that slice; the shares by thread (of the CPU, ``threads``, and of
+    the samples: a thread ready to run but waiting for a core is sampled too) and by
+    file."""
     total, costs = top_costs(collapsed)
     lines = [
         f"{name}, {load}: {total} samples; frontend CPU {us_per_token:.0f} µs per output "
@@ -385,8 +418,10 @@ def profile_text(
             f"{c.cumulative * 100:>6.1f}{c.own * 100:>7.1f}{c.cumulative * us_per_token:>8.1f}"
             f"{c.cumulative * ms_per_request:>8.2f}  {c.function}"
         )
-    lines.append("by thread:")
-    lines += [f"{share * 100:>6.1f}  {t}" for t, share in by_thread(collapsed)]
+    sampled = dict(by_thread(collapsed))
+    lines.append(f"{'CPU %':>6}{'samples %':>10}  thread")
+    for t, share in threads or [(t, float("nan")) for t in sampled]:
+        lines.append(f"{share * 100:>6.1f}{sampled.get(t, 0.0) * 100:>10.1f}  {t}")
     lines.append("own share by file:")
     lines += [f"{share * 100:>6.1f}  {path}" for path, share in own_by_file(collapsed)]
     return "\n".join(lines)
@@ -547,10 +582,15 @@ def demo_model(data_dir: Path) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def _threads(pid: int) -> dict[int, float]:
+    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
+
+
 def _profile(
     server: Server, load_name: str, ids: range, systems: Sequence[str], out: Path, native: bool
-) -> tuple[Slice, list[str]]:
-    """One slice with py-spy sampling the frontend process; its collapsed stacks."""
+) -> tuple[Slice, list[str], list[tuple[str, float]]]:
+    """One slice with py-spy sampling the frontend process: the slice, the collapsed
+    stacks, each thread's share of the CPU."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     raw = out / f"pyspy-{server.name}-{load_name}.txt"
     cmd = [spy, "record", "--pid", str(server.pid), "--rate", "100", "--threads"]
@@ -561,10 +601,13 @@ def _profile(
         stderr=subprocess.DEVNULL,
     )
     time.sleep(1.0)  # py-spy attached
+    before = _threads(server.pid)
     got = asyncio.run(_slice(server, LOADS[load_name], ids, systems))
+    after = _threads(server.pid)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
-    return got, raw.read_text().splitlines() if raw.exists() else []
+    collapsed = raw.read_text().splitlines() if raw.exists() else []
+    return got, collapsed, thread_cpu(before, after, thread_names(collapsed))
 
 
 def _room(gib: float) -> None:
@@ -638,11 +681,13 @@ def _profiles(
     for name in args.profile_loads.split(","):
         for s in servers:
             ids = range(n, n + size)
-            got, collapsed = _profile(s, name, ids, systems, args.out.parent, args.profile_native)
+            got, collapsed, threads = _profile(
+                s, name, ids, systems, args.out.parent, args.profile_native
+            )
             n += size
             row = summarize([got])
             text = profile_text(
-                s.name, name, collapsed, row.cpu_us_per_token, row.cpu_ms_per_request
+                s.name, name, collapsed, row.cpu_us_per_token, row.cpu_ms_per_request, threads
             )
             print(text, flush=True)
             total, costs = top_costs(collapsed)
@@ -651,7 +696,8 @@ def _profiles(
                 "cpu_us_per_token": row.cpu_us_per_token,
                 "cpu_ms_per_request": row.cpu_ms_per_request,
                 "top": [asdict(c) for c in costs],
-                "by_thread": by_thread(collapsed),
+                "thread_cpu": threads,
+                "thread_samples": by_thread(collapsed),
                 "own_by_file": own_by_file(collapsed),
                 "text": text,
             }

@@ -23,6 +23,8 @@ from loadtests.bench_frontend import (
     summarize,
     system_prompts,
     table,
+    thread_cpu,
+    thread_names,
     top_costs,
 )
 
@@ -125,6 +127,15 @@ def test_threads_are_stack_roots_and_not_functions() -> None:
     total, costs = top_costs(threaded)
     assert total == 10 and not any(c.function.startswith("thread") for c in costs)
     assert by_thread(STACKS[:1]) == [("?", 1.0)]
+    assert thread_names(threaded) == {11: "MainThread", 12: "render"}
+
+
+def test_thread_cpu_is_each_threads_share_named_by_py_spy() -> None:
+    before = {11: 10.0, 12: 1.0, 13: 0.5}
+    after = {11: 10.6, 12: 1.3, 13: 0.6, 14: 0.0}  # 14 started and idle: no share
+    shares = thread_cpu(before, after, {11: "MainThread", 12: "render"})
+    assert [t for t, _ in shares] == ["MainThread", "render", "thread 13"]
+    assert [round(v, 3) for _, v in shares] == [0.6, 0.3, 0.1]
 
 
 def test_engine_processes_are_not_the_frontends() -> None:
