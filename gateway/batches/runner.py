@@ -9,7 +9,9 @@ anchor's siblings go together, and each item waits until the item it is ``after`
 (the one that computes the deepest prefix it shares) has ended before it is sent,
 so its siblings read that prefix from cache (send-one-then-fan, shared/seeds/001
 §8).  At most ``concurrency`` items run at once over all batches; each goes through
-the :class:`Sender` (the service path, at the ``batch`` priority).
+the :class:`Sender` (the service path, at the ``batch`` priority); an item refused for
+load (429, 503: the queue full for batch requests, an engine still starting) is sent
+again after its ``Retry-After`` (:func:`retry_delay`), so load never fails an item.
 
 Items are claimed in the store for ``lease_s`` seconds, renewed every third of it
 while they run; an item's result is written before it counts as done.  So a restart
@@ -40,6 +42,17 @@ from gateway.core.types import Principal
 from manifest.prefix_dag import PrefixDag
 
 log = logging.getLogger(__name__)
+
+
+RETRY_CAP_S = 30.0
+
+
+def retry_delay(retry_after_s: float | None, attempt: int, cap_s: float = RETRY_CAP_S) -> float:
+    """How long an item refused for load waits before it is sent again: the refusal's
+    ``Retry-After`` when it gave one, else 0.5 s doubling per attempt; at most ``cap_s``."""
+    if retry_after_s is not None:
+        return min(cap_s, max(0.0, retry_after_s))
+    return min(cap_s, 0.5 * 2.0**attempt)
 
 
 class BatchRunner:
@@ -174,7 +187,13 @@ class BatchRunner:
         done: asyncio.Event,
     ) -> None:
         try:
-            out = await self._send(endpoint, body, who)
+            attempt = 0
+            while (out := await self._send(endpoint, body, who)).retryable:
+                if await asyncio.to_thread(self._store.status, bid) != "in_progress":
+                    await asyncio.to_thread(self._store.drop, bid, idx, self.owner)
+                    return  # cancelled while it waited to be sent again
+                await asyncio.sleep(retry_delay(out.retry_after_s, attempt))
+                attempt += 1
             kept = await asyncio.to_thread(
                 self._store.finish,
                 bid,

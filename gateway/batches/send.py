@@ -9,7 +9,9 @@ tenant and key at the ``batch`` priority, the lowest: interactive and default
 requests go first (admission keeps room for them; vLLM schedules them ahead).
 
 What comes back is an :class:`Outcome`: the answer's body and usage, or the error as
-the gateway would have answered it; nothing here raises but a cancellation.
+the gateway would have answered it (a refusal for load is ``retryable``: the runner
+sends the item again after the ``Retry-After``); nothing here raises but a
+cancellation.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ CHAT, COMPLETIONS, RESPONSES, MESSAGES = (
     "/v1/messages",
 )
 OPENAI_ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
+RETRYABLE = (429, 503)
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,17 @@ class Outcome:
     body: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     usage: Totals = field(default_factory=Totals)
+    retry_after_s: float | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def retryable(self) -> bool:
+        """Refused for load (the queue full, a rate limit, an engine starting): the
+        item is sent again later rather than failed."""
+        return self.status_code in RETRYABLE
 
     def result(self) -> dict[str, Any]:
         """What the store keeps of it."""
@@ -142,7 +152,7 @@ class ServiceSender:
             err = invalid_request_from(exc.errors())
             return Outcome(err.status, rid, error=error_of(err))
         except APIError as exc:
-            return Outcome(exc.status, rid, error=error_of(exc))
+            return Outcome(exc.status, rid, error=error_of(exc), retry_after_s=exc.retry_after_s)
         except Exception:  # a bug of ours: the item fails, the batch goes on
             log.exception("batch item %s on %s failed", rid, endpoint)
             bug = APIError("The server had an error processing your request")

@@ -510,9 +510,17 @@ class BatchStore:
             ).rowcount
         return n == 1
 
-    def set_plan(self, batch_id: str, plan: dict[str, Any]) -> None:
+    def drop(self, batch_id: str, idx: int, owner: str) -> bool:
+        """Settle a claimed item as canceled without a result (its batch was cancelled
+        while it waited to be sent again), if ``owner`` still holds it."""
         with self._tx() as db:
-            db.execute("UPDATE batches SET plan = ? WHERE id = ?", (json.dumps(plan), batch_id))
+            n = db.execute(
+                "UPDATE batch_items SET state = 'canceled', finished = ?, owner = NULL, "
+                "lease_until = NULL WHERE batch_id = ? AND idx = ? AND owner = ? "
+                "AND state = 'running'",
+                (self.now(), batch_id, idx, owner),
+            ).rowcount
+        return n == 1
 
     # --------------------------------------------------------------- finalize
 

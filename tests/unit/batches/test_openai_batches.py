@@ -317,3 +317,35 @@ def test_bad_input_is_refused_in_openais_format(
             "code": None,
         }
     }
+
+
+def test_items_refused_by_a_full_queue_are_sent_again_not_failed(
+    tokenizer: ChatTokenizer,
+) -> None:
+    # room for one batch request at a time: the siblings' fan-out is refused (503
+    # queue_full, Retry-After 1) and each refused item is sent again
+    engine = FakeEngine(tokenizer, max_model_len=1024, step_delay_s=0.02)
+    cfg = gateway_settings(
+        grpc_port=None,
+        api_keys=keys(),
+        engine={"max_queued_requests": 2, "admission_shares": {"batch": 0.5}},
+    )
+    with TestClient(create_app(cfg, [engine])) as http:
+        client = sdk(http)
+        arrival = [("A", f"a{i}") for i in range(4)]
+        f = client.files.create(
+            file=("in.jsonl", jsonl([line(t, chat_body(s, t)) for s, t in arrival])),
+            purpose="batch",
+        )
+        b = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        done = settled(client, b.id, timeout_s=60)
+        shed = http.get("/metrics").text
+    assert done.status == "completed" and done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (4, 0)
+    assert len(engine.received) == 4  # a refused request never reached the engine
+    refused = [
+        float(x.split()[-1])
+        for x in shed.splitlines()
+        if x.startswith('vcache_requests_shed_total{priority="batch"}')
+    ]
+    assert refused and refused[0] >= 1  # the queue did refuse some, and they were retried

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gateway.batches.runner import BatchRunner
+from gateway.batches.runner import BatchRunner, retry_delay
 from gateway.batches.send import Outcome
 from gateway.batches.store import BatchStore, NewItem, Totals
 from gateway.core.types import Principal
@@ -39,7 +39,13 @@ ARRIVAL = [("A", "a1"), ("B", "b1"), ("A", "a2"), ("B", "b2"), ("A", "a3")]
 class Sender:
     """Records what is sent and by whom; an item whose tag is gated waits for its gate."""
 
-    def __init__(self, gated: tuple[str, ...] = (), fail: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        gated: tuple[str, ...] = (),
+        fail: tuple[str, ...] = (),
+        busy: dict[str, int] | None = None,
+    ) -> None:
+        self.busy = dict(busy or {})  # tag -> how many times it is refused for load first
         self.sent: list[str] = []
         self.ended: list[str] = []
         self.who: list[Principal] = []
@@ -52,6 +58,10 @@ class Sender:
         self.who.append(who)
         if tag in self.gates:
             await self.gates[tag].wait()
+        if self.busy.get(tag, 0) != 0:
+            self.busy[tag] -= 1
+            err = {"status": 503, "type": "service_unavailable", "message": "queue full"}
+            return Outcome(503, f"req-{tag}", error=err, retry_after_s=0.0)
         self.ended.append(tag)
         if tag in self.fail:
             err = {"status": 400, "type": "invalid_request_error", "message": "no", "code": None}
@@ -210,3 +220,58 @@ def test_an_items_error_is_its_result_and_the_batch_goes_on(store: BatchStore) -
     assert line["response"]["status_code"] == 400
     assert line["response"]["request_id"] == "req-b1"
     assert line["response"]["body"]["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("retry_after_s", "attempt", "delay"),
+    [
+        (2.0, 0, 2.0),
+        (2.0, 5, 2.0),
+        (0.0, 3, 0.0),
+        (120.0, 0, 30.0),
+        (None, 0, 0.5),
+        (None, 3, 4.0),
+        (None, 10, 30.0),
+    ],
+)
+def test_retry_delay_follows_retry_after_else_doubles_up_to_the_cap(
+    retry_after_s: float | None, attempt: int, delay: float
+) -> None:
+    assert retry_delay(retry_after_s, attempt) == delay
+
+
+def test_an_item_refused_for_load_is_sent_again_not_failed(store: BatchStore) -> None:
+    bid = _create(store, [("A", "a1"), ("A", "a2")])
+    sender = Sender(busy={"a1": 2})
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, concurrency=2, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert sender.sent == ["a1", "a1", "a1", "a2"]  # a2 still waits for its lead's end
+    row = store.batch(bid)
+    assert row is not None and row.status == "completed" and row.counts.done == 2
+
+
+def test_an_item_waiting_to_be_sent_again_is_canceled_with_its_batch(store: BatchStore) -> None:
+    bid = _create(store, [("A", "a1"), ("A", "a2")])
+    sender = Sender(busy={"a1": -1})  # refused for ever
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, concurrency=2, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: len(sender.sent) >= 3, "a1 refused and sent again")
+        await asyncio.to_thread(store.cancel, bid, "one", "openai")
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert set(sender.sent) == {"a1"}
+    row = store.batch(bid)
+    assert row is not None and row.status == "cancelled"
+    assert (row.counts.canceled, row.counts.done, row.counts.error) == (2, 0, 0)
