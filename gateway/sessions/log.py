@@ -19,7 +19,8 @@ conversation from interleaving inside one session.
 Images and documents are rebuilt from the store's attachments
 (``store.attachments``, stored by intake before the dispatch is journaled);
 one missing or corrupt fails the verify with :class:`AttachmentUnreadable`
-(a 500 naming ``sha256:<digest>``), never a rebuild from other bytes.
+(a 500 naming ``sha256:<digest>``) and is quarantined (the store records it),
+never a rebuild from other bytes.
 """
 
 from __future__ import annotations
@@ -265,6 +266,10 @@ class SessionLog:
             _, rebuilt = self.rebuild(sid, seq)
         except AttachmentMismatch as exc:
             log.error("request %s does not rebuild: %s", event.request_id, exc)
+            try:
+                self.store.quarantine(exc.digest, exc.why, event.request_id)
+            except Exception as failed:  # the refusal below is what matters
+                log.warning("could not quarantine sha256:%s: %r", exc.digest, failed)
             raise AttachmentUnreadable(
                 f"request {event.request_id} was not sent: it does not rebuild from the "
                 f"session log ({exc})",

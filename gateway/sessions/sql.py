@@ -42,6 +42,8 @@ CREATE TABLE IF NOT EXISTS responses(
 CREATE TABLE IF NOT EXISTS attachment_refs(
   digest TEXT NOT NULL, session_id TEXT NOT NULL, size INTEGER NOT NULL,
   PRIMARY KEY(digest, session_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS attachment_quarantine(
+  digest TEXT NOT NULL, why TEXT NOT NULL, request_id TEXT NOT NULL, created REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS requests_by_session ON requests(session_id);
 """
 

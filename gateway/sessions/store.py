@@ -17,7 +17,10 @@ Images and documents are not events: they live in the attachments store
 (:mod:`gateway.sessions.attachments`; files beside a SQLite log, a table of a
 PostgreSQL one), which this store opens beside itself as ``attachments``.  An
 append records which objects its messages reference (``attachment_refs``), and
-retention deletes the objects no remaining session references.
+retention deletes the objects no remaining session references.  An object found
+missing or corrupt is quarantined (``attachment_quarantine``: its digest, why,
+and the request that needed it); nothing is rebuilt from other bytes, and the
+same bytes put again (a client sending the image again) repair it.
 """
 
 from __future__ import annotations
@@ -40,7 +43,14 @@ from gateway.sessions.attachments import (
 from gateway.sessions.sql import Dialect, FsyncPolicy, connect
 from manifest.sessionlog import Event, attachment_refs, decode, encode
 
-__all__ = ["FsyncPolicy", "RequestRow", "ResponseRow", "SessionInfo", "SessionStore"]
+__all__ = [
+    "FsyncPolicy",
+    "Quarantined",
+    "RequestRow",
+    "ResponseRow",
+    "SessionInfo",
+    "SessionStore",
+]
 
 _LOOKUP_CHUNK = 500  # digests per IN (...) query, well under SQLite's variable limit
 
@@ -63,6 +73,14 @@ class ResponseRow:
     body: str
     stored: bool
     deleted: bool
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    digest: str
+    why: str
+    request_id: str
+    created: float
 
 
 @dataclass(frozen=True)
@@ -399,6 +417,23 @@ class SessionStore:
                 raise
         self.attachments.sweep(self.attachment_digests(), self._clock() - SWEEP_GRACE_S)
         return doomed
+
+    def quarantine(self, digest: str, why: str, request_id: str) -> None:
+        """Record that the attachment object ``digest`` was missing or corrupt when
+        ``request_id`` needed it (the request was not sent)."""
+        with self._lock:
+            self._sql.execute(
+                "INSERT INTO attachment_quarantine VALUES (?, ?, ?, ?)",
+                (digest, why, request_id, self._clock()),
+            )
+
+    def quarantined(self) -> list[Quarantined]:
+        with self._lock:
+            rows = self._sql.execute(
+                "SELECT digest, why, request_id, created FROM attachment_quarantine "
+                "ORDER BY created"
+            ).fetchall()
+        return [Quarantined(*r) for r in rows]
 
     def attachment_digests(self) -> set[str]:
         """The attachment objects the retained sessions reference."""

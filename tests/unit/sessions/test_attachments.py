@@ -289,6 +289,8 @@ def test_an_image_request_rebuilds_byte_for_byte_and_a_flipped_object_fails(
         asyncio.run(dispatch("req-2"))
     assert e.value.status == 500 and f"sha256:{PNG.ref.digest}" in e.value.message
     assert e.value.code == "attachment_unreadable"
+    (q,) = store.quarantined()  # quarantine records it
+    assert (q.digest, q.request_id) == (PNG.ref.digest, "req-2") and "stored bytes" in q.why
 
     if isinstance(store.attachments, FileAttachments):  # vcache replay reads a SQLite log
         settings = Settings(data_dir=tmp_path)
