@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +15,7 @@ from gateway.batches.runner import BatchRunner, retry_delay
 from gateway.batches.send import Outcome
 from gateway.batches.store import BatchStore, NewItem, Totals
 from gateway.core.types import Principal
+from tests.unit.batches.conftest import OpenStore
 from tests.unit.waits import until
 
 CHAT = "/v1/chat/completions"
@@ -70,10 +69,8 @@ class Sender:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[BatchStore]:
-    s = BatchStore(tmp_path / "batches.db")
-    yield s
-    s.close()
+def store(open_store: OpenStore) -> BatchStore:
+    return open_store()
 
 
 def _create(store: BatchStore, arrival: list[tuple[str, str]] = ARRIVAL) -> str:
@@ -137,15 +134,14 @@ def test_the_lead_goes_alone_then_its_siblings_fan_out(store: BatchStore) -> Non
 
 
 def test_a_restart_finishes_a_half_done_batch_without_sending_done_items(
-    store: BatchStore, tmp_path: Path
+    store: BatchStore, open_store: OpenStore
 ) -> None:
     bid = _create(store)
     # the first gateway: a1 answered, a2 under way when it died (its lease never renewed)
     assert store.claim(bid, 0, "first", lease_s=60)
     assert store.finish(bid, 0, "first", True, 200, {"body": {"tag": "a1"}}, Totals(10, 0, 2))
     assert store.claim(bid, 2, "first", lease_s=0.001)
-    store.close()
-    again = BatchStore(tmp_path / "batches.db")  # the restarted gateway's store
+    again = open_store()  # the restarted gateway's store
     sender = Sender()
 
     async def main() -> None:
@@ -155,16 +151,13 @@ def test_a_restart_finishes_a_half_done_batch_without_sending_done_items(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    try:
-        asyncio.run(main())
-        assert sorted(sender.sent) == ["a2", "a3", "b1", "b2"]  # a1 never again
-        items = again.items(bid)
-        assert [i.state for i in items] == ["done"] * 5
-        assert items[0].result == {"body": {"tag": "a1"}}
-        row = again.batch(bid)
-        assert row is not None and row.status == "completed" and row.counts.done == 5
-    finally:
-        again.close()
+    asyncio.run(main())
+    assert sorted(sender.sent) == ["a2", "a3", "b1", "b2"]  # a1 never again
+    items = again.items(bid)
+    assert [i.state for i in items] == ["done"] * 5
+    assert items[0].result == {"body": {"tag": "a1"}}
+    row = again.batch(bid)
+    assert row is not None and row.status == "completed" and row.counts.done == 5
 
 
 def test_cancel_stops_new_items_and_keeps_the_finished(store: BatchStore) -> None:

@@ -4,12 +4,13 @@ apart, pages newest first."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from gateway.batches.store import BatchRow, BatchStore, ItemRow, NewItem, Totals
+from tests.unit.batches.conftest import OpenStore
 
 
 class Clock:
@@ -26,10 +27,8 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: Clock) -> Iterator[BatchStore]:
-    s = BatchStore(tmp_path / "batches.db", clock=clock)
-    yield s
-    s.close()
+def store(open_store: OpenStore, clock: Clock) -> BatchStore:
+    return open_store(clock)
 
 
 def _batch(store: BatchStore, n: int = 3, tenant: str = "one", window_s: float = 100.0) -> str:
@@ -128,18 +127,29 @@ def test_tenants_and_apis_are_apart_and_pages_go_newest_first(
     assert [b.id for b in page] == [ids[2], ids[1]]
 
 
-def test_a_second_store_over_the_same_file_sees_the_first_ones_state(
-    tmp_path: Path, store: BatchStore
+def test_a_second_store_over_the_same_database_sees_the_first_ones_state(
+    open_store: OpenStore, store: BatchStore
 ) -> None:
     bid = _batch(store)
     assert store.claim(bid, 0, "a", lease_s=10)
     assert store.finish(bid, 0, "a", True, 200, {"x": 1}, Totals(3, 0, 1))
-    again = BatchStore(tmp_path / "batches.db")
-    try:
-        assert [i.state for i in again.items(bid)] == ["done", "pending", "pending"]
-        assert again.active() == [bid]
-    finally:
-        again.close()
+    again = open_store()
+    assert [i.state for i in again.items(bid)] == ["done", "pending", "pending"]
+    assert again.active() == [bid]
+    f = store.add_file("one", "batch", "f.jsonl", b"x")
+    assert again.file("one", f.id) == f and again.file_content("one", f.id) == b"x"
+
+
+def test_two_gateways_claiming_at_once_take_each_item_once(open_store: OpenStore) -> None:
+    first, second = open_store(), open_store()
+    bid = _batch(first, n=40)
+
+    def claim_all(store: BatchStore, owner: str) -> list[int]:
+        return [i for i in range(40) if store.claim(bid, i, owner, lease_s=60)]
+
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(claim_all, (first, second), ("a", "b"))
+    assert sorted(a + b) == list(range(40))  # every item once, by one of the two
 
 
 def test_beside_puts_the_file_next_to_the_session_log(tmp_path: Path) -> None:
