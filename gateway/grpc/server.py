@@ -38,6 +38,7 @@ from gateway.grpc.register import add_servicer
 from gateway.service.auth import KeyRing
 from gateway.service.cache import CacheRequest, CacheService
 from gateway.service.chat import GatewayService
+from gateway.service.part_names import client_named
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,15 @@ def _part(p: pb.ContentPart, where: str) -> dict[str, Any]:
         file = {"file_data": _data_url(doc.data, doc.media_type), "filename": doc.filename or None}
         return {"type": "file", "file": file}
     raise InvalidRequest(f"{where}: an empty content part", param=where)
+
+
+def _part_names(ms: Any) -> dict[str, str]:
+    """Each chat part's name → the request's (``messages[1].parts[0]``)."""
+    return {
+        f"messages[{i}].content[{j}]": f"messages[{i}].parts[{j}]"
+        for i, m in enumerate(ms)
+        for j in range(len(m.parts))
+    }
 
 
 def _messages(ms: Any) -> list[dict[str, Any]]:
@@ -201,7 +211,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             who = self._principal(context)
             done = await self._svc.chat(self._chat_request(request, stream=False), who)
         except APIError as exc:
-            await self._fail(context, exc)
+            await self._fail(context, client_named(exc, _part_names(request.messages)))
             raise AssertionError("unreachable") from exc
         c = done.body
         return pb.ChatCompletionResponse(
@@ -234,7 +244,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                         )
                         yield pb.ChatCompletionStreamResponse(id=a.id, model=req.model, end=end)
         except APIError as exc:
-            await self._fail(context, exc)
+            await self._fail(context, client_named(exc, _part_names(request.messages)))
 
     async def Completion(
         self, request: pb.CompletionRequest, context: grpc.aio.ServicerContext

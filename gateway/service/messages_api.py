@@ -34,9 +34,9 @@ import base64
 import json
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, NamedTuple
 
-from gateway.core.errors import InvalidRequest
+from gateway.core.errors import APIError, InvalidRequest
 from gateway.core.messages_wire import (
     Base64Source,
     DocumentBlock,
@@ -80,6 +80,7 @@ from gateway.core.schemas import (
 from gateway.core.types import Principal, Routed, RouteOverride
 from gateway.service.chat import GatewayService
 from gateway.service.message_answers import stream_events, whole_message
+from gateway.service.part_names import chat_names, client_named
 
 
 def message_id() -> str:
@@ -134,27 +135,36 @@ def attachment_part(b: ImageBlock | DocumentBlock, where: str) -> ImageUrlPart |
     return FilePart(type="file", file=FileData(file_data=data, filename=b.title))
 
 
-def _result(b: ToolResultBlock, where: str) -> ChatMessage:
+def _result(b: ToolResultBlock, where: str) -> tuple[ChatMessage, list[str]]:
     """A tool result as a tool turn: its text, and its images and documents where they
-    sit."""
+    sit; with the client's name of each part (see :func:`client_named`)."""
     prefix = "[error] " if b.is_error else ""
     if not isinstance(b.content, list) or not any(
         isinstance(c, ImageBlock | DocumentBlock) for c in b.content
     ):
-        return ChatMessage(role="tool", content=prefix + b.text(), tool_call_id=b.tool_use_id)
+        text = prefix + b.text()
+        return ChatMessage(role="tool", content=text, tool_call_id=b.tool_use_id), []
     parts: list[Part] = [TextPart(type="text", text=prefix)] if prefix else []
+    names = [f"{where}.is_error"] if prefix else []
     for k, c in enumerate(b.content):
         if isinstance(c, TextBlock):
             parts.append(TextPart(type="text", text=c.text))
         elif isinstance(c, ImageBlock | DocumentBlock):
             parts.append(attachment_part(c, f"{where}.content.{k}"))
-    return ChatMessage(role="tool", content=parts, tool_call_id=b.tool_use_id)
+        else:
+            continue
+        names.append(f"{where}.content.{k}")
+    return ChatMessage(role="tool", content=parts, tool_call_id=b.tool_use_id), names
 
 
-def _user(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
+def _user(
+    m: MessageParam, where: str, turns: list[ChatMessage], names: dict[int, list[str]]
+) -> bool:
     """Append a user turn: its tool results as tool turns, then its text, images and
-    documents.  True when a block of it carries a breakpoint."""
+    documents (``names``: the client's name of each part of each turn appended, by
+    turn).  True when a block of it carries a breakpoint."""
     text: list[Part] = []
+    own: list[str] = []
     marked = False
     for j, b in enumerate(m.blocks()):
         if isinstance(b, UnsupportedBlock):
@@ -165,12 +175,14 @@ def _user(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
                 code="unsupported_content",
             )
         if isinstance(b, ToolResultBlock):
-            result = _result(b, f"{where}.content.{j}")
+            result, names[len(turns)] = _result(b, f"{where}.content.{j}")
             turns.append(result.with_tool_changes(b.references()))  # a tool search's finds
         elif isinstance(b, ImageBlock | DocumentBlock):
             text.append(attachment_part(b, f"{where}.content.{j}"))
+            own.append(f"{where}.content.{j}")
         elif isinstance(b, TextBlock):
             text.append(TextPart(type="text", text=b.text))
+            own.append(f"{where}.content.{j}")
         else:
             raise InvalidRequest(
                 f"{where}.content.{j}: a user turn cannot carry '{b.type}' blocks",
@@ -179,6 +191,7 @@ def _user(m: MessageParam, where: str, turns: list[ChatMessage]) -> bool:
             )
         marked = marked or b.cache_control is not None
     if text:
+        names[len(turns)] = own
         turns.append(ChatMessage(role="user", content=text))
     return marked
 
@@ -244,8 +257,19 @@ def _tool_choice(req: MessagesRequest) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[c.type]
 
 
+class Mapped(NamedTuple):
+    chat: ChatCompletionRequest
+    names: dict[str, str]  # a chat part's name → the client's (see client_named)
+
+
 def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     """The chat request a Messages request is served as, with its breakpoints."""
+    return mapped(req).chat
+
+
+def mapped(req: MessagesRequest) -> Mapped:
+    """The chat request a Messages request is served as, with its breakpoints, and the
+    client's name of each chat part that carries an image or a document."""
     marks: list[Breakpoint] = []
     for tool in req.tools or []:
         if tool.cache_control is not None:
@@ -256,12 +280,16 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         messages.append(ChatMessage(role="system", content="\n\n".join(b.text for b in blocks)))
         marks += [Breakpoint("system", b.cache_control.ttl_s()) for b in blocks if b.cache_control]
     turns: list[ChatMessage] = []
+    names: dict[int, list[str]] = {}
     for i, m in enumerate(req.messages):
-        add = {"user": _user, "assistant": _assistant, "system": _system}[m.role]
         ttl = max((b.cache_control.ttl_s() for b in m.blocks() if _mark(b)), default=300)
         if m.cache_control is not None:
             ttl = max(ttl, m.cache_control.ttl_s())
-        marked = add(m, f"messages.{i}", turns)
+        if m.role == "user":
+            marked = _user(m, f"messages.{i}", turns, names)
+        else:
+            add = {"assistant": _assistant, "system": _system}[m.role]
+            marked = add(m, f"messages.{i}", turns)
         if m.output_config is not None and turns:  # per-turn control, on its last turn
             own = m.output_config.model_dump(exclude_none=True, by_alias=True)
             turns[-1].with_control({"output_config": own})
@@ -305,7 +333,7 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         context_management=req.context_management,
         safeguards=req.safeguards,
     )
-    return chat.with_hints(hints)
+    return Mapped(chat.with_hints(hints), chat_names(len(messages), names))
 
 
 def _mark(b: Any) -> bool:
@@ -323,12 +351,19 @@ class Messages:
         route: RouteOverride | None,
         session: str | None,
     ) -> Routed[Message]:
-        chat = chat_request(req).model_copy(update={"stream": False})
+        chat, names = mapped(req)
+        chat = chat.model_copy(update={"stream": False})
 
         async def shape(_: str, pieces: Pieces) -> Message:
             return await whole_message(message_id(), req.model, pieces)
 
-        routed = await self._svc.whole(chat, who, shape, route, session)
+        try:
+            routed = await self._svc.whole(chat, who, shape, route, session)
+        except APIError as exc:
+            named = client_named(exc, names)
+            if named is exc:
+                raise
+            raise named from exc
         return Routed(routed.body[0], routed.served)
 
     async def stream(
@@ -340,7 +375,14 @@ class Messages:
     ) -> Routed[AsyncGenerator[StreamEvent, None]]:
         """Started (its first token produced) when it returns: errors before it are
         raised here as HTTP errors, not inside a 200 stream."""
-        routed = await self._svc.answer(chat_request(req), who, route, session)
+        chat, names = mapped(req)
+        try:
+            routed = await self._svc.answer(chat, who, route, session)
+        except APIError as exc:
+            named = client_named(exc, names)
+            if named is exc:
+                raise
+            raise named from exc
         events = stream_events(message_id(), req.model, routed.body.pieces)
         return Routed(events, routed.served)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.core.errors import InvalidRequest, NotFound, Unavailable
+from gateway.core.errors import APIError, InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import ChatCompletion
 from gateway.core.pieces import Answer
 from gateway.core.responses_wire import (
@@ -58,6 +58,7 @@ from gateway.core.schemas import (
     ToolCallIn,
 )
 from gateway.core.types import Principal, Routed, Served
+from gateway.service.part_names import chat_names, client_named
 from gateway.service.response_answers import (
     ResponseStream,
     new_id,
@@ -103,9 +104,24 @@ def chat_turns(items: Sequence[Item], tools: ResponseTools) -> list[ChatMessage]
     """Input items as chat turns: a run of call items is one assistant turn's tool calls
     (the text message just before them, if the assistant's, is that turn's); reasoning
     items are not shown to the model (see :mod:`gateway.service.response_tools`)."""
+    return named_turns(items, tools)[0]
+
+
+def _names(where: str, parts: str | Sequence[Any]) -> list[str]:
+    return [] if isinstance(parts, str) else [f"{where}[{j}]" for j in range(len(parts))]
+
+
+def named_turns(
+    items: Sequence[Item], tools: ResponseTools
+) -> tuple[list[ChatMessage], dict[int, list[str]]]:
+    """:func:`chat_turns`, with the client's name of each part of each turn that has
+    parts, by turn (``input[3].content[1]``: see
+    :func:`~gateway.service.part_names.client_named`)."""
     out: list[ChatMessage] = []
-    for item in items:
+    names: dict[int, list[str]] = {}
+    for k, item in enumerate(items):
         if isinstance(item, MessageItem):
+            names[len(out)] = _names(f"input[{k}].content", item.content)
             out.append(ChatMessage(role=item.role, content=chat_content(item.content)))
         elif isinstance(item, FunctionCallItem | CustomToolCallItem):
             if isinstance(item, FunctionCallItem):
@@ -121,8 +137,9 @@ def chat_turns(items: Sequence[Item], tools: ResponseTools) -> list[ChatMessage]
                 out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem | CustomToolCallOutputItem):
             content = chat_content(item.output)
+            names[len(out)] = _names(f"input[{k}].output", item.output)
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=content))
-    return out
+    return out, names
 
 
 def _logged_part(
@@ -222,10 +239,10 @@ class Responses:
 
     async def _chat_request(
         self, req: ResponsesRequest, who: Principal, session: str | None, tools: ResponseTools
-    ) -> tuple[ChatCompletionRequest, str | None]:
+    ) -> tuple[ChatCompletionRequest, str | None, dict[str, str]]:
         """The chat request and its session: the previous response's, else ``session``
         (a header's or ``prompt_cache_key``), else None (found by the log's prefix
-        digests)."""
+        digests); and the client's name of each chat part of its input."""
         messages: list[ChatMessage] = []
         if req.instructions:
             messages.append(ChatMessage(role="system", content=req.instructions))
@@ -236,7 +253,9 @@ class Responses:
             logged = fold(e for _, e in events).messages
             get = self._store.attachments.get  # read off the event loop, with the events
             messages += await asyncio.to_thread(lambda: [logged_turn(m, get) for m in logged])
-        messages += chat_turns(req.items(), tools)
+        turns, by_turn = named_turns(req.items(), tools)
+        names = chat_names(len(messages), by_turn)
+        messages += turns
         fields = {
             "model": req.model,
             "messages": messages,
@@ -253,7 +272,7 @@ class Responses:
             chat = ChatCompletionRequest.model_validate(fields)
         except ValidationError as exc:
             raise _invalid(exc) from None
-        return chat.with_hints(edge_hints(req, tools)), session
+        return chat.with_hints(edge_hints(req, tools)), session, names
 
     async def _save(self, served: Served, body: ResponseObject, who: Principal) -> None:
         if (
@@ -276,8 +295,14 @@ class Responses:
     ) -> Routed[ResponseObject]:
         """The whole response; ``tools``: the request's, in chat's terms (mapped once by
         the caller, :func:`~gateway.service.response_tools.response_tools`)."""
-        chat, session = await self._chat_request(req, who, session, tools)
-        done: Routed[ChatCompletion] = await self._chat(chat, who, None, session)
+        chat, session, names = await self._chat_request(req, who, session, tools)
+        try:
+            done: Routed[ChatCompletion] = await self._chat(chat, who, None, session)
+        except APIError as exc:
+            named = client_named(exc, names)
+            if named is exc:
+                raise
+            raise named from exc
         c = done.body
         output = output_items(c, tools, req.max_tool_calls)
         finish = c.choices[0].finish_reason
@@ -290,8 +315,14 @@ class Responses:
     ) -> tuple[AsyncGenerator[StreamEvent, None], ResponseStream, Served]:
         """The response's events, started (first token) on return; the stream's state
         numbers an error event, should the answer fail after it started."""
-        chat, session = await self._chat_request(req, who, session, tools)
-        routed: Routed[Answer] = await self._answer(chat, who, None, session)
+        chat, session, names = await self._chat_request(req, who, session, tools)
+        try:
+            routed: Routed[Answer] = await self._answer(chat, who, None, session)
+        except APIError as exc:
+            named = client_named(exc, names)
+            if named is exc:
+                raise
+            raise named from exc
         state = ResponseStream(new_id("resp"), req, int(time.time()), tools)
         served = routed.served
 

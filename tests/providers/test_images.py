@@ -10,12 +10,15 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import http.server
 import io
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import grpc
+import openai
 import pytest
 from PIL import Image
 
@@ -243,6 +246,15 @@ def test_grpc_image_bytes_reach_the_provider_unchanged(
                 stub.ChatCompletion(bad, metadata=auth)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "messages[0]" in (err.value.details() or "")
+            fake = pb.ContentPart(image=pb.Image(data=b"not a png", media_type="image/png"))
+            lying = pb.ChatMessage(role="user", parts=[parts[0], fake])
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ChatCompletion(
+                    pb.ChatCompletionRequest(model="openai/gpt-5", messages=[lying]),
+                    metadata=auth,
+                )
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (err.value.details() or "").startswith("messages[0].parts[1]:")
 
 
 def test_previous_response_id_carries_the_image_from_the_store(gw: Gw) -> None:
@@ -328,3 +340,92 @@ def test_agent_screenshots_stripped_credit_exactly_what_was_served(gw: Gw, provi
     st = gw.stats()[model]
     assert st["cached_tokens"] == served > 0
     assert (st["credited_tokens"], st["unverified_tokens"], st["false_warm"]) == (served, 0, 0)
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """Serves RED at /red.png, a 404 elsewhere."""
+
+    def do_GET(self) -> None:
+        if self.path != "/red.png":
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("content-type", "image/png")
+        self.send_header("content-length", str(len(RED)))
+        self.end_headers()
+        self.wfile.write(RED)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def image_host() -> Iterator[str]:
+    """An image server on loopback: its host:port."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+def test_urls_only_from_allowed_hosts_and_bad_bytes_refused_by_name(
+    emulator: Emulator, tokenizer: ChatTokenizer, image_host: str
+) -> None:
+    emulator.admin("reset")
+    for gw in make_gateway(emulator, tokenizer, attachments={"fetch_hosts": [image_host]}):
+        url = f"http://{image_host}/red.png"
+        block: Any = {"type": "image", "source": {"type": "url", "url": url}}
+        turn: Any = {"role": "user", "content": [{"type": "text", "text": "Look."}, block]}
+        kw: Any = {"model": "anthropic/claude-sonnet-4-5", "max_tokens": 8, "system": MANUAL}
+        sdk(gw).messages.create(messages=[turn], **kw)
+        # fetched by the gateway, sent on as its bytes: the emulator decoded exactly them
+        assert [m["sha256"] for m in media(gw)] == [sha(RED)]
+        sent = gw.emulator.last_body()["messages"][0]["content"][1]["source"]
+        assert sent["type"] == "base64" and base64.b64decode(sent["data"]) == RED
+        elsewhere = "http://images.example.com/red.png"
+        parts: Any = [
+            {"type": "text", "text": "Look."},
+            {"type": "image_url", "image_url": {"url": elsewhere}},
+        ]
+        with pytest.raises(openai.BadRequestError) as err:
+            gw.client().chat.completions.create(
+                model="openai/gpt-5", messages=[{"role": "user", "content": parts}]
+            )
+        assert "images.example.com" in str(err.value) and "messages[0].content[1]" in str(err.value)
+        corrupt: Any = {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0K!!"},
+        }
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            sdk(gw).messages.create(messages=[{"role": "user", "content": [corrupt]}], **kw)
+        # named as the client sent it (the system prompt is chat's messages[0])
+        assert "messages.0.content.0: the data URL's base64 is corrupt" in str(refused.value)
+        lying = base64.b64encode(PHOTO).decode()  # JPEG bytes declared as PNG
+        wrong: Any = {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": lying},
+        }
+        with pytest.raises(anthropic.BadRequestError):
+            sdk(gw).messages.create(messages=[{"role": "user", "content": [wrong]}], **kw)
+        bad = {"type": "input_image", "image_url": "data:image/png;base64,@@"}
+        said: Any = {"role": "user", "content": [{"type": "input_text", "text": "x"}, bad]}
+        with pytest.raises(openai.BadRequestError) as refused_r:
+            gw.client().responses.create(
+                model="openai/gpt-5",
+                instructions=MANUAL,
+                input=[said],
+            )
+        assert "input[0].content[1]" in str(refused_r.value)
+        assert len(media(gw)) == 1  # none of the refused reached a provider
+        assert (
+            gw.client()
+            .chat.completions.create(
+                model="openai/gpt-5", messages=[{"role": "user", "content": "still up?"}]
+            )
+            .choices
+        )  # the gateway unharmed

@@ -14,9 +14,10 @@ from gateway.core.errors import InvalidRequest
 from gateway.core.messages_wire import MessagesRequest
 from gateway.core.responses_wire import ResponsesRequest
 from gateway.core.schemas import Breakpoint, FilePart, ImageUrlPart, TextPart
-from gateway.service.messages_api import chat_request
+from gateway.service.messages_api import chat_request, mapped
+from gateway.service.part_names import chat_names, client_named
 from gateway.service.response_tools import response_tools
-from gateway.service.responses_api import chat_turns
+from gateway.service.responses_api import chat_turns, named_turns
 
 PNG_B64 = base64.b64encode(b"\x89PNG\r\n\x1a\n not really decoded here").decode()
 PDF_B64 = base64.b64encode(b"%PDF-1.4 ...").decode()
@@ -220,3 +221,77 @@ def test_responses_refuses_by_name(part: dict[str, Any], says: str) -> None:
         ResponsesRequest.model_validate(
             {"model": "m", "input": [{"role": "user", "content": [part]}]}
         )
+
+
+def test_errors_name_the_part_the_client_sent() -> None:
+    """Intake names chat's parts; each front-end maps them back to its client's."""
+    b64 = {"type": "base64", "media_type": "image/png", "data": PNG_B64}
+    req = MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "system": "be brief",
+            "messages": [
+                {"role": "user", "content": "shoot"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "is_error": True,
+                            "content": [image(b64)],
+                        },
+                        {"type": "text", "text": "and this"},
+                        image(b64),
+                    ],
+                },
+            ],
+        }
+    )
+    chat, names = mapped(req)
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "user"]
+    assert names["messages[3].content[1]"] == "messages.2.content.0.content.0"
+    assert names["messages[4].content[1]"] == "messages.2.content.2"
+    exc = InvalidRequest(
+        "messages[4].content[1]: the data URL's base64 is corrupt",
+        param="messages[4].content[1]",
+        code="invalid_attachment",
+    )
+    named = client_named(exc, names)
+    assert isinstance(named, InvalidRequest)
+    assert (named.message, named.param, named.code) == (
+        "messages.2.content.2: the data URL's base64 is corrupt",
+        "messages.2.content.2",
+        "invalid_attachment",
+    )
+    other = InvalidRequest("model: no such model", param="model")
+    assert client_named(other, names) is other
+
+
+def test_responses_names_its_input_parts() -> None:
+    req = ResponsesRequest.model_validate(
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "plain"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "a"},
+                        {"type": "input_image", "image_url": f"data:image/png;base64,{PNG_B64}"},
+                    ],
+                },
+            ],
+        }
+    )
+    turns, by_turn = named_turns(req.items(), response_tools(req.all_tools()))
+    assert len(turns) == 2
+    assert chat_names(1, by_turn) == {
+        "messages[2].content[0]": "input[1].content[0]",
+        "messages[2].content[1]": "input[1].content[1]",
+    }
