@@ -389,8 +389,18 @@ class Messages:
     async def count_tokens(self, req: MessagesRequest) -> TokenCount:
         """The prompt's tokens as the local model renders it: what the next request
         reports as input + cache read + cache creation tokens."""
-        chat = chat_request(req)
+        chat, names = mapped(req)
         self._svc.local_only(req.model, "token counts")
+        for i, m in enumerate(chat.messages):  # the local model reads text only
+            for j, p in enumerate(m.content if isinstance(m.content, list) else []):
+                if not isinstance(p, TextPart):
+                    where = names.get(f"messages[{i}].content[{j}]", f"messages[{i}]")
+                    raise InvalidRequest(
+                        f"{where}: token counts are the local model's, which reads text "
+                        "only; it cannot count an image or a document",
+                        param=where,
+                        code="unsupported_content",
+                    )
         self._svc.local.check_ready()
         ids = await self._svc.local.chat_tokens(chat.messages, chat.tool_dicts() or None)
         return TokenCount(input_tokens=len(ids))

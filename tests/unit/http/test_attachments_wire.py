@@ -8,8 +8,10 @@ import base64
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from engines.fake import FakeEngine
 from gateway.core.errors import InvalidRequest
 from gateway.core.messages_wire import MessagesRequest
 from gateway.core.responses_wire import ResponsesRequest
@@ -295,3 +297,16 @@ def test_responses_names_its_input_parts() -> None:
         "messages[2].content[0]": "input[1].content[0]",
         "messages[2].content[1]": "input[1].content[1]",
     }
+
+
+def test_count_tokens_refuses_an_image_by_name(gw: tuple[FakeEngine, TestClient]) -> None:
+    """Token counts are the local model's, and it reads text only: a 400 naming the block."""
+    _, http = gw
+    b64 = {"type": "base64", "media_type": "image/png", "data": PNG_B64}
+    body = {
+        "model": "vcache-demo",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, image(b64)]}],
+    }
+    r = http.post("/v1/messages/count_tokens", json=body, headers={"x-api-key": "k"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages.0.content.1: token counts")
