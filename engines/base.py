@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engines.lora import LoraRef
 from engines.tokenizer import ChatTokenizer
 
 
@@ -103,6 +104,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: lower is served first (under its "priority" scheduling)
     tenant: str | None = None  # whose request (admission fairness); None: the cache salt's
+    lora: LoraRef | None = None  # the adapter it runs under (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -54,6 +54,7 @@ from gateway.http.routes import (
     sagemaker,
     tokenize,
 )
+from gateway.local.build import build_adapters
 from gateway.local.dispatch import Dispatcher
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns
@@ -219,6 +220,7 @@ def local_chat(
         input_price=settings.routing.local_input_price,
         max_output_tokens=e.max_output_tokens,
         ceiling_finish=e.max_output_tokens_finish,
+        adapters=build_adapters(settings, dispatcher.replica_set),
     )
 
 

@@ -38,6 +38,7 @@ from engines.errors import (
     EngineOverloaded,
     EngineUnavailable,
 )
+from engines.lora import LoraRef
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.engine_config import VllmEngineConfig, core_environment, engine_args
 from engines.vllm.lifeline import GATEWAY_PID_ENV
@@ -65,6 +66,9 @@ class VllmEngine:
         self._capabilities: EngineCapabilities | None = None
         self._closed = False
         self._core_stats = CoreStats()
+        # vLLM names an adapter by an int id too: one per (name, path) this engine was given
+        self._lora_ids: dict[str, tuple[int, str]] = {}
+        self._next_lora_id = 1
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -121,6 +125,8 @@ class VllmEngine:
         )
         self._tokenizer = tokenizer
         self._llm = llm
+        for adapter in self._config.adapters:  # vLLM's --lora-modules
+            await self.load_adapter(adapter)
         log.info(
             "vLLM engine ready: model=%s block_size=%d max_model_len=%d",
             self._config.served_name,
@@ -142,8 +148,13 @@ class VllmEngine:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         params = _sampling_params(request)
+        lora = self._lora_request(request.lora) if request.lora is not None else None
         stream = llm.generate(
-            prompt, params, request_id=request.request_id, priority=request.priority
+            prompt,
+            params,
+            request_id=request.request_id,
+            priority=request.priority,
+            lora_request=lora,
         )
         finished = False
         first = True
@@ -182,6 +193,70 @@ class VllmEngine:
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
                     await llm.abort(request.request_id)
+
+    # ------------------------------------------------------------ LoRA
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self._config.enable_lora
+
+    def _lora_request(self, adapter: LoraRef) -> Any:
+        """vLLM's ``LoRARequest`` for ``adapter``: its int id kept per (name, path), a
+        new one when the name is given another path (vLLM keys its blocks by the path
+        too, and must not take the new weights for the old)."""
+        from vllm.lora.request import LoRARequest
+
+        known = self._lora_ids.get(adapter.name)
+        if known is None or known[1] != adapter.path:
+            known = (self._next_lora_id, adapter.path)
+            self._next_lora_id += 1
+            self._lora_ids[adapter.name] = known
+        return LoRARequest(adapter.name, known[0], adapter.path)
+
+    async def load_adapter(self, adapter: LoraRef) -> None:
+        llm = self._llm
+        if llm is None or self._closed:
+            raise EngineUnavailable("engine is not ready")
+        if not self._config.enable_lora:
+            raise EngineInputError(
+                f"adapter '{adapter.name}': this engine runs without LoRA (engine.lora.enabled)"
+            )
+        before = self._lora_ids.get(adapter.name)
+        if before is not None and before[1] != adapter.path:
+            await self.unload_adapter(adapter.name)  # the name is re-pointed
+        req = self._lora_request(adapter)
+        try:
+            await llm.add_lora(req)
+        except Exception as exc:
+            if llm.errored:
+                raise EngineUnavailable(f"the engine died loading '{adapter.name}'") from exc
+            self._lora_ids.pop(adapter.name, None)
+            raise EngineInputError(
+                f"adapter '{adapter.name}' could not be loaded from {adapter.path}: {_cause(exc)}",
+                param="lora_path",
+            ) from exc
+
+    async def unload_adapter(self, name: str) -> bool:
+        llm = self._llm
+        if llm is None or self._closed:
+            raise EngineUnavailable("engine is not ready")
+        known = self._lora_ids.pop(name, None)
+        if known is None:
+            return False
+        try:
+            return bool(await llm.remove_lora(known[0]))
+        except Exception as exc:
+            raise EngineUnavailable(f"unloading '{name}' failed: {exc}") from exc
+
+    async def adapters(self) -> list[LoraRef]:
+        llm = self._llm
+        if llm is None or self._closed or not self._config.enable_lora:
+            return []
+        try:
+            held = await llm.list_loras()
+        except Exception as exc:
+            raise EngineUnavailable(f"listing adapters failed: {exc}") from exc
+        return [LoraRef(n, path) for n, (i, path) in self._lora_ids.items() if i in held]
 
     async def call_core(self, method: str, *args: Any) -> Any:
         """Run a utility method in the engine core (the vcache plugin's pin/evict/...)."""
@@ -252,6 +327,13 @@ def _core_times(out: Any) -> CoreTimes | None:
     stats = getattr(out, "metrics", None)
     stamps = [getattr(stats, f, 0.0) for f in ("queued_ts", "scheduled_ts", "first_token_ts")]
     return CoreTimes(*stamps) if all(stamps) else None
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost message of a failure raised through the engine core."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return str(exc) or type(exc).__name__
 
 
 def _finish_reason(reason: str | None) -> str:

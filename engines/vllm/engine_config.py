@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from engines.lora import LoraRef
 from engines.vllm import niceness, top_prefill
 from engines.vllm.placement import Env
 
@@ -57,6 +58,13 @@ class VllmEngineConfig:
     # the engine processes' niceness above the gateway's; None: by platform
     # (engines/vllm/niceness.py)
     nice: int | None = None
+    # LoRA (vLLM's --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras); the
+    # adapters to load at start are loaded by the engine (engine.py), not its arguments
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    adapters: tuple[LoraRef, ...] = ()  # loaded at every start (a restart loads them again)
 
 
 def core_environment(c: VllmEngineConfig) -> Env:
@@ -73,7 +81,8 @@ def _top_first(c: VllmEngineConfig) -> top_prefill.TopFirst:
 
 
 def engine_args(c: VllmEngineConfig) -> Any:
-    """vLLM's engine arguments for ``c``: prefix caching hashed as the manifest hashes;
+    """vLLM's engine arguments for ``c``: prefix caching hashed as the manifest hashes
+    (an adapter's blocks keyed by its name and path); LoRA when enabled;
     vLLM's scheduler with the top-priority prefill first (``scheduler_cls``) when
     ``top_prefill_whole`` or ``top_prefill_alone`` is on (``top_prefill_decodes`` goes
     with the latter), vLLM's own otherwise."""
@@ -95,6 +104,10 @@ def engine_args(c: VllmEngineConfig) -> Any:
     )
     if _top_first(c):
         kwargs["scheduler_cls"] = top_prefill.SCHEDULER_CLS
+    if c.enable_lora:
+        kwargs.update(enable_lora=True, max_loras=c.max_loras, max_lora_rank=c.max_lora_rank)
+        if c.max_cpu_loras is not None:
+            kwargs["max_cpu_loras"] = c.max_cpu_loras
     if c.block_size is not None:
         kwargs["block_size"] = c.block_size
     if c.max_num_seqs is not None:

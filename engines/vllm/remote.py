@@ -40,6 +40,7 @@ from engines.errors import (
     EngineOverloaded,
     EngineUnavailable,
 )
+from engines.lora import LoraRef
 from engines.sse import SSEDecoder
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.control import CONTROL_PATH, SECRET_HEADER, from_wire, to_wire
@@ -213,7 +214,8 @@ class RemoteVllmEngine:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if not self.ready:
             raise EngineUnavailable("replica is not ready")
-        body = request_body(self.api, request, self._model)
+        model = request.lora.name if request.lora is not None else self._model
+        body = request_body(self.api, request, model)
         self._running += 1
         try:
             async with await self._post(PATHS[self.api], body) as resp:
@@ -262,6 +264,64 @@ class RemoteVllmEngine:
                         yield choice_chunk(self.api, c, num_prompt)
                 elif usage is not None:
                     yield usage_chunk(usage, num_prompt)
+
+    # ------------------------------------------------------------ LoRA
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the replica runs with ``--enable-lora`` is its own: a load it refuses
+        says why."""
+        return True
+
+    async def adapters(self) -> list[LoraRef]:
+        """The adapters the replica lists in its ``/v1/models`` (``parent``: the base
+        model, ``root``: the adapter's path)."""
+        try:
+            async with self._http().get("/v1/models") as r:
+                r.raise_for_status()
+                models = (await r.json())["data"]
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+            raise EngineUnavailable(f"replica {self._config.url} unreachable: {exc}") from exc
+        return [
+            LoraRef(str(m["id"]), str(m.get("root") or m["id"]))
+            for m in models
+            if m.get("parent") and m["id"] != self._model
+        ]
+
+    async def _admin(self, path: str, body: dict[str, str]) -> tuple[int, bytes]:
+        try:
+            async with await self._post(path, body) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineUnavailable(f"replica {self._config.url} unreachable: {exc!r}") from exc
+
+    async def load_adapter(self, adapter: LoraRef) -> None:
+        """Through the replica's own ``/v1/load_lora_adapter`` (it runs with
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``); a name it holds at another path is
+        unloaded first."""
+        held = {a.name: a.path for a in await self.adapters()}
+        if held.get(adapter.name) == adapter.path:
+            return
+        if adapter.name in held:
+            await self.unload_adapter(adapter.name)
+        body = {"lora_name": adapter.name, "lora_path": adapter.path}
+        status, raw = await self._admin("/v1/load_lora_adapter", body)
+        if status != 200:
+            err = _error(status, raw)
+            if isinstance(err, EngineInputError):
+                raise EngineInputError(
+                    f"adapter '{adapter.name}' could not be loaded from {adapter.path}: {err}",
+                    param="lora_path",
+                )
+            raise err
+
+    async def unload_adapter(self, name: str) -> bool:
+        status, raw = await self._admin("/v1/unload_lora_adapter", {"lora_name": name})
+        if status == 200:
+            return True
+        if status in (400, 404):  # vLLM: not loaded
+            return False
+        raise _error(status, raw)
 
     async def close(self) -> None:
         if not self._closed:

@@ -14,6 +14,45 @@ from gateway.core.keys import PRIORITIES, Priority
 _SHARES: dict[Priority, float] = {"batch": 0.5, "default": 1.0, "interactive": 1.1}
 
 
+_ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
+
+
+class LoraSettings(BaseModel):
+    """LoRA adapters on the local replicas, each served as a model of its own
+    (docs/local_kv.md#lora-adapters)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False  # the engines run with LoRA (vLLM's --enable-lora)
+    max_loras: int = Field(2, ge=1)  # adapters in one batch (vLLM's --max-loras)
+    max_lora_rank: int = 16  # the highest rank an adapter may have (vLLM's --max-lora-rank)
+    # adapters kept in each engine's CPU memory (vLLM's --max-cpu-loras); None: max_loras
+    max_cpu_loras: int | None = Field(None, ge=1)
+    # loaded on every replica at start (and again after a restart): name -> adapter
+    # directory (PEFT's adapter_config.json and weights), vLLM's --lora-modules
+    adapters: dict[Annotated[str, Field(pattern=_ADAPTER_NAME)], str] = Field(default_factory=dict)
+    # a request naming an adapter no replica has is served from <resolver_dir>/<name>
+    # when that holds an adapter_config.json (as vLLM's lora_filesystem_resolver does)
+    resolver_dir: str | None = None
+    # serving the demo model: also build and load its two demo adapters (demo-lora-a,
+    # demo-lora-b: random weights, engines/vllm/demo_lora.py)
+    demo_adapters: bool = False
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if v not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank is one of {', '.join(map(str, LORA_RANKS))}")
+        return v
+
+    @model_validator(mode="after")
+    def _cpu_loras(self) -> LoraSettings:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("lora.max_cpu_loras is at least lora.max_loras")
+        return self
+
+
 class EngineSettings(BaseModel):
     """The embedded vLLM replicas: the engine each runs (context, KV cache, devices), their
     restarts, and how requests of different priorities share them (docs/agents.md)."""
@@ -104,6 +143,7 @@ class EngineSettings(BaseModel):
     # how much of max_queued_requests each priority may fill (interactive a reserve beyond
     # it): when the queue fills, batch is refused first and interactive last
     admission_shares: dict[Priority, float] = Field(default_factory=lambda: dict(_SHARES))
+    lora: LoraSettings = Field(default_factory=LoraSettings)  # LoRA adapters served as models
 
     @field_validator("admission_shares")
     @classmethod

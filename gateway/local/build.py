@@ -1,4 +1,5 @@
-"""Build the configured local replicas: the demo model when no model is configured."""
+"""Build the configured local replicas: the demo model when no model is configured (and
+its demo LoRA adapters when asked); the adapters the replicas serve."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import functools
 import logging
 from pathlib import Path
 
+from engines.lora import LoraRef
+from engines.vllm.demo_lora import ensure_demo_loras
 from engines.vllm.demo_model import ensure_demo_model
 from engines.vllm.engine import VllmEngine
 from engines.vllm.engine_config import VllmEngineConfig
@@ -13,6 +16,8 @@ from engines.vllm.placement import Env, host_units, plan
 from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
 from engines.vllm.shared_core import CoreSlot
 from gateway.core.config import Settings
+from gateway.local.adapters import Adapters
+from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
 from manifest.index import LocationId
 
@@ -28,10 +33,36 @@ def resolve_model(settings: Settings) -> str:
     return str(path)
 
 
+def start_adapters(settings: Settings, model: str) -> tuple[LoraRef, ...]:
+    """The LoRA adapters every embedded engine loads at its start: ``engine.lora.adapters``
+    and, serving the demo model with ``engine.lora.demo_adapters``, its two demo adapters
+    (built once).  None when LoRA is off."""
+    lora = settings.engine.lora
+    if not lora.enabled:
+        return ()
+    out = [LoraRef(name, path) for name, path in lora.adapters.items()]
+    if lora.demo_adapters and not settings.model:
+        demo = ensure_demo_loras(settings.data_dir, Path(model))
+        out += [
+            LoraRef(name, str(path)) for name, path in demo.items() if name not in lora.adapters
+        ]
+    return tuple(out)
+
+
+def build_adapters(settings: Settings, replicas: ReplicaSet) -> Adapters:
+    """The adapters the local replicas serve as models (``engine.lora``)."""
+    lora = settings.engine.lora
+    enabled = lora.enabled and settings.has_local
+    configured = start_adapters(settings, resolve_model(settings)) if enabled else ()
+    resolver = Path(lora.resolver_dir) if lora.resolver_dir else None
+    return Adapters(replicas, settings.model_name, configured, resolver, enabled)
+
+
 def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[VllmEngineConfig]:
     """The embedded replicas' engines on ``model`` (:func:`resolve_model`), each publishing
     KV events on its own socket in ``runtime_dir``."""
     e = settings.engine
+    adapters = start_adapters(settings, model)
     out: list[VllmEngineConfig] = []
     for i, placement in enumerate(_placements(settings)):
         events = f"ipc://{runtime_dir}/replica-{i}.events" if settings.cache.kv_events else None
@@ -60,6 +91,11 @@ def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[Vl
                 top_prefill_decodes=e.top_prefill_decodes,
                 nice=e.nice,
                 placement=placement,
+                enable_lora=e.lora.enabled,
+                max_loras=e.lora.max_loras,
+                max_lora_rank=e.lora.max_lora_rank,
+                max_cpu_loras=e.lora.max_cpu_loras,
+                adapters=adapters,
             )
         )
     return out

@@ -19,12 +19,13 @@ import asyncio
 import time
 import zlib
 from array import array
-from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Collection, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 from engines.base import EngineStats, GenerateChunk, GenerateRequest
 from engines.errors import EngineError
+from engines.lora import LoraRef
 from gateway.core.config import Priority
 from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
@@ -140,12 +141,14 @@ class Dispatcher:
         """What each replica's engine holds now (the metrics read it at scrape time)."""
         return {r.id: r.engine.stats() for r in self.replicas}
 
-    def held(self, prompt: Sequence[int], cache_salt: str | None) -> int:
+    def held(
+        self, prompt: Sequence[int], cache_salt: str | None, lora: LoraRef | None = None
+    ) -> int:
         """The most of ``prompt``'s tokens a serving replica holds in cache now, by the
         exact index as it stands (no sync, nothing routed: a quote); 0 without one."""
         if self.kv is None:
             return 0
-        predicted = self.kv.predict(self.kv.hashes(prompt, cache_salt), len(prompt))
+        predicted = self.kv.predict(self.kv.hashes(prompt, cache_salt, lora), len(prompt))
         serving = {r.id for r in self.serving()}
         return max((n for r, n in predicted.items() if r in serving), default=0)
 
@@ -173,8 +176,10 @@ class Dispatcher:
         override: RouteOverride | None,
         session: LocationId | None = None,
         lease_blocks: int | None = None,
+        among: Collection[LocationId] = (),
     ) -> Dispatch:
-        """The replica for ``greq``: the router's choice over the serving replicas (an
+        """The replica for ``greq``: the router's choice over the serving replicas (those
+        of them in ``among`` when any is: the replicas that hold ``greq``'s adapter; an
         admin's forced replica aside); ``session``, the replica of the session's last turn;
         ``lease_blocks``, for a new session's turn, the blocks its lease is expected to hold
         (the prompt's, if more): the router weighs each replica's pin budget left.
@@ -191,7 +196,7 @@ class Dispatcher:
         view: dict[LocationId, int] | None = None  # what routing sees: stored or being stored
         if self.kv is not None:
             await self.kv.sync()
-            hashes = self.kv.hashes(greq.prompt_token_ids, greq.cache_salt)
+            hashes = self.kv.hashes(greq.prompt_token_ids, greq.cache_salt, greq.lora)
             predicted = self.kv.predict(hashes, greq.num_prompt_tokens)
             pending = self.prefills.overlap(hashes[: self._cap(greq)])
             bs = self.kv.block_size
@@ -210,6 +215,8 @@ class Dispatcher:
                     code="engine_unavailable",
                     retry_after_s=self.replica_set.retry_after_s(),
                 )
+            holding = [r for r in serving if r.id in among]
+            serving = holding or serving
             ctx = RouteContext(view, affinity, session)
             if lease_blocks is not None and session is None and view is not None:
                 ctx = await self._with_room(ctx, serving, max(lease_blocks, len(hashes)))

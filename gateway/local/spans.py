@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engines.errors import EngineError
+from engines.lora import LoraRef
 from gateway.local import kv_probe
 from gateway.local.kv_pins import PinResult, SpanPins
 from gateway.local.kv_sync import Agreement, CoreControlled, KVSync, ReplicaCacheState
@@ -120,8 +121,16 @@ class KVSpans:
 
     # -------------------------------------------------------- prediction
 
-    def hashes(self, prompt: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
-        return block_hashes(prompt, self.block_size, self.hash_seed, HashKeys(cache_salt))
+    def hashes(
+        self, prompt: Sequence[int], cache_salt: str | None, lora: LoraRef | None = None
+    ) -> list[BlockHash]:
+        """``prompt``'s full blocks as vLLM hashes them: under an adapter every block is
+        keyed by ``("lora", name, path)`` (so the same prompt under two adapters, or
+        under none, shares no block), the first by the cache salt."""
+        keys = HashKeys(cache_salt)
+        if lora is not None:
+            keys = HashKeys(cache_salt, lora.name, lora.path)
+        return block_hashes(prompt, self.block_size, self.hash_seed, keys)
 
     def predict(self, hashes: Sequence[BlockHash], prompt_len: int) -> dict[LocationId, int]:
         """Tokens each replica will serve from cache: whole blocks, never the last token."""

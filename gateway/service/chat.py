@@ -195,10 +195,16 @@ class GatewayService:
         max_len = self.local.engine.capabilities.max_model_len if self.ready else None
         root = self.local.engine.capabilities.model if self.ready else None
         cards = [ModelCard(id=self._model, max_model_len=max_len, root=root or self._model)]
+        adapters = self.local.adapters
+        for a in adapters.listed() if adapters is not None else ():  # as vLLM lists them
+            cards.append(
+                ModelCard(id=a.name, max_model_len=max_len, root=a.path, parent=self._model)
+            )
         cards += [ModelCard(id=name) for name in self._targets.names()[1:]]
         return ModelList(data=cards)
 
     def model(self, model_id: str) -> ModelCard:
+        self.local.adapter(model_id)  # one in the resolver directory is known from now on
         card = next((m for m in self.models().data if m.id == model_id), None)
         if card is None:
             raise NotFound(
@@ -212,6 +218,14 @@ class GatewayService:
 
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
         return self.local.check_token_ids(ids, param)
+
+    def resolve(self, model: str) -> list[str]:
+        """The targets of ``model``: a LoRA adapter of the local model (not shadowed by an
+        alias) is served by the local replicas, under that adapter; else as
+        :class:`~gateway.service.targets.Targets` resolves it (a 404 naming it)."""
+        if model not in self._targets.names() and self.local.adapter(model) is not None:
+            return [LOCAL_TARGET]
+        return self._targets.resolve(model)
 
     def close(self) -> None:
         """Stop the local path's render thread."""
@@ -267,7 +281,8 @@ class GatewayService:
         grant = self._admit(who, served)
         trace = self.tracing.request("vcache.chat", model=req.model, stream=True)
         try:
-            names = self._targets.resolve(req.model)
+            await self.local.learn_adapters()
+            names = self.resolve(req.model)
             call = self._call(req, who, route, session, trace)
             rid, pieces = await self.loop.first_answer(names, call, served)
         except BaseException as exc:
@@ -316,7 +331,8 @@ class GatewayService:
                     yield p
 
         try:
-            names = self._targets.resolve(req.model)
+            await self.local.learn_adapters()
+            names = self.resolve(req.model)
             call = self._call(req, who, route, session, trace)
             rid, pieces = await self.loop.first_answer(names, call, served, whole=True)
             body = await shape(rid, used(pieces))
@@ -371,6 +387,11 @@ class GatewayService:
 
     # ------------------------------------------------------- completions
 
+    def _served(self, model: str) -> str:
+        """The model a text completion names in its answer: the adapter it ran under, or
+        the local model (an alias of it answers as the local model)."""
+        return model if self.local.adapter(model) is not None else self._model
+
     def local_only(self, model: str, what: str = "text completions") -> None:
         """``model`` has the local model among its targets (else a 400 saying ``what`` is
         served by the local model only)."""
@@ -379,7 +400,7 @@ class GatewayService:
     def _local_targets(self, model: str, what: str = "text completions") -> list[str]:
         """The targets of ``model`` that serve ``what`` (the local replicas), in alias
         order; a 400 when it has none."""
-        names = [n for n in self._targets.resolve(model) if n == LOCAL_TARGET]
+        names = [n for n in self.resolve(model) if n == LOCAL_TARGET]
         if not names:
             raise InvalidRequest(
                 f"'{model}' is served by hosted providers only; {what} are "
@@ -396,6 +417,7 @@ class GatewayService:
         its end first when ``whole``): each prompt an engine request through the loop
         (:meth:`~gateway.service.loop.ServiceLoop.first_answer_each`), their answers
         merged (and echoed) into the request's."""
+        await self.local.learn_adapters()
         names = self._local_targets(req.model)
         served = Served()
         grant = self._admit(who, served)
@@ -417,7 +439,7 @@ class GatewayService:
         req = self.named(req)
         routed = await self._text_answer(req, who, route, whole=True)
         rid, pieces = routed.body
-        body = await completion(rid, self._model, pieces, completion_shape(req))
+        body = await completion(rid, self._served(req.model), pieces, completion_shape(req))
         return Routed(body, routed.served)
 
     async def complete_stream(
@@ -427,7 +449,8 @@ class GatewayService:
         req = self.named(req)
         routed = await self._text_answer(req, who, route, whole=False)
         rid, pieces = routed.body
-        chunks = completion_chunks(rid, self._model, pieces, completion_shape(req))
+        shape = completion_shape(req)
+        chunks = completion_chunks(rid, self._served(req.model), pieces, shape)
         return Routed(chunks, routed.served)
 
 

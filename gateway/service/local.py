@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import Engine, GenerateRequest, Structured
+from engines.lora import LoraRef
 from engines.providers.base import effective_effort
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.tool_calls import ToolCallParser, known_parser
@@ -46,6 +47,7 @@ from gateway.core.types import (
     RouteOverride,
     request_salt,
 )
+from gateway.local.adapters import Adapters
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns, paused
@@ -122,11 +124,14 @@ class LocalChat:
         input_price: float = 0.0,
         max_output_tokens: int | None = None,
         ceiling_finish: str = "length",
+        adapters: Adapters | None = None,
     ) -> None:
         """``turns``: agent sessions (the replica of the last turn, KV leased across
         tool-call pauses; the dispatcher makes room with the same one); ``leases``: the KV
-        blocks through clients' breakpoints; ``governor``: pins anchors worth holding."""
+        blocks through clients' breakpoints; ``governor``: pins anchors worth holding;
+        ``adapters``: the LoRA adapters served as models (None: none)."""
         self.dispatcher = dispatcher
+        self.adapters = adapters
         self.replicas = dispatcher.replica_set  # readiness: the supervisor writes it
         self.turns = turns
         self.leases = leases
@@ -170,10 +175,32 @@ class LocalChat:
 
     # ------------------------------------------------------------ tokens
 
-    def check_model(self, model: str, served: str) -> None:
-        """``model`` is the local model (served as ``served``) and it can serve now."""
+    def served_adapters(self) -> Adapters:
+        """The adapters the replicas serve (the admin routes'); a 400 when LoRA is off."""
         self.check_ready()
-        if model != served or not self.dispatcher.replicas:
+        if self.adapters is None or not self.adapters.enabled:
+            raise InvalidRequest(
+                "the local engines run without LoRA (engine.lora.enabled)",
+                param="lora_name",
+                code="lora_disabled",
+            )
+        return self.adapters
+
+    def adapter(self, model: str) -> LoraRef | None:
+        """The LoRA adapter ``model`` names (None: the base model, or not an adapter)."""
+        return self.adapters.find(model) if self.adapters is not None and model else None
+
+    async def learn_adapters(self) -> None:
+        """What adapters the replicas not asked yet hold (a remote replica's own)."""
+        if self.adapters is not None:
+            await self.adapters.learn_new()
+
+    def check_model(self, model: str, served: str) -> None:
+        """``model`` is the local model (served as ``served``) or one of its adapters, and
+        it can serve now."""
+        self.check_ready()
+        local = model == served or self.adapter(model) is not None
+        if not local or not self.dispatcher.replicas:
             raise NotFound(
                 f"The model '{model}' does not exist", param="model", code="model_not_found"
             )
@@ -276,7 +303,8 @@ class LocalChat:
             return None  # its prepare says what is wrong, in the API's terms
         cached = 0  # free replicas cost nothing whatever they hold: no index walk then
         if self.input_price > 0:
-            cached = self.dispatcher.held(ids, request_salt(call.who.tenant, req.cache_salt))
+            salt = request_salt(call.who.tenant, req.cache_salt)
+            cached = self.dispatcher.held(ids, salt, self.adapter(req.model))
         return Quote(name, len(ids), cached, self.input_price, memo=ids)
 
     async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> LocalPrepared:
@@ -412,7 +440,17 @@ class LocalChat:
         lease_blocks: int | None = None,
     ) -> Dispatch:
         with trace.step("route") as span:
-            d = await self.dispatcher.route(greq, route, session, lease_blocks)
+            lora, among = greq.lora, set[LocationId]()
+            if lora is not None and self.adapters is not None:
+                among = self.adapters.where(lora)  # its replicas first
+            d = await self.dispatcher.route(greq, route, session, lease_blocks, among)
+            if lora is not None and self.adapters is not None:
+                try:  # loaded there first (once, however many wait for it)
+                    await self.adapters.ensure(d.replica, lora)
+                except BaseException:
+                    self.dispatcher.release(d)
+                    raise
+                span.set_attribute("vcache.adapter", lora.name)
             span.set_attribute("vcache.replica", d.replica_id)
             if d.predicted_cached_tokens is not None:
                 span.set_attribute("vcache.predicted_cached_tokens", d.predicted_cached_tokens)
@@ -480,9 +518,11 @@ class LocalChat:
         room = Room(
             self.engine.capabilities.max_model_len, self._vocab(), clamp, self.max_output_tokens
         )
-        return generate_request(
+        greq = generate_request(
             rid, ids, req, limit, params, who, room, logprobs, structured, top_k, prompt_logprobs
         )
+        lora = self.adapter(req.model)  # the adapter the model names runs on the base model
+        return greq if lora is None else dataclasses.replace(greq, lora=lora)
 
 
 def _session_key(call: Call) -> str | None:

@@ -1,0 +1,259 @@
+"""The LoRA adapters the local replicas serve, each as a model of its own.
+
+An adapter is known by name (:class:`~engines.lora.LoraRef`: name and path) when it
+is configured (``engine.lora.adapters``, loaded by every embedded engine at its
+start), loaded at run time (the admin routes), learned from a replica that holds it
+(a remote replica's ``/v1/models``), or found in the resolver directory
+(``<resolver_dir>/<name>/adapter_config.json``, as vLLM's filesystem resolver finds
+one).  Which replica holds which adapter is kept per engine: a restarted replica's
+new engine is asked again (an embedded one holds its configured adapters again).
+
+Routing prefers the replicas that hold a request's adapter (:meth:`Adapters.where`);
+the block hashes carry the adapter (``("lora", name, path)``), so among them the
+one with its prefix warm wins as for the base model.  A replica chosen that does
+not hold it loads it first (:meth:`Adapters.ensure`): concurrent first requests
+for one adapter on one replica wait for the one load.  A load that fails is a 400
+naming why (the engine's own message), and the replica keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from engines.base import Engine
+from engines.errors import EngineError, EngineInputError
+from engines.lora import AdapterEngine, LoraRef
+from gateway.core.errors import InvalidRequest, NotFound, from_engine_error
+from gateway.local.replica_set import ReplicaSet
+from gateway.local.replicas import Replica
+from manifest.index import LocationId
+
+log = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _lora(engine: Engine) -> AdapterEngine | None:
+    return engine if isinstance(engine, AdapterEngine) and engine.lora_enabled else None
+
+
+class Adapters:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        base: str,
+        configured: Sequence[LoraRef] = (),
+        resolver_dir: Path | None = None,
+        enabled: bool = False,
+    ) -> None:
+        """``base``: the served name of the base model (an adapter may not take it);
+        ``configured``: the adapters every embedded engine loads at its start;
+        ``enabled``: the local engines run with LoRA (else nothing is an adapter)."""
+        self._replicas = replicas
+        self.base = base
+        self.enabled = enabled
+        self._resolver = resolver_dir
+        self._known: dict[str, LoraRef] = {a.name: a for a in configured}
+        self._configured = dict(self._known)
+        # per replica: the engine the residency was learned from, and what it holds
+        self._held: dict[LocationId, tuple[Engine, dict[str, LoraRef]]] = {}
+        self._loads: dict[tuple[LocationId, str], asyncio.Task[None]] = {}
+        self.loads = 0  # adapter loads sent to engines (the first requests' included)
+
+    # ---------------------------------------------------------------- lookup
+
+    def find(self, name: str) -> LoraRef | None:
+        """The adapter served as ``name`` (None: no adapter is): known, or found in the
+        resolver directory (then known from now on)."""
+        if not self.enabled or name == self.base:
+            return None
+        known = self._known.get(name)
+        if known is not None or self._resolver is None or "/" in name or name.startswith("."):
+            return known
+        where = self._resolver / name
+        if not (where / ADAPTER_CONFIG).is_file():
+            return None
+        adapter = LoraRef(name, str(where))
+        self._known[name] = adapter
+        return adapter
+
+    def get(self, name: str, param: str = "model") -> LoraRef:
+        """The adapter ``name``; a 404 naming it when there is none."""
+        adapter = self.find(name)
+        if adapter is None:
+            raise NotFound(
+                f"The adapter '{name}' does not exist", param=param, code="model_not_found"
+            )
+        return adapter
+
+    def listed(self) -> list[LoraRef]:
+        """Every adapter known now (configured, loaded, learned), by name."""
+        return sorted(self._known.values(), key=lambda a: a.name)
+
+    def where(self, adapter: LoraRef) -> set[LocationId]:
+        """The replicas whose current engine holds ``adapter`` (its name at its path)."""
+        out: set[LocationId] = set()
+        for r in self._replicas.replicas:
+            held = self._held.get(r.id)
+            if held is not None and held[0] is r.engine and held[1].get(adapter.name) == adapter:
+                out.add(r.id)
+        return out
+
+    def residency(self) -> dict[str, list[str]]:
+        """Adapter name -> the replicas known to hold it (what the admin route shows)."""
+        out: dict[str, list[str]] = {a.name: sorted(self.where(a)) for a in self.listed()}
+        return out
+
+    # --------------------------------------------------------------- learn
+
+    async def learn(self, replica: Replica) -> dict[str, LoraRef]:
+        """What ``replica``'s engine holds now (asked of it: a remote replica's own
+        list; an embedded one's loaded adapters); adapters it holds become known."""
+        engine = _lora(replica.engine)
+        held: dict[str, LoraRef] = {}
+        if engine is not None and replica.engine.ready:
+            try:
+                held = {a.name: a for a in await engine.adapters()}
+            except EngineError as exc:
+                log.warning("replica %s: adapters not listed (%s)", replica.id, exc)
+        self._held[replica.id] = (replica.engine, held)
+        for a in held.values():
+            self._known.setdefault(a.name, a)
+        return held
+
+    async def learn_all(self) -> None:
+        """Ask every serving replica what it holds."""
+        for r in self._replicas.serving():
+            await self.learn(r)
+
+    async def learn_new(self) -> None:
+        """Ask the serving replicas not asked yet (new, or restarted since) what they
+        hold: a remote replica's adapters are served from the first request on.  Cheap
+        once every replica was asked."""
+        if not self.enabled:
+            return
+        for r in self._replicas.serving():
+            if self._current(r) is None:
+                await self.learn(r)
+
+    def _current(self, replica: Replica) -> dict[str, LoraRef] | None:
+        held = self._held.get(replica.id)
+        return held[1] if held is not None and held[0] is replica.engine else None
+
+    # ---------------------------------------------------------------- load
+
+    async def ensure(self, replica: Replica, adapter: LoraRef) -> None:
+        """``adapter`` loaded on ``replica`` before a request under it is sent there:
+        nothing when it holds it; one load however many requests wait for it."""
+        held = self._current(replica)
+        if held is None:
+            held = await self.learn(replica)
+        if held.get(adapter.name) == adapter:
+            return
+        key = (replica.id, adapter.name)
+        task = self._loads.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._load(replica, adapter))
+            self._loads[key] = task
+            task.add_done_callback(lambda _t: self._loads.pop(key, None))
+        await asyncio.shield(task)
+
+    async def _load(self, replica: Replica, adapter: LoraRef) -> None:
+        engine = _lora(replica.engine)
+        if engine is None:
+            raise InvalidRequest(
+                f"replica {replica.id} does not serve LoRA adapters (engine.lora.enabled)",
+                param="model",
+                code="lora_disabled",
+            )
+        self.loads += 1
+        try:
+            await engine.load_adapter(adapter)
+        except EngineInputError as exc:
+            raise InvalidRequest(
+                str(exc), param=exc.param or "model", code="adapter_load_failed"
+            ) from exc
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+        log.info("replica %s: adapter %s loaded from %s", replica.id, adapter.name, adapter.path)
+        await self.learn(replica)
+        self._known[adapter.name] = adapter
+
+    def _targets(self, replica_id: str | None) -> list[Replica]:
+        if replica_id is None:
+            return list(self._replicas.serving())
+        r = self._replicas.replica(replica_id)
+        if r is None:
+            raise NotFound(
+                f"Unknown replica '{replica_id}'", param="replica", code="replica_not_found"
+            )
+        return [r]
+
+    async def load(self, adapter: LoraRef, replica_id: str | None = None) -> list[str]:
+        """Load ``adapter`` on one replica or every serving one (the admin route); the
+        replicas it was loaded on.  A name served by the base model is a 400."""
+        if not self.enabled:
+            raise InvalidRequest(
+                "the local engines run without LoRA (engine.lora.enabled)",
+                param="lora_name",
+                code="lora_disabled",
+            )
+        if adapter.name == self.base:
+            raise InvalidRequest(
+                f"'{adapter.name}' is the base model's name",
+                param="lora_name",
+                code="invalid_value",
+            )
+        targets = self._targets(replica_id)
+        for r in targets:
+            await self.ensure(r, adapter)
+        self._known[adapter.name] = adapter
+        return [r.id for r in targets]
+
+    async def load_path(self, name: str, path: str, replica_id: str | None = None) -> list[str]:
+        """:meth:`load` of the adapter ``name`` at ``path`` (the admin route's body)."""
+        return await self.load(LoraRef(name, path), replica_id)
+
+    async def unload(self, name: str, replica_id: str | None = None) -> list[str]:
+        """Unload ``name`` from one replica or all (the admin route); the replicas it was
+        unloaded from.  Requests running under it finish; the next one loads it again
+        where it is routed while it stays known (configured, or in the resolver
+        directory); one unloaded everywhere otherwise is forgotten."""
+        adapter = self.get(name, param="lora_name")
+        done: list[str] = []
+        for r in self._targets(replica_id):
+            engine = _lora(r.engine)
+            if engine is None:
+                continue
+            try:
+                gone = await engine.unload_adapter(name)
+            except EngineError as exc:
+                raise from_engine_error(exc) from exc
+            if gone:
+                done.append(r.id)
+            await self.learn(r)
+        if not done:
+            raise NotFound(
+                f"The adapter '{name}' is not loaded"
+                + (f" on replica '{replica_id}'" if replica_id else ""),
+                param="lora_name",
+                code="adapter_not_loaded",
+            )
+        anywhere = any(adapter == h.get(name) for _, h in self._held.values())
+        if not anywhere and replica_id is None and not self._kept(adapter):
+            self._known.pop(name, None)
+        return done
+
+    def _kept(self, adapter: LoraRef) -> bool:
+        """Whether ``adapter`` stays known unloaded: configured, or in the resolver
+        directory."""
+        if self._configured.get(adapter.name) == adapter:
+            return True
+        return self._resolver is not None and Path(adapter.path).parent == self._resolver
+
+
+def adapter_refs(adapters: Mapping[str, str]) -> list[LoraRef]:
+    return [LoraRef(name, path) for name, path in adapters.items()]

@@ -1,0 +1,168 @@
+"""LoRA adapters as models over HTTP (fake engines that serve adapters): listed with their
+parent and root, served on chat, completions, Responses and Messages under the adapter,
+an unknown one a 404 naming it in each API's format, loaded and unloaded at run time by
+an admin, a failed load a 400 naming why."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engines.lora import LoraRef
+from engines.tokenizer import ChatTokenizer
+from gateway.app import create_app
+from gateway.core.config import ApiKeyConfig, hash_api_key
+from tests.settings import gateway_settings
+from tests.unit.local.lora_fake import LoraFakeEngine, adapter_dir
+
+MODEL = "vcache-demo"
+ADMIN, USER = "sk-admin", "sk-user"
+MESSAGES: Any = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture
+def gw(demo_model: Path, tmp_path: Path) -> Iterator[tuple[LoraFakeEngine, TestClient, Path]]:
+    tokenizer = ChatTokenizer.from_pretrained(str(demo_model))
+    engine = LoraFakeEngine(tokenizer, block_size=16)
+    conf = adapter_dir(tmp_path / "conf", "ad-a")
+    adapter_dir(tmp_path / "resolve", "ad-r")
+    lora = {
+        "enabled": True,
+        "max_lora_rank": 8,
+        "adapters": {"ad-a": str(conf)},
+        "resolver_dir": str(tmp_path / "resolve"),
+    }
+    keys = [
+        ApiKeyConfig(sha256=hash_api_key(ADMIN), tenant="ops", admin=True),
+        ApiKeyConfig(sha256=hash_api_key(USER), tenant="u"),
+    ]
+    settings = gateway_settings(
+        grpc_port=None,
+        model=str(demo_model),
+        served_model_name=MODEL,
+        engine={"lora": lora},
+        api_keys=keys,
+    )
+    with TestClient(create_app(settings, [engine])) as http:
+        http.headers["Authorization"] = f"Bearer {USER}"
+        yield engine, http, tmp_path
+
+
+def test_models_lists_each_adapter_with_its_parent_and_root(
+    gw: tuple[LoraFakeEngine, TestClient, Path],
+) -> None:
+    _, http, tmp = gw
+    cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert cards["ad-a"]["parent"] == MODEL and cards["ad-a"]["root"] == str(tmp / "conf" / "ad-a")
+    assert cards[MODEL]["parent"] is None
+    assert "ad-r" not in cards  # in the resolver directory: known once named
+    one = http.get("/v1/models/ad-r")
+    assert one.status_code == 200 and one.json()["root"] == str(tmp / "resolve" / "ad-r")
+    assert http.get("/v1/models/nope").status_code == 404
+
+
+def test_every_api_runs_the_base_model_under_the_adapter(
+    gw: tuple[LoraFakeEngine, TestClient, Path],
+) -> None:
+    engine, http, tmp = gw
+    a = LoraRef("ad-a", str(tmp / "conf" / "ad-a"))
+    r = http.post("/v1/chat/completions", json={"model": "ad-a", "messages": MESSAGES})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "ad-a" and engine.received[-1].lora == a
+    r = http.post("/v1/completions", json={"model": "ad-a", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "ad-a" and engine.received[-1].lora == a
+    r = http.post("/v1/responses", json={"model": "ad-a", "input": "hi", "max_output_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert engine.received[-1].lora == a
+    body = {"model": "ad-r", "messages": MESSAGES, "max_tokens": 4}
+    r = http.post("/v1/messages", json=body)  # from the resolver directory, loaded first
+    assert r.status_code == 200, r.text
+    assert engine.received[-1].lora == LoraRef("ad-r", str(tmp / "resolve" / "ad-r"))
+    assert engine.load_calls[-1].name == "ad-r"
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+    assert r.status_code == 200 and engine.received[-1].lora is None  # the base model
+
+
+def test_the_same_prompt_under_two_adapters_is_cold_for_the_second(
+    gw: tuple[LoraFakeEngine, TestClient, Path],
+) -> None:
+    _, http, _ = gw
+    long: Any = [{"role": "user", "content": "tell me about the cache " * 20}]
+
+    def cached(model: str) -> int:
+        r = http.post("/v1/chat/completions", json={"model": model, "messages": long})
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("ad-a") == 0
+    assert cached("ad-a") > 0
+    assert cached("ad-r") == 0  # the adapter's blocks are its own
+    assert cached(MODEL) == 0
+
+
+def test_an_unknown_adapter_is_a_404_naming_it_in_each_apis_format(
+    gw: tuple[LoraFakeEngine, TestClient, Path],
+) -> None:
+    _, http, _ = gw
+    r = http.post("/v1/chat/completions", json={"model": "ad-x", "messages": MESSAGES})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and "'ad-x'" in err["message"]
+    r = http.post("/v1/messages", json={"model": "ad-x", "messages": MESSAGES, "max_tokens": 4})
+    assert r.status_code == 404
+    assert r.json()["type"] == "error" and "'ad-x'" in r.json()["error"]["message"]
+
+
+def test_load_and_unload_at_run_time_by_an_admin(
+    gw: tuple[LoraFakeEngine, TestClient, Path],
+) -> None:
+    engine, http, tmp = gw
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    new = adapter_dir(tmp / "new", "ad-n")
+    body = {"lora_name": "ad-n", "lora_path": str(new)}
+    assert http.post("/v1/load_lora_adapter", json=body).status_code == 403
+    r = http.post("/v1/load_lora_adapter", json=body, headers=admin)
+    assert r.status_code == 200, r.text
+    assert r.json()["replicas"] == ["replica-0"] and engine.held["ad-n"].path == str(new)
+    ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert "ad-n" in ids
+    listed = http.get("/v1/lora_adapters", headers=admin).json()["data"]
+    assert {"lora_name": "ad-n", "lora_path": str(new), "replicas": ["replica-0"]} in listed
+    r = http.post("/v1/chat/completions", json={"model": "ad-n", "messages": MESSAGES})
+    assert r.status_code == 200 and engine.received[-1].lora == LoraRef("ad-n", str(new))
+    gone = {"lora_name": "ad-n"}
+    r = http.post("/v1/unload_lora_adapter", json=gone, headers=admin)
+    assert r.status_code == 200 and r.json()["replicas"] == ["replica-0"]
+    assert "ad-n" not in engine.held
+    r = http.post("/v1/unload_lora_adapter", json=gone, headers=admin)
+    assert r.status_code == 404 and "'ad-n'" in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions", json={"model": "ad-n", "messages": MESSAGES})
+    assert r.status_code == 404
+
+
+def test_a_failed_load_is_a_400_naming_why_and_the_replica_serves_on(
+    gw: tuple[LoraFakeEngine, TestClient, Path],
+) -> None:
+    _, http, tmp = gw
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    wide = adapter_dir(tmp / "wide", "ad-w", rank=64)
+    r = http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "ad-w", "lora_path": str(wide)}, headers=admin
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "adapter_load_failed" and "max_lora_rank 8" in err["message"]
+    missing = {"lora_name": "ad-m", "lora_path": str(tmp / "nowhere")}
+    r = http.post("/v1/load_lora_adapter", json=missing, headers=admin)
+    assert r.status_code == 400 and str(tmp / "nowhere") in r.json()["error"]["message"]
+    r = http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "../x", "lora_path": "/x"}, headers=admin
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    r = http.post("/v1/chat/completions", json={"model": "ad-a", "messages": MESSAGES})
+    assert r.status_code == 200
