@@ -429,3 +429,24 @@ def test_urls_only_from_allowed_hosts_and_bad_bytes_refused_by_name(
             )
             .choices
         )  # the gateway unharmed
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai", "gemini"])
+def test_streamed_answers_carry_images_too(gw: Gw, provider: str) -> None:
+    model = f"{provider}/{MODELS[provider]}"
+    stream = gw.client().chat.completions.create(
+        model=model,
+        messages=chat_turns(RED, None),
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 0
+    assert [m["sha256"] for m in media(gw)] == [sha(RED), sha(PHOTO)]
+    last = gw.emulator.received()[-1]["path"]
+    if provider == "gemini":
+        assert last.endswith(":streamGenerateContent")
+    else:
+        assert gw.emulator.last_body()["stream"] is True
