@@ -3,10 +3,10 @@
 A request's JSON is walked for the shapes each API takes: Anthropic's ``image`` and
 ``document`` blocks (base64 sources; a text source is text), OpenAI's ``image_url`` and
 ``file`` parts (data URLs) and the Responses API's ``input_image`` / ``input_file``,
-Gemini's ``inlineData``.  Each one found is decoded (bad base64 or bytes no image
-decoder reads: :class:`BadMedia`, a 400), its SHA-256 recorded on the emulator's state
-(:class:`Seen`, for tests to check the bytes arrived unchanged), and weighed in tokens
-by the provider's published rule:
+Gemini's ``inlineData``.  Each one found is decoded (bad base64, or an image no
+decoder reads or of another type than declared: :class:`BadMedia`, a 400), its
+SHA-256 recorded on the emulator's state (:class:`Seen`, for tests to check the bytes
+arrived unchanged), and weighed in tokens by the provider's published rule:
 
 - Anthropic: an image is scaled to fit a 1568-pixel long edge and about 1.15
   megapixels (1600 tokens), then costs ``ceil(width * height / 750)`` tokens;
@@ -83,20 +83,27 @@ def gemini_tokens(width: int, height: int) -> int:
     return GEMINI_IMAGE * math.ceil(width / 768) * math.ceil(height / 768)
 
 
-def pixel_size(data: bytes) -> tuple[int, int]:
-    """An image's width and height, from its header (Pillow; nothing decoded)."""
+_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp"}
+
+
+def pixel_size(data: bytes, media_type: str) -> tuple[int, int]:
+    """An image's width and height, from its header (Pillow; nothing decoded); the bytes
+    must be the declared type, as every provider checks."""
     try:
         with Image.open(io.BytesIO(data)) as im:
-            return im.size
+            found, size = _FORMATS.get(str(im.format)), im.size
     except (UnidentifiedImageError, OSError) as exc:
         raise BadMedia("Could not process image") from exc
+    if found != media_type:
+        raise BadMedia(f"Image does not match the provided media type {media_type}")
+    return size
 
 
 def weigh(provider: str, m: Media) -> int:
     """The tokens one image or document costs at ``provider``."""
     if not m.media_type.startswith("image/"):
         return tokens(m.data)
-    w, h = pixel_size(m.data)
+    w, h = pixel_size(m.data, m.media_type)
     if provider == "anthropic":
         return anthropic_tokens(w, h)
     if provider == "gemini":

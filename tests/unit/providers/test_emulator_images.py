@@ -186,3 +186,12 @@ def test_gemini_inline_data_counts_258_and_caches_on_identical_bytes(emu: TestCl
     assert through_image > 258  # through the image's content and the answer
     assert other["usageMetadata"]["cachedContentTokenCount"] < through_image
     assert [m["tokens"] for m in emu.get("/admin/media").json()] == [258, 258, 258]
+
+
+def test_an_image_of_another_type_than_declared_is_a_400(emu: TestClient) -> None:
+    body = openai_body(png(8, 8), "low", "q")
+    body["messages"][1]["content"][1]["image_url"]["url"] = (
+        f"data:image/jpeg;base64,{b64(png(8, 8))}"
+    )
+    r = emu.post("/v1/chat/completions", headers=B, json=body)
+    assert r.status_code == 400 and "media type" in r.json()["error"]["message"]
