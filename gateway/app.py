@@ -462,7 +462,14 @@ def create_app(
     keyring = KeyRing(settings.api_keys)
     log_cfg = settings.session_log  # batches live on the session log's database
     batch_store = BatchStore.beside(log_cfg.db_path(settings.data_dir), log_cfg.fsync, log_cfg.url)
-    batch_runner = BatchRunner(batch_store, ServiceSender(service))
+    runs = settings.batches
+    batch_runner = BatchRunner(
+        batch_store,
+        ServiceSender(service),
+        concurrency=runs.concurrency,
+        lease_s=runs.lease_s,
+        poll_s=runs.poll_s,
+    )
     gateway = Gateway(
         settings,
         metrics,

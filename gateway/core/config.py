@@ -111,6 +111,20 @@ class SessionLogSettings(BaseModel):
         return self.path or data_dir / "sessions.db"
 
 
+class BatchSettings(BaseModel):
+    """The batch APIs' runner (docs/batches.md): each gateway sends batch items in the
+    prefix DAG's order through the service path, at the batch priority."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    concurrency: int = Field(8, ge=1)  # items this gateway sends at once, over every batch
+    # how long a claimed item is an owner's: renewed every third of it while the item runs;
+    # another gateway (or this one restarted) takes the item again once it runs out
+    lease_s: float = Field(60.0, gt=0)
+    # how often the runner looks for work (and at once when a batch is created or cancelled)
+    poll_s: float = Field(1.0, gt=0)
+
+
 class AttachmentSettings(BaseModel):
     """Images and documents in requests (OpenAI's image_url and file parts; the Messages
     and Responses APIs' images arrive in those shapes): what intake takes, each refused
@@ -211,6 +225,7 @@ class Settings(BaseSettings):
     prompt_layout: Literal["canonical", "passthrough"] = "canonical"
     session_log: SessionLogSettings = Field(default_factory=SessionLogSettings)
     attachments: AttachmentSettings = Field(default_factory=AttachmentSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
     state: StateSettings = Field(default_factory=StateSettings)
     max_request_body_bytes: int = Field(4 << 20, ge=1024)  # a larger body is a 413
     http: HttpSettings = Field(default_factory=HttpSettings)

@@ -349,3 +349,18 @@ def test_items_refused_by_a_full_queue_are_sent_again_not_failed(
         if x.startswith('vcache_requests_shed_total{priority="batch"}')
     ]
     assert refused and refused[0] >= 1  # the queue did refuse some, and they were retried
+
+
+def test_one_at_a_time_the_engine_sees_exactly_the_dag_order(tokenizer: ChatTokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_model_len=1024)
+    cfg = gateway_settings(grpc_port=None, api_keys=keys(), batches={"concurrency": 1})
+    with TestClient(create_app(cfg, [engine])) as http:
+        client = sdk(http)
+        f = client.files.create(
+            file=("in.jsonl", jsonl([line(t, chat_body(s, t)) for s, t in ARRIVAL])),
+            purpose="batch",
+        )
+        b = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        assert settled(client, b.id).status == "completed"
+    order = [_prompt_tag(engine, tokenizer, i) for i in range(6)]
+    assert order == ["a1", "a2", "a3", "b1", "b2", "b3"]  # depth first, not as they arrived
