@@ -14,6 +14,7 @@ from gateway.batches.store import BatchStore
 from tests.unit.batches.conftest import OpenStore
 from tests.unit.batches.test_runner import (
     test_a_restart_finishes_a_half_done_batch_without_sending_done_items,
+    test_a_running_items_lease_is_renewed_so_no_other_gateway_takes_it,
     test_an_item_refused_for_load_is_sent_again_not_failed,
     test_an_item_waiting_to_be_sent_again_is_canceled_with_its_batch,
     test_an_items_error_is_its_result_and_the_batch_goes_on,
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.stores
 
 __all__ = [
     "test_a_restart_finishes_a_half_done_batch_without_sending_done_items",
+    "test_a_running_items_lease_is_renewed_so_no_other_gateway_takes_it",
     "test_an_item_refused_for_load_is_sent_again_not_failed",
     "test_an_item_waiting_to_be_sent_again_is_canceled_with_its_batch",
     "test_an_items_error_is_its_result_and_the_batch_goes_on",

@@ -268,3 +268,47 @@ def test_an_item_waiting_to_be_sent_again_is_canceled_with_its_batch(store: Batc
     row = store.batch(bid)
     assert row is not None and row.status == "cancelled"
     assert (row.counts.canceled, row.counts.done, row.counts.error) == (2, 0, 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_running_items_lease_is_renewed_so_no_other_gateway_takes_it(
+    open_store: OpenStore,
+) -> None:
+    clock = Clock()
+    store, other = open_store(clock), open_store(clock)
+    bid = _create(store, [("A", "a1")])
+    renewals: list[float] = []
+    renew = store.renew
+
+    def counted(owner: str, lease_s: float) -> int:
+        renewals.append(clock.t)
+        return renew(owner, lease_s)
+
+    store.renew = counted  # type: ignore[method-assign]
+    sender = Sender(gated=("a1",))
+
+    async def main() -> None:
+        # a 30 ms lease on the stores' clock, renewed every 10 ms of the loop's
+        runner = BatchRunner(store, sender, concurrency=1, lease_s=0.03, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: sender.sent == ["a1"], "a1 sent and held")
+        clock.t += 0.02
+        await until(lambda: clock.t in renewals, "a renewal after the clock moved")
+        clock.t += 0.02  # past the first lease, inside the renewed one
+        assert not await asyncio.to_thread(other.claim, bid, 0, "other", 0.03)
+        sender.gates["a1"].set()
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert sender.sent == ["a1"]
+    row = store.batch(bid)
+    assert row is not None and row.counts.done == 1
