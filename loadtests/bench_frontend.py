@@ -1,7 +1,7 @@
 """vcache's frontend against vLLM's own OpenAI server on the same model, in one run.
 
     .venv/bin/python -m loadtests.bench_frontend                  # make bench-frontend
-    .venv/bin/python -m loadtests.bench_frontend --rounds 1 --requests 16   # ~2 min smoke
+    .venv/bin/python -m loadtests.bench_frontend --rounds 1 --requests 32 --warmup 8  # 2 min
     .venv/bin/python -m loadtests.bench_frontend --arms defaults,no-guard --profile
 
 Two servers of the demo model (CPU engine), both up, taking turns so that only
@@ -34,8 +34,12 @@ N --api-server-count N``.
 process at 100 Hz, every thread (paused for each sample: ``--nonblocking`` read
 the gateway's stacks torn, half its samples with no Python frame above the
 loop); the top functions by cumulative and by own share of the samples, each
-share as µs per output token and ms per request of that slice's CPU, the shares
-by thread and by file.  ``--profile-native``: py-spy's ``--native`` too (C
+share as µs per output token and ms per request of that slice's CPU; each
+thread's share of the CPU (from ``/proc``) beside its share of the samples, and
+the own share by file.  ``--checkout PATH`` runs the gateways from another
+source tree (a before/after on one machine); each server takes ~3 GB with the
+default 1 GiB KV cache (``--kv-bytes``), and none starts on a host with less
+than ``--min-free-gib`` available.  ``--profile-native``: py-spy's ``--native`` too (C
 frames: the event loop's, the socket writes).
 
 Prints a table and writes JSON (``--out``, default ``.bench/bench_frontend.json``;
