@@ -6,12 +6,14 @@ expires what outlived its window, and takes every batch in progress that it is n
 already running.  For a batch it builds the prefix DAG of its items
 (:mod:`gateway.batches.plan`) and walks :meth:`PrefixDag.order`: depth first, so an
 anchor's siblings go together, and each item waits until the item it is ``after``
-(the one that computes the deepest prefix it shares) has ended before it is sent,
-so its siblings read that prefix from cache (send-one-then-fan, shared/seeds/001
-§8).  At most ``concurrency`` items run at once over all batches; each goes through
-the :class:`Sender` (the service path, at the ``batch`` priority); an item refused for
-load (429, 503: the queue full for batch requests, an engine still starting) is sent
-again after its ``Retry-After`` (:func:`retry_delay`), so load never fails an item.
+(the one that computes the deepest prefix it shares) has begun its answer (its
+first token: a chat completion's lead is sent through the streaming path for that)
+or ended, before it is sent, so its siblings read that prefix from cache
+(send-one-then-fan, shared/seeds/001 §8).  At most ``concurrency`` items run at once
+over all batches; each goes through the :class:`Sender` (the service path, at the
+``batch`` priority); an item refused for load (429, 503: the queue full for batch
+requests, an engine still starting) is sent again after its ``Retry-After``
+(:func:`retry_delay`), so load never fails an item.
 
 Items are claimed in the store for ``lease_s`` seconds, renewed every third of it
 while they run; an item's result is written before it counts as done.  So a restart
@@ -143,7 +145,9 @@ class BatchRunner:
         try:
             if open_:
                 dag = PrefixDag(units(batch.endpoint, [bodies[i.idx] for i in items]))
-                for step in dag.order():
+                steps = dag.order()
+                leads = {int(st.after) for st in steps if st.after is not None}
+                for step in steps:
                     idx = int(step.unit)
                     if idx not in open_:
                         continue
@@ -166,7 +170,7 @@ class BatchRunner:
                     ended[idx] = done = asyncio.Event()
                     sent.append(
                         asyncio.create_task(
-                            self._item(bid, idx, batch.endpoint, bodies[idx], who, done),
+                            self._item(bid, idx, batch.endpoint, bodies[idx], who, done, leads),
                             name=f"batch-item-{bid}-{idx}",
                         )
                     )
@@ -185,10 +189,14 @@ class BatchRunner:
         body: dict[str, object],
         who: Principal,
         done: asyncio.Event,
+        leads: set[int],
     ) -> None:
+        """Send the item (a lead with ``done`` set at its first token, where the sender
+        can tell), write its result; ``done`` is set at the end in any case."""
+        started = done if idx in leads else None
         try:
             attempt = 0
-            while (out := await self._send(endpoint, body, who)).retryable:
+            while (out := await self._send(endpoint, body, who, started)).retryable:
                 if await asyncio.to_thread(self._store.status, bid) != "in_progress":
                     await asyncio.to_thread(self._store.drop, bid, idx, self.owner)
                     return  # cancelled while it waited to be sent again

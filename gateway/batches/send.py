@@ -8,6 +8,14 @@ the session log and rebuildable like any request.  The caller is the batch's
 tenant and key at the ``batch`` priority, the lowest: interactive and default
 requests go first (admission keeps room for them; vLLM schedules them ahead).
 
+An item other items wait for (a lead, see :mod:`gateway.batches.runner`) is sent with
+a ``started`` event: a chat completion then goes through the streaming path
+(:meth:`GatewayService.answer`, whose first piece is produced when it returns), so
+the event is set at its first token and its siblings need not wait for its end; it
+is shaped into the same whole ``chat.completion``.  Every other item, and a lead of
+another endpoint, is answered whole (the engine's coalesced outputs; its fallback
+until the end) and ``started`` is left to the runner, which sets it at the end.
+
 What comes back is an :class:`Outcome`: the answer's body and usage, or the error as
 the gateway would have answered it (a refusal for load is ``retryable``: the runner
 sends the item again after the ``Retry-After``); nothing here raises but a
@@ -16,8 +24,10 @@ cancellation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,10 +37,12 @@ from gateway.batches.store import Totals
 from gateway.core.completion_request import CompletionRequest
 from gateway.core.errors import APIError, invalid_request_from
 from gateway.core.messages_wire import MessagesRequest
+from gateway.core.outputs import ChatCompletion
 from gateway.core.responses_wire import ResponsesRequest
 from gateway.core.schemas import ChatCompletionRequest
+from gateway.core.shaping import chat_completion
 from gateway.core.types import Principal
-from gateway.service.chat import GatewayService
+from gateway.service.chat import GatewayService, chat_shape
 from gateway.service.messages_api import Messages
 from gateway.service.response_tools import response_tools
 from gateway.service.responses_api import Responses
@@ -117,7 +129,15 @@ def usage_of(body: dict[str, Any]) -> Totals:
 
 
 class Sender(Protocol):
-    async def __call__(self, endpoint: str, body: dict[str, Any], who: Principal) -> Outcome: ...
+    async def __call__(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        who: Principal,
+        started: asyncio.Event | None = None,
+    ) -> Outcome:
+        """Send one item; ``started`` (where given) is set once its answer has begun."""
+        ...
 
 
 class ServiceSender:
@@ -126,10 +146,25 @@ class ServiceSender:
     def __init__(self, svc: GatewayService) -> None:
         self._svc = svc
 
-    async def _answer(self, endpoint: str, body: dict[str, Any], who: Principal) -> BaseModel:
+    async def _chat(
+        self, chat: ChatCompletionRequest, who: Principal, started: asyncio.Event
+    ) -> ChatCompletion:
+        """A chat answered through the streaming path (its first piece produced when
+        :meth:`GatewayService.answer` returns: ``started`` is set then), shaped whole."""
+        req = self._svc.named(chat)
+        a = (await self._svc.answer(req, who)).body
+        started.set()
+        async with aclosing(a.pieces) as pieces:  # cancelled: the engine request aborts
+            return await chat_completion(a.id, req.model, pieces, chat_shape(req))
+
+    async def _answer(
+        self, endpoint: str, body: dict[str, Any], who: Principal, started: asyncio.Event | None
+    ) -> BaseModel:
         svc = self._svc
         if endpoint == CHAT:
             chat = ChatCompletionRequest.model_validate({**body, "stream": False})
+            if started is not None:
+                return await self._chat(chat, who, started)
             return (await svc.chat(chat, who)).body
         if endpoint == COMPLETIONS:
             text = CompletionRequest.model_validate({**body, "stream": False})
@@ -144,10 +179,16 @@ class ServiceSender:
             return (await Messages(svc).create(msg, who, None, None)).body
         raise ValueError(f"not a batch endpoint: {endpoint}")
 
-    async def __call__(self, endpoint: str, body: dict[str, Any], who: Principal) -> Outcome:
+    async def __call__(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        who: Principal,
+        started: asyncio.Event | None = None,
+    ) -> Outcome:
         rid = f"req_{uuid.uuid4().hex[:24]}"
         try:
-            answer = await self._answer(endpoint, body, who)
+            answer = await self._answer(endpoint, body, who, started)
         except ValidationError as exc:
             err = invalid_request_from(exc.errors())
             return Outcome(err.status, rid, error=error_of(err))

@@ -20,6 +20,7 @@ from tests.unit.batches.test_runner import (
     test_an_items_error_is_its_result_and_the_batch_goes_on,
     test_cancel_stops_new_items_and_keeps_the_finished,
     test_items_go_in_dag_order_at_the_batch_priority,
+    test_siblings_fan_out_at_their_leads_first_token,
     test_the_lead_goes_alone_then_its_siblings_fan_out,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "test_an_items_error_is_its_result_and_the_batch_goes_on",
     "test_cancel_stops_new_items_and_keeps_the_finished",
     "test_items_go_in_dag_order_at_the_batch_priority",
+    "test_siblings_fan_out_at_their_leads_first_token",
     "test_the_lead_goes_alone_then_its_siblings_fan_out",
 ]
 

@@ -364,3 +364,39 @@ def test_one_at_a_time_the_engine_sees_exactly_the_dag_order(tokenizer: ChatToke
         assert settled(client, b.id).status == "completed"
     order = [_prompt_tag(engine, tokenizer, i) for i in range(6)]
     assert order == ["a1", "a2", "a3", "b1", "b2", "b3"]  # depth first, not as they arrived
+
+
+def test_siblings_reach_the_engine_while_their_lead_still_decodes(
+    tokenizer: ChatTokenizer,
+) -> None:
+    hold = Hold(at=1)  # every request waits after its first token
+    engine = FakeEngine(tokenizer, max_model_len=1024, hold=hold)
+    with TestClient(create_app(settings(), [engine])) as http:
+        client = sdk(http)
+        arrival = [("A", "a1"), ("A", "a2"), ("A", "a3")]
+        f = client.files.create(
+            file=("in.jsonl", jsonl([line(t, chat_body(s, t)) for s, t in arrival])),
+            purpose="batch",
+        )
+        b = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        deadline = time.monotonic() + 20
+        while len(engine.received) < 3:  # the siblings went at the lead's first token
+            assert time.monotonic() < deadline, f"only {len(engine.received)} sent"
+            time.sleep(0.01)
+        lead = engine.received[0].request_id
+        assert hold.waiting(lead)  # the lead has not ended
+        hold.release()
+        done = settled(client, b.id)
+        assert done.output_file_id is not None
+        out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert done.status == "completed"
+    assert [x["custom_id"] for x in out] == ["a1", "a2", "a3"]
+    for x in out:  # the lead, streamed to the gateway, is shaped whole like the others
+        body = x["response"]["body"]
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+        assert body["usage"]["completion_tokens"] == 3
+    siblings = out[1:]
+    assert all(
+        x["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        for x in siblings
+    )

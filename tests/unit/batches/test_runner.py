@@ -43,18 +43,30 @@ class Sender:
         gated: tuple[str, ...] = (),
         fail: tuple[str, ...] = (),
         busy: dict[str, int] | None = None,
+        first_token: bool = False,
     ) -> None:
         self.busy = dict(busy or {})  # tag -> how many times it is refused for load first
+        self.first_token = first_token  # set a lead's ``started`` as it is sent
+        self.leads: list[bool] = []  # whether each send was a lead's (given ``started``)
         self.sent: list[str] = []
         self.ended: list[str] = []
         self.who: list[Principal] = []
         self.gates = {tag: asyncio.Event() for tag in gated}
         self.fail = fail
 
-    async def __call__(self, endpoint: str, body: dict[str, Any], who: Principal) -> Outcome:
+    async def __call__(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        who: Principal,
+        started: asyncio.Event | None = None,
+    ) -> Outcome:
         tag = body["messages"][-1]["content"]
         self.sent.append(tag)
         self.who.append(who)
+        self.leads.append(started is not None)
+        if started is not None and self.first_token:
+            started.set()  # its answer has begun
         if tag in self.gates:
             await self.gates[tag].wait()
         if self.busy.get(tag, 0) != 0:
@@ -312,3 +324,27 @@ def test_a_running_items_lease_is_renewed_so_no_other_gateway_takes_it(
     assert sender.sent == ["a1"]
     row = store.batch(bid)
     assert row is not None and row.counts.done == 1
+
+
+def test_siblings_fan_out_at_their_leads_first_token(store: BatchStore) -> None:
+    bid = _create(store, [("A", "a1"), ("B", "b1"), ("A", "a2"), ("A", "a3")])
+    sender = Sender(gated=("a1",), first_token=True)  # a1 begins its answer, then waits
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, concurrency=8, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: len(sender.sent) == 4, "every item sent")
+        assert "a1" not in sender.ended  # its siblings went while it still ran
+        sender.gates["a1"].set()
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert sender.sent[0] == "a1"
+    assert dict(zip(sender.sent, sender.leads, strict=True)) == {
+        "a1": True,  # a lead: sent with an event set at its first token
+        "a2": False,
+        "a3": False,
+        "b1": False,  # b1 reads nothing from a1's A branch; nothing waits for it
+    }
