@@ -166,3 +166,39 @@ def test_a_failed_load_is_a_400_naming_why_and_the_replica_serves_on(
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
     r = http.post("/v1/chat/completions", json={"model": "ad-a", "messages": MESSAGES})
     assert r.status_code == 200
+
+
+def test_grpc_runs_the_adapter_and_lists_it(demo_model: Path, tmp_path: Path) -> None:
+    import grpc
+
+    from gateway.grpc.api import gateway_pb2 as pb
+    from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
+
+    engine = LoraFakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), block_size=16)
+    conf = adapter_dir(tmp_path, "ad-a")
+    lora = {"enabled": True, "max_lora_rank": 8, "adapters": {"ad-a": str(conf)}}
+    settings = gateway_settings(
+        grpc_port=0, model=str(demo_model), served_model_name=MODEL, engine={"lora": lora}
+    )
+    app = create_app(settings, [engine])
+    with TestClient(app), grpc.insecure_channel(f"127.0.0.1:{app.state.grpc.port}") as ch:
+        stub = pb_grpc.GatewayStub(ch)
+        ids = [m.id for m in stub.ListModels(pb.ListModelsRequest()).models]
+        assert ids[:2] == [MODEL, "ad-a"]
+
+        def chat(model: str) -> None:
+            stub.ChatCompletion(
+                pb.ChatCompletionRequest(
+                    model=model,
+                    messages=[pb.ChatMessage(role="user", content="hello")],
+                    sampling=pb.SamplingParams(max_tokens=2),
+                )
+            )
+
+        chat("ad-a")
+        assert engine.received[-1].lora == LoraRef("ad-a", str(conf))
+        with pytest.raises(grpc.RpcError) as err:
+            chat("ad-x")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'ad-x'" in str(
+            err.value.details()
+        )
