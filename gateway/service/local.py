@@ -38,6 +38,7 @@ from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     SamplingFields,
+    TextPart,
 )
 from gateway.core.target import Call, Quote, Sent
 from gateway.core.tracing import RequestTrace
@@ -215,7 +216,18 @@ class LocalChat:
         template: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` through the model's chat template, rendered from the
-        parts the session log keeps (so a rebuilt request renders the same)."""
+        parts the session log keeps (so a rebuilt request renders the same).  The local
+        model reads text only: an image or document part is a 400 naming it."""
+        for i, m in enumerate(messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if not isinstance(part, TextPart):
+                    where = f"messages[{i}].content[{j}]"
+                    raise InvalidRequest(
+                        f"{where}: the local model reads text only (images and documents "
+                        "go to a target that sees them)",
+                        param=where,
+                        code="unsupported_on_target",
+                    )
         system, turns = split_messages(messages)
         return await self._prompts.chat(self.engine.tokenizer, system, turns, tools, template)
 

@@ -91,3 +91,30 @@ def test_ping(gw: tuple[FakeEngine, TestClient]) -> None:
     _, http = gw
     for r in (http.get("/ping"), http.post("/ping")):
         assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+PNG = (  # a 1x1 PNG
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/"
+    "iZk9HQAAAABJRU5ErkJggg=="
+)
+IMAGE_TURN: Any = {
+    "role": "user",
+    "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": PNG}},
+    ],
+}
+
+
+def test_an_image_for_the_local_model_is_refused_by_name(
+    gw: tuple[FakeEngine, TestClient],
+) -> None:
+    """The local model reads text only: counting a prompt with an image is a 400 naming
+    the part, never a 500 from the renderer (the cache API's lookup and warm render
+    through the same LocalChat.chat_tokens)."""
+    engine, http = gw
+    got = http.post("/tokenize", json={"model": MODEL, "messages": [MESSAGES[0], IMAGE_TURN]})
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["param"] == "messages[1].content[1]" and "text only" in error["message"]
+    assert engine.received == []  # nothing reached the engine
