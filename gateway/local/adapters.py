@@ -158,8 +158,15 @@ class Adapters:
         if task is None:
             task = asyncio.ensure_future(self._load(replica, adapter))
             self._loads[key] = task
-            task.add_done_callback(lambda _t: self._loads.pop(key, None))
+            task.add_done_callback(lambda t: self._loaded(key, t))
         await asyncio.shield(task)
+
+    def _loaded(self, key: tuple[LocationId, str], task: asyncio.Task[None]) -> None:
+        """A load ended: the next first request loads again; its failure was raised to
+        every request that waited for it (read here too, for one whose requests left)."""
+        self._loads.pop(key, None)
+        if not task.cancelled():
+            task.exception()
 
     async def _load(self, replica: Replica, adapter: LoraRef) -> None:
         engine = _lora(replica.engine)

@@ -198,3 +198,32 @@ def test_each_adapter_hashes_its_own_blocks() -> None:
     assert kv.predict(ha, len(prompt)) == {R0: 96}
     for other in others:
         assert kv.predict(other, len(prompt)).get(R0, 0) == 0
+
+
+def test_a_failed_first_load_fails_every_waiter_once_and_is_tried_again(
+    tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    asyncio.run(_failed_first_load(tokenizer, tmp_path))
+
+
+async def _failed_first_load(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
+    replicas = await _replicas(tokenizer, 1)
+    adapters = Adapters(booted(replicas), "base", (), None, enabled=True)
+    engine = _engine(replicas[0])
+    engine.load_delay_s = 0.05
+    wide = LoraRef("wide", str(adapter_dir(tmp_path, "wide", rank=64)))
+    waiters = [adapters.ensure(replicas[0], wide) for _ in range(5)]
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(r, InvalidRequest) for r in results) and len(engine.load_calls) == 1
+    # a waiter that leaves does not stop the load the others wait for
+    ok = LoraRef("ok", str(adapter_dir(tmp_path, "ok")))
+    first = asyncio.ensure_future(adapters.ensure(replicas[0], ok))
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(adapters.ensure(replicas[0], ok))
+    await asyncio.sleep(0)
+    first.cancel()
+    await second
+    assert adapters.where(ok) == {R0} and engine.load_calls[1:] == [ok]
+    with pytest.raises(InvalidRequest):  # tried again, not the old failure remembered
+        await adapters.ensure(replicas[0], wide)
+    assert len(engine.load_calls) == 3
