@@ -37,7 +37,8 @@ loop); the top functions by cumulative and by own share of the samples, each
 share as µs per output token and ms per request of that slice's CPU; each
 thread's share of the CPU (from ``/proc``) beside its share of the samples, and
 the own share by file.  ``--checkout PATH`` runs the gateways from another
-source tree (a before/after on one machine); each server takes ~3 GB with the
+source tree, ``--baseline PATH`` adds a gateway from another (a before/after on
+one machine, in one run); each server takes ~3 GB with the
 default 1 GiB KV cache (``--kv-bytes``), and none starts on a host with less
 than ``--min-free-gib`` available.  ``--profile-native``: py-spy's ``--native`` too (C
 frames: the event loop's, the socket writes).
@@ -633,22 +634,27 @@ def _servers(
     cmd = _vllm_cmd(demo_model(data_dir), port, args.workers, args.kv_bytes)
     proc = stack.enter_context(serving(cmd, ready, work / "vllm.log", env))
     servers = [Server(VLLM, f"http://127.0.0.1:{port}", proc.pid)]
-    source = args.checkout.resolve()
-    for arm in args.arms.split(","):
+    gateways = [
+        ("vcache" if arm == "defaults" else f"vcache:{arm}", arm, args.checkout.resolve())
+        for arm in args.arms.split(",")
+    ]
+    if args.baseline is not None:
+        gateways.append(("vcache@baseline", "defaults", args.baseline.resolve()))
+    for name, arm, source in gateways:
         port = free_port()
+        tag = name.replace(":", "-").replace("@", "-")
         own = {
             **env,
             "PYTHONPATH": str(source),
             "VCACHE_LOG_LEVEL": "warning",
-            "VCACHE_SESSION_LOG__PATH": str(work / f"{arm}.db"),
+            "VCACHE_SESSION_LOG__PATH": str(work / f"{tag}.db"),
             **ARMS[arm],
         }
         ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
         _room(args.min_free_gib)
         cmd = _vcache_cmd(data_dir, port, args.workers, args.kv_bytes)
-        log = work / f"vcache-{arm}.log"
+        log = work / f"{tag}.log"
         proc = stack.enter_context(serving(cmd, ready, log, own, cwd=source))
-        name = "vcache" if arm == "defaults" else f"vcache:{arm}"
         servers.append(Server(name, f"http://127.0.0.1:{port}", proc.pid))
     return servers
 
@@ -729,6 +735,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpus": os.cpu_count(),
         "checkout": str(args.checkout.resolve()),
+        "baseline": str(args.baseline.resolve()) if args.baseline else None,
         "workers": args.workers,
         "kv_bytes": args.kv_bytes,
         "requests_per_slice": args.requests,
@@ -766,6 +773,12 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=HERE.parent,
         help="the source tree the gateways run from (its gRPC stubs generated)",
+    )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="one more gateway, vcache@baseline (defaults), from this source tree",
     )
     ap.add_argument(
         "--kv-bytes", type=int, default=KV_BYTES, help="each engine's KV cache (both servers)"
