@@ -13,6 +13,7 @@ Code that starts this engine needs an ``if __name__ == "__main__"`` guard
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
 import logging
 import os
@@ -66,9 +67,8 @@ class VllmEngine:
         self._capabilities: EngineCapabilities | None = None
         self._closed = False
         self._core_stats = CoreStats()
-        # vLLM names an adapter by an int id too: one per (name, path) this engine was given
+        # vLLM names an adapter by an int id too: by name, the id and path given it last
         self._lora_ids: dict[str, tuple[int, str]] = {}
-        self._next_lora_id = 1
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -201,16 +201,13 @@ class VllmEngine:
         return self._config.enable_lora
 
     def _lora_request(self, adapter: LoraRef) -> Any:
-        """vLLM's ``LoRARequest`` for ``adapter``: its int id kept per (name, path), a
-        new one when the name is given another path (vLLM keys its blocks by the path
-        too, and must not take the new weights for the old)."""
+        """vLLM's ``LoRARequest`` for ``adapter``, its int id :func:`lora_id` (another
+        when the name is given another path: vLLM must not take the new weights for the
+        old; the same in every gateway worker attached to one core)."""
         from vllm.lora.request import LoRARequest
 
-        known = self._lora_ids.get(adapter.name)
-        if known is None or known[1] != adapter.path:
-            known = (self._next_lora_id, adapter.path)
-            self._next_lora_id += 1
-            self._lora_ids[adapter.name] = known
+        known = (lora_id(adapter), adapter.path)
+        self._lora_ids[adapter.name] = known
         return LoRARequest(adapter.name, known[0], adapter.path)
 
     async def load_adapter(self, adapter: LoraRef) -> None:
@@ -327,6 +324,13 @@ def _core_times(out: Any) -> CoreTimes | None:
     stats = getattr(out, "metrics", None)
     stamps = [getattr(stats, f, 0.0) for f in ("queued_ts", "scheduled_ts", "first_token_ts")]
     return CoreTimes(*stamps) if all(stamps) else None
+
+
+def lora_id(adapter: LoraRef) -> int:
+    """vLLM's int id of ``adapter``: from its name and path (positive, 31 bits), so the
+    gateway workers that share an engine core, and a restarted gateway, agree on it."""
+    digest = hashlib.sha256(f"{adapter.name}\0{adapter.path}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % (2**31 - 1) + 1
 
 
 def _cause(exc: BaseException) -> str:

@@ -57,3 +57,14 @@ def test_the_embedded_engines_load_the_configured_adapters_at_start(tmp_path: Pa
     plain_settings = gateway_settings(model="some/model", engine={"placement": "none"})
     plain = engine_configs(plain_settings, tmp_path, "some/model")
     assert not plain[0].enable_lora and plain[0].adapters == ()
+
+
+def test_an_adapters_vllm_id_is_its_name_and_path() -> None:
+    """The gateway workers attached to one engine core give an adapter the same id (a
+    counter per worker would give two adapters one id), another path another id."""
+    from engines.vllm.engine import lora_id
+
+    a = LoraRef("a", "/loras/a")
+    assert lora_id(a) == lora_id(LoraRef("a", "/loras/a"))
+    ids = {lora_id(x) for x in (a, LoraRef("a", "/loras/a2"), LoraRef("b", "/loras/a"))}
+    assert len(ids) == 3 and all(0 < i < 2**31 for i in ids)
