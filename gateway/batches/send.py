@@ -9,12 +9,13 @@ tenant and key at the ``batch`` priority, the lowest: interactive and default
 requests go first (admission keeps room for them; vLLM schedules them ahead).
 
 An item other items wait for (a lead, see :mod:`gateway.batches.runner`) is sent with
-a ``started`` event: a chat completion then goes through the streaming path
-(:meth:`GatewayService.answer`, whose first piece is produced when it returns), so
-the event is set at its first token and its siblings need not wait for its end; it
-is shaped into the same whole ``chat.completion``.  Every other item, and a lead of
-another endpoint, is answered whole (the engine's coalesced outputs; its fallback
-until the end) and ``started`` is left to the runner, which sets it at the end.
+a ``started`` event: a chat completion, or a Responses request's chat, then goes
+through the streaming path (:meth:`GatewayService.answer`, whose first piece is
+produced when it returns), so the event is set at its first token and its siblings
+need not wait for its end; it is shaped into the same whole object.  Every other
+item, and a lead of the completions or Messages endpoints, is answered whole (the
+engine's coalesced outputs; its fallback until the end) and ``started`` is left to
+the runner, which sets it at the end.
 
 What comes back is an :class:`Outcome`: the answer's body and usage, or the error as
 the gateway would have answered it (a refusal for load is ``retryable``: the runner
@@ -41,7 +42,7 @@ from gateway.core.outputs import ChatCompletion
 from gateway.core.responses_wire import ResponsesRequest
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import chat_completion
-from gateway.core.types import Principal
+from gateway.core.types import Principal, Routed
 from gateway.service.chat import GatewayService, chat_shape
 from gateway.service.messages_api import Messages
 from gateway.service.response_tools import response_tools
@@ -147,15 +148,21 @@ class ServiceSender:
         self._svc = svc
 
     async def _chat(
-        self, chat: ChatCompletionRequest, who: Principal, started: asyncio.Event
-    ) -> ChatCompletion:
+        self,
+        chat: ChatCompletionRequest,
+        who: Principal,
+        started: asyncio.Event,
+        session: str | None = None,
+    ) -> Routed[ChatCompletion]:
         """A chat answered through the streaming path (its first piece produced when
         :meth:`GatewayService.answer` returns: ``started`` is set then), shaped whole."""
         req = self._svc.named(chat)
-        a = (await self._svc.answer(req, who)).body
+        routed = await self._svc.answer(req, who, None, session)
         started.set()
+        a = routed.body
         async with aclosing(a.pieces) as pieces:  # cancelled: the engine request aborts
-            return await chat_completion(a.id, req.model, pieces, chat_shape(req))
+            body = await chat_completion(a.id, req.model, pieces, chat_shape(req))
+        return Routed(body, routed.served)
 
     async def _answer(
         self, endpoint: str, body: dict[str, Any], who: Principal, started: asyncio.Event | None
@@ -164,7 +171,7 @@ class ServiceSender:
         if endpoint == CHAT:
             chat = ChatCompletionRequest.model_validate({**body, "stream": False})
             if started is not None:
-                return await self._chat(chat, who, started)
+                return (await self._chat(chat, who, started)).body
             return (await svc.chat(chat, who)).body
         if endpoint == COMPLETIONS:
             text = CompletionRequest.model_validate({**body, "stream": False})
@@ -172,7 +179,16 @@ class ServiceSender:
         if endpoint == RESPONSES:
             req = ResponsesRequest.model_validate({**body, "stream": False})
             store = svc.log.store if svc.log is not None else None
-            api = Responses(svc.answer, svc.chat, store)
+            if started is not None:  # a lead: its chat through the streaming path
+
+                async def chat_lead(
+                    chat: ChatCompletionRequest, who: Principal, _: None, session: str | None
+                ) -> Routed[ChatCompletion]:
+                    return await self._chat(chat, who, started, session)
+
+                api = Responses(svc.answer, chat_lead, store)
+            else:
+                api = Responses(svc.answer, svc.chat, store)
             return (await api.create(req, response_tools(req.all_tools()), who, None)).body
         if endpoint == MESSAGES:
             msg = MessagesRequest.model_validate({**body, "stream": False})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Final, Literal
 
 import openai
@@ -20,6 +20,7 @@ from openai.types import Batch
 from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
+from gateway.batches.send import usage_of
 from gateway.batches.store import BatchStore, NewItem, Totals
 from gateway.core.config import Settings
 from tests.settings import gateway_settings
@@ -366,8 +367,20 @@ def test_one_at_a_time_the_engine_sees_exactly_the_dag_order(tokenizer: ChatToke
     assert order == ["a1", "a2", "a3", "b1", "b2", "b3"]  # depth first, not as they arrived
 
 
+def responses_body(system: str, text: str) -> dict[str, Any]:
+    rules = f"Label the sentiment of each review. Rules {system}."
+    return {"model": MODEL, "instructions": rules, "input": text, "max_output_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "make", "kind"),
+    [(CHAT, chat_body, "chat.completion"), ("/v1/responses", responses_body, "response")],
+)
 def test_siblings_reach_the_engine_while_their_lead_still_decodes(
     tokenizer: ChatTokenizer,
+    endpoint: Endpoint,
+    make: Callable[[str, str], dict[str, Any]],
+    kind: str,
 ) -> None:
     hold = Hold(at=1)  # every request waits after its first token
     engine = FakeEngine(tokenizer, max_model_len=1024, hold=hold)
@@ -375,10 +388,10 @@ def test_siblings_reach_the_engine_while_their_lead_still_decodes(
         client = sdk(http)
         arrival = [("A", "a1"), ("A", "a2"), ("A", "a3")]
         f = client.files.create(
-            file=("in.jsonl", jsonl([line(t, chat_body(s, t)) for s, t in arrival])),
+            file=("in.jsonl", jsonl([line(t, make(s, t), endpoint) for s, t in arrival])),
             purpose="batch",
         )
-        b = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        b = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
         deadline = time.monotonic() + 20
         while len(engine.received) < 3:  # the siblings went at the lead's first token
             assert time.monotonic() < deadline, f"only {len(engine.received)} sent"
@@ -392,11 +405,6 @@ def test_siblings_reach_the_engine_while_their_lead_still_decodes(
     assert done.status == "completed"
     assert [x["custom_id"] for x in out] == ["a1", "a2", "a3"]
     for x in out:  # the lead, streamed to the gateway, is shaped whole like the others
-        body = x["response"]["body"]
-        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
-        assert body["usage"]["completion_tokens"] == 3
-    siblings = out[1:]
-    assert all(
-        x["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        for x in siblings
-    )
+        assert x["response"]["body"]["object"] == kind
+        assert usage_of(x["response"]["body"]).output == 3
+    assert all(usage_of(x["response"]["body"]).cached > 0 for x in out[1:])
