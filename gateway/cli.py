@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     hk.add_argument("key")
     dm = sub.add_parser("demo-model", help="build the demo model and print its path")
     dm.add_argument("--data-dir", dest="data_dir", type=Path, default=argparse.SUPPRESS)
+    dm.add_argument(
+        "--vision", dest="_vision", action="store_true", help="the demo vision model (Idefics3)"
+    )
     ss = sub.add_parser("sessions", help="list the session log's sessions, with sizes")
     rp = sub.add_parser("replay", help="rebuild a request from the session log, check its sha256")
     rp.add_argument("request_id")
@@ -272,11 +275,16 @@ def main(argv: list[str] | None = None) -> int:
         target, emulator = ns.target, ns._emulator
         del ns.target, ns._emulator
         return calibrate.main(_settings(ns), target, emulator)
+    vision = bool(getattr(ns, "_vision", False))
+    if hasattr(ns, "_vision"):
+        del ns._vision
     settings = _settings(ns)
     if ns.command == "demo-model":
         from engines.vllm.demo_model import ensure_demo_model
+        from engines.vllm.demo_vision import ensure_demo_vision_model
 
-        print(ensure_demo_model(settings.data_dir))
+        build = ensure_demo_vision_model if vision else ensure_demo_model
+        print(build(settings.data_dir))
         return 0
     refusal = anonymous_bind_refusal(
         settings.host, bool(settings.api_keys), settings.allow_anonymous
