@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -56,7 +57,7 @@ def test_chat_template_places_images(model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    msgs = [
+    msgs: Any = [
         {"role": "system", "content": "Be brief."},
         {
             "role": "user",
