@@ -43,6 +43,10 @@ default 1 GiB KV cache (``--kv-bytes``), and none starts on a host with less
 than ``--min-free-gib`` available.  ``--profile-native``: py-spy's ``--native`` too (C
 frames: the event loop's, the socket writes).
 
+Issue 48's targets (:data:`TARGETS`: CPU per output token <= 0.7x vLLM's, TTFT
+p90 <= 1.0x, throughput >= 1.0x, on both loads) are checked and printed;
+``--check`` exits 1 when one is missed.
+
 Prints a table and writes JSON (``--out``, default ``.bench/bench_frontend.json``;
 the py-spy stacks beside it).  Each slice records the host's load average, so a
 run on a shared machine can be judged.
@@ -241,6 +245,32 @@ def ratios(row: Row, base: Row) -> dict[str, float | None]:
     for key in RATIO_KEYS:
         b = getattr(base, key)
         out[key] = getattr(row, key) / b if b else None
+    return out
+
+
+# issue 48's acceptance, vcache's defaults over vLLM's server on every load: ratio key ->
+# (the bound, whether the ratio must stay under it)
+TARGETS: dict[str, tuple[float, bool]] = {
+    "cpu_us_per_token": (0.7, True),
+    "ttft_p90_ms": (1.0, True),
+    "tokens_per_s": (1.0, False),
+}
+
+
+def misses(rows: Mapping[str, Mapping[str, Row]], gateway: str = "vcache") -> list[str]:
+    """Each of :data:`TARGETS` that ``gateway`` misses on a load, said in a line (none:
+    every target met)."""
+    out = []
+    for load, servers in rows.items():
+        if gateway not in servers or VLLM not in servers:
+            continue
+        x = ratios(servers[gateway], servers[VLLM])
+        for key, (bound, under) in TARGETS.items():
+            v = x[key]
+            if v is None or (v > bound if under else v < bound):
+                shown = "-" if v is None else f"{v:.2f}x"
+                need = "<=" if under else ">="
+                out.append(f"{load}: {key} {shown} of vLLM's, the target {need} {bound}x")
     return out
 
 
@@ -730,7 +760,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loads = args.loads.split(",")
     rows = {name: {s.name: summarize(s.slices.get(name, [])) for s in servers} for name in loads}
     print(table(rows))
+    missed = misses(rows)
+    print("issue 48's targets: " + ("met" if not missed else "missed: " + "; ".join(missed)))
     out: dict[str, Any] = {
+        "missed_targets": missed,
         "started": started,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpus": os.cpu_count(),
@@ -763,6 +796,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--arms", default="defaults", help=f"gateways, comma-separated, of {', '.join(ARMS)}"
     )
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 when vcache misses issue 48's targets"
+    )
     ap.add_argument("--workers", type=int, default=1, help="gateway workers = replicas")
     ap.add_argument("--profile", action="store_true", help="py-spy each frontend after")
     ap.add_argument("--profile-loads", default="streamed")
@@ -792,8 +828,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := (set(args.loads.split(",")) | set(args.profile_loads.split(","))) - set(LOADS):
         ap.error(f"unknown loads: {', '.join(sorted(unknown))}")
     signal.signal(signal.SIGTERM, _stop)  # the servers are stopped on the way out
-    run(args)
-    return 0
+    out = run(args)
+    return 1 if args.check and out["missed_targets"] else 0
 
 
 def _stop(signum: int, frame: object) -> None:

@@ -16,6 +16,7 @@ from loadtests.bench_frontend import (
     Slice,
     by_thread,
     is_engine,
+    misses,
     own_by_file,
     question,
     ratios,
@@ -169,3 +170,21 @@ def test_every_arm_sets_settings_that_exist() -> None:
                 node = getattr(node, part)
             assert leaf in type(node).model_fields, (arm, key)  # else it would run defaults
             assert str(getattr(node, leaf)).lower() != value, (arm, key)  # and change one
+
+
+def test_the_issues_targets_are_checked_on_every_load() -> None:
+    vllm = Row(cpu_us_per_token=200, ttft_p90_ms=100, tokens_per_s=1000)
+    good = Row(cpu_us_per_token=140, ttft_p90_ms=100, tokens_per_s=1000)  # exactly at bounds
+    slow = Row(cpu_us_per_token=141, ttft_p90_ms=101, tokens_per_s=999)
+    assert misses({"streamed": {VLLM: vllm, "vcache": good}}) == []
+    missed = misses(
+        {"streamed": {VLLM: vllm, "vcache": good}, "whole": {VLLM: vllm, "vcache": slow}}
+    )
+    assert [m.split()[:2] for m in missed] == [
+        ["whole:", "cpu_us_per_token"],
+        ["whole:", "ttft_p90_ms"],
+        ["whole:", "tokens_per_s"],
+    ]
+    assert misses({"whole": {VLLM: Row(), "vcache": good}})[0].startswith(
+        "whole: cpu_us_per_token -"
+    )  # nothing to compare with is not a pass
