@@ -118,8 +118,11 @@ class BatchRunner:
 
     async def _pass(self) -> None:
         store = self._store
+        active = await asyncio.to_thread(store.active)
+        if not active:
+            return  # idle: a read, no write transaction
         await asyncio.to_thread(store.expire)
-        for bid in await asyncio.to_thread(store.active):
+        for bid in active:
             if bid not in self._walks:
                 task = asyncio.create_task(self._walk(bid), name=f"batch-{bid}")
                 self._walks[bid] = task
