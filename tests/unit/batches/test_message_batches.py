@@ -17,6 +17,8 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
+from gateway.batches.store import ItemRow
+from gateway.http.routes.message_batches import result_line
 from tests.settings import gateway_settings
 from tests.unit.batches.conftest import KEY, MODEL, OTHER, keys
 
@@ -179,3 +181,35 @@ def test_bad_input_and_another_tenants_batch_in_anthropics_format(
         other.messages.batches.delete(b.id)
     raw = http.get(f"/v1/messages/batches/{b.id}/results", headers={"x-api-key": OTHER})
     assert raw.status_code == 404 and raw.json()["error"]["type"] == "not_found_error"
+
+
+def test_each_items_result_line_is_in_anthropics_shape() -> None:
+    def item(state: Any, **kw: Any) -> ItemRow:
+        return ItemRow(0, "c", "{}", state, **kw)
+
+    msg = {"id": "msg_1", "type": "message", "content": []}
+    assert result_line(item("done", status_code=200, result={"body": msg})) == {
+        "custom_id": "c",
+        "result": {"type": "succeeded", "message": msg},
+    }
+    overloaded = {"status": 503, "type": "service_unavailable", "message": "queue full"}
+    errored = result_line(
+        item("error", status_code=503, result={"error": overloaded, "request_id": "req_9"})
+    )
+    assert errored == {
+        "custom_id": "c",
+        "result": {
+            "type": "errored",
+            "error": {
+                "type": "error",
+                "error": {"type": "overloaded_error", "message": "queue full"},
+                "request_id": "req_9",
+            },
+        },
+    }
+    bad = {"status": 400, "type": "invalid_request_error", "message": "max_tokens: required"}
+    assert result_line(item("error", status_code=400, result={"error": bad}))["result"]["error"][
+        "error"
+    ] == {"type": "invalid_request_error", "message": "max_tokens: required"}
+    assert result_line(item("canceled")) == {"custom_id": "c", "result": {"type": "canceled"}}
+    assert result_line(item("expired")) == {"custom_id": "c", "result": {"type": "expired"}}
