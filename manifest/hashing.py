@@ -5,7 +5,10 @@ as ``sha256(cbor_canonical((parent, tuple(tokens), extra_keys)))``, where the
 first block's parent is ``NONE_HASH = sha256(cbor_canonical(seed))`` and
 ``seed`` is the engine's ``PYTHONHASHSEED`` string.  Extra keys are tagged
 tuples: ``("lora", name, path)`` on every block of a LoRA request, then
-``("cache_salt", salt)`` on the first block only; ``None`` when there are none.
+``("mm", identifier, offset)`` on every block that overlaps a multimodal item's
+placeholder range (``offset``: where the item starts, relative to the block's first
+token, negative when it started in an earlier block), then ``("cache_salt", salt)`` on
+the first block only; ``None`` when there are none.
 
 KV events carry either the full 32 bytes or, with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, the low 64 bits as an integer:
@@ -28,6 +31,7 @@ EventHash = NewType("EventHash", int)
 """The low 64 bits of a :data:`BlockHash`, as vLLM's KV events carry it."""
 
 ExtraKey = tuple[str, ...]
+MMKey = tuple[str, str, int]
 
 
 def sha256_cbor(obj: object) -> bytes:
@@ -57,24 +61,40 @@ def from_hex(text: str) -> BlockHash:
 
 
 @dataclass(frozen=True)
+class MMSpan:
+    """One multimodal item in a prompt: its identifier (vLLM's ``mm_hash``) and the
+    tokens its placeholder occupies (vLLM's ``PlaceholderRange``: ``offset``, ``length``)."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
 class HashKeys:
-    """What besides tokens enters a block's hash: the engine's isolation axes."""
+    """What besides tokens enters a block's hash: the engine's isolation axes and the
+    prompt's multimodal items (sorted by offset, as vLLM keeps them)."""
 
     cache_salt: str | None = None
     lora_name: str | None = None
     lora_path: str | None = None
+    mm: tuple[MMSpan, ...] = ()
 
-    def for_block(self, index: int) -> tuple[ExtraKey, ...] | None:
-        keys: list[ExtraKey] = []
+    def for_block(self, index: int, block_size: int = 0) -> tuple[ExtraKey | MMKey, ...] | None:
+        keys: list[ExtraKey | MMKey] = []
         if self.lora_name is not None:
             keys.append(("lora", self.lora_name, self.lora_path or ""))
+        start, end = index * block_size, (index + 1) * block_size
+        for item in self.mm:
+            if item.offset < end and start < item.offset + item.length:
+                keys.append(("mm", item.identifier, item.offset - start))
         if index == 0 and self.cache_salt:
             keys.append(("cache_salt", self.cache_salt))
         return tuple(keys) or None
 
 
 def hash_block(
-    parent: BlockHash, tokens: Sequence[int], extra: tuple[ExtraKey, ...] | None
+    parent: BlockHash, tokens: Sequence[int], extra: tuple[ExtraKey | MMKey, ...] | None
 ) -> BlockHash:
     return BlockHash(sha256_cbor((parent, tuple(tokens), extra)))
 
@@ -126,7 +146,7 @@ class BlockChain:
         first = len(self.hashes)
         for i in range(full):
             parent = hash_block(
-                parent, pending[i * bs : (i + 1) * bs], self.keys.for_block(first + i)
+                parent, pending[i * bs : (i + 1) * bs], self.keys.for_block(first + i, bs)
             )
             new.append(parent)
         del pending[: full * bs]

@@ -1,0 +1,168 @@
+"""Image-bearing prompts for a local vision-language model, rendered as vLLM renders them.
+
+The chat template writes one image token (``<image>``) where each image part stood;
+vLLM's processor replaces it with the model's placeholder sequence for that image's
+pixel size, and every KV block that overlaps the sequence carries the key
+``("mm", identifier, offset)`` (:class:`manifest.hashing.MMSpan`).  This module does the
+same from the image's recorded size and original bytes, without decoding pixels:
+
+- the identifier is vLLM's ``MultiModalHasher.hash_kwargs(blake3, model_id=...,
+  image=MediaWithBytes(...))`` over the original encoded bytes (the framing of
+  ``vllm/multimodal/hasher.py``), or the client's ``uuid`` when it sent one (vLLM takes a
+  uuid as the identifier when no processor kwargs are set, as here);
+- the placeholder sequence is the one vLLM's Idefics3 processor builds
+  (``vllm/model_executor/models/idefics3.py``, ``get_image_repl``): per tile
+  ``<fake_token_around_image><row_r_col_c>`` + ``image_seq_len`` image tokens, a newline
+  after each row, then ``\\n<fake_token_around_image><global-img>`` + the global view's
+  image tokens + ``<fake_token_around_image>``, the grid from the image processor's
+  ``get_number_of_image_patches`` for the image's width and height.
+
+Idefics3 (and SmolVLM, the same layout) is the family supported; :meth:`VisionRenderer.load`
+returns ``None`` for any other model, which then does not see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from manifest.hashing import MMSpan
+
+_LENGTH_BYTES = 8
+_TAG_LEAF = b"\x03"
+_ARCHITECTURES = frozenset({"Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"})
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt, in order: its original encoded bytes and pixel size (as
+    intake verified them) and the client's ``uuid`` if it sent one."""
+
+    data: bytes
+    width: int
+    height: int
+    uuid: str | None = None
+
+
+@dataclass(frozen=True)
+class VisionPrompt:
+    """The prompt's token ids with every image's placeholders expanded, and the images'
+    spans (sorted by offset), ready for block hashing and for the engine."""
+
+    token_ids: tuple[int, ...]
+    spans: tuple[MMSpan, ...]
+
+
+class ImageRefused(ValueError):
+    """An image the model's processor cannot take; ``index`` is its place in the prompt."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index = index
+
+
+def _framed(chunk: bytes) -> list[bytes]:
+    return [len(chunk).to_bytes(_LENGTH_BYTES, "little"), chunk]
+
+
+def image_identifier(model_id: str, data: bytes, uuid: str | None = None) -> str:
+    """vLLM's identifier (``mm_hash``) of an image sent as encoded bytes, or the uuid."""
+    if uuid is not None:
+        return uuid
+    from blake3 import blake3
+
+    h = blake3()
+    # hash_kwargs: keys sorted ("image" < "model_id"), each framed, each value tagged; the
+    # image is a MediaWithBytes, serialized as the item ("image", original_bytes)
+    for chunk in (
+        *_framed(b"image"),
+        _TAG_LEAF,
+        *_framed(b"image"),
+        _TAG_LEAF,
+        *_framed(data),
+        *_framed(b"model_id"),
+        _TAG_LEAF,
+        *_framed(model_id.encode()),
+    ):
+        h.update(chunk)
+    return str(h.hexdigest())
+
+
+class VisionRenderer:
+    """Expands a templated prompt's image tokens for one Idefics3-family model."""
+
+    def __init__(
+        self, model_id: str, tokenizer: Any, image_processor: Any, image_seq_len: int, limit: int
+    ) -> None:
+        self.model_id = model_id
+        self._tok = tokenizer
+        self._images = image_processor
+        self._seq_len = image_seq_len
+        self.limit = limit
+        self.image_token_id = int(tokenizer.convert_tokens_to_ids("<image>"))
+        self._repl: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    @classmethod
+    def load(cls, path: str, model_id: str, limit: int) -> VisionRenderer | None:
+        """The renderer of the model at ``path`` (a local directory), or ``None`` when it is
+        not an Idefics3-family vision-language model."""
+        import json
+
+        config = Path(path) / "config.json"
+        if not config.exists():
+            return None
+        arch = json.loads(config.read_text()).get("architectures") or []
+        if not set(arch) & _ARCHITECTURES:
+            return None
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(path)  # type: ignore[no-untyped-call]
+        return cls(
+            model_id, processor.tokenizer, processor.image_processor, processor.image_seq_len, limit
+        )
+
+    def replacement(self, width: int, height: int) -> tuple[int, ...]:
+        """The placeholder token ids of one image of this size (vLLM's ``get_image_repl``)."""
+        key = (width, height)
+        cached = self._repl.get(key)
+        if cached is not None:
+            return cached
+        _, rows, cols = self._images.get_number_of_image_patches(height, width, {})
+        image = "<image>" * self._seq_len
+        fake = "<fake_token_around_image>"
+        parts: list[str] = []
+        for r in range(rows):
+            for c in range(cols):
+                parts.append(f"{fake}<row_{r + 1}_col_{c + 1}>{image}")
+            parts.append("\n")
+        text = "".join([*parts, "\n", f"{fake}<global-img>{image}", fake])
+        ids = tuple(int(t) for t in self._tok.encode(text, add_special_tokens=False))
+        self._repl[key] = ids
+        return ids
+
+    def expand(self, token_ids: Sequence[int], images: Sequence[PromptImage]) -> VisionPrompt:
+        """Replace the ``i``-th image token of ``token_ids`` by ``images[i]``'s placeholders."""
+        if len(images) > self.limit:
+            raise ImageRefused(self.limit, f"at most {self.limit} images per request")
+        out: list[int] = []
+        spans: list[MMSpan] = []
+        n = 0
+        for t in token_ids:
+            if t != self.image_token_id:
+                out.append(t)
+                continue
+            if n >= len(images):
+                raise ValueError("the prompt has more image tokens than images")
+            img = images[n]
+            if img.width <= 0 or img.height <= 0:
+                raise ImageRefused(n, "the image has no pixels")
+            repl = self.replacement(img.width, img.height)
+            ident = image_identifier(self.model_id, img.data, img.uuid)
+            spans.append(MMSpan(ident, len(out), len(repl)))
+            out.extend(repl)
+            n += 1
+        if n != len(images):
+            raise ValueError(f"the prompt has {n} image tokens for {len(images)} images")
+        return VisionPrompt(tuple(out), tuple(spans))

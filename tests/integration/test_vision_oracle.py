@@ -1,0 +1,189 @@
+"""The gateway's image-bearing prompts equal vLLM's, token for token and block for block.
+
+For the demo vision model, the gateway's rendering (``gateway/local/vision_prompt.py``:
+the chat template's ``<image>`` expanded from each image's pixel size, the identifier
+from its bytes or uuid) and hashing (``manifest.hashing`` with ``("mm", ...)`` keys) are
+compared with vLLM's own input processor and block hasher, called in-process on the same
+prompt (no engine is started: building vLLM's config and processor takes seconds)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from engines.vllm.demo_vision import ensure_demo_vision_model
+from gateway.local.vision_prompt import ImageRefused, PromptImage, VisionPrompt, VisionRenderer
+from manifest.hashing import HashKeys, block_hashes
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass(frozen=True)
+class Oracle:
+    seed: str
+    path: str
+    block_size: int
+    processor: Any
+    tokenizer: Any
+    renderer: VisionRenderer
+
+    def template(self, messages: list[dict[str, Any]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True
+        )
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def vllm(
+        self, ids: list[int], images: list[PromptImage]
+    ) -> tuple[list[int], list[tuple[str, int, int]], list[bytes]]:
+        """vLLM's prompt token ids, mm features and block hashes for the request."""
+        from vllm import SamplingParams
+        from vllm.multimodal.media.base import MediaWithBytes
+        from vllm.utils.hashing import sha256_cbor
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        media = [MediaWithBytes(Image.open(io.BytesIO(i.data)), i.data) for i in images]
+        prompt: dict[str, Any] = {"prompt_token_ids": ids, "multi_modal_data": {"image": media}}
+        uuids = [i.uuid for i in images]
+        if any(uuids):
+            prompt["multi_modal_uuids"] = {"image": uuids}
+        req = self.processor.process_inputs(
+            "oracle", prompt, SamplingParams(max_tokens=1), ("generate",)
+        )
+        hasher = get_request_block_hasher(self.block_size, sha256_cbor)
+        r = Request.from_engine_core_request(req, hasher)
+        feats = [(f.identifier, f.mm_position.offset, f.mm_position.length) for f in r.mm_features]
+        return list(r.prompt_token_ids or []), feats, [bytes(h) for h in r.block_hashes]
+
+    def ours(self, ids: list[int], images: list[PromptImage]) -> tuple[VisionPrompt, list[bytes]]:
+        vp = self.renderer.expand(ids, images)
+        hashes = block_hashes(vp.token_ids, self.block_size, self.seed, HashKeys(mm=vp.spans))
+        return vp, [bytes(h) for h in hashes]
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Oracle]:
+    from transformers import AutoTokenizer
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_none_hash_seed, init_none_hash
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    path = str(ensure_demo_vision_model(tmp_path_factory.mktemp("data")))
+    config = EngineArgs(
+        model=path,
+        limit_mm_per_prompt={"image": 2},
+        kv_cache_memory_bytes=1 << 29,
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo="sha256_cbor",
+        max_model_len=4096,
+    ).create_engine_config()
+    renderer = VisionRenderer.load(path, path, limit=2)
+    assert renderer is not None
+    init_none_hash(sha256_cbor)  # PYTHONHASHSEED when set, else vLLM's default seed
+    yield Oracle(
+        get_none_hash_seed(),
+        path,
+        config.cache_config.block_size,
+        InputProcessor(config),
+        AutoTokenizer.from_pretrained(path),
+        renderer,
+    )
+
+
+def _image(size: tuple[int, int], fmt: str, color: tuple[int, int, int]) -> PromptImage:
+    img = Image.new("RGB", size, color)
+    for x in range(0, size[0], 7):
+        img.putpixel((x, x % size[1]), (x % 256, 0, 255))
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return PromptImage(buf.getvalue(), size[0], size[1])
+
+
+SYSTEM = {"role": "system", "content": "You are a careful visual assistant. " * 12}
+PART = {"type": "image_url", "image_url": {"url": "data:"}}
+
+
+def _chat(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+    return [SYSTEM, {"role": "user", "content": list(parts)}]
+
+
+CASES = {
+    "png 320x240": (
+        _chat(PART, {"type": "text", "text": "What is shown?"}),
+        [_image((320, 240), "PNG", (200, 30, 60))],
+    ),
+    "jpeg 1600x200": (
+        _chat({"type": "text", "text": "Read the banner: "}, PART),
+        [_image((1600, 200), "JPEG", (10, 120, 30))],
+    ),
+    "two in one message": (
+        _chat(PART, {"type": "text", "text": " and "}, PART, {"type": "text", "text": "?"}),
+        [_image((64, 64), "PNG", (1, 2, 3)), _image((200, 900), "JPEG", (90, 90, 9))],
+    ),
+    "a client uuid": (
+        _chat(PART, {"type": "text", "text": "Again?"}),
+        [
+            PromptImage(
+                _image((320, 240), "PNG", (200, 30, 60)).data, 320, 240, uuid="screenshot-0001"
+            )
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tokens_spans_and_block_hashes_equal_vllms(oracle: Oracle, case: str) -> None:
+    messages, images = CASES[case]
+    ids = oracle.template(messages)
+    v_ids, v_feats, v_hashes = oracle.vllm(ids, images)
+    vp, hashes = oracle.ours(ids, images)
+    assert list(vp.token_ids) == v_ids
+    assert [(s.identifier, s.offset, s.length) for s in vp.spans] == v_feats
+    assert hashes == v_hashes
+    assert len(hashes) >= 2  # the images' blocks are full blocks, keyed by them
+    if images[0].uuid is not None:
+        assert vp.spans[0].identifier == images[0].uuid
+
+
+def test_the_same_image_one_message_later_shares_no_block_past_the_move(oracle: Oracle) -> None:
+    img = [_image((320, 240), "PNG", (200, 30, 60))]
+    before = oracle.template(_chat(PART, {"type": "text", "text": "What is shown?"}))
+    moved = oracle.template(
+        [
+            SYSTEM,
+            {"role": "user", "content": "First a word."},
+            {"role": "user", "content": [PART, {"type": "text", "text": "What is shown?"}]},
+        ]
+    )
+    vp_a, ha = oracle.ours(before, img)
+    vp_b, hb = oracle.ours(moved, img)
+    assert oracle.vllm(moved, img)[2] == hb
+    shared = next((i for i, (a, b) in enumerate(zip(ha, hb, strict=False)) if a != b), len(ha))
+    first_diff = next(
+        i for i, (a, b) in enumerate(zip(vp_a.token_ids, vp_b.token_ids, strict=False)) if a != b
+    )
+    assert shared == first_diff // oracle.block_size  # nothing past the move is shared
+
+
+def test_the_image_changes_its_blocks_not_the_text_before_it(oracle: Oracle) -> None:
+    ids = oracle.template(_chat(PART, {"type": "text", "text": "What is shown?"}))
+    _, red = oracle.ours(ids, [_image((320, 240), "PNG", (200, 30, 60))])
+    vp, blue = oracle.ours(ids, [_image((320, 240), "PNG", (0, 0, 250))])
+    first_image_block = vp.spans[0].offset // oracle.block_size
+    assert red[:first_image_block] == blue[:first_image_block]
+    assert red[first_image_block] != blue[first_image_block]
+
+
+def test_more_images_than_the_limit_are_refused_by_index(oracle: Oracle) -> None:
+    ids = oracle.template(_chat(PART, PART, PART))
+    img = _image((64, 64), "PNG", (1, 2, 3))
+    with pytest.raises(ImageRefused) as err:
+        oracle.renderer.expand(ids, [img, img, img])
+    assert err.value.index == 2
