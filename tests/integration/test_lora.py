@@ -1,0 +1,225 @@
+"""LoRA adapters on real vLLM CPU replicas: the demo model and its two demo adapters
+(built locally), served as models through the official ``openai`` client.
+
+One gateway of this module's own (two embedded replicas with LoRA on; the shared
+session gateway runs without it): predictions equal vLLM's cached tokens on a mixed
+stream of base and adapter requests; the same prompt under two adapters shares no
+block; an adapter loaded on one replica at run time is routed there, unloaded and
+loaded again; a failed load names why; an unknown adapter is a 404 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engines.vllm.demo_lora import DEMO_ADAPTERS, DemoLoraSpec, ensure_demo_lora
+from tests.integration.conftest import ADMIN, ADMIN_KEY, ADMIN_KEYS, own_gateway
+
+pytestmark = pytest.mark.integration
+
+MODEL = "vcache-demo"
+A, B = DEMO_ADAPTERS
+BLOCK = 128
+WORDS = "cache block token model request answer system prompt value server client".split()
+
+
+@dataclass(frozen=True)
+class LoraGateway:
+    url: str
+    resolve_dir: Path  # holds "demo-lora-c" (seed 3)
+    wide: Path  # a rank-16 adapter (the engines' maximum is 8)
+    other: Path  # an adapter outside the resolver directory
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=ADMIN, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def lora_gw(
+    data_dir: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LoraGateway]:
+    tmp = tmp_path_factory.mktemp("lora")
+    built = tmp / "built"
+    resolve = tmp / "resolve"
+    resolve.mkdir()
+    shutil.copytree(
+        ensure_demo_lora(built, demo_model, "c", DemoLoraSpec(seed=3)), resolve / "demo-lora-c"
+    )
+    wide = ensure_demo_lora(built, demo_model, "wide", DemoLoraSpec(seed=4, rank=16))
+    other = ensure_demo_lora(built, demo_model, "other", DemoLoraSpec(seed=5))
+    settings = {
+        **ADMIN_KEYS,
+        "VCACHE_ENGINE__LORA__ENABLED": "true",
+        "VCACHE_ENGINE__LORA__MAX_LORAS": "2",
+        "VCACHE_ENGINE__LORA__MAX_CPU_LORAS": "4",
+        "VCACHE_ENGINE__LORA__MAX_LORA_RANK": "8",
+        "VCACHE_ENGINE__LORA__DEMO_ADAPTERS": "true",
+        "VCACHE_ENGINE__LORA__RESOLVER_DIR": str(resolve),
+    }
+    args = ["--replicas", "2", "--kv-cache-bytes", str(32 << 20), "--max-model-len", "2048"]
+    with own_gateway(tmp, data_dir, args, settings) as url:
+        yield LoraGateway(url, resolve, wide, other)
+
+
+def _text(seed: int, n: int) -> str:
+    return " ".join(random.Random(seed).choices(WORDS, k=n))
+
+
+@dataclass(frozen=True)
+class Served:
+    cached: int  # vLLM's count
+    predicted: int  # the gateway's
+    replica: str
+    prompt_tokens: int
+
+
+def _chat(client: openai.OpenAI, model: str, messages: list[dict[str, str]]) -> Served:
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=1,
+        temperature=0,
+    )
+    body = raw.parse()
+    assert body.model == model and body.usage is not None
+    details = body.usage.prompt_tokens_details
+    predicted = raw.headers.get("x-vcache-predicted-cached-tokens")
+    assert predicted is not None, "the gateway makes no exact prediction"
+    return Served(
+        details.cached_tokens if details and details.cached_tokens else 0,
+        int(predicted),
+        raw.headers["x-vcache-replica"],
+        body.usage.prompt_tokens,
+    )
+
+
+def test_the_adapters_are_listed_as_models_of_the_base_model(lora_gw: LoraGateway) -> None:
+    models = {m.id: m for m in lora_gw.client().models.list().data}
+    for name in (A, B):
+        card: Any = models[name]
+        assert card.parent == MODEL and Path(card.root, "adapter_config.json").is_file()
+    one: Any = lora_gw.client().models.retrieve("demo-lora-c")  # in the resolver directory
+    assert one.root == str(lora_gw.resolve_dir / "demo-lora-c")
+
+
+def test_predictions_equal_vllms_cached_tokens_for_base_and_adapters(
+    lora_gw: LoraGateway,
+) -> None:
+    client = lora_gw.client()
+    system = _text(1, 400)  # shared by every request: ~3 blocks
+    stream = [MODEL, A, B, A, MODEL, B, A, B, MODEL, A]
+    seen: list[tuple[str, Served]] = []
+    for i, model in enumerate(stream):
+        user = _text(100 + i % 3, 200)  # three users: repeats under another model too
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        got = _chat(client, model, messages)
+        seen.append((model, got))
+        assert got.predicted == got.cached, (i, model, got)
+    assert sum(s.cached for _, s in seen) > 0  # the stream hit the cache
+
+
+def test_the_same_prompt_under_two_adapters_shares_no_block(lora_gw: LoraGateway) -> None:
+    client = lora_gw.client()
+    messages = [{"role": "user", "content": _text(7, 500)}]
+    first = _chat(client, A, messages)
+    again = _chat(client, A, messages)
+    assert again.cached == again.predicted >= (again.prompt_tokens - 1) // BLOCK * BLOCK > 0
+    under_b = _chat(client, B, messages)
+    assert (under_b.predicted, under_b.cached) == (0, 0)  # cold for B, as predicted
+    base = _chat(client, MODEL, messages)
+    assert (base.predicted, base.cached) == (0, 0)
+    assert first.predicted == first.cached == 0
+    answers = {
+        model: client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+        for model in (MODEL, A, B)
+    }
+    # the adapters reach the model (random weights: one may keep the base's greedy answer
+    # to a prompt, as demo-lora-a did to this one once)
+    assert len(set(answers.values())) >= 2, answers
+
+
+def test_an_adapter_loaded_on_one_replica_is_routed_there_and_unloaded(
+    lora_gw: LoraGateway,
+) -> None:
+    client, c = lora_gw.client(), "demo-lora-c"
+    with lora_gw.admin() as admin:
+        r = admin.post(
+            "/v1/load_lora_adapter",
+            json={
+                "lora_name": c,
+                "lora_path": str(lora_gw.resolve_dir / c),
+                "replica": "replica-1",
+            },
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["replicas"] == ["replica-1"]
+        for seed in range(4):  # whatever the prompt
+            got = _chat(client, c, [{"role": "user", "content": _text(200 + seed, 300)}])
+            assert got.replica == "replica-1" and got.predicted == got.cached
+        held = {
+            e["lora_name"]: e["replicas"] for e in admin.get("/v1/lora_adapters").json()["data"]
+        }
+        assert held[c] == ["replica-1"] and sorted(held[A]) == ["replica-0", "replica-1"]
+        r = admin.post("/v1/unload_lora_adapter", json={"lora_name": c})
+        assert r.status_code == 200 and r.json()["replicas"] == ["replica-1"]
+        # still in the resolver directory: the next request loads it again where it goes
+        got = _chat(client, c, [{"role": "user", "content": _text(300, 100)}])
+        assert got.predicted == got.cached
+        # one loaded from elsewhere at run time, then unloaded everywhere: gone
+        other = {"lora_name": "ad-other", "lora_path": str(lora_gw.other)}
+        r = admin.post("/v1/load_lora_adapter", json=other)
+        assert r.status_code == 200 and sorted(r.json()["replicas"]) == ["replica-0", "replica-1"]
+        _chat(client, "ad-other", [{"role": "user", "content": "hello"}])
+        r = admin.post("/v1/unload_lora_adapter", json={"lora_name": "ad-other"})
+        assert r.status_code == 200
+    with pytest.raises(openai.NotFoundError) as err:
+        _chat(client, "ad-other", [{"role": "user", "content": "hello"}])
+    assert "'ad-other'" in str(err.value)
+
+
+def test_a_failed_load_names_why_and_the_replicas_serve_on(lora_gw: LoraGateway) -> None:
+    with lora_gw.admin() as admin:
+        r = admin.post(
+            "/v1/load_lora_adapter", json={"lora_name": "ad-wide", "lora_path": str(lora_gw.wide)}
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "adapter_load_failed" and "rank" in err["message"].lower()
+        missing = {"lora_name": "ad-gone", "lora_path": str(lora_gw.resolve_dir / "nowhere")}
+        r = admin.post("/v1/load_lora_adapter", json=missing)
+        assert r.status_code == 400 and "ad-gone" in r.json()["error"]["message"]
+    got = _chat(lora_gw.client(), A, [{"role": "user", "content": "still serving"}])
+    assert got.predicted == got.cached
+
+
+def test_an_unknown_adapter_is_a_404_naming_it(lora_gw: LoraGateway) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        _chat(lora_gw.client(), "no-such-adapter", [{"role": "user", "content": "hi"}])
+    assert "'no-such-adapter'" in str(err.value)
+    body = {
+        "model": "no-such-adapter",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    r = httpx.post(f"{lora_gw.url}/v1/messages", json=body, headers=ADMIN, timeout=60)
+    assert r.status_code == 404 and json.loads(r.text)["type"] == "error"
