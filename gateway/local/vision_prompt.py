@@ -23,11 +23,12 @@ returns ``None`` for any other model, which then does not see.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from manifest.attachments import Attachment, AttachmentRef
 from manifest.hashing import MMSpan
 
 _LENGTH_BYTES = 8
@@ -61,6 +62,19 @@ class ImageRefused(ValueError):
     def __init__(self, index: int, reason: str) -> None:
         super().__init__(reason)
         self.index = index
+
+
+def prompt_images(
+    refs: Sequence[AttachmentRef], attachments: Callable[[AttachmentRef], Attachment]
+) -> list[PromptImage]:
+    """The prompt's images (``render.prompt_images``' references, in order) with their
+    verified bytes and the pixel size intake recorded."""
+    out: list[PromptImage] = []
+    for i, ref in enumerate(refs):
+        if ref.width is None or ref.height is None:
+            raise ImageRefused(i, f"the image {ref.digest[:12]} has no recorded pixel size")
+        out.append(PromptImage(attachments(ref).data, ref.width, ref.height))
+    return out
 
 
 def _framed(chunk: bytes) -> list[bytes]:

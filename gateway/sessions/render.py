@@ -303,7 +303,7 @@ def local_messages(
     out: list[dict[str, Any]] = [{"role": "system", "content": s} for s in system]
     for m in turns:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-        d["content"] = m.content
+        d["content"] = _template_parts(m) if m.parts is not None else m.content
         if m.tool_changes is not None:
             changes = Turn(m.role, m.content, tool_changes=tuple(json.loads(m.tool_changes)))
             d["content"] = system_text(changes, tools or ())
@@ -313,6 +313,25 @@ def local_messages(
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
+
+
+def _template_parts(m: MessageEvent) -> list[dict[str, Any]]:
+    """A message with images as a vision model's chat template takes it: its parts in
+    order, each image as ``{"type": "image"}`` (the template writes the image token)."""
+    out: list[dict[str, Any]] = []
+    for p in parts_of(m):
+        if isinstance(p, str):
+            out.append({"type": "text", "text": p})
+        elif p.ref.kind == "image":
+            out.append({"type": "image"})
+        else:
+            raise AttachmentMismatch(p.ref.digest, "a document is not shown to a local model")
+    return out
+
+
+def prompt_images(turns: Sequence[MessageEvent]) -> list[AttachmentRef]:
+    """The images of ``turns`` in prompt order (the order of the template's image tokens)."""
+    return [p.ref for m in turns for p in parts_of(m) if isinstance(p, PartRef)]
 
 
 def _templated_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -187,3 +187,41 @@ def test_more_images_than_the_limit_are_refused_by_index(oracle: Oracle) -> None
     with pytest.raises(ImageRefused) as err:
         oracle.renderer.expand(ids, [img, img, img])
     assert err.value.index == 2
+
+
+def test_a_logged_conversation_renders_to_vllms_prompt(oracle: Oracle) -> None:
+    """The gateway's own path: the session log's turns (an image part by reference) through
+    the local render (``local_messages`` via ``prompts.render``), the image tokens expanded
+    with the attachment's verified bytes and recorded size."""
+    from engines.tokenizer import ChatTokenizer
+    from gateway.local.vision_prompt import prompt_images
+    from gateway.service.prompts import render
+    from gateway.sessions.render import prompt_images as image_refs
+    from manifest.attachments import Attachment, AttachmentRef
+    from manifest.sessionlog import MessageEvent, PartRef, parts_json
+
+    shot = Attachment.of(_image((320, 240), "PNG", (200, 30, 60)).data, "image/png")
+    jpeg = Attachment.of(_image((1600, 200), "JPEG", (10, 120, 30)).data, "image/jpeg")
+    store = {a.ref.digest: a for a in (shot, jpeg)}
+    turns = (
+        MessageEvent(
+            "user",
+            "Look: ",
+            parts=parts_json(["Look: ", PartRef(shot.ref)]),
+        ),
+        MessageEvent("assistant", "A red square."),
+        MessageEvent("user", "And this?", parts=parts_json([PartRef(jpeg.ref), "And this?"])),
+    )
+    tok = ChatTokenizer.from_pretrained(oracle.path)
+    ids = render(tok, (SYSTEM["content"],), turns, None)
+
+    def get(ref: AttachmentRef) -> Attachment:
+        return store[ref.digest]
+
+    images = prompt_images(image_refs(turns), get)
+    assert [(i.width, i.height) for i in images] == [(320, 240), (1600, 200)]
+    v_ids, v_feats, v_hashes = oracle.vllm(ids, images)
+    vp, hashes = oracle.ours(ids, images)
+    assert list(vp.token_ids) == v_ids
+    assert [(s.identifier, s.offset, s.length) for s in vp.spans] == v_feats
+    assert hashes == v_hashes
