@@ -300,8 +300,10 @@ def test_a_running_items_lease_is_renewed_so_no_other_gateway_takes_it(
     renew = store.renew
 
     def counted(owner: str, lease_s: float) -> int:
-        renewals.append(clock.t)
-        return renew(owner, lease_s)
+        at = clock.t
+        n = renew(owner, lease_s)
+        renewals.append(at)  # once committed: the lease runs from ``at``
+        return n
 
     store.renew = counted  # type: ignore[method-assign]
     sender = Sender(gated=("a1",))
