@@ -325,7 +325,7 @@ def test_items_refused_by_a_full_queue_are_sent_again_not_failed(
 ) -> None:
     # room for one batch request at a time: the siblings' fan-out is refused (503
     # queue_full, Retry-After 1) and each refused item is sent again
-    engine = FakeEngine(tokenizer, max_model_len=1024, step_delay_s=0.02)
+    engine = FakeEngine(tokenizer, max_model_len=1024, step_delay_s=0.1)
     cfg = gateway_settings(
         grpc_port=None,
         api_keys=keys(),
