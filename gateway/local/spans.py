@@ -127,9 +127,9 @@ class KVSpans:
         """``prompt``'s full blocks as vLLM hashes them: under an adapter every block is
         keyed by ``("lora", name, path)`` (so the same prompt under two adapters, or
         under none, shares no block), the first by the cache salt."""
-        keys = HashKeys(cache_salt)
+        keys = HashKeys(cache_salt=cache_salt)
         if lora is not None:
-            keys = HashKeys(cache_salt, lora.name, lora.path)
+            keys = HashKeys(cache_salt=cache_salt, lora_name=lora.name, lora_path=lora.path)
         return block_hashes(prompt, self.block_size, self.hash_seed, keys)
 
     def predict(self, hashes: Sequence[BlockHash], prompt_len: int) -> dict[LocationId, int]:
