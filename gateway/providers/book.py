@@ -49,6 +49,15 @@ def _kind(key: str) -> SegmentKind:
     return SegmentKind.VOLATILE if key == "system:volatile" else SegmentKind.MESSAGE
 
 
+# a provider frames each block of a prompt with tokens of its own, which the estimate
+# (4 bytes a token, one prompt-wide calibration) spreads evenly: a prefix much shorter
+# than its prompt (a read of the system prompt alone, its turns changed) may count a few
+# percent fewer tokens than its calibrated estimate.  Explicit caches only: their reads
+# land on breakpoints thousands of tokens apart, so this slack never takes one breakpoint
+# for another (an implicit cache's read may end anywhere, a step at a time).
+FRAMING_SLACK = 0.03
+
+
 @dataclass(frozen=True)
 class PromptView:
     target: str
@@ -57,6 +66,8 @@ class PromptView:
     ends: tuple[int, ...]
     tokens: tuple[int, ...]  # cumulative estimate through each boundary
     digests: tuple[ContentDigest, ...]
+    # of ``tokens``, the images' (counted by the provider's own rule, so never scaled)
+    media_tokens: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -80,11 +91,30 @@ class PromptView:
             byte_ends,
             tuple(estimate_tokens(e, media) for e in byte_ends),
             tuple(digests[e] for e in byte_ends),
+            tuple(sum(m.tokens for m in media if m.end <= e) for e in byte_ends),
         )
 
     @property
     def total_tokens(self) -> int:
         return self.tokens[-1] if self.tokens else 0
+
+    def _media(self, i: int) -> int:
+        return self.media_tokens[i] if self.media_tokens else 0
+
+    def calibration(self, provider_prompt_tokens: int) -> float:
+        """The provider's tokens per estimated text token on this prompt: its images are
+        counted by the provider's own rule already, so only the text is scaled (one
+        prompt-wide factor over text and images alike scales a text-only prefix past
+        what the provider read, when the images weigh more or less than their share)."""
+        images = self._media(len(self.tokens) - 1) if self.tokens else 0
+        text = self.total_tokens - images
+        return (provider_prompt_tokens - images) / text if text > 0 else 1.0
+
+    def scaled(self, i: int, scale: float) -> float:
+        """Boundary ``i``'s tokens as the provider counts them (``scale``:
+        :meth:`calibration`)."""
+        images = self._media(i)
+        return (self.tokens[i] - images) * scale + images
 
     def layout(self) -> PromptLayout:
         return PromptLayout(
@@ -184,7 +214,7 @@ class ProviderCacheBook:
         ``long_keys`` were written at the long tier and live ``long_ttl_s``."""
         now = self._clock()
         target = view.target
-        scale = usage.prompt_tokens / view.total_tokens if view.total_tokens else 1.0
+        scale = view.calibration(usage.prompt_tokens)
         step = max(profile.granularity, 16)  # tolerance: one cache step, at least 16
         st = self.stats.setdefault(target, TargetStats())
         st.requests += 1
@@ -195,7 +225,10 @@ class ProviderCacheBook:
         verified = Verified((), ())
         if believed.index is not None:
             i = believed.index
-            covered = usage.cached_tokens + step >= view.tokens[i] * scale
+            expected = view.scaled(i, scale)
+            framing = expected * FRAMING_SLACK if profile.regime is Regime.EXPLICIT else 0.0
+            slack = step + math.ceil(framing)
+            covered = usage.cached_tokens + slack >= expected
             result = self.belief.fold(
                 Telemetry(
                     target,
@@ -214,8 +247,9 @@ class ProviderCacheBook:
             record = self._records.get((target, view.digests[i]))
             if record is not None and not false_warm:
                 verified = verify(record, view.prompt, view.markers())
+        at = {k: i for i, k in enumerate(view.keys)}  # a kept marker sits where it was
         kept = tuple(
-            replace(m, prefix_tokens=math.ceil(m.prefix_tokens * scale) + step)
+            replace(m, prefix_tokens=math.ceil(view.scaled(at[m.identity], scale)) + step)
             for m in verified.kept
         )
         credit = self.ledger.credit_provider(
@@ -255,13 +289,14 @@ class ProviderCacheBook:
             warm = [
                 i
                 for i, k in enumerate(view.keys)
-                if k in marked and view.tokens[i] * scale >= minimum
+                if k in marked and view.scaled(i, scale) >= minimum
             ]
         else:
             warm = [
                 i
-                for i, t in enumerate(view.tokens)
-                if t * scale >= minimum and _kind(view.keys[i]) is not SegmentKind.VOLATILE
+                for i in range(len(view.tokens))
+                if view.scaled(i, scale) >= minimum
+                and _kind(view.keys[i]) is not SegmentKind.VOLATILE
             ]
         if not warm:
             return

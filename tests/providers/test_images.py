@@ -309,17 +309,7 @@ def agent_turns(upto: int, answers: list[str]) -> list[Any]:
     return out
 
 
-ANTHROPIC_CALIBRATION = pytest.mark.xfail(
-    strict=True,
-    reason="the turn that strips screenshots reads only the system prompt, and the "
-    "ledger's one prompt-wide calibration (provider tokens / estimated tokens) scales "
-    "the system's estimate past the read by Anthropic's per-block framing: a false warm",
-)
-
-
-@pytest.mark.parametrize(
-    "provider", [pytest.param("anthropic", marks=ANTHROPIC_CALIBRATION), "openai", "gemini"]
-)
+@pytest.mark.parametrize("provider", ["anthropic", "openai", "gemini"])
 def test_agent_screenshots_stripped_credit_exactly_what_was_served(gw: Gw, provider: str) -> None:
     """A screenshot every fifth turn, the older ones stripped after the tenth: each read is
     what the emulator served, and the ledger credits all of it, verified."""

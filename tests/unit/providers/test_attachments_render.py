@@ -256,3 +256,21 @@ def test_renders_say_where_images_sit_and_what_they_cost() -> None:
             "x", "t", r.prompt, dict(r.segment_ends), ["system", "message:0"], r.media
         )
         assert view.tokens[-1] == -(-text // 4) + cost
+
+
+def test_calibration_scales_the_text_and_leaves_the_images_as_counted() -> None:
+    """The provider's count of a prefix: its text scaled by the prompt's text calibration,
+    its images as the provider's rule counts them (never scaled)."""
+    t = Turn("user", "a" * 400, parts=("a" * 400, Attached(PNG, detail="high"), "b" * 400))
+    r = AnthropicAdapter().render(call(t), CacheDirectives())
+    keys = ["system", "message:0"]
+    view = PromptView.of("x", "t", r.prompt, dict(r.segment_ends), keys, r.media)
+    (span,) = r.media
+    images = view.media_tokens[-1]
+    assert images == span.tokens and view.media_tokens[0] == 0  # the system has none
+    text = view.total_tokens - images
+    # the provider counts 10% more text tokens than estimated, the image as its rule says
+    scale = view.calibration(round(text * 1.1) + images)
+    assert scale == pytest.approx(1.1, rel=0.01)
+    assert view.scaled(1, scale) == pytest.approx(text * scale + images)
+    assert view.scaled(0, scale) == pytest.approx(view.tokens[0] * scale)
