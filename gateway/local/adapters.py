@@ -48,14 +48,18 @@ class Adapters:
         configured: Sequence[LoraRef] = (),
         resolver_dir: Path | None = None,
         enabled: bool = False,
+        slots: int | None = None,
     ) -> None:
         """``base``: the served name of the base model (an adapter may not take it);
         ``configured``: the adapters every embedded engine loads at its start;
-        ``enabled``: the local engines run with LoRA (else nothing is an adapter)."""
+        ``enabled``: the local engines run with LoRA (else nothing is an adapter);
+        ``slots``: the adapters an engine holds before loading one lets another go
+        (vLLM's max_cpu_loras; None: not known)."""
         self._replicas = replicas
         self.base = base
         self.enabled = enabled
         self._resolver = resolver_dir
+        self._slots = slots
         self._known: dict[str, LoraRef] = {a.name: a for a in configured}
         self._configured = dict(self._known)
         # per replica: the engine the residency was learned from, and what it holds
@@ -99,6 +103,20 @@ class Adapters:
         for r in self._replicas.replicas:
             held = self._held.get(r.id)
             if held is not None and held[0] is r.engine and held[1].get(adapter.name) == adapter:
+                out.add(r.id)
+        return out
+
+    def candidates(self, adapter: LoraRef) -> set[LocationId]:
+        """Where a request under ``adapter`` goes first: the replicas that hold it; when
+        none does, those that can load it without letting another adapter go (a free
+        slot); empty when neither is known (any replica then)."""
+        holding = self.where(adapter)
+        if holding or self._slots is None:
+            return holding
+        out: set[LocationId] = set()
+        for r in self._replicas.replicas:
+            held = self._held.get(r.id)
+            if held is not None and held[0] is r.engine and len(held[1]) < self._slots:
                 out.add(r.id)
         return out
 

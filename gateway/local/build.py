@@ -55,7 +55,8 @@ def build_adapters(settings: Settings, replicas: ReplicaSet) -> Adapters:
     enabled = lora.enabled and settings.has_local
     configured = start_adapters(settings, resolve_model(settings)) if enabled else ()
     resolver = Path(lora.resolver_dir) if lora.resolver_dir else None
-    return Adapters(replicas, settings.model_name, configured, resolver, enabled)
+    slots = lora.max_cpu_loras or lora.max_loras  # vLLM's max_cpu_loras defaults so
+    return Adapters(replicas, settings.model_name, configured, resolver, enabled, slots)
 
 
 def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[VllmEngineConfig]:

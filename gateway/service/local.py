@@ -454,7 +454,7 @@ class LocalChat:
         with trace.step("route") as span:
             lora, among = greq.lora, set[LocationId]()
             if lora is not None and self.adapters is not None:
-                among = self.adapters.where(lora)  # its replicas first
+                among = self.adapters.candidates(lora)  # its replicas, else a free slot
             d = await self.dispatcher.route(greq, route, session, lease_blocks, among)
             if lora is not None and self.adapters is not None:
                 try:  # loaded there first (once, however many wait for it)

@@ -227,3 +227,30 @@ async def _failed_first_load(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest):  # tried again, not the old failure remembered
         await adapters.ensure(replicas[0], wide)
     assert len(engine.load_calls) == 3
+
+
+def test_an_adapter_nobody_holds_goes_where_a_slot_is_free(
+    tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    asyncio.run(_free_slot(tokenizer, tmp_path))
+
+
+async def _free_slot(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
+    replicas = await _replicas(tokenizer)
+    rs = booted(replicas)
+    adapters = Adapters(rs, "base", (), None, enabled=True, slots=1)
+    a = LoraRef("a", str(adapter_dir(tmp_path, "a")))
+    b = LoraRef("b", str(adapter_dir(tmp_path, "b")))
+    assert adapters.candidates(b) == set()  # nothing known yet: any replica
+    await adapters.load(a, "replica-0")  # replica-0's one slot is taken
+    await adapters.learn_new()
+    assert adapters.candidates(a) == {R0}
+    assert adapters.candidates(b) == {R1}  # loading b there lets nothing go
+    d = dispatcher(rs, Metrics())
+    for i in range(4):
+        got = await d.route(_request(f"b{i}", list(range(i, i + 40)), b), None, among={R1})
+        d.release(got)
+        assert got.replica_id == R1
+    unbounded = Adapters(rs, "base", (), None, enabled=True)
+    await unbounded.learn_new()
+    assert unbounded.candidates(b) == set()  # slots not known: any replica
