@@ -216,6 +216,7 @@ class MediaSpan:
     start: int
     end: int
     tokens: int
+    digest: str = ""  # the attachment's sha256: what a read that breaks inside it names
 
 
 def media_spans(
@@ -233,7 +234,7 @@ def media_spans(
             if at < 0:
                 continue
             cursor = at + len(needle)
-            out.append(MediaSpan(at, cursor, weigh(a)))
+            out.append(MediaSpan(at, cursor, weigh(a), a.attachment.ref.digest))
     return tuple(out)
 
 

@@ -68,6 +68,7 @@ class PromptView:
     digests: tuple[ContentDigest, ...]
     # of ``tokens``, the images' (counted by the provider's own rule, so never scaled)
     media_tokens: tuple[int, ...] = ()
+    media: tuple[MediaSpan, ...] = ()  # where each image's bytes sit in ``prompt``
 
     @classmethod
     def of(
@@ -92,6 +93,7 @@ class PromptView:
             tuple(estimate_tokens(e, media) for e in byte_ends),
             tuple(digests[e] for e in byte_ends),
             tuple(sum(m.tokens for m in media if m.end <= e) for e in byte_ends),
+            media,
         )
 
     @property
@@ -131,6 +133,17 @@ class PromptView:
     def markers(self) -> dict[str, MarkerAt]:
         return {k: self.marker(i) for i, k in enumerate(self.keys)}
 
+    def part_at(self, offset: int | None) -> str | None:
+        """The part of the prompt byte ``offset`` falls in: an image (``image
+        sha256:<digest>``, the one whose bytes changed or went) or the segment
+        (``message:3``); None past the end or for no offset."""
+        if offset is None:
+            return None
+        for m in self.media:
+            if m.start <= offset < m.end:
+                return f"image sha256:{m.digest}"
+        return next((k for k, end in zip(self.keys, self.ends, strict=True) if offset < end), None)
+
 
 @dataclass
 class TargetStats:
@@ -140,6 +153,7 @@ class TargetStats:
     written_tokens: int = 0
     false_warm: int = 0
     last_false_warm_offset: int | None = None
+    last_false_warm_part: str | None = None  # the part that byte is in (PromptView.part_at)
 
     def as_dict(self) -> dict[str, Any]:
         rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -151,6 +165,7 @@ class TargetStats:
             "hit_rate": round(rate, 4),
             "false_warm": self.false_warm,
             "last_false_warm_offset": self.last_false_warm_offset,
+            "last_false_warm_part": self.last_false_warm_part,
         }
 
 
@@ -161,6 +176,7 @@ class Settlement:
     broken_at: int | None
     credited_tokens: int
     unverified_tokens: int
+    broken_part: str | None = None  # the part the first diverging byte is in
 
 
 @dataclass(frozen=True)
@@ -244,6 +260,7 @@ class ProviderCacheBook:
                 self.publish("cold", {"target": target, "digest": view.digests[i]})
                 st.false_warm += 1
                 st.last_false_warm_offset = broken_at  # None: the bytes matched (evicted)
+                st.last_false_warm_part = view.part_at(broken_at)
             record = self._records.get((target, view.digests[i]))
             if record is not None and not false_warm:
                 verified = verify(record, view.prompt, view.markers())
@@ -265,7 +282,12 @@ class ProviderCacheBook:
         if self._settled % 256 == 0:
             self._collect(now)
         return Settlement(
-            believed.tokens, false_warm, broken_at, credit.credited_tokens, credit.unverified_tokens
+            believed.tokens,
+            false_warm,
+            broken_at,
+            credit.credited_tokens,
+            credit.unverified_tokens,
+            view.part_at(broken_at),
         )
 
     def _remember(

@@ -284,11 +284,12 @@ class ProviderPath:
         if s.false_warm:
             m.provider_false_warm.labels(t.name).inc()
             log.warning(
-                "%s: false warm (believed %d tokens warm, read %d; first differing byte %s)",
+                "%s: false warm (believed %d tokens warm, read %d; first differing byte %s, in %s)",
                 t.name,
                 s.believed_warm_tokens,
                 u.cached_tokens,
                 s.broken_at,
+                s.broken_part,
             )
 
     async def _send(self, t: ProviderTarget, r: Rendered) -> AsyncGenerator[Delta, None]:

@@ -274,3 +274,18 @@ def test_calibration_scales_the_text_and_leaves_the_images_as_counted() -> None:
     assert scale == pytest.approx(1.1, rel=0.01)
     assert view.scaled(1, scale) == pytest.approx(text * scale + images)
     assert view.scaled(0, scale) == pytest.approx(view.tokens[0] * scale)
+
+
+def test_a_break_inside_an_image_names_the_image() -> None:
+    """A believed-warm prefix read cold names the part its first diverging byte is in:
+    an image by its digest (the screenshot an agent stripped or replaced), else the
+    segment."""
+    t = Turn("user", "a" * 40, parts=("a" * 40, Attached(PNG), "b" * 40))
+    r = AnthropicAdapter().render(call(t), CacheDirectives())
+    keys = ["system", "message:0"]
+    view = PromptView.of("x", "t", r.prompt, dict(r.segment_ends), keys, r.media)
+    (span,) = r.media
+    assert view.part_at(span.start + 3) == f"image sha256:{PNG.ref.digest}"
+    assert view.part_at(span.start - 1) == "message:0"
+    assert view.part_at(0) == "system" and view.part_at(None) is None
+    assert view.part_at(len(r.prompt) + 10) is None
