@@ -246,16 +246,13 @@ class GatewayService:
             )
         return req.model_copy(update={"model": local})
 
-    def _admit(self, who: Principal, served: Served) -> Grant | None:
+    def _admit(self, who: Principal) -> Grant | None:
         """The key's limits, first: a request over one is a 429 before any work."""
         try:
-            grant = self.limits.admit(who)
+            return self.limits.admit(who)
         except RateLimited:
             self._metrics.rate_limited.labels(who.tenant, who.key_name).inc()
             raise
-        if grant is not None:
-            served.limits = grant.headers()
-        return grant
 
     def _call(
         self,
@@ -277,20 +274,20 @@ class GatewayService:
         """The answer of the first target of ``req.model`` that can serve it, its first
         piece produced.  ``session``: an explicit session-log session (else found or
         started implicitly)."""
-        served = Served()
-        grant = self._admit(who, served)
+        grant = self._admit(who)
         trace = self.tracing.request("vcache.chat", model=req.model, stream=True)
         try:
             await self.local.learn_adapters()
             names = self.resolve(req.model)
             call = self._call(req, who, route, session, trace)
-            rid, pieces = await self.loop.first_answer(names, call, served)
+            routed = await self.loop.first_answer(names, call, limits=_headers(grant))
         except BaseException as exc:
-            trace.end(exc, target=served.target)
+            trace.end(exc)
             _release(grant, 0)
             raise
-        pieces = _limited(_ended(pieces, trace, served), grant)
-        return Routed(Answer(rid, await primed(pieces)), served)
+        a, served = routed.body, routed.served
+        pieces = _limited(_ended(a.pieces, trace, served), grant)
+        return Routed(Answer(a.id, await primed(pieces)), served)
 
     async def chat(
         self,
@@ -318,8 +315,7 @@ class GatewayService:
     ) -> Routed[tuple[T, Usage]]:
         """One whole answer shaped by ``shape(request id, pieces)`` (any API's object) and
         its usage; a target that fails at any point before it ends falls back."""
-        served = Served()
-        grant = self._admit(who, served)
+        grant = self._admit(who)
         trace = self.tracing.request("vcache.chat", model=req.model, stream=False)
         usage = Usage.of(0, 0, 0)
 
@@ -334,15 +330,15 @@ class GatewayService:
             await self.local.learn_adapters()
             names = self.resolve(req.model)
             call = self._call(req, who, route, session, trace)
-            rid, pieces = await self.loop.first_answer(names, call, served, whole=True)
-            body = await shape(rid, used(pieces))
+            routed = await self.loop.first_answer(names, call, True, _headers(grant))
+            body = await shape(routed.body.id, used(routed.body.pieces))
         except BaseException as exc:
-            trace.end(exc, target=served.target)
+            trace.end(exc)
             raise
         finally:
             _release(grant, usage.total_tokens)
-        trace.end(None, target=served.target, **_usage_attrs(usage))
-        return Routed((body, usage), served)
+        trace.end(None, target=routed.served.target, **_usage_attrs(usage))
+        return Routed((body, usage), routed.served)
 
     async def warm_local(self, call: Call) -> tuple[Served, Usage, tuple[int, ...]]:
         """Prefill ``call``'s prompt (a chat's messages, or a text prompt: one token
@@ -351,13 +347,14 @@ class GatewayService:
         aside), through the replica's fair gate; where it went, its usage, and the
         prompt's token ids as the engine took them."""
         loop = self.loop if isinstance(call.request, ChatCompletionRequest) else self.text_loop
-        served, usage = Served(), Usage.of(0, 0, 0)
+        usage = Usage.of(0, 0, 0)
         ids: tuple[int, ...] = ()
-        async with aclosing(loop.serve(LOCAL_TARGET, call, served)) as pieces:
+        routed = loop.serve(LOCAL_TARGET, call)
+        async with aclosing(routed.body) as pieces:
             async for p in pieces:
                 ids = p.prompt_token_ids or ids
                 usage = p.usage or usage
-        return served, usage, ids
+        return routed.served, usage, ids
 
     async def warm_provider(
         self, req: ChatCompletionRequest, tenant: str, target: str, rid: str
@@ -368,7 +365,7 @@ class GatewayService:
         req = req.model_copy(update={"max_tokens": 1, "stream": False})
         call = Call(req, Principal(tenant=tenant), rid, warm=True)
         usage = Usage.of(0, 0, 0)
-        async with aclosing(self.loop.serve(target, call, None)) as pieces:
+        async with aclosing(self.loop.serve(target, call).body) as pieces:
             async for p in pieces:
                 usage = p.usage or usage
         return usage
@@ -419,19 +416,19 @@ class GatewayService:
         merged (and echoed) into the request's."""
         await self.local.learn_adapters()
         names = self._local_targets(req.model)
-        served = Served()
-        grant = self._admit(who, served)
+        grant = self._admit(who)
         trace = self.tracing.request("vcache.completion", model=req.model, stream=not whole)
         try:
             calls = prompt_calls(req, who, f"cmpl-{uuid.uuid4().hex}", route, trace)
             join = self.completions.join(req)
             loop = self.text_loop
-            rid, pieces = await loop.first_answer_each(names, calls, served, join, whole)
+            routed = await loop.first_answer_each(names, calls, join, whole, _headers(grant))
         except BaseException as exc:
-            trace.end(exc, target=served.target)
+            trace.end(exc)
             _release(grant, 0)
             raise
-        return Routed((rid, _limited(_ended(pieces, trace, served), grant)), served)
+        a, served = routed.body, routed.served
+        return Routed((a.id, _limited(_ended(a.pieces, trace, served), grant)), served)
 
     async def complete(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
@@ -457,6 +454,11 @@ class GatewayService:
 def _release(grant: Grant | None, tokens: int) -> None:
     if grant is not None:
         grant.done(tokens)
+
+
+def _headers(grant: Grant | None) -> dict[str, str]:
+    """The key's x-ratelimit-* headers (none without limits)."""
+    return grant.headers() if grant is not None else {}
 
 
 def _limited(pieces: Pieces, grant: Grant | None) -> Pieces:

@@ -6,7 +6,9 @@ the log and compared) after it is planned and rendered, and before anything
 waits or is claimed for it (the target's ``acquire``: a local request is
 routed then) or sent; the answer is appended when it ends.  A record that
 fails (503 ``session_log_unavailable``) leaves nothing claimed to give back.
-Without a session log every call here is a no-op.
+Where a request was logged (its session, its answer's sequence) the loop reads off
+the :class:`~gateway.sessions.log.Open` it opened.  Without a session log every call
+here is a no-op.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from gateway.core.outputs import Usage
-from gateway.core.types import Served
 from gateway.sessions.log import Open, SessionLog
 from gateway.sessions.render import usage_record
 from manifest.sessionlog import Header, MessageEvent
@@ -37,7 +38,6 @@ class Journal:
     async def sent(
         self,
         op: Open | None,
-        served: Served | None,
         request_id: str,
         target: str,
         render: Literal["provider", "vllm"],
@@ -48,13 +48,10 @@ class Journal:
         if self.log is None or op is None:
             return
         await self.log.dispatch(op, request_id, target, render, directives, body)
-        if served is not None:
-            served.session, served.session_kind = op.session_id, op.kind
 
     async def answered(
         self,
         op: Open | None,
-        served: Served | None,
         request_id: str,
         text: str,
         usage: Usage,
@@ -67,5 +64,3 @@ class Journal:
             return
         record = usage_record(usage)
         await self.log.respond(op, request_id, text, record, tool_calls, thinking)
-        if served is not None:
-            served.answer_seq = op.answer_seq

@@ -23,8 +23,12 @@ are not quoted nor tried.  What a target acquired is released in
 one ``finally`` (:meth:`ServiceLoop._sent`) on every path: the answer, an
 error, a fallback, a journal that failed (503 ``session_log_unavailable``),
 a client that left; so a client's retry never waits on a claim whose
-request is gone.  This is the only place that journals, falls back and
-writes where a request was served.
+request is gone.  This is the only place that journals and falls back, and
+the one writer of where a request was served: each answer comes back as a
+:class:`~gateway.core.types.Routed` value whose :class:`~gateway.core.types.Served`
+the loop made and fills in (the target and its notes at prepare, the session at
+the journal, the replica at acquire, the answer's sequence in the session once
+it ends); callers read it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -40,11 +44,11 @@ from gateway.core.config import AttachmentSettings, RoutingSettings
 from gateway.core.errors import APIError
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
-from gateway.core.pieces import Pieces, primed
+from gateway.core.pieces import Answer, Pieces, primed
 from gateway.core.samples import Sample
 from gateway.core.schemas import ChatCompletionRequest, tool_calls_json
 from gateway.core.target import Call, Prepared, Quote, Target
-from gateway.core.types import Served
+from gateway.core.types import Routed, Served
 from gateway.service.attachment_intake import AttachmentIntake
 from gateway.service.journal import Journal
 from gateway.service.targets import by_cost, can_fall_back, seeing, sees
@@ -77,7 +81,7 @@ class ServiceLoop:
             intake = AttachmentIntake(AttachmentSettings(), store)
         self.intake = intake
 
-    async def order(
+    async def _order(
         self, names: Sequence[str], call: Call, served: Served
     ) -> list[tuple[str, Quote | None]]:
         """``names`` in the order they are tried, each with its quote: cheapest first when
@@ -106,29 +110,35 @@ class ServiceLoop:
         return [(n, quoted.get(n)) for n in order]
 
     async def first_answer(
-        self, names: Sequence[str], call: Call, served: Served, whole: bool = False
-    ) -> tuple[str, Pieces]:
-        """The request id and answer of the first target in ``names`` that serves
-        ``call``, its first piece produced (each fallback is a request of its own, with an
-        id of its own).  ``whole``: the answer is read to its end here, so a target that
-        fails at any point before it ends falls back too."""
-        return await self.first_answer_each(names, [call], served, None, whole)
+        self,
+        names: Sequence[str],
+        call: Call,
+        whole: bool = False,
+        limits: Mapping[str, str] | None = None,
+    ) -> Routed[Answer]:
+        """The answer of the first target in ``names`` that serves ``call``, its first
+        piece produced (each fallback is a request of its own, with an id of its own), and
+        where it is served.  ``whole``: the answer is read to its end here, so a target
+        that fails at any point before it ends falls back too.  ``limits``: the key's
+        rate-limit headers, for the response."""
+        return await self.first_answer_each(names, [call], None, whole, limits)
 
     async def first_answer_each(
         self,
         names: Sequence[str],
         calls: Sequence[Call],
-        served: Served,
         join: Join | None,
         whole: bool = False,
-    ) -> tuple[str, Pieces]:
+        limits: Mapping[str, str] | None = None,
+    ) -> Routed[Answer]:
         """:meth:`first_answer` of a request served as the engine requests ``calls`` (a
         text completion's prompts, each with a request id of its own), their answers
         joined by ``join``; the request id is the first call's.  Several calls are not
         quoted: they go in alias order."""
         names = seeing(names, calls[0], self._sees)
         await self._take(calls)
-        order = await self.order(names, calls[0], served) if len(calls) == 1 else None
+        served = Served(limits=dict(limits or {}))
+        order = await self._order(names, calls[0], served) if len(calls) == 1 else None
         tried = order or [(n, None) for n in names]
         for i, (name, quote) in enumerate(tried):
             attempt = [
@@ -136,8 +146,9 @@ class ServiceLoop:
                 for c in calls
             ]
             try:
-                pieces = await primed(self.serve_each(name, attempt, served, join, quote))
-                return attempt[0].request_id, (await _drained(pieces) if whole else pieces)
+                pieces = await primed(self._serve_each(name, attempt, served, join, quote))
+                answer = Answer(attempt[0].request_id, await _drained(pieces) if whole else pieces)
+                return Routed(answer, served)
             except APIError as exc:
                 if i == len(tried) - 1 or not can_fall_back(exc):
                     raise
@@ -147,18 +158,18 @@ class ServiceLoop:
                 served.fallback_from += (name,)
         raise AssertionError("no targets")  # Targets.resolve never returns an empty list
 
-    def serve(
-        self, name: str, call: Call, served: Served | None, quote: Quote | None = None
-    ) -> Pieces:
-        """One target's answer: admitted, prepared, journaled, acquired, sent, settled;
-        every claim given back on the way out (see the module)."""
-        return self.serve_each(name, [call], served, None, quote)
+    def serve(self, name: str, call: Call, quote: Quote | None = None) -> Routed[Pieces]:
+        """One target's answer (not started: the pieces run it) and where it is served:
+        admitted, prepared, journaled, acquired, sent, settled; every claim given back on
+        the way out (see the module)."""
+        served = Served()
+        return Routed(self._serve_each(name, [call], served, None, quote), served)
 
-    async def serve_each(
+    async def _serve_each(
         self,
         name: str,
         calls: Sequence[Call],
-        served: Served | None,
+        served: Served,
         join: Join | None = None,
         quote: Quote | None = None,
     ) -> Pieces:
@@ -175,8 +186,7 @@ class ServiceLoop:
             prepared: list[Prepared] = []
             for c in calls:
                 prepared.append(await target.prepare(name, c, quote if len(calls) == 1 else None))
-            if served is not None:
-                served.target, served.notes = prepared[0].target, dict(prepared[0].notes)
+            served.target, served.notes = prepared[0].target, dict(prepared[0].notes)
             # several: they run at once, and the first piece waits for the first call to be
             # routed (``served``, the response's headers, is the first call's)
             placed = asyncio.Event() if len(calls) > 1 else None
@@ -214,7 +224,9 @@ class ServiceLoop:
         op = self.journal.open(call.who.tenant, p.header, p.turns, call.session)
         held = [p]  # each Prepared this call had: what they claimed goes back below
         try:
-            await self._journal(op, served, call, p)
+            await self._journal(op, call, p)
+            if served is not None and op is not None:
+                served.session, served.session_kind = op.session_id, op.kind
             if op is not None and op.kind is not None:
                 self._metrics.sessions.labels(op.kind).inc()
             p = await target.acquire(p)
@@ -230,7 +242,9 @@ class ServiceLoop:
                     async with aclosing(target.send(p, op.session_id if op else None)) as out:
                         async for piece in out:
                             if piece.usage is not None:  # the end: all is known
-                                await self._answered(op, served, call, answer, piece.usage)
+                                await self._answered(op, call, answer, piece.usage)
+                                if served is not None and op is not None:
+                                    served.answer_seq = op.answer_seq
                                 target.settle(p, piece.usage)  # before the client leaves
                             elif piece.index == 0:
                                 answer.add(piece)
@@ -243,25 +257,22 @@ class ServiceLoop:
                         raise
                     p, attempt = again, attempt + 1
                     held.append(p)
-                    await self._journal(op, served, call, p)
+                    await self._journal(op, call, p)
         finally:
             if placed is not None:
                 placed.set()
             for q in held:
                 target.release(q)
 
-    async def _journal(self, op: Any, served: Served | None, call: Call, p: Prepared) -> None:
+    async def _journal(self, op: Any, call: Call, p: Prepared) -> None:
         """Record what ``p`` will send, before anything waits or is claimed for it."""
         with call.trace.step("journal"):
             s = p.sent
-            await self.journal.sent(
-                op, served, s.request_id, s.target, s.render, s.directives, s.body
-            )
+            await self.journal.sent(op, s.request_id, s.target, s.render, s.directives, s.body)
 
     async def _answered(
         self,
         op: Any,
-        served: Served | None,
         call: Call,
         answer: Sample,
         usage: Usage,
@@ -273,7 +284,7 @@ class ServiceLoop:
         blocks = answer.thinking_blocks()
         thinking = canonical_json(blocks).decode() if blocks else None
         text = "".join(answer.text)
-        await self.journal.answered(op, served, call.request_id, text, usage, called, thinking)
+        await self.journal.answered(op, call.request_id, text, usage, called, thinking)
 
 
 async def _drained(pieces: Pieces) -> Pieces:

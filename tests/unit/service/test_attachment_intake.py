@@ -363,16 +363,15 @@ def serve(names: list[str], req: ChatCompletionRequest, log: list[str]) -> Serve
     target = Seen(log)
     intake = AttachmentIntake(AttachmentSettings(), Recording())
     loop = ServiceLoop(Journal(None), Metrics(), lambda _: target, intake=intake)
-    out = Served()
 
-    async def main() -> None:
-        _, pieces = await loop.first_answer(names, Call(req, Principal(tenant="t"), "r1"), out)
-        async with aclosing(pieces):
+    async def main() -> Served:
+        routed = await loop.first_answer(names, Call(req, Principal(tenant="t"), "r1"))
+        async with aclosing(routed.body.pieces) as pieces:
             async for _ in pieces:
                 pass
+        return routed.served
 
-    asyncio.run(main())
-    return out
+    return asyncio.run(main())
 
 
 def test_targets_that_cannot_see_are_neither_quoted_nor_tried() -> None:
@@ -417,7 +416,7 @@ def test_a_direct_serve_on_the_local_target_refuses_images_by_name() -> None:
     call = Call(request(image(data_url(PNG))), Principal(tenant="t"), "w1")
 
     async def main() -> None:
-        async with aclosing(loop.serve("local", call, None)) as pieces:
+        async with aclosing(loop.serve("local", call).body) as pieces:
             async for _ in pieces:
                 pass
 

@@ -25,7 +25,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.pieces import Piece
 from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.core.target import Call, Target
-from gateway.core.types import Principal, Served
+from gateway.core.types import Principal
 from gateway.local.dispatch import Dispatcher
 from gateway.local.prefills import Prefill
 from gateway.local.replicas import Replica
@@ -68,7 +68,7 @@ class SessionLog503(Journal):
         self.gate: asyncio.Event | None = None
         self.entered = asyncio.Event()
 
-    async def sent(self, op: Any, served: Any, request_id: str, *rest: Any) -> None:
+    async def sent(self, op: Any, request_id: str, *rest: Any) -> None:
         self.entered.set()
         if self.gate is not None:
             await self.gate.wait()
@@ -160,8 +160,8 @@ def _local_call(rid: str, question: str) -> Call:
 
 
 async def _answer(w: World, name: str, call: Call) -> list[Piece]:
-    _, pieces = await w.loop.first_answer([name], call, Served())
-    return [p async for p in pieces]
+    routed = await w.loop.first_answer([name], call)
+    return [p async for p in routed.body.pieces]
 
 
 def test_a_journal_that_fails_leaves_no_claim_and_the_retry_does_not_wait(

@@ -123,13 +123,12 @@ class RecordingJournal(Journal):
         self.events.append(f"open {tenant}")
         return None
 
-    async def sent(self, op: Any, served: Any, request_id: str, *rest: Any) -> None:
+    async def sent(self, op: Any, request_id: str, *rest: Any) -> None:
         self.events.append(f"journal {request_id}")
 
     async def answered(
         self,
         op: Any,
-        served: Any,
         request_id: str,
         text: str,
         usage: Usage,
@@ -151,15 +150,13 @@ def _run(
     routing: RoutingSettings | None = None,
 ) -> tuple[Any, ...]:
     loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: targets[name], routing)
-    served = Served()
 
-    async def main() -> tuple[str, list[Piece]]:
-        rid, pieces = await loop.first_answer(names, _call(), served)
-        async with aclosing(pieces):
-            return rid, [p async for p in pieces]
+    async def main() -> tuple[str, list[Piece], Served]:
+        routed = await loop.first_answer(names, _call())
+        async with aclosing(routed.body.pieces) as pieces:
+            return routed.body.id, [p async for p in pieces], routed.served
 
-    rid, pieces = asyncio.run(main())
-    return rid, pieces, served
+    return asyncio.run(main())
 
 
 def test_stages_run_in_order_and_the_answer_is_journaled_before_its_usage() -> None:
@@ -223,7 +220,7 @@ def test_settled_even_when_the_client_leaves_after_the_usage() -> None:
     loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: FakeTarget(log))
 
     async def main() -> None:
-        _, pieces = await loop.first_answer(["a"], _call(), Served())
+        pieces = (await loop.first_answer(["a"], _call())).body.pieces
         async for p in pieces:
             if p.usage is not None:
                 break  # the client goes away with the usage, before the stream's end
@@ -239,7 +236,7 @@ def test_the_claims_go_back_when_the_client_leaves_before_the_first_token() -> N
     loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: target)
 
     async def main() -> None:
-        task = asyncio.create_task(loop.first_answer(["a"], _call(), Served()))
+        task = asyncio.create_task(loop.first_answer(["a"], _call()))
         await target.sending.wait()
         task.cancel()  # the client goes away while the target computes the first token
         with pytest.raises(asyncio.CancelledError):
@@ -253,13 +250,13 @@ def test_a_journal_that_fails_acquires_nothing() -> None:
     log: list[str] = []
 
     class Failing(RecordingJournal):
-        async def sent(self, op: Any, served: Any, request_id: str, *rest: Any) -> None:
+        async def sent(self, op: Any, request_id: str, *rest: Any) -> None:
             raise Unavailable("the session log is unavailable", code="session_log_unavailable")
 
     target = FakeTarget(log)
     loop = ServiceLoop(Failing(log), Metrics(), lambda name: target)
     with pytest.raises(Unavailable):
-        asyncio.run(loop.first_answer(["a"], _call(), Served()))
+        asyncio.run(loop.first_answer(["a"], _call()))
     assert log == ["admit", "prepare a chatcmpl-1", "open t", "release"] and not target.claims
 
 
