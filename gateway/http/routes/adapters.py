@@ -92,9 +92,10 @@ async def unload_lora_adapter(
     return AdapterResponse(lora_name=body.lora_name, replicas=done)
 
 
-@router.get("/lora_adapters", responses=errors(401, 403, 503))
+@router.get("/lora_adapters", responses=errors(400, 401, 403, 503))
 async def lora_adapters(who: Admin, svc: Service) -> AdapterList:
-    """Each adapter known, its path and the replicas that hold it now."""
+    """Each adapter known, its path and the replicas that hold it now (a 400 when the
+    local engines run without LoRA)."""
     adapters = svc.local.served_adapters()
     await adapters.learn_all()
     where = adapters.residency()
