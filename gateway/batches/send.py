@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.batches.store import Totals
+from gateway.batches.store import BatchUsage
 from gateway.core.completion_request import CompletionRequest
 from gateway.core.errors import APIError, invalid_request_from
 from gateway.core.messages_wire import MessagesRequest
@@ -69,7 +69,7 @@ class Outcome:
     request_id: str
     body: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
-    usage: Totals = field(default_factory=Totals)
+    usage: BatchUsage = field(default_factory=BatchUsage)
     retry_after_s: float | None = None
 
     @property
@@ -107,26 +107,26 @@ def error_of(exc: APIError) -> dict[str, Any]:
     }
 
 
-def usage_of(body: dict[str, Any]) -> Totals:
+def usage_of(body: dict[str, Any]) -> BatchUsage:
     """The usage an answer body reports, in any of the four APIs' terms."""
     u = body.get("usage") or {}
     if "prompt_tokens" in u:  # chat, completions
         details = u.get("prompt_tokens_details") or {}
-        return Totals(
+        return BatchUsage(
             int(u["prompt_tokens"]),
             int(details.get("cached_tokens") or 0),
             int(u.get("completion_tokens") or 0),
         )
     if "input_tokens_details" in u:  # Responses
         cached = int((u.get("input_tokens_details") or {}).get("cached_tokens") or 0)
-        return Totals(int(u["input_tokens"]), cached, int(u.get("output_tokens") or 0))
+        return BatchUsage(int(u["input_tokens"]), cached, int(u.get("output_tokens") or 0))
     if "input_tokens" in u:  # Anthropic: input excludes the cache's reads and writes
         read = int(u.get("cache_read_input_tokens") or 0)
         written = int(u.get("cache_creation_input_tokens") or 0)
-        return Totals(
+        return BatchUsage(
             int(u["input_tokens"]) + read + written, read, int(u.get("output_tokens") or 0)
         )
-    return Totals()
+    return BatchUsage()
 
 
 class Sender(Protocol):

@@ -90,7 +90,7 @@ class Counts:
 
 
 @dataclass(frozen=True)
-class Totals:
+class BatchUsage:
     """The usage of a batch's finished items (``input`` includes ``cached``)."""
 
     input: int = 0
@@ -119,7 +119,7 @@ class BatchRow:
     ended_at: float | None
     cancelling_at: float | None
     counts: Counts = field(default_factory=Counts)
-    totals: Totals = field(default_factory=Totals)
+    totals: BatchUsage = field(default_factory=BatchUsage)
 
     @property
     def ended(self) -> bool:
@@ -334,7 +334,7 @@ class BatchStore:
             float(r[13]),
             *_times(r[14:18]),
             counts=counts,
-            totals=Totals(int(t[0]), int(t[1]), int(t[2])),
+            totals=BatchUsage(int(t[0]), int(t[1]), int(t[2])),
         )
 
     def page(
@@ -485,7 +485,7 @@ class BatchStore:
         ok: bool,
         status_code: int,
         result: dict[str, Any],
-        usage: Totals,
+        usage: BatchUsage,
     ) -> bool:
         """Write the item's result and settle it (done, or error), if ``owner`` still holds
         it.  False: its lease ran out and another owner took it."""

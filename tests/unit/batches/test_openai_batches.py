@@ -21,7 +21,7 @@ from engines.fake import FakeEngine, Hold
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from gateway.batches.send import usage_of
-from gateway.batches.store import BatchStore, NewItem, Totals
+from gateway.batches.store import BatchStore, BatchUsage, NewItem
 from gateway.core.config import Settings
 from tests.settings import gateway_settings
 from tests.unit.batches.conftest import KEY, MODEL, OTHER, keys
@@ -241,7 +241,7 @@ def test_a_restarted_gateway_finishes_a_half_done_batch(tokenizer: ChatTokenizer
     # the gateway before the restart answered a1 and was killed while b1 ran
     assert store.claim(bid, 0, "before", lease_s=60)
     kept = {"request_id": "req-before", "body": {"object": "chat.completion", "kept": True}}
-    assert store.finish(bid, 0, "before", True, 200, kept, Totals(20, 0, 3))
+    assert store.finish(bid, 0, "before", True, 200, kept, BatchUsage(20, 0, 3))
     assert store.claim(bid, 1, "before", lease_s=0.001)
     store.close()
 

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.batches.runner import BatchRunner, retry_delay
 from gateway.batches.send import Outcome
-from gateway.batches.store import BatchStore, NewItem, Totals
+from gateway.batches.store import BatchStore, BatchUsage, NewItem
 from gateway.core.types import Principal
 from tests.unit.batches.conftest import OpenStore
 from tests.unit.waits import until
@@ -77,7 +77,7 @@ class Sender:
         if tag in self.fail:
             err = {"status": 400, "type": "invalid_request_error", "message": "no", "code": None}
             return Outcome(400, f"req-{tag}", error=err)
-        return Outcome(200, f"req-{tag}", body={"tag": tag}, usage=Totals(10, 4, 2))
+        return Outcome(200, f"req-{tag}", body={"tag": tag}, usage=BatchUsage(10, 4, 2))
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_items_go_in_dag_order_at_the_batch_priority(store: BatchStore) -> None:
     assert {(w.tenant, w.key_name) for w in sender.who} == {("one", "key")}
     row = store.batch(bid)
     assert row is not None and row.status == "completed"
-    assert (row.counts.done, row.totals) == (5, Totals(50, 20, 10))
+    assert (row.counts.done, row.totals) == (5, BatchUsage(50, 20, 10))
     assert row.output_file_id is not None and row.error_file_id is None
     out = store.file_content("one", row.output_file_id)
     assert out is not None
@@ -151,7 +151,7 @@ def test_a_restart_finishes_a_half_done_batch_without_sending_done_items(
     bid = _create(store)
     # the first gateway: a1 answered, a2 under way when it died (its lease never renewed)
     assert store.claim(bid, 0, "first", lease_s=60)
-    assert store.finish(bid, 0, "first", True, 200, {"body": {"tag": "a1"}}, Totals(10, 0, 2))
+    assert store.finish(bid, 0, "first", True, 200, {"body": {"tag": "a1"}}, BatchUsage(10, 0, 2))
     assert store.claim(bid, 2, "first", lease_s=0.001)
     again = open_store()  # the restarted gateway's store
     sender = Sender()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.batches.store import BatchRow, BatchStore, ItemRow, NewItem, Totals
+from gateway.batches.store import BatchRow, BatchStore, BatchUsage, ItemRow, NewItem
 from tests.unit.batches.conftest import OpenStore
 
 
@@ -46,12 +46,12 @@ def test_an_item_is_claimed_once_and_done_only_by_its_owner(store: BatchStore) -
     bid = _batch(store)
     assert store.claim(bid, 0, "a", lease_s=10)
     assert not store.claim(bid, 0, "b", lease_s=10)  # a holds it
-    assert not store.finish(bid, 0, "b", True, 200, {"body": 1}, Totals(5, 2, 1))
-    assert store.finish(bid, 0, "a", True, 200, {"body": 1}, Totals(5, 2, 1))
+    assert not store.finish(bid, 0, "b", True, 200, {"body": 1}, BatchUsage(5, 2, 1))
+    assert store.finish(bid, 0, "a", True, 200, {"body": 1}, BatchUsage(5, 2, 1))
     assert not store.claim(bid, 0, "b", lease_s=10)  # done: never run again
     row = store.batch(bid)
     assert row is not None
-    assert (row.counts.done, row.counts.pending, row.totals) == (1, 2, Totals(5, 2, 1))
+    assert (row.counts.done, row.counts.pending, row.totals) == (1, 2, BatchUsage(5, 2, 1))
     assert store.items(bid)[0].result == {"body": 1}
 
 
@@ -67,8 +67,8 @@ def test_a_dead_owners_item_is_taken_again_once_its_lease_runs_out(
     assert not store.claim(bid, 1, "new", lease_s=10)
     clock.t += 11  # the owner stopped renewing
     assert store.claim(bid, 1, "new", lease_s=10)
-    assert not store.finish(bid, 1, "dead", True, 200, {}, Totals())  # too late: dropped
-    assert store.finish(bid, 1, "new", True, 200, {"by": "new"}, Totals())
+    assert not store.finish(bid, 1, "dead", True, 200, {}, BatchUsage())  # too late: dropped
+    assert store.finish(bid, 1, "new", True, 200, {"by": "new"}, BatchUsage())
     assert store.items(bid)[1].result == {"by": "new"}
 
 
@@ -80,7 +80,7 @@ def test_cancel_stops_pending_items_and_the_batch_ends_once_settled(store: Batch
     assert (row.counts.running, row.counts.canceled) == (1, 2)
     assert not store.claim(bid, 1, "a", lease_s=10)  # nothing new once cancelled
     assert not store.finalize(bid, _files)  # item 0 still runs
-    assert store.finish(bid, 0, "a", True, 200, {}, Totals(1, 0, 1))
+    assert store.finish(bid, 0, "a", True, 200, {}, BatchUsage(1, 0, 1))
     assert store.finalize(bid, _files)
     assert not store.finalize(bid, _files)  # ended once
     row = store.batch(bid)
@@ -93,7 +93,7 @@ def test_cancel_stops_pending_items_and_the_batch_ends_once_settled(store: Batch
 def test_items_outliving_the_window_expire(store: BatchStore, clock: Clock) -> None:
     bid = _batch(store, n=2, window_s=50)
     assert store.claim(bid, 0, "a", lease_s=10)
-    assert store.finish(bid, 0, "a", True, 200, {}, Totals())
+    assert store.finish(bid, 0, "a", True, 200, {}, BatchUsage())
     clock.t += 51
     assert store.expire() == [bid]
     assert store.finalize(bid, _files)
@@ -132,7 +132,7 @@ def test_a_second_store_over_the_same_database_sees_the_first_ones_state(
 ) -> None:
     bid = _batch(store)
     assert store.claim(bid, 0, "a", lease_s=10)
-    assert store.finish(bid, 0, "a", True, 200, {"x": 1}, Totals(3, 0, 1))
+    assert store.finish(bid, 0, "a", True, 200, {"x": 1}, BatchUsage(3, 0, 1))
     again = open_store()
     assert [i.state for i in again.items(bid)] == ["done", "pending", "pending"]
     assert again.active() == [bid]
