@@ -97,7 +97,25 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class EngineImage:
+    """An image of a prompt as the engine takes it: the client's original bytes (the
+    engine's identifier is blake3 over them) and, when the client named the image, its
+    uuid (then the identifier)."""
+
+    data: bytes = field(repr=False)
+    media_type: str
+    identifier: str  # the gateway's (gateway/local/vision_prompt.py): equals the engine's
+    uuid: str | None = None
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
+    """``prompt_token_ids`` are the prompt as the engine caches it (an image expanded to
+    its placeholder tokens: what admission, hashing and prediction count).  With images,
+    the engine is given ``template_token_ids`` instead (one image token per image, in
+    prompt order) and expands them itself: given expanded ids it would expand them
+    again."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...] = field(repr=False)
     sampling: SamplingOptions
@@ -105,6 +123,12 @@ class GenerateRequest:
     priority: int = 0  # vLLM's: lower is served first (under its "priority" scheduling)
     tenant: str | None = None  # whose request (admission fairness); None: the cache salt's
     lora: LoraRef | None = None  # the adapter it runs under (None: the base model)
+    images: tuple[EngineImage, ...] = ()
+    template_token_ids: tuple[int, ...] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.images and self.template_token_ids is None:
+            raise ValueError("a request with images needs the template's token ids")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -49,6 +49,7 @@ from engines.vllm.shared_core import CoreSlot
 from engines.vllm.stats import CoreStats
 
 if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
@@ -142,9 +143,7 @@ class VllmEngine:
         llm = self._llm
         if llm is None or self._closed:
             raise EngineUnavailable("engine is not ready")
-        from vllm.inputs import TokensPrompt
-
-        prompt: TokensPrompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        prompt: TokensPrompt = _tokens_prompt(request)
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         params = _sampling_params(request)
@@ -363,3 +362,27 @@ def _translate(exc: Exception) -> EngineError:
     if isinstance(exc, EngineGenerateError):
         return EngineGenerationFailed("generation failed inside the engine")
     return EngineGenerationFailed(f"{type(exc).__name__}: {exc}")
+
+
+def _tokens_prompt(request: GenerateRequest) -> TokensPrompt:
+    """The prompt as vLLM takes it: the token ids, or, with images, the template's ids (one
+    image token per image) and the images' original bytes (``MediaWithBytes``: vLLM's
+    identifier is blake3 over those bytes, or the client's uuid where it gave one)."""
+    from vllm.inputs import TokensPrompt
+
+    if not request.images:
+        return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+    import io
+
+    from PIL import Image
+    from vllm.multimodal.media.base import MediaWithBytes
+
+    assert request.template_token_ids is not None  # GenerateRequest checks it
+    media = [MediaWithBytes(Image.open(io.BytesIO(i.data)), i.data) for i in request.images]
+    prompt = TokensPrompt(
+        prompt_token_ids=list(request.template_token_ids),
+        multi_modal_data={"image": media},
+    )
+    if any(i.uuid is not None for i in request.images):
+        prompt["multi_modal_uuids"] = {"image": [i.uuid for i in request.images]}
+    return prompt

@@ -65,6 +65,9 @@ class VllmEngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     adapters: tuple[LoraRef, ...] = ()  # loaded at every start (a restart loads them again)
+    # a vision model's images per prompt (vLLM's limit_mm_per_prompt); None: text only or
+    # vLLM's default
+    max_images_per_prompt: int | None = None
 
 
 def core_environment(c: VllmEngineConfig) -> Env:
@@ -108,6 +111,8 @@ def engine_args(c: VllmEngineConfig) -> Any:
         kwargs.update(enable_lora=True, max_loras=c.max_loras, max_lora_rank=c.max_lora_rank)
         if c.max_cpu_loras is not None:
             kwargs["max_cpu_loras"] = c.max_cpu_loras
+    if c.max_images_per_prompt is not None:
+        kwargs["limit_mm_per_prompt"] = {"image": c.max_images_per_prompt}
     if c.block_size is not None:
         kwargs["block_size"] = c.block_size
     if c.max_num_seqs is not None:

@@ -214,6 +214,14 @@ class RemoteVllmEngine:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if not self.ready:
             raise EngineUnavailable("replica is not ready")
+        if request.images:
+            # vLLM 0.32's /inference/v1/generate takes an image as ``features`` (the
+            # processed pixel tensors, which the gateway does not make: it never decodes
+            # pixels) or ``content_parts`` (URLs the replica fetches; its identifiers
+            # unverified against the gateway's): neither is wired, so refused by name.
+            raise EngineInputError(
+                f"image 1 of {len(request.images)}: a remote replica does not take images"
+            )
         model = request.lora.name if request.lora is not None else self._model
         body = request_body(self.api, request, model)
         self._running += 1
