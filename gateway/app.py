@@ -27,6 +27,7 @@ from engines.base import Engine
 from engines.providers.specs import adapter_for
 from engines.providers.transport import Transport
 from engines.tokenizer import ChatTokenizer, ThreadCopies
+from gateway.batches.pins import CachePins
 from gateway.batches.runner import BatchRunner
 from gateway.batches.send import ServiceSender
 from gateway.batches.store import BatchStore
@@ -469,6 +470,7 @@ def create_app(
         concurrency=runs.concurrency,
         lease_s=runs.lease_s,
         poll_s=runs.poll_s,
+        pins=CachePins(cache_ops),
     )
     gateway = Gateway(
         settings,

@@ -27,7 +27,7 @@ from manifest.economics import zipf_coverage
 from manifest.prefix_dag import PrefixDag, Unit
 
 TOP = 7  # the design note's "7 → 85%"
-_SYSTEM_ROLES = ("system", "developer")
+SYSTEM_ROLES = ("system", "developer")
 
 
 def _segment(value: Any) -> tuple[str, int]:
@@ -49,10 +49,8 @@ def segments(endpoint: str, body: dict[str, Any]) -> list[tuple[str, int]]:
     else:  # chat completions, Anthropic messages
         messages = body.get("messages")
         messages = messages if isinstance(messages, list) else [messages]
-        system = [m for m in messages if isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES]
-        turns = [
-            m for m in messages if not (isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES)
-        ]
+        system = [m for m in messages if isinstance(m, dict) and m.get("role") in SYSTEM_ROLES]
+        turns = [m for m in messages if not (isinstance(m, dict) and m.get("role") in SYSTEM_ROLES)]
         header = {
             "model": body.get("model"),
             "system": body.get("system", system),

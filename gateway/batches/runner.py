@@ -23,6 +23,11 @@ run out.  A cancel stops new items (the walk stops at the next item); items alre
 sent finish and keep their results.  When a batch has settled, the runner ends it
 with its output files (:meth:`BatchStore.finalize`, once over every gateway).
 
+With ``pins`` (:mod:`gateway.batches.pins`), the prefix an item's siblings read from
+their lead is pinned when they are let go, under a lease of ``lease_s``, and released
+once the last of them has ended (in a ``finally``); :attr:`BatchRunner.pins_counted`
+counts the pins taken, skipped (nothing to pin) and released.
+
 Every task the runner starts is its own and awaited: :meth:`BatchRunner.run`'s
 cancellation cancels the batches' walks and their items (a cancelled item stays
 claimed until its lease runs out, and is sent again after the restart).
@@ -35,13 +40,16 @@ import contextlib
 import json
 import logging
 import uuid
+from collections import Counter
+from collections.abc import Awaitable
 
 from gateway.batches.output_files import output_files
+from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import units
 from gateway.batches.send import Sender, batch_caller
 from gateway.batches.store import BatchStore
 from gateway.core.types import Principal
-from manifest.prefix_dag import PrefixDag
+from manifest.prefix_dag import PrefixDag, Unit
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +75,7 @@ class BatchRunner:
         lease_s: float = 60.0,
         poll_s: float = 1.0,
         owner: str | None = None,
+        pins: AnchorPins | None = None,
     ) -> None:
         """``owner``: this runner's name on the items it claims (unique per process by
         default: a restarted gateway does not take over its old claims before their
@@ -81,6 +90,8 @@ class BatchRunner:
         self._slots = asyncio.Semaphore(concurrency)
         self._wake = asyncio.Event()
         self._walks: dict[str, asyncio.Task[None]] = {}
+        self._pins = pins
+        self.pins_counted: Counter[str] = Counter()  # taken, skipped, released
 
     @property
     def store(self) -> BatchStore:
@@ -145,11 +156,20 @@ class BatchRunner:
         who = batch_caller(batch.tenant, batch.key_name)
         ended: dict[int, asyncio.Event] = {}
         sent: list[asyncio.Task[None]] = []
+        held: dict[tuple[int, int], Receipt | None] = {}  # (lead, segments) -> its pin
+        left: Counter[tuple[int, int]] = Counter()  # siblings of a pinned prefix not ended
         try:
             if open_:
-                dag = PrefixDag(units(batch.endpoint, [bodies[i.idx] for i in items]))
+                us = units(batch.endpoint, [bodies[i.idx] for i in items])
+                dag = PrefixDag(us)
                 steps = dag.order()
                 leads = {int(st.after) for st in steps if st.after is not None}
+                anchor = {
+                    int(st.unit): (int(st.after), _shared(us[int(st.after)], us[int(st.unit)]))
+                    for st in steps
+                    if st.after is not None
+                }
+                left.update(anchor[i] for i in open_ if i in anchor)
                 for step in steps:
                     idx = int(step.unit)
                     if idx not in open_:
@@ -157,6 +177,9 @@ class BatchRunner:
                     lead = ended.get(int(step.after)) if step.after is not None else None
                     if lead is not None:
                         await lead.wait()  # send-one-then-fan
+                    key = anchor.get(idx)
+                    if key is not None and key not in held and self._pins is not None:
+                        held[key] = await self._pin(bid, batch.endpoint, bodies[key[0]], key, who)
                     if await asyncio.to_thread(store.status, bid) != "in_progress":
                         break  # cancelled (or ended elsewhere): no new items
                     await self._slots.acquire()
@@ -171,10 +194,10 @@ class BatchRunner:
                     if not claimed:
                         continue  # settled, or another gateway runs it
                     ended[idx] = done = asyncio.Event()
+                    item = self._item(bid, idx, batch.endpoint, bodies[idx], who, done, leads)
                     sent.append(
                         asyncio.create_task(
-                            self._item(bid, idx, batch.endpoint, bodies[idx], who, done, leads),
-                            name=f"batch-item-{bid}-{idx}",
+                            self._sibling(item, key, held, left), name=f"batch-item-{bid}-{idx}"
                         )
                     )
             await asyncio.gather(*sent)
@@ -182,7 +205,48 @@ class BatchRunner:
             for t in sent:
                 t.cancel()
             await asyncio.gather(*sent, return_exceptions=True)
+            for key in list(held):  # cancelled, or siblings never sent: release what is held
+                await self._release(held.pop(key))
         await asyncio.to_thread(store.finalize, bid, output_files)
+
+    async def _pin(
+        self, bid: str, endpoint: str, body: dict[str, object], key: tuple[int, int], who: Principal
+    ) -> Receipt | None:
+        """Pin the prefix the lead ``key[0]`` computed (``key[1]`` segments)."""
+        assert self._pins is not None
+        owner = Principal(tenant=who.tenant, key_name=f"batch:{bid}:{key[0]}", priority="batch")
+        try:
+            receipt = await self._pins.pin(endpoint, body, key[1], owner, self._lease_s)
+        except Exception:  # pinning only helps: the siblings run without it
+            log.exception("batch %s: pinning the anchor of item %d failed", bid, key[0])
+            receipt = None
+        self.pins_counted["taken" if receipt is not None else "skipped"] += 1
+        return receipt
+
+    async def _release(self, receipt: Receipt | None) -> None:
+        if receipt is None or self._pins is None:
+            return
+        try:
+            await self._pins.release(receipt)
+        except Exception:  # its lease runs out in any case
+            log.exception("releasing a batch anchor's pin failed")
+        self.pins_counted["released"] += 1
+
+    async def _sibling(
+        self,
+        item: Awaitable[None],
+        key: tuple[int, int] | None,
+        held: dict[tuple[int, int], Receipt | None],
+        left: Counter[tuple[int, int]],
+    ) -> None:
+        """Run ``item``; the last sibling of a pinned prefix to end releases its pin."""
+        try:
+            await item
+        finally:
+            if key is not None:
+                left[key] -= 1
+                if left[key] <= 0 and key in held:
+                    await self._release(held.pop(key))
 
     async def _item(
         self,
@@ -220,3 +284,13 @@ class BatchRunner:
         finally:
             done.set()
             self._slots.release()
+
+
+def _shared(a: Unit, b: Unit) -> int:
+    """How many leading segments two units share."""
+    n = 0
+    for x, y in zip(a.blocks, b.blocks, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
