@@ -44,7 +44,7 @@ def _line(batch_id: str, item: ItemRow) -> dict[str, Any]:
         body: Any = {"error": {k: e.get(k) for k in ("message", "type", "param", "code")}}
     else:
         body = result.get("body")
-    return {
+    line = {
         "id": line_id,
         "custom_id": item.custom_id,
         "response": {
@@ -54,6 +54,9 @@ def _line(batch_id: str, item: ItemRow) -> dict[str, Any]:
         },
         "error": None,
     }
+    if "cost" in result:  # vcache's own: the item's cost, billed and in arrival order
+        line["vcache"] = {"cost": result["cost"]}
+    return line
 
 
 def _jsonl(lines: list[dict[str, Any]]) -> bytes | None:

@@ -12,7 +12,8 @@ four bytes of it, an estimate that only orders anchors.
 indexes) and :func:`measures` what is reported on the batch: the units, the anchors, the tokens
 the send order lets units read from cache, the measured Zipf skew ``s`` of the
 top-level prefixes and the share of items under the top 7 of them (shared/seeds/001,
-§5.2), beside what Zipf(s) predicts for that share.
+§5.2), beside what Zipf(s) predicts for that share, and the predicted cost as billed
+and in arrival order (:mod:`gateway.batches.cost`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.batches.cost import predicted
 from manifest.economics import zipf_coverage
 from manifest.prefix_dag import PrefixDag, Unit
 
@@ -79,10 +81,12 @@ def measures(dag: PrefixDag, units: Sequence[Unit]) -> dict[str, Any]:
         "units": len(steps),
         "anchors": len(dag.anchors()),
         "prefixes": len(roots),
+        "prompt_tokens": sum(u.size for u in units),
         "shared_tokens": sum(st.shared_tokens for st in steps),
         "concentration": s,
         "top7_coverage": top / n if n else None,
         "top7_coverage_zipf": (
             zipf_coverage(min(TOP, len(roots)), len(roots), s) if s is not None else None
         ),
+        "predicted_cost": predicted(units, steps),
     }

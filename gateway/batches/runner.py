@@ -42,7 +42,9 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Awaitable
+from dataclasses import replace
 
+from gateway.batches.cost import bought, measured
 from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import units
@@ -194,7 +196,8 @@ class BatchRunner:
                     if not claimed:
                         continue  # settled, or another gateway runs it
                     ended[idx] = done = asyncio.Event()
-                    item = self._item(bid, idx, batch.endpoint, bodies[idx], who, done, leads)
+                    plan = (step.shared_tokens, us[idx].size)
+                    item = self._item(bid, idx, batch.endpoint, bodies[idx], who, done, leads, plan)
                     sent.append(
                         asyncio.create_task(
                             self._sibling(item, key, held, left), name=f"batch-item-{bid}-{idx}"
@@ -257,9 +260,12 @@ class BatchRunner:
         who: Principal,
         done: asyncio.Event,
         leads: set[int],
+        plan: tuple[int, int] = (0, 0),
     ) -> None:
         """Send the item (a lead with ``done`` set at its first token, where the sender
-        can tell), write its result; ``done`` is set at the end in any case."""
+        can tell), write its result with its cost (``plan``: the tokens it reads from the
+        item it waited for, and its size, as the plan estimates them); ``done`` is set at
+        the end in any case."""
         started = done if idx in leads else None
         try:
             attempt = 0
@@ -269,6 +275,10 @@ class BatchRunner:
                     return  # cancelled while it waited to be sent again
                 await asyncio.sleep(retry_delay(out.retry_after_s, attempt))
                 attempt += 1
+            usage = replace(out.usage, bought=bought(out.usage, *plan))
+            result = out.result()
+            if out.ok:
+                result["cost"] = measured(usage)
             kept = await asyncio.to_thread(
                 self._store.finish,
                 bid,
@@ -276,8 +286,8 @@ class BatchRunner:
                 self.owner,
                 out.ok,
                 out.status_code,
-                out.result(),
-                out.usage,
+                result,
+                usage,
             )
             if not kept:
                 log.warning("batch %s item %d: lease lost, its result dropped", bid, idx)

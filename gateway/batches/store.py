@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS batch_items(
   batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
   state TEXT NOT NULL, owner TEXT, lease_until REAL, status_code INTEGER, result TEXT,
   input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
-  output_tokens INTEGER NOT NULL DEFAULT 0, finished REAL, PRIMARY KEY(batch_id, idx));
+  output_tokens INTEGER NOT NULL DEFAULT 0, finished REAL,
+  bought_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(batch_id, idx));
 CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches(tenant, api, created);
 CREATE INDEX IF NOT EXISTS batch_items_by_state ON batch_items(batch_id, state);
 """
@@ -91,11 +92,13 @@ class Counts:
 
 @dataclass(frozen=True)
 class BatchUsage:
-    """The usage of a batch's finished items (``input`` includes ``cached``)."""
+    """The usage of a batch's finished items (``input`` includes ``cached``; ``bought``:
+    the cached tokens the send order bought, see :mod:`gateway.batches.cost`)."""
 
     input: int = 0
     cached: int = 0
     output: int = 0
+    bought: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,21 @@ class BatchStore:
         with self._lock:
             for stmt in _schema(self._sql.name):
                 self._sql.execute(stmt)
+            self._add_bought_column()
+
+    def _add_bought_column(self) -> None:
+        """A store made before ``bought_tokens`` was: the column added (default 0)."""
+        if self._sql.name == "postgres":
+            self._sql.execute(
+                "ALTER TABLE batch_items ADD COLUMN IF NOT EXISTS "
+                "bought_tokens INTEGER NOT NULL DEFAULT 0"
+            )
+            return
+        cols = {r[1] for r in self._sql.execute("PRAGMA table_info(batch_items)").fetchall()}
+        if "bought_tokens" not in cols:
+            self._sql.execute(
+                "ALTER TABLE batch_items ADD COLUMN bought_tokens INTEGER NOT NULL DEFAULT 0"
+            )
 
     @classmethod
     def beside(cls, log_path: Path, fsync: FsyncPolicy, url: str | None) -> BatchStore:
@@ -314,7 +332,8 @@ class BatchStore:
         )
         t = self._one(
             "SELECT COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
-            "COALESCE(SUM(output_tokens), 0) FROM batch_items WHERE batch_id = ?",
+            "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(bought_tokens), 0) "
+            "FROM batch_items WHERE batch_id = ?",
             (r[0],),
         )
         return BatchRow(
@@ -334,7 +353,7 @@ class BatchStore:
             float(r[13]),
             *_times(r[14:18]),
             counts=counts,
-            totals=BatchUsage(int(t[0]), int(t[1]), int(t[2])),
+            totals=BatchUsage(int(t[0]), int(t[1]), int(t[2]), int(t[3])),
         )
 
     def page(
@@ -492,7 +511,8 @@ class BatchStore:
         with self._tx() as db:
             n = db.execute(
                 "UPDATE batch_items SET state = ?, status_code = ?, result = ?, "
-                "input_tokens = ?, cached_tokens = ?, output_tokens = ?, finished = ?, "
+                "input_tokens = ?, cached_tokens = ?, output_tokens = ?, bought_tokens = ?, "
+                "finished = ?, "
                 "owner = NULL, lease_until = NULL "
                 "WHERE batch_id = ? AND idx = ? AND owner = ? AND state = 'running'",
                 (
@@ -502,6 +522,7 @@ class BatchStore:
                     usage.input,
                     usage.cached,
                     usage.output,
+                    usage.bought,
                     self.now(),
                     batch_id,
                     idx,

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from gateway.batches.cost import measured
 from gateway.batches.store import BatchRow, FileRow
 
 
@@ -56,10 +57,12 @@ class BatchUsage(_Out):
 
 
 class Extension(_Out):
-    """vcache's own: the DAG's plan of the batch, and the finished items' usage."""
+    """vcache's own: the DAG's plan of the batch (with its predicted cost), the finished
+    items' usage, and their cost as billed and in arrival order."""
 
     plan: dict[str, Any]
     usage: dict[str, int]
+    cost: dict[str, Any]
 
 
 class BatchObject(_Out):
@@ -151,6 +154,7 @@ def _extension(b: BatchRow) -> Extension:
     return Extension(
         plan=b.plan,
         usage={"input_tokens": u.input, "cached_tokens": u.cached, "output_tokens": u.output},
+        cost=measured(u),
     )
 
 

@@ -146,7 +146,10 @@ def result_line(item: ItemRow) -> dict[str, Any]:
         result = {"type": "errored", "error": event.model_dump(exclude_none=True)}
     else:  # canceled, expired
         result = {"type": item.state}
-    return {"custom_id": item.custom_id, "result": result}
+    line: dict[str, Any] = {"custom_id": item.custom_id, "result": result}
+    if "cost" in (item.result or {}):  # vcache's own: billed and in arrival order
+        line["vcache"] = {"cost": (item.result or {})["cost"]}
+    return line
 
 
 @router.get("/batches/{batch_id}/results", responses=ERRORS)

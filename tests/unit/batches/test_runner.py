@@ -112,7 +112,9 @@ def test_items_go_in_dag_order_at_the_batch_priority(store: BatchStore) -> None:
     assert {(w.tenant, w.key_name) for w in sender.who} == {("one", "key")}
     row = store.batch(bid)
     assert row is not None and row.status == "completed"
-    assert (row.counts.done, row.totals) == (5, BatchUsage(50, 20, 10))
+    # the three siblings (a2, a3, b2) each read their lead's header: 4 cached tokens
+    # apiece, all bought by the order (their header is most of their prompt)
+    assert (row.counts.done, row.totals) == (5, BatchUsage(50, 20, 10, 12))
     assert row.output_file_id is not None and row.error_file_id is None
     out = store.file_content("one", row.output_file_id)
     assert out is not None
@@ -120,6 +122,10 @@ def test_items_go_in_dag_order_at_the_batch_priority(store: BatchStore) -> None:
     assert [ln["custom_id"] for ln in lines] == [t for _, t in ARRIVAL]  # input order
     assert all(ln["response"]["body"] == {"tag": ln["custom_id"]} for ln in lines)
     assert all(ln["response"]["status_code"] == 200 and ln["error"] is None for ln in lines)
+    costs = {ln["custom_id"]: ln["vcache"]["cost"] for ln in lines}
+    # a lead bought nothing: 6 uncached + 0.1 * 4 cached, the same in arrival order
+    assert costs["a1"] == {"billed": 6.4, "arrival_order": 6.4, "saved": 0.0, "bought_tokens": 0}
+    assert costs["a2"] == {"billed": 6.4, "arrival_order": 10.0, "saved": 3.6, "bought_tokens": 4}
 
 
 def test_the_lead_goes_alone_then_its_siblings_fan_out(store: BatchStore) -> None:
