@@ -20,6 +20,8 @@ from gateway.core.config import Settings, explain, hash_api_key, unknown_env
 from gateway.core.logs import setup_logging
 from gateway.core.version import version_info
 
+DEMO_VISION_NAME = "demo-vision"  # the served name of `vcache serve --demo vision`
+
 # Flags of `vcache serve` and where they land in Settings.  Absent flags are
 # left out, so environment and YAML values still apply beneath them.
 _SERVE_FLAGS: list[tuple[str, str, type, str]] = [
@@ -89,6 +91,14 @@ def _parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help=help_,
         )
+    serve.add_argument(
+        "--demo",
+        dest="_demo",
+        choices=("vision",),
+        default=None,
+        help="serve a demo model built here: vision, the demo vision model (Idefics3, "
+        "served as demo-vision); without --model and --demo, the text demo",
+    )
     hk = sub.add_parser("hash-key", help="print the sha256 to put in api_keys")
     hk.add_argument("key")
     dm = sub.add_parser("demo-model", help="build the demo model and print its path")
@@ -121,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="the observed provider traffic's economics (a gateway's plan)")
     pl.add_argument("--url", dest="_url", default="http://127.0.0.1:8000")
     pl.add_argument("--api-key", dest="_key", default=os.environ.get("VCACHE_API_KEY"))
+    pl.add_argument(
+        "--batch-file", dest="_batch_file", default=None, help="plan a batch file, no gateway"
+    )
     return p
 
 
@@ -248,6 +261,20 @@ def _settings(ns: argparse.Namespace) -> Settings:
     raise SystemExit(2)
 
 
+def _demo_vision(ns: argparse.Namespace, settings: Settings) -> Settings:
+    """``settings`` serving the demo vision model (built once under the data dir), named
+    ``demo-vision`` unless ``--served-model-name`` says otherwise."""
+    from engines.vllm.demo_vision import ensure_demo_vision_model
+
+    if settings.model:
+        print("vcache: --demo vision serves its own model: drop --model", file=sys.stderr)
+        raise SystemExit(2)
+    ns.model = str(ensure_demo_vision_model(settings.data_dir))
+    if not settings.served_model_name:
+        ns.served_model_name = DEMO_VISION_NAME
+    return _settings(ns)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     if ns.command == "hash-key":
@@ -268,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "plan":
         from gateway import plan_cli
 
+        if ns._batch_file is not None:
+            return plan_cli.main_file(Path(ns._batch_file))
         return plan_cli.main(ns._url, ns._key)
     if ns.command == "calibrate":
         from gateway.providers import calibrate
@@ -276,9 +305,13 @@ def main(argv: list[str] | None = None) -> int:
         del ns.target, ns._emulator
         return calibrate.main(_settings(ns), target, emulator)
     vision = bool(getattr(ns, "_vision", False))
-    if hasattr(ns, "_vision"):
-        del ns._vision
+    demo = getattr(ns, "_demo", None)
+    for name in ("_vision", "_demo"):
+        if hasattr(ns, name):
+            delattr(ns, name)
     settings = _settings(ns)
+    if demo == "vision":
+        settings = _demo_vision(ns, settings)
     if ns.command == "demo-model":
         from engines.vllm.demo_model import ensure_demo_model
         from engines.vllm.demo_vision import ensure_demo_vision_model

@@ -5,14 +5,26 @@ configured) and prints, per target: how skewed anchor popularity is (the Zipf
 exponent), what the top anchors cover, how many anchors the rate-limit
 headroom can keep warm, the break-even reuse of a dedicated warm per TTL
 tier, and each anchor's decision (design note §5, ``manifest.economics``).
+
+``vcache plan --batch-file PATH`` plans a batch before it is sent, with no gateway: an
+OpenAI batch input file (JSON lines) or an Anthropic Message Batches body (a JSON
+object with ``requests``), checked as the API checks it, and printed as the batch's
+plan (:func:`gateway.batches.plan.preview`: send order, anchors, Zipf ``s``, top-7
+coverage, predicted cost as billed and in arrival order).
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+from gateway.batches.intake import anthropic_plan, input_lines
+from gateway.batches.plan import preview
+from gateway.core.errors import APIError, InvalidRequest
 
 
 def render(plan: dict[str, Any]) -> str:
@@ -54,4 +66,68 @@ def main(url: str, api_key: str | None) -> int:
         print(f"vcache plan: HTTP {r.status_code}: {r.text[:300]}", file=sys.stderr)
         return 1
     print(render(r.json()))
+    return 0
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def render_batch(p: dict[str, Any], shown: int = 20) -> str:
+    """A batch's plan (:func:`gateway.batches.plan.preview`) as text."""
+    m, cost = p["plan"], p["plan"]["predicted_cost"]
+    lines = [
+        f"batch plan for {p['endpoint']}",
+        f"  items             {m['units']}",
+        f"  prefixes          {m['prefixes']}  (distinct headers)",
+        f"  anchors           {m['anchors']}  (prefixes shared by two items or more)",
+        f"  zipf exponent s   {_num(m['concentration'], '.2f')}",
+        f"  top-7 coverage    {_num(m['top7_coverage'], '.0%')}"
+        f"  (Zipf(s) predicts {_num(m['top7_coverage_zipf'], '.0%')})",
+        f"  prompt tokens     {m['prompt_tokens']}  (estimated), {m['shared_tokens']} read "
+        "from a lead's prefill",
+        f"  predicted cost    {cost['billed']:g} billed vs {cost['arrival_order']:g} in "
+        f"arrival order (input-token equivalents, cache reads at {cost['read_mult']:g})",
+        "",
+        f"  {'anchor tokens':>14}{'own':>8}{'items':>8}",
+    ]
+    lines += [f"  {a['tokens']:>14}{a['own_tokens']:>8}{a['items']:>8}" for a in p["anchors"]]
+    lines += ["", f"  {'#':>5}  {'custom_id':<24}{'after':<24}{'shared':>8}"]
+    for n, st in enumerate(p["order"][:shown], start=1):
+        lines.append(
+            f"  {n:>5}  {st['custom_id']:<24}{st['after'] or '-':<24}{st['shared_tokens']:>8}"
+        )
+    if len(p["order"]) > shown:
+        lines.append(f"  ... {len(p['order']) - shown} more")
+    return "\n".join(lines)
+
+
+def batch_plan(data: bytes) -> dict[str, Any]:
+    """The plan of a batch file's bytes (see the module); an :class:`APIError` when the
+    API would refuse it."""
+    try:
+        whole = json.loads(data)
+    except ValueError:
+        whole = None
+    if isinstance(whole, dict) and "requests" in whole:
+        return anthropic_plan(whole)
+    lines = input_lines(data)
+    urls = {ln.url for ln in lines}
+    if len(urls) != 1:
+        mixed = ", ".join(sorted(urls))
+        raise InvalidRequest(f"the file mixes endpoints ({mixed}): a batch has one")
+    return preview(urls.pop(), [ln.custom_id for ln in lines], [ln.body for ln in lines])
+
+
+def main_file(path: Path) -> int:
+    """``vcache plan --batch-file PATH``."""
+    try:
+        p = batch_plan(path.read_bytes())
+    except OSError as exc:
+        print(f"vcache plan: cannot read {path} ({exc})", file=sys.stderr)
+        return 2
+    except APIError as exc:
+        print(f"vcache plan: {path}: {exc.message}", file=sys.stderr)
+        return 1
+    print(render_batch(p))
     return 0

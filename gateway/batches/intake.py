@@ -12,7 +12,10 @@ values up to 512).  Anthropic: ``requests`` of 1 to 100,000 ``{custom_id, params
 ``errored`` result, as Anthropic does).
 
 A new batch carries its plan: the prefix DAG's measures of its items
-(:func:`gateway.batches.plan.measures`), visible before anything runs.
+(:func:`gateway.batches.plan.measures`), visible before anything runs.  A create body
+with ``"vcache": {"dry_run": true}`` is checked the same way but makes nothing: its
+plan (:func:`gateway.batches.plan.preview`: order, anchors, predicted cost) is the
+answer (:func:`openai_plan`, :func:`anthropic_plan`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.batches.plan import measures, units
+from gateway.batches.plan import measures, preview, units
 from gateway.batches.send import MESSAGES, OPENAI_ENDPOINTS
 from gateway.batches.store import BatchRow, BatchStore, NewItem
 from gateway.core.errors import InvalidRequest, NotFound
@@ -106,8 +109,53 @@ def _plan(endpoint: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
     return measures(PrefixDag(us), us)
 
 
+def dry_run(body: dict[str, Any]) -> bool:
+    """Whether a create body asks for the plan only: ``"vcache": {"dry_run": true}``."""
+    ext = body.get("vcache")
+    if ext is None:
+        return False
+    if not isinstance(ext, dict) or set(ext) - {"dry_run"}:
+        raise _bad("'vcache' must be an object with at most 'dry_run' (a boolean)", "vcache")
+    flag = ext.get("dry_run", False)
+    if not isinstance(flag, bool):
+        raise _bad("'vcache.dry_run' must be a boolean", "vcache.dry_run")
+    return flag
+
+
+def openai_plan(store: BatchStore, who: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    """The plan of the batch a ``POST /v1/batches`` body would make, made of nothing."""
+    endpoint, lines, _, _ = _openai_lines(store, who, body)
+    return preview(endpoint, [ln.custom_id for ln in lines], [ln.body for ln in lines])
+
+
+def anthropic_plan(body: dict[str, Any]) -> dict[str, Any]:
+    """The plan of the batch a ``POST /v1/messages/batches`` body would make."""
+    bodies, items = _anthropic_items(body)
+    return preview(MESSAGES, [i.custom_id for i in items], bodies)
+
+
 def openai_batch(store: BatchStore, who: Principal, body: dict[str, Any]) -> BatchRow:
     """A batch over the tenant's input file (the ``POST /v1/batches`` body)."""
+    endpoint, lines, metadata, file_id = _openai_lines(store, who, body)
+    bodies = [line.body for line in lines]
+    return store.create(
+        "openai",
+        who.tenant,
+        who.key_name,
+        endpoint,
+        str(bodies[0].get("model") or ""),
+        [NewItem(line.custom_id, json.dumps(line.body)) for line in lines],
+        window_s=WINDOW_S,
+        metadata=metadata,
+        plan=_plan(endpoint, bodies),
+        input_file_id=file_id,
+    )
+
+
+def _openai_lines(
+    store: BatchStore, who: Principal, body: dict[str, Any]
+) -> tuple[str, list[InputLine], dict[str, str] | None, str]:
+    """A ``POST /v1/batches`` body checked: its endpoint, input lines, metadata, file."""
     endpoint, window, file_id = (
         body.get(k) for k in ("endpoint", "completion_window", "input_file_id")
     )
@@ -135,23 +183,26 @@ def openai_batch(store: BatchStore, who: Principal, body: dict[str, Any]) -> Bat
                 f"{endpoint}",
                 "input_file_id",
             )
-    bodies = [line.body for line in lines]
-    return store.create(
-        "openai",
-        who.tenant,
-        who.key_name,
-        endpoint,
-        str(bodies[0].get("model") or ""),
-        [NewItem(line.custom_id, json.dumps(line.body)) for line in lines],
-        window_s=WINDOW_S,
-        metadata=metadata,
-        plan=_plan(endpoint, bodies),
-        input_file_id=file_id,
-    )
+    return str(endpoint), lines, metadata, file_id
 
 
 def anthropic_batch(store: BatchStore, who: Principal, body: dict[str, Any]) -> BatchRow:
     """A batch of the ``POST /v1/messages/batches`` body's ``requests``."""
+    bodies, items = _anthropic_items(body)
+    return store.create(
+        "anthropic",
+        who.tenant,
+        who.key_name,
+        MESSAGES,
+        str(bodies[0].get("model") or ""),
+        items,
+        window_s=WINDOW_S,
+        plan=_plan(MESSAGES, bodies),
+    )
+
+
+def _anthropic_items(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[NewItem]]:
+    """A ``POST /v1/messages/batches`` body checked: its items' params and rows."""
     requests = body.get("requests")
     if not isinstance(requests, list) or not requests:
         raise _bad("requests: must be a non-empty list", "requests")
@@ -182,13 +233,4 @@ def anthropic_batch(store: BatchStore, who: Principal, body: dict[str, Any]) -> 
         seen.add(cid)
         bodies.append(params)
         items.append(NewItem(cid, json.dumps(params)))
-    return store.create(
-        "anthropic",
-        who.tenant,
-        who.key_name,
-        MESSAGES,
-        str(bodies[0].get("model") or ""),
-        items,
-        window_s=WINDOW_S,
-        plan=_plan(MESSAGES, bodies),
-    )
+    return bodies, items

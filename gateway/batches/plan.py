@@ -90,3 +90,34 @@ def measures(dag: PrefixDag, units: Sequence[Unit]) -> dict[str, Any]:
         ),
         "predicted_cost": predicted(units, steps),
     }
+
+
+ANCHORS_SHOWN = 10
+
+
+def preview(
+    endpoint: str, custom_ids: Sequence[str], bodies: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """The plan of a batch before it runs (a dry run, ``vcache plan --batch-file``): its
+    measures (with the predicted cost), the send order (each item by its ``custom_id``,
+    the item it waits for, the tokens it reads from it) and the most valuable anchors."""
+    us = units(endpoint, bodies)
+    dag = PrefixDag(us)
+    name = {str(i): cid for i, cid in enumerate(custom_ids)}
+    return {
+        "object": "batch.plan",
+        "endpoint": endpoint,
+        "plan": measures(dag, us),
+        "order": [
+            {
+                "custom_id": name[st.unit],
+                "after": name[st.after] if st.after is not None else None,
+                "shared_tokens": st.shared_tokens,
+            }
+            for st in dag.order()
+        ],
+        "anchors": [
+            {"tokens": a.tokens, "own_tokens": a.own_tokens, "items": a.units}
+            for a in dag.anchors(ANCHORS_SHOWN)
+        ],
+    }

@@ -216,3 +216,14 @@ def message_batch_object(b: BatchRow, results_url: str) -> MessageBatchObject:
         results_url=results_url if b.ended else None,
         vcache=_extension(b),
     )
+
+
+class BatchPlan(_Out):
+    """A dry run's answer: the plan of the batch the body would make (see
+    :func:`gateway.batches.plan.preview`)."""
+
+    object: Literal["batch.plan"] = "batch.plan"
+    endpoint: str
+    plan: dict[str, Any]
+    order: list[dict[str, Any]]
+    anchors: list[dict[str, Any]]

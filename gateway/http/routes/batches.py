@@ -11,9 +11,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from gateway.batches.intake import openai_batch
+from gateway.batches.intake import dry_run, openai_batch, openai_plan
 from gateway.batches.runner import BatchRunner
-from gateway.batches.wire import BatchList, BatchObject, batch_object
+from gateway.batches.wire import BatchList, BatchObject, BatchPlan, batch_object
 from gateway.core.errors import NotFound
 from gateway.core.types import Principal
 from gateway.http.deps import json_object
@@ -38,10 +38,15 @@ def _missing(batch_id: str) -> NotFound:
     return NotFound(f"No such Batch object: {batch_id}", param="batch_id")
 
 
-@router.post("/batches", response_model=BatchObject, responses=errors(400, 401, 404, 413))
+@router.post(
+    "/batches", response_model=BatchObject | BatchPlan, responses=errors(400, 401, 404, 413)
+)
 async def create_batch(
     body: Annotated[dict[str, Any], Depends(json_object)], who: Who, store: Store, runner: Runner
-) -> BatchObject:
+) -> BatchObject | BatchPlan:
+    """A batch; with ``"vcache": {"dry_run": true}``, its plan only (nothing made)."""
+    if dry_run(body):
+        return BatchPlan.model_validate(await asyncio.to_thread(openai_plan, store, who, body))
     row = await asyncio.to_thread(openai_batch, store, who, body)
     runner.wake()
     return batch_object(row)

@@ -17,9 +17,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from gateway.batches.intake import anthropic_batch
+from gateway.batches.intake import anthropic_batch, anthropic_plan, dry_run
 from gateway.batches.store import BatchRow, BatchStore, ItemRow
 from gateway.batches.wire import (
+    BatchPlan,
     DeletedMessageBatch,
     MessageBatchList,
     MessageBatchObject,
@@ -65,7 +66,7 @@ async def _batch(store: BatchStore, batch_id: str, who: Principal) -> BatchRow:
     return row
 
 
-@router.post("/batches", response_model=MessageBatchObject, responses=ERRORS)
+@router.post("/batches", response_model=MessageBatchObject | BatchPlan, responses=ERRORS)
 async def create_message_batch(
     request: Request,
     body: Annotated[dict[str, Any], Depends(json_object)],
@@ -73,7 +74,10 @@ async def create_message_batch(
     store: Store,
     runner: Runner,
     _: RequestId,
-) -> MessageBatchObject:
+) -> MessageBatchObject | BatchPlan:
+    """A batch; with ``"vcache": {"dry_run": true}``, its plan only (nothing made)."""
+    if dry_run(body):
+        return BatchPlan.model_validate(await asyncio.to_thread(anthropic_plan, body))
     row = await asyncio.to_thread(anthropic_batch, store, who, body)
     runner.wake()
     return _object(request, row)
