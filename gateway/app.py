@@ -28,6 +28,7 @@ from engines.providers.specs import adapter_for
 from engines.providers.transport import Transport
 from engines.tokenizer import ChatTokenizer, ThreadCopies
 from gateway.batches.pins import CachePins
+from gateway.batches.recall import default_gate
 from gateway.batches.runner import BatchRunner
 from gateway.batches.send import ServiceSender
 from gateway.batches.store import BatchStore
@@ -471,6 +472,7 @@ def create_app(
         lease_s=runs.lease_s,
         poll_s=runs.poll_s,
         pins=CachePins(cache_ops),
+        recall=default_gate() if runs.recall else None,
     )
     gateway = Gateway(
         settings,

@@ -26,7 +26,9 @@ with its output files (:meth:`BatchStore.finalize`, once over every gateway).
 With ``pins`` (:mod:`gateway.batches.pins`), the prefix an item's siblings read from
 their lead is pinned when they are let go, under a lease of ``lease_s``, and released
 once the last of them has ended (in a ``finally``); :attr:`BatchRunner.pins_counted`
-counts the pins taken, skipped (nothing to pin) and released.
+counts the pins taken, skipped (nothing to pin) and released.  With ``recall`` (a cost
+gate, :mod:`gateway.batches.recall`), a settled item's prompt chain is replayed before
+the open items extending it are sent, where the gate passes; each decision is counted.
 
 Every task the runner starts is its own and awaited: :meth:`BatchRunner.run`'s
 cancellation cancels the batches' walks and their items (a cancelled item stays
@@ -48,8 +50,9 @@ from gateway.batches.cost import bought, measured
 from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import units
+from gateway.batches.recall import Gate, decide, warm_body
 from gateway.batches.send import Sender, batch_caller
-from gateway.batches.store import BatchStore
+from gateway.batches.store import BatchRow, BatchStore
 from gateway.core.types import Principal
 from manifest.prefix_dag import PrefixDag, Unit
 
@@ -78,6 +81,7 @@ class BatchRunner:
         poll_s: float = 1.0,
         owner: str | None = None,
         pins: AnchorPins | None = None,
+        recall: Gate | None = None,
     ) -> None:
         """``owner``: this runner's name on the items it claims (unique per process by
         default: a restarted gateway does not take over its old claims before their
@@ -94,6 +98,9 @@ class BatchRunner:
         self._walks: dict[str, asyncio.Task[None]] = {}
         self._pins = pins
         self.pins_counted: Counter[str] = Counter()  # taken, skipped, released
+        self._recall = recall
+        self.recall_counted: Counter[str] = Counter()  # replay, fresh
+        self.recall_decisions: list[dict[str, object]] = []  # each with its predicted cost
 
     @property
     def store(self) -> BatchStore:
@@ -172,6 +179,8 @@ class BatchRunner:
                     if st.after is not None
                 }
                 left.update(anchor[i] for i in open_ if i in anchor)
+                if self._recall is not None:
+                    await self._recall_chains(us, dag, {str(i) for i in open_}, bodies, batch)
                 for step in steps:
                     idx = int(step.unit)
                     if idx not in open_:
@@ -211,6 +220,32 @@ class BatchRunner:
             for key in list(held):  # cancelled, or siblings never sent: release what is held
                 await self._release(held.pop(key))
         await asyncio.to_thread(store.finalize, bid, output_files)
+
+    async def _recall_chains(
+        self,
+        us: list[Unit],
+        dag: PrefixDag,
+        open_: set[str],
+        bodies: dict[int, dict[str, object]],
+        batch: BatchRow,
+    ) -> None:
+        """Recall (M4, :mod:`gateway.batches.recall`): replay the chains that pay, before
+        the items extending them are sent; count every decision."""
+        assert self._recall is not None
+        who = batch_caller(batch.tenant, batch.key_name)
+        for d in decide(us, dag.parents(), open_, self._recall):
+            self.recall_counted["replay" if d.replay else "fresh"] += 1
+            self.recall_decisions.append({"batch": batch.id, **d.as_dict()})
+            if not d.replay:
+                continue
+            for uid in d.chain:  # topological: each reads the one before from cache
+                async with self._slots:
+                    out = await self._send(
+                        batch.endpoint, warm_body(batch.endpoint, bodies[int(uid)]), who
+                    )
+                if not out.ok:  # a replay only helps: the siblings prefill what is missing
+                    log.info("batch %s: replaying item %s failed (%s)", batch.id, uid, out.error)
+                    break
 
     async def _pin(
         self, bid: str, endpoint: str, body: dict[str, object], key: tuple[int, int], who: Principal

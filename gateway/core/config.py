@@ -123,6 +123,9 @@ class BatchSettings(BaseModel):
     lease_s: float = Field(60.0, gt=0)
     # how often the runner looks for work (and at once when a batch is created or cancelled)
     poll_s: float = Field(1.0, gt=0)
+    # recall (M4): replay a done item's prompt chain so the items extending it read it from
+    # cache, where the cost gate passes (manifest.economics.recall_pays); off: prefill fresh
+    recall: bool = False
 
 
 class AttachmentSettings(BaseModel):
