@@ -100,12 +100,15 @@ class SamplingOptions:
 class EngineImage:
     """An image of a prompt as the engine takes it: the client's original bytes (the
     engine's identifier is blake3 over them) and, when the client named the image, its
-    uuid (then the identifier)."""
+    uuid (then the identifier); ``offset`` and ``length``: where its placeholder tokens
+    sit in the expanded prompt (vLLM's ``PlaceholderRange``)."""
 
     data: bytes = field(repr=False)
     media_type: str
     identifier: str  # the gateway's (gateway/local/vision_prompt.py): equals the engine's
     uuid: str | None = None
+    offset: int = 0
+    length: int = 0
 
 
 @dataclass(frozen=True)

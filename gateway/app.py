@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -56,7 +57,7 @@ from gateway.http.routes import (
     sagemaker,
     tokenize,
 )
-from gateway.local.build import build_adapters
+from gateway.local.build import build_adapters, vision_renderer
 from gateway.local.dispatch import Dispatcher
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns
@@ -80,7 +81,7 @@ from gateway.service.local_completions import LocalCompletions
 from gateway.service.loop import ServiceLoop
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.shared_state import control_leads, share_key_limits, share_provider_state
-from gateway.service.targets import Targets
+from gateway.service.targets import Targets, sees
 from gateway.sessions.log import SessionLog
 from gateway.sessions.reconstruct import Reconstructor
 from gateway.sessions.store import SessionStore
@@ -223,6 +224,7 @@ def local_chat(
         max_output_tokens=e.max_output_tokens,
         ceiling_finish=e.max_output_tokens_finish,
         adapters=build_adapters(settings, dispatcher.replica_set),
+        vision=vision_renderer(settings),
     )
 
 
@@ -242,7 +244,8 @@ def gateway_service(
     objects = session_log.store.attachments if session_log is not None else None
     intake = AttachmentIntake(settings.attachments, objects)  # images: decoded, stored
     chat = chat_targets(local, providers)
-    loop = ServiceLoop(journal, metrics, chat, settings.routing, intake=intake)
+    sight = functools.partial(sees, local=local.sees)  # the local model's: a VLM's images
+    loop = ServiceLoop(journal, metrics, chat, settings.routing, intake=intake, can_see=sight)
     text_loop = ServiceLoop(journal, metrics, text_targets(completions), settings.routing)
     local_name = settings.model_name if local.dispatcher.replicas else None
     targets = Targets(local_name, settings.aliases, list(settings.providers))

@@ -19,6 +19,7 @@ from gateway.core.config import Settings
 from gateway.local.adapters import Adapters
 from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
+from gateway.local.vision_prompt import IMAGES_PER_PROMPT, VisionRenderer, is_vision_model
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,15 @@ def build_adapters(settings: Settings, replicas: ReplicaSet) -> Adapters:
     return Adapters(replicas, settings.model_name, configured, resolver, enabled, slots)
 
 
+def vision_renderer(settings: Settings) -> VisionRenderer | None:
+    """The image prompts' renderer when the configured model is a vision-language model
+    served by embedded replicas only (a remote replica takes no images); else None."""
+    model = settings.model
+    if not model or not settings.has_local or settings.remote_replicas:
+        return None
+    return VisionRenderer.load(model, model, IMAGES_PER_PROMPT) if is_vision_model(model) else None
+
+
 def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[VllmEngineConfig]:
     """The embedded replicas' engines on ``model`` (:func:`resolve_model`), each publishing
     KV events on its own socket in ``runtime_dir``."""
@@ -97,6 +107,7 @@ def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[Vl
                 max_lora_rank=e.lora.max_lora_rank,
                 max_cpu_loras=e.lora.max_cpu_loras,
                 adapters=adapters,
+                max_images_per_prompt=IMAGES_PER_PROMPT if is_vision_model(model) else None,
             )
         )
     return out

@@ -40,9 +40,9 @@ from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
 from gateway.local.room import MakeRoom, keep_room
 from gateway.local.routing import RouteContext, Router
-from gateway.local.spans import KVSpans
+from gateway.local.spans import KVSpans, image_spans
 from gateway.local.ttft import Stamps, priority_class
-from manifest.hashing import BlockHash
+from manifest.hashing import BlockHash, MMSpan
 from manifest.index import LocationId
 
 AFFINITY_TOKENS = 256  # a new prefix family is placed by its first tokens
@@ -142,13 +142,17 @@ class Dispatcher:
         return {r.id: r.engine.stats() for r in self.replicas}
 
     def held(
-        self, prompt: Sequence[int], cache_salt: str | None, lora: LoraRef | None = None
+        self,
+        prompt: Sequence[int],
+        cache_salt: str | None,
+        lora: LoraRef | None = None,
+        mm: Sequence[MMSpan] = (),
     ) -> int:
         """The most of ``prompt``'s tokens a serving replica holds in cache now, by the
         exact index as it stands (no sync, nothing routed: a quote); 0 without one."""
         if self.kv is None:
             return 0
-        predicted = self.kv.predict(self.kv.hashes(prompt, cache_salt, lora), len(prompt))
+        predicted = self.kv.predict(self.kv.hashes(prompt, cache_salt, lora, mm), len(prompt))
         serving = {r.id for r in self.serving()}
         return max((n for r, n in predicted.items() if r in serving), default=0)
 
@@ -196,7 +200,9 @@ class Dispatcher:
         view: dict[LocationId, int] | None = None  # what routing sees: stored or being stored
         if self.kv is not None:
             await self.kv.sync()
-            hashes = self.kv.hashes(greq.prompt_token_ids, greq.cache_salt, greq.lora)
+            hashes = self.kv.hashes(
+                greq.prompt_token_ids, greq.cache_salt, greq.lora, image_spans(greq)
+            )
             predicted = self.kv.predict(hashes, greq.num_prompt_tokens)
             pending = self.prefills.overlap(hashes[: self._cap(greq)])
             bs = self.kv.block_size

@@ -24,13 +24,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engines.base import GenerateRequest
 from engines.errors import EngineError
 from engines.lora import LoraRef
 from gateway.local import kv_probe
 from gateway.local.kv_pins import PinResult, SpanPins
 from gateway.local.kv_sync import Agreement, CoreControlled, KVSync, ReplicaCacheState
 from gateway.local.leases import LeaseBook
-from manifest.hashing import BlockHash, HashKeys, block_hashes
+from manifest.hashing import BlockHash, HashKeys, MMSpan, block_hashes
 from manifest.index import LocationId, PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -122,14 +123,23 @@ class KVSpans:
     # -------------------------------------------------------- prediction
 
     def hashes(
-        self, prompt: Sequence[int], cache_salt: str | None, lora: LoraRef | None = None
+        self,
+        prompt: Sequence[int],
+        cache_salt: str | None,
+        lora: LoraRef | None = None,
+        mm: Sequence[MMSpan] = (),
     ) -> list[BlockHash]:
         """``prompt``'s full blocks as vLLM hashes them: under an adapter every block is
         keyed by ``("lora", name, path)`` (so the same prompt under two adapters, or
-        under none, shares no block), the first by the cache salt."""
-        keys = HashKeys(cache_salt=cache_salt)
-        if lora is not None:
-            keys = HashKeys(cache_salt=cache_salt, lora_name=lora.name, lora_path=lora.path)
+        under none, shares no block), the first by the cache salt; each block an image's
+        placeholders overlap by ``("mm", identifier, offset)`` (``mm``: the images' spans,
+        :func:`image_spans`)."""
+        keys = HashKeys(
+            cache_salt=cache_salt,
+            lora_name=lora.name if lora is not None else None,
+            lora_path=lora.path if lora is not None else None,
+            mm=tuple(sorted(mm, key=lambda s: s.offset)),
+        )
         return block_hashes(prompt, self.block_size, self.hash_seed, keys)
 
     def predict(self, hashes: Sequence[BlockHash], prompt_len: int) -> dict[LocationId, int]:
@@ -263,3 +273,8 @@ class KVSpans:
             },
             "index_events": {k: n for (loc, k), n in self.index_events.items() if loc == r},
         }
+
+
+def image_spans(greq: GenerateRequest) -> tuple[MMSpan, ...]:
+    """The spans of ``greq``'s images in its (expanded) prompt, for its block keys."""
+    return tuple(MMSpan(i.identifier, i.offset, i.length) for i in greq.images)

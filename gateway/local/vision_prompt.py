@@ -34,6 +34,7 @@ from manifest.hashing import MMSpan
 _LENGTH_BYTES = 8
 _TAG_LEAF = b"\x03"
 _ARCHITECTURES = frozenset({"Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"})
+IMAGES_PER_PROMPT = 4  # the engine's limit_mm_per_prompt and the renderer's, for a VLM
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,17 @@ class VisionPrompt:
 
     token_ids: tuple[int, ...]
     spans: tuple[MMSpan, ...]
+    template_offsets: tuple[int, ...] = ()  # where each image token was in the template ids
+
+    def position(self, template_position: int) -> int:
+        """Where a position of the template ids (a prefix's end) lands in the expanded ids:
+        moved on by every image token before it grown to its placeholders."""
+        grown = sum(
+            s.length - 1
+            for s, t in zip(self.spans, self.template_offsets, strict=True)
+            if t < template_position
+        )
+        return template_position + grown
 
 
 class ImageRefused(ValueError):
@@ -75,6 +87,21 @@ def prompt_images(
             raise ImageRefused(i, f"the image {ref.digest[:12]} has no recorded pixel size")
         out.append(PromptImage(attachments(ref).data, ref.width, ref.height))
     return out
+
+
+def _architectures(path: str) -> set[str]:
+    import json
+
+    config = Path(path) / "config.json"
+    if not config.exists():
+        return set()
+    return set(json.loads(config.read_text()).get("architectures") or [])
+
+
+def is_vision_model(path: str) -> bool:
+    """Whether the model at ``path`` (a local directory) is a vision-language model served
+    with images here (the Idefics3 family)."""
+    return bool(_architectures(path) & _ARCHITECTURES)
 
 
 def _framed(chunk: bytes) -> list[bytes]:
@@ -122,13 +149,7 @@ class VisionRenderer:
     def load(cls, path: str, model_id: str, limit: int) -> VisionRenderer | None:
         """The renderer of the model at ``path`` (a local directory), or ``None`` when it is
         not an Idefics3-family vision-language model."""
-        import json
-
-        config = Path(path) / "config.json"
-        if not config.exists():
-            return None
-        arch = json.loads(config.read_text()).get("architectures") or []
-        if not set(arch) & _ARCHITECTURES:
+        if not is_vision_model(path):
             return None
         from transformers import AutoProcessor
 
@@ -162,8 +183,9 @@ class VisionRenderer:
             raise ImageRefused(self.limit, f"at most {self.limit} images per request")
         out: list[int] = []
         spans: list[MMSpan] = []
+        at: list[int] = []
         n = 0
-        for t in token_ids:
+        for i, t in enumerate(token_ids):
             if t != self.image_token_id:
                 out.append(t)
                 continue
@@ -175,8 +197,9 @@ class VisionRenderer:
             repl = self.replacement(img.width, img.height)
             ident = image_identifier(self.model_id, img.data, img.uuid)
             spans.append(MMSpan(ident, len(out), len(repl)))
+            at.append(i)
             out.extend(repl)
             n += 1
         if n != len(images):
             raise ValueError(f"the prompt has {n} image tokens for {len(images)} images")
-        return VisionPrompt(tuple(out), tuple(spans))
+        return VisionPrompt(tuple(out), tuple(spans), tuple(at))

@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import Engine, GenerateRequest, Structured
+from engines.base import Engine, EngineImage, GenerateRequest, Structured
 from engines.lora import LoraRef
 from engines.providers.base import effective_effort
 from engines.tokenizer import ChatTokenizer
@@ -37,6 +37,7 @@ from gateway.core.pieces import Piece, Pieces
 from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
+    FilePart,
     SamplingFields,
     TextPart,
 )
@@ -53,6 +54,7 @@ from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
+from gateway.local.vision_prompt import ImageRefused, PromptImage, VisionPrompt, VisionRenderer
 from gateway.service.breakpoints import Ends, SystemPrompts, Turns, retained
 from gateway.service.context_edits import CLEAR_TOOL_USES, clear_tool_uses, tool_use_edit
 from gateway.service.engine_request import (
@@ -126,12 +128,16 @@ class LocalChat:
         max_output_tokens: int | None = None,
         ceiling_finish: str = "length",
         adapters: Adapters | None = None,
+        vision: VisionRenderer | None = None,
     ) -> None:
         """``turns``: agent sessions (the replica of the last turn, KV leased across
         tool-call pauses; the dispatcher makes room with the same one); ``leases``: the KV
         blocks through clients' breakpoints; ``governor``: pins anchors worth holding;
-        ``adapters``: the LoRA adapters served as models (None: none)."""
+        ``adapters``: the LoRA adapters served as models (None: none); ``vision``: the
+        image prompts' renderer when the model is a vision-language model (None: it
+        reads text only)."""
         self.dispatcher = dispatcher
+        self.vision = vision
         self.adapters = adapters
         self.replicas = dispatcher.replica_set  # readiness: the supervisor writes it
         self.turns = turns
@@ -152,6 +158,11 @@ class LocalChat:
         d = self.dispatcher
         serving = d.serving()
         return serving[0].engine if serving else d.replicas[0].engine
+
+    @property
+    def sees(self) -> bool:
+        """Whether the local model takes images (a vision-language model); documents never."""
+        return self.vision is not None
 
     @property
     def ready(self) -> bool:
@@ -311,13 +322,15 @@ class LocalChat:
             system, turns = request_parts(req)
             tools, template = req.tool_dicts(), self._shaping(req)
             ids = await self._prompts.chat(self.engine.tokenizer, system, turns, tools, template)
+            vp = await self._expanded(req, ids)
         except APIError:
             return None  # its prepare says what is wrong, in the API's terms
+        prompt, spans = (ids, ()) if vp is None else (list(vp.token_ids), vp.spans)
         cached = 0  # free replicas cost nothing whatever they hold: no index walk then
         if self.input_price > 0:
             salt = request_salt(call.who.tenant, req.cache_salt)
-            cached = self.dispatcher.held(ids, salt, self.adapter(req.model))
-        return Quote(name, len(ids), cached, self.input_price, memo=ids)
+            cached = self.dispatcher.held(prompt, salt, self.adapter(req.model), spans)
+        return Quote(name, len(prompt), cached, self.input_price, memo=ids)
 
     async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> LocalPrepared:
         """Tokenize with the model's template, check the context and a forced replica.
@@ -349,7 +362,16 @@ class LocalChat:
                 if edit.clear_at_least <= 0 or freed >= edit.clear_at_least:
                     turns, r = edited, again  # journaled as edited: the log rebuilds it
                     notes["x-vcache-context-edits"] = f"{CLEAR_TOOL_USES}:{cleared}"
-            greq, plan = self._chat_request(req, who, rid, r.ids)
+            vp = await self._expanded(req, r.ids)
+            if vp is None:
+                greq, plan = self._chat_request(req, who, rid, r.ids)
+            else:  # the engine expands the template ids; the rest counts the expanded
+                greq, plan = self._chat_request(req, who, rid, list(vp.token_ids))
+                greq = dataclasses.replace(
+                    greq, images=_engine_images(req, vp), template_token_ids=tuple(r.ids)
+                )
+                ends = [(vp.position(n), ttl) for n, ttl in r.ends]
+                r = dataclasses.replace(r, anchor=vp.position(r.anchor), ends=ends)
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
         asked = req.output_limit()
         given = greq.sampling.max_tokens
@@ -427,6 +449,39 @@ class LocalChat:
     def settle(self, p: LocalPrepared, usage: Usage) -> None:
         """Nothing left: the prediction was folded when vLLM reported its cached tokens
         (:meth:`Dispatcher.run`), and the KV events fold the blocks it stored."""
+
+    async def _expanded(self, req: ChatCompletionRequest, ids: list[int]) -> VisionPrompt | None:
+        """``ids`` (the template's) with the request's images expanded as vLLM's processor
+        expands them (None: no image); a document, or an image the processor cannot take,
+        is a 400 naming its part."""
+        named, vision = list(req.attachment_parts()), self.vision
+        if not named:
+            return None
+        blind = named[0][0] if vision is None else None
+        blind = blind or next((w for w, p in named if isinstance(p, FilePart)), None)
+        if blind is not None or vision is None:
+            where = blind or named[0][0]
+            reads = "text only" if vision is None else "text and images only"
+            raise InvalidRequest(
+                f"{where}: the local model reads {reads} (documents go to a target that sees them)",
+                param=where,
+                code="unsupported_on_target",
+            )
+        images: list[PromptImage] = []
+        for where, part in named:
+            a = part.attachment
+            if a is None or a.ref.width is None or a.ref.height is None:
+                raise InvalidRequest(f"{where}: the image was not taken in", param=where)
+            images.append(PromptImage(a.data, a.ref.width, a.ref.height))
+        try:
+            return await self._prompts.expanded(self.engine.tokenizer, vision, ids, images)
+        except ImageRefused as exc:
+            where = named[min(exc.index, len(named) - 1)][0]
+            raise InvalidRequest(
+                f"{where}: the local model cannot take this image: {exc}",
+                param=where,
+                code="invalid_attachment",
+            ) from exc
 
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         if not req.tools or req.tool_choice == "none":
@@ -535,6 +590,18 @@ class LocalChat:
         )
         lora = self.adapter(req.model)  # the adapter the model names runs on the base model
         return greq if lora is None else dataclasses.replace(greq, lora=lora)
+
+
+def _engine_images(req: ChatCompletionRequest, vp: VisionPrompt) -> tuple[EngineImage, ...]:
+    """The request's images as the engine is handed them, each with its span."""
+    out: list[EngineImage] = []
+    for (_, part), span in zip(req.attachment_parts(), vp.spans, strict=True):
+        a = part.attachment
+        assert a is not None  # expanded: every image was taken in
+        out.append(
+            EngineImage(a.data, a.ref.media_type, span.identifier, None, span.offset, span.length)
+        )
+    return tuple(out)
 
 
 def _session_key(call: Call) -> str | None:

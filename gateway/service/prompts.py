@@ -2,7 +2,8 @@
 
 A chat renders through the model's template from the parts the session log
 keeps (system prompts, turns, tools in canonical JSON), so a rebuilt request
-renders the same.  One job per request gives the prompt's ids and where the
+renders the same (a vision model's image tokens then expanded here too,
+:meth:`Prompts.expanded`).  One job per request gives the prompt's ids and where the
 governor's anchor (the system prompts and tools) and each client breakpoint
 end in them (:class:`~gateway.service.breakpoints.PrefixLengths`, whose
 memory only the render thread touches).
@@ -18,6 +19,7 @@ from typing import Any
 
 from engines.tokenizer import ChatTokenizer
 from gateway.core.schemas import Breakpoint
+from gateway.local.vision_prompt import PromptImage, VisionPrompt, VisionRenderer
 from gateway.service.breakpoints import Ends, PrefixLengths, SystemPrompts, Turns
 from gateway.service.render_thread import RenderThread
 from gateway.sessions.render import chat_prompt, local_messages, text_prompt
@@ -80,6 +82,18 @@ class Prompts:
             return PromptIds(ids, n, ends)
 
         return await self._thread.run(tok, job)
+
+    async def expanded(
+        self,
+        tok: ChatTokenizer,
+        renderer: VisionRenderer,
+        ids: Sequence[int],
+        images: Sequence[PromptImage],
+    ) -> VisionPrompt:
+        """The template ids ``ids`` with each image token expanded to ``images``' in order
+        (an :class:`~gateway.local.vision_prompt.ImageRefused` for one the processor cannot
+        take): the renderer's memory, too, is touched on the render thread only."""
+        return await self._thread.run(tok, lambda _: renderer.expand(ids, images))
 
     async def text(self, tok: ChatTokenizer, text: str, add_special_tokens: bool) -> list[int]:
         return await self._thread.run(tok, lambda t: t.encode(text, add_special_tokens))

@@ -10,8 +10,8 @@ its retries; never for the client's own mistakes, and a streamed answer only
 before its first token.
 
 A call that carries images or documents goes only to targets that see
-(:func:`sees`: not the local model, until it can; a provider as its spec says,
-so not DeepSeek): the others are neither quoted nor tried, and a call no
+(:func:`sees`: the local model when it is a vision-language model; a provider as
+its spec says, so not DeepSeek): the others are neither quoted nor tried, and a call no
 target of its model can see is a 400 naming the first image
 (:func:`seeing`).
 """
@@ -78,11 +78,13 @@ def by_cost(names: Sequence[str], quotes: Sequence[Quote], margin: float) -> lis
     return order
 
 
-def sees(name: str) -> bool:
-    """Whether target ``name`` takes images and documents: the local model does not yet
-    (a later issue); a provider as its spec says."""
+def sees(name: str, local: bool = False) -> bool:
+    """Whether target ``name`` takes images and documents: the local model when it is a
+    vision-language model (``local``: :attr:`LocalChat.sees
+    <gateway.service.local.LocalChat.sees>`, images only: a document part is its 400); a
+    provider as its spec says."""
     if name == LOCAL_TARGET:
-        return False
+        return local
     provider = name.partition("/")[0]
     return provider in specs.PROVIDERS and specs.sees(provider)
 
