@@ -145,7 +145,10 @@ async def chat_chunks(
             role = ChunkDelta(role="assistant", content=shape.echo)
             yield chunk(i, role, **(head if i == 0 else {}))
         ended: set[int] = set()  # samples whose finish reason went out with their last text
-        async for p in _then(first, pieces):
+
+        def step(p: Piece) -> list[ChatCompletionChunk]:
+            """The chunks of one piece (a plain step: no generator per piece)."""
+            out: list[ChatCompletionChunk] = []
             running.see(p)
             if p.finish_reason:
                 finish[p.index] = p.finish_reason
@@ -155,25 +158,28 @@ async def chat_chunks(
                 if last:
                     ended.add(p.index)
                 delta = ChunkDelta(content=p.text)
-                yield chunk(p.index, delta, last, lps=lps, ids=p.token_ids)
+                out.append(chunk(p.index, delta, last, lps=lps, ids=p.token_ids))
             if p.tool_calls:
-                yield chunk(p.index, ChunkDelta(tool_calls=[_call_delta(d) for d in p.tool_calls]))
+                calls = [_call_delta(d) for d in p.tool_calls]
+                out.append(chunk(p.index, ChunkDelta(tool_calls=calls)))
             if p.usage is not None:
                 for i in range(shape.n):
                     if i not in ended:
-                        yield chunk(i, ChunkDelta(), finish.get(i, "stop"))
+                        out.append(chunk(i, ChunkDelta(), finish.get(i, "stop")))
                 if shape.include_usage:
-                    yield ChatCompletionChunk(
-                        id=rid, created=created, model=model, choices=[], usage=p.usage
+                    out.append(
+                        ChatCompletionChunk(
+                            id=rid, created=created, model=model, choices=[], usage=p.usage
+                        )
                     )
+            return out
 
-
-async def _then(first: Piece | None, rest: Pieces) -> Pieces:
-    """``first`` (already read, where there was one), then ``rest``."""
-    if first is not None:
-        yield first
-    async for p in rest:
-        yield p
+        if first is not None:
+            for c in step(first):
+                yield c
+        async for p in pieces:
+            for c in step(p):
+                yield c
 
 
 def _call_delta(d: ToolCallDelta) -> ToolCallDeltaOut:
