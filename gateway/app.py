@@ -57,7 +57,7 @@ from gateway.http.routes import (
     sagemaker,
     tokenize,
 )
-from gateway.local.build import build_adapters, vision_renderer
+from gateway.local.build import build_adapters, vision_rebuild, vision_renderer
 from gateway.local.dispatch import Dispatcher
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns
@@ -108,7 +108,7 @@ def _session_log(
         ready = [r.engine for r in replicas if r.engine.ready]
         return copies(ready[0].tokenizer) if ready else None
 
-    rebuild = Reconstructor(adapter_for, tokenizer)
+    rebuild = Reconstructor(adapter_for, tokenizer, vision_rebuild(settings))
     return SessionLog(store, rebuild, cfg.verify_reconstruction, cfg.cached_sessions)
 
 

@@ -52,7 +52,10 @@ def replay(settings: Settings, db: Path | None, request_id: str, quiet: bool) ->
 
         return ChatTokenizer.from_pretrained(resolve_model(settings))
 
-    log = SessionLog(store, Reconstructor(adapter_for, tokenizer), verify=False)
+    from gateway.local.build import vision_rebuild
+
+    rebuild = Reconstructor(adapter_for, tokenizer, vision_rebuild(settings))
+    log = SessionLog(store, rebuild, verify=False)
     try:
         event, data = log.rebuild(row.session_id, row.seq)
     except AttachmentMismatch as exc:

@@ -19,7 +19,12 @@ from gateway.core.config import Settings
 from gateway.local.adapters import Adapters
 from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
-from gateway.local.vision_prompt import IMAGES_PER_PROMPT, VisionRenderer, is_vision_model
+from gateway.local.vision_prompt import (
+    IMAGES_PER_PROMPT,
+    RebuildExpander,
+    VisionRenderer,
+    is_vision_model,
+)
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
@@ -67,6 +72,15 @@ def vision_renderer(settings: Settings) -> VisionRenderer | None:
     if not model or not settings.has_local or settings.remote_replicas:
         return None
     return VisionRenderer.load(model, model, IMAGES_PER_PROMPT) if is_vision_model(model) else None
+
+
+def vision_rebuild(settings: Settings) -> RebuildExpander | None:
+    """The session log's rebuild of local image requests, where :func:`vision_renderer`
+    serves them (None: the local model takes no images)."""
+    model = settings.model
+    if not model or not settings.has_local or settings.remote_replicas:
+        return None
+    return RebuildExpander(model, model, IMAGES_PER_PROMPT) if is_vision_model(model) else None
 
 
 def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[VllmEngineConfig]:

@@ -23,6 +23,7 @@ returns ``None`` for any other model, which then does not see.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,3 +204,28 @@ class VisionRenderer:
         if n != len(images):
             raise ValueError(f"the prompt has {n} image tokens for {len(images)} images")
         return VisionPrompt(tuple(out), tuple(spans), tuple(at))
+
+
+class RebuildExpander:
+    """The session log's rebuild of a local image request: the template ids with the
+    logged images (``refs``, read back verified through ``attachments``) expanded as the
+    live path expanded them.  A renderer of its own per thread that rebuilds: the live
+    renderer (and its tokenizer, not safe from two threads) is the render thread's."""
+
+    def __init__(self, path: str, model_id: str, limit: int) -> None:
+        self._path, self._model_id, self._limit = path, model_id, limit
+        self._local = threading.local()
+
+    def __call__(
+        self,
+        ids: Sequence[int],
+        refs: Sequence[AttachmentRef],
+        attachments: Callable[[AttachmentRef], Attachment],
+    ) -> list[int]:
+        renderer: VisionRenderer | None = getattr(self._local, "renderer", None)
+        if renderer is None:
+            renderer = VisionRenderer.load(self._path, self._model_id, self._limit)
+            if renderer is None:
+                raise ValueError(f"{self._path} is not a vision-language model")
+            self._local.renderer = renderer
+        return list(renderer.expand(ids, prompt_images(refs, attachments)).token_ids)

@@ -5,6 +5,7 @@ cache salt and the request's priority."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,8 @@ def sent_to_engine(g: GenerateRequest, rendered: Mapping[str, Any]) -> Sent:
     directives that rebuild them: the salt, the resolved sampling and ``rendered`` (how
     the prompt became its ids: a chat's ``template``, a text's ``prompt``)."""
     sampling = dataclasses.asdict(g.sampling)
-    body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling)
+    images = [hashlib.sha256(im.data).hexdigest() for im in g.images]
+    body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling, images)
     directives = {"cache_salt": g.cache_salt, "sampling": sampling, **rendered}
     return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
 

@@ -16,7 +16,7 @@ is rebuilt from other bytes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from engines.providers.base import Adapter, CacheDirectives
 from engines.tokenizer import ChatTokenizer
@@ -24,11 +24,16 @@ from gateway.sessions.render import (
     Attachments,
     chat_prompt,
     local_messages,
+    prompt_images,
     provider_call,
     text_prompt,
     vllm_payload,
 )
+from manifest.attachments import AttachmentRef
 from manifest.sessionlog import DispatchEvent, State, entry_prompt
+
+# a vision model's template ids with the logged images expanded (as the live path did)
+ExpandImages = Callable[[Sequence[int], Sequence[AttachmentRef], Attachments], list[int]]
 
 
 def sha256(data: bytes) -> str:
@@ -40,9 +45,12 @@ class Reconstructor:
         self,
         adapters: Callable[[str], Adapter],
         tokenizer: Callable[[], ChatTokenizer | None],
+        expand_images: ExpandImages | None = None,
     ) -> None:
+        """``expand_images``: where the local model is a vision-language model."""
         self._adapters = adapters
         self._tokenizer = tokenizer
+        self._expand = expand_images
 
     def rebuild(
         self, state: State, dispatch: DispatchEvent, attachments: Attachments | None = None
@@ -54,8 +62,9 @@ class Reconstructor:
             raise ValueError("no header snapshot before the dispatch")
         d = dispatch.settings()
         if dispatch.render == "vllm":
-            if any(m.parts is not None for m in state.messages):
-                raise ValueError("a local model's request with attachments (it sees none)")
+            refs = prompt_images(state.messages)
+            if refs and (self._expand is None or attachments is None):
+                raise ValueError("a local request with images, and no vision model to expand them")
             tok = self._tokenizer()
             if tok is None:
                 raise ValueError("no local tokenizer to rebuild a vLLM request with")
@@ -67,7 +76,10 @@ class Reconstructor:
                 tools = state.header.tool_list() or None
                 messages = local_messages(state.header.system, state.messages, tools)
                 ids = chat_prompt(tok, messages, tools, d.get("template"))
-            return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"))
+            if refs and self._expand is not None and attachments is not None:
+                ids = self._expand(ids, refs, attachments)
+            images = [r.digest for r in refs]
+            return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"), images)
         call, _ = provider_call(state.header, state.messages, attachments=attachments)
         directives = CacheDirectives(
             breakpoints=tuple(d.get("breakpoints") or ()),

@@ -449,11 +449,20 @@ def text_prompt(
     return truncated(ids, shaping.get("truncate_prompt_tokens"), shaping.get("truncation_side"))
 
 
-def vllm_payload(token_ids: Sequence[int], cache_salt: str | None, sampling: Any) -> bytes:
-    """What the gateway hands vLLM, as bytes: token ids, cache salt, resolved sampling."""
-    return canonical_json(
-        {"prompt_token_ids": list(token_ids), "cache_salt": cache_salt, "sampling": sampling}
-    )
+def vllm_payload(
+    token_ids: Sequence[int], cache_salt: str | None, sampling: Any, images: Sequence[str] = ()
+) -> bytes:
+    """What the gateway hands vLLM, as bytes: token ids (a vision model's: expanded),
+    cache salt, resolved sampling and, where the prompt has images, each one's sha256 in
+    prompt order (text-only payloads are as they always were)."""
+    out: dict[str, Any] = {
+        "prompt_token_ids": list(token_ids),
+        "cache_salt": cache_salt,
+        "sampling": sampling,
+    }
+    if images:
+        out["images"] = list(images)
+    return canonical_json(out)
 
 
 def usage_record(u: Usage) -> dict[str, Any]:

@@ -77,6 +77,8 @@ def vision(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     port = _port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
+    # every image request rebuilt from the log and its stored images before it is sent
+    env["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
     cmd = [
         sys.executable,
         "-m",
