@@ -138,10 +138,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def overrides_from_flags(ns: argparse.Namespace) -> dict[str, Any]:
-    """Turn dotted flag destinations into nested Settings keyword arguments."""
+    """Turn dotted flag destinations into nested Settings keyword arguments (a
+    destination starting with ``_`` is the command's own, e.g. ``--demo``: not a
+    setting)."""
     out: dict[str, Any] = {}
     for dest, value in vars(ns).items():
-        if dest == "command":
+        if dest == "command" or dest.startswith("_"):
             continue
         *parents, leaf = dest.split(".")
         node = out
