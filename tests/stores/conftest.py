@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.batches.store import BatchStore
 from gateway.sessions.sql import FsyncPolicy
 from gateway.sessions.store import SessionStore
+from tests.unit.batches.conftest import OpenStore
 
 MakeStore = Callable[..., SessionStore]
 
@@ -29,3 +31,21 @@ def make_store(tmp_path: Path, postgres_url: str) -> Iterator[MakeStore]:
     yield make
     for store in opened:
         store.close()
+
+
+@pytest.fixture
+def open_store(tmp_path: Path, postgres_url: str) -> Iterator[OpenStore]:
+    """The batch tests' stores (tests/unit/batches, run again here) over a PostgreSQL
+    database of this test's own: the batches are tables of the session log's database,
+    shared by every gateway over it; no SQLite file is made."""
+    opened: list[BatchStore] = []
+
+    def make(clock: Callable[[], float] = time.time) -> BatchStore:
+        store = BatchStore(tmp_path / "unused.db", url=postgres_url, clock=clock)
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+    assert not (tmp_path / "unused.db").exists()

@@ -4,10 +4,6 @@ cancel, errors and retries, with the state in the session log's PostgreSQL."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-
 import pytest
 
 from gateway.batches.store import BatchStore
@@ -37,20 +33,6 @@ __all__ = [
     "test_siblings_fan_out_at_their_leads_first_token",
     "test_the_lead_goes_alone_then_its_siblings_fan_out",
 ]
-
-
-@pytest.fixture
-def open_store(tmp_path: Path, postgres_url: str) -> Iterator[OpenStore]:
-    opened: list[BatchStore] = []
-
-    def make(clock: Callable[[], float] = time.time) -> BatchStore:
-        store = BatchStore(tmp_path / "unused.db", url=postgres_url, clock=clock)
-        opened.append(store)
-        return store
-
-    yield make
-    for store in opened:
-        store.close()
 
 
 @pytest.fixture

@@ -5,10 +5,6 @@ Two gateways claiming at once take each item once; a restarted one resumes a bat
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-
 import pytest
 
 from gateway.batches.store import BatchStore
@@ -35,21 +31,6 @@ __all__ = [
     "test_tenants_and_apis_are_apart_and_pages_go_newest_first",
     "test_two_gateways_claiming_at_once_take_each_item_once",
 ]
-
-
-@pytest.fixture
-def open_store(tmp_path: Path, postgres_url: str) -> Iterator[OpenStore]:
-    opened: list[BatchStore] = []
-
-    def make(clock: Callable[[], float] = time.time) -> BatchStore:
-        store = BatchStore(tmp_path / "unused.db", url=postgres_url, clock=clock)
-        opened.append(store)
-        return store
-
-    yield make
-    for store in opened:
-        store.close()
-    assert not (tmp_path / "unused.db").exists()  # PostgreSQL only, no SQLite file
 
 
 @pytest.fixture
