@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 UPSTREAM_TIMEOUT_S = 600.0
+RECORD_WAIT_S = 30.0  # how long a reader of the exchanges waits for a relay to record
 # RFC 9110 7.6.1, plus the headers the tap sets itself
 _HOP = frozenset(
     {
@@ -101,8 +102,9 @@ class Tap:
         if u.scheme != "http" or u.hostname is None:
             raise ValueError(f"the tap relays to an http:// gateway, not {upstream!r}")
         self._host, self._port = u.hostname, u.port or 80
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._exchanges: list[Exchange] = []
+        self._relaying = 0  # exchanges begun and not yet recorded
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -113,7 +115,10 @@ class Tap:
 
     @property
     def exchanges(self) -> list[Exchange]:
+        """The exchanges so far, once every one begun is recorded (a relay records its
+        exchange after the agent has its answer: a reader that just got one waits for it)."""
         with self._lock:
+            self._lock.wait_for(lambda: self._relaying == 0, timeout=RECORD_WAIT_S)
             return list(self._exchanges)
 
     def __enter__(self) -> Tap:
@@ -125,9 +130,15 @@ class Tap:
         self._server.server_close()
         self._thread.join(timeout=10)
 
+    def _begin(self) -> None:
+        with self._lock:
+            self._relaying += 1
+
     def _add(self, x: Exchange) -> None:
         with self._lock:
             self._exchanges.append(x)
+            self._relaying -= 1
+            self._lock.notify_all()
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         tap = self
@@ -161,6 +172,7 @@ class Tap:
         t0 = time.monotonic()
         x = Exchange(h.command, h.path, self._read_body(h))
         up = http.client.HTTPConnection(self._host, self._port, timeout=UPSTREAM_TIMEOUT_S)
+        self._begin()  # recorded in the finally below, however the relay ends
         try:
             headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
             up.request(h.command, h.path, body=x.request or None, headers=headers)
