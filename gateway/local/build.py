@@ -65,22 +65,26 @@ def build_adapters(settings: Settings, replicas: ReplicaSet) -> Adapters:
     return Adapters(replicas, settings.model_name, configured, resolver, enabled, slots)
 
 
-def vision_renderer(settings: Settings) -> VisionRenderer | None:
-    """The image prompts' renderer when the configured model is a vision-language model
-    served by embedded replicas only (a remote replica takes no images); else None."""
+def _vision_model(settings: Settings) -> str | None:
+    """The configured model when it is a vision-language model served by embedded
+    replicas only (a remote replica takes no images); else None."""
     model = settings.model
     if not model or not settings.has_local or settings.remote_replicas:
         return None
-    return VisionRenderer.load(model, model, IMAGES_PER_PROMPT) if is_vision_model(model) else None
+    return model if is_vision_model(model) else None
+
+
+def vision_renderer(settings: Settings) -> VisionRenderer | None:
+    """The image prompts' renderer of :func:`_vision_model` (None: no images locally)."""
+    model = _vision_model(settings)
+    return VisionRenderer.load(model, model, IMAGES_PER_PROMPT) if model else None
 
 
 def vision_rebuild(settings: Settings) -> RebuildExpander | None:
-    """The session log's rebuild of local image requests, where :func:`vision_renderer`
-    serves them (None: the local model takes no images)."""
-    model = settings.model
-    if not model or not settings.has_local or settings.remote_replicas:
-        return None
-    return RebuildExpander(model, model, IMAGES_PER_PROMPT) if is_vision_model(model) else None
+    """The session log's rebuild of the local image requests :func:`vision_renderer`
+    serves (None: the local model takes no images)."""
+    model = _vision_model(settings)
+    return RebuildExpander(model, model, IMAGES_PER_PROMPT) if model else None
 
 
 def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[VllmEngineConfig]:
