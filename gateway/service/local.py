@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import Engine, EngineImage, GenerateRequest, Structured
+from engines.base import Engine, GenerateRequest, Structured
 from engines.lora import LoraRef
 from engines.providers.base import effective_effort
 from engines.tokenizer import ChatTokenizer
@@ -37,7 +37,6 @@ from gateway.core.pieces import Piece, Pieces
 from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
-    FilePart,
     SamplingFields,
     TextPart,
 )
@@ -54,7 +53,7 @@ from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import SessionTurns, paused
 from gateway.local.retention import BreakpointLeases
-from gateway.local.vision_prompt import ImageRefused, PromptImage, VisionPrompt, VisionRenderer
+from gateway.local.vision_prompt import VisionPrompt, VisionRenderer
 from gateway.service.breakpoints import Ends, SystemPrompts, Turns, retained
 from gateway.service.context_edits import CLEAR_TOOL_USES, clear_tool_uses, tool_use_edit
 from gateway.service.engine_request import (
@@ -67,6 +66,7 @@ from gateway.service.engine_request import (
 from gateway.service.json_text import escaped_json, json_answer
 from gateway.service.prompts import Prompts
 from gateway.service.tools import ToolPlan
+from gateway.service.vision_request import engine_images, expanded_prompt
 from gateway.sessions.render import (
     request_config,
     request_parts,
@@ -368,7 +368,7 @@ class LocalChat:
             else:  # the engine expands the template ids; the rest counts the expanded
                 greq, plan = self._chat_request(req, who, rid, list(vp.token_ids))
                 greq = dataclasses.replace(
-                    greq, images=_engine_images(req, vp), template_token_ids=tuple(r.ids)
+                    greq, images=engine_images(req, vp), template_token_ids=tuple(r.ids)
                 )
                 ends = [(vp.position(n), ttl) for n, ttl in r.ends]
                 r = dataclasses.replace(r, anchor=vp.position(r.anchor), ends=ends)
@@ -378,7 +378,7 @@ class LocalChat:
         ceiling = given == self.max_output_tokens and (asked is None or asked > given)
         if ceiling or (asked is not None and given < asked):
             notes["x-vcache-max-tokens-clamped"] = str(given)
-        config = request_config(req, None)
+        config = request_config(req, None, greq.lora)
         header = Header.make(req.model, LOCAL_TARGET, system, tools or None, config)
         return LocalPrepared(
             call,
@@ -451,37 +451,8 @@ class LocalChat:
         (:meth:`Dispatcher.run`), and the KV events fold the blocks it stored."""
 
     async def _expanded(self, req: ChatCompletionRequest, ids: list[int]) -> VisionPrompt | None:
-        """``ids`` (the template's) with the request's images expanded as vLLM's processor
-        expands them (None: no image); a document, or an image the processor cannot take,
-        is a 400 naming its part."""
-        named, vision = list(req.attachment_parts()), self.vision
-        if not named:
-            return None
-        blind = named[0][0] if vision is None else None
-        blind = blind or next((w for w, p in named if isinstance(p, FilePart)), None)
-        if blind is not None or vision is None:
-            where = blind or named[0][0]
-            reads = "text only" if vision is None else "text and images only"
-            raise InvalidRequest(
-                f"{where}: the local model reads {reads} (documents go to a target that sees them)",
-                param=where,
-                code="unsupported_on_target",
-            )
-        images: list[PromptImage] = []
-        for where, part in named:
-            a = part.attachment
-            if a is None or a.ref.width is None or a.ref.height is None:
-                raise InvalidRequest(f"{where}: the image was not taken in", param=where)
-            images.append(PromptImage(a.data, a.ref.width, a.ref.height))
-        try:
-            return await self._prompts.expanded(self.engine.tokenizer, vision, ids, images)
-        except ImageRefused as exc:
-            where = named[min(exc.index, len(named) - 1)][0]
-            raise InvalidRequest(
-                f"{where}: the local model cannot take this image: {exc}",
-                param=where,
-                code="invalid_attachment",
-            ) from exc
+        """``ids`` with the request's images expanded (:func:`expanded_prompt`)."""
+        return await expanded_prompt(req, ids, self.vision, self._prompts, self.engine.tokenizer)
 
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         if not req.tools or req.tool_choice == "none":
@@ -590,18 +561,6 @@ class LocalChat:
         )
         lora = self.adapter(req.model)  # the adapter the model names runs on the base model
         return greq if lora is None else dataclasses.replace(greq, lora=lora)
-
-
-def _engine_images(req: ChatCompletionRequest, vp: VisionPrompt) -> tuple[EngineImage, ...]:
-    """The request's images as the engine is handed them, each with its span."""
-    out: list[EngineImage] = []
-    for (_, part), span in zip(req.attachment_parts(), vp.spans, strict=True):
-        a = part.attachment
-        assert a is not None  # expanded: every image was taken in
-        out.append(
-            EngineImage(a.data, a.ref.media_type, span.identifier, None, span.offset, span.length)
-        )
-    return tuple(out)
 
 
 def _session_key(call: Call) -> str | None:
