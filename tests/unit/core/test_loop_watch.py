@@ -95,6 +95,27 @@ def test_garbage_collections_are_timed_by_generation() -> None:
     assert [g for g, _ in seen] == [2] and seen[0][1] >= 0
 
 
+def test_young_passes_are_sampled_and_older_ones_all_timed() -> None:
+    seen: list[int] = []
+
+    async def main() -> None:
+        watch = LoopWatch(
+            asyncio.get_running_loop(), lambda s: None, lambda g, s: seen.append(g), young_every=4
+        )
+        watch.start()
+        for _ in range(8):
+            gc.collect(0)
+        gc.collect(1)
+        watch.stop()
+
+    gc.disable()  # no automatic pass in between: only the ones above
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()
+    assert seen == [0, 0, 1]  # the 4th and the 8th young pass, and the older one
+
+
 def test_the_watch_ends_with_its_loop() -> None:
     async def main() -> LoopWatch:
         got = Lags(asyncio.get_running_loop())
