@@ -7,6 +7,7 @@ import argparse
 import uvicorn
 
 from .app import create_app
+from .batch_book import BatchBook, BatchRules
 from .state import Clock, EmulatorState
 
 
@@ -31,6 +32,12 @@ def main() -> None:
         help="words in an answer when the request's output limit allows (a long streamed "
         "answer: many events)",
     )
+    p.add_argument(
+        "--batch-delay",
+        type=float,
+        default=1.0,
+        help="emulator seconds from a batch's creation until its items are answered",
+    )
     a = p.parse_args()
     state = EmulatorState(
         clock=Clock(a.time_scale),
@@ -38,6 +45,7 @@ def main() -> None:
         capacity=a.capacity,
         api_key=a.api_key,
         answer_words=a.answer_words,
+        batch_book=BatchBook(BatchRules(delay_s=a.batch_delay)),
     )
     uvicorn.run(create_app(state), host=a.host, port=a.port, log_level="warning")
 

@@ -8,6 +8,7 @@ from typing import Literal
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
+from .batch_book import BatchRules
 from .common import state_of
 from .limits import RateLimit, RuleOverride
 from .state import Fault
@@ -43,6 +44,11 @@ class LimitSpec(BaseModel):
     tpm: int = Field(ge=1)
 
 
+class BatchRulesSpec(BaseModel):
+    delay_s: float = Field(1.0, ge=0)
+    parallel: int = Field(16, ge=1)
+
+
 class Advance(BaseModel):
     seconds: float = Field(ge=0)
 
@@ -69,9 +75,18 @@ async def set_limits(spec: LimitSpec, request: Request) -> dict[str, object]:
     return spec.model_dump()
 
 
+@router.post("/batch-rules")
+async def set_batch_rules(spec: BatchRulesSpec, request: Request) -> dict[str, object]:
+    """How long a batch takes (emulator seconds) and how many of its items run side by
+    side (a wave does not read its own cache writes)."""
+    state_of(request).batch_book.rules = BatchRules(spec.delay_s, spec.parallel)
+    return spec.model_dump()
+
+
 @router.get("/billing")
 async def billing(request: Request) -> dict[str, object]:
-    """Tokens by price class, requests and 429s, per provider, since the last reset."""
+    """Tokens by price class, requests and 429s, per provider, since the last reset (a
+    batch's under ``<provider>-batch``, priced at half the online price)."""
     return {p: b.view() for p, b in state_of(request).bills.items()}
 
 
@@ -116,4 +131,5 @@ async def reset(request: Request) -> dict[str, bool]:
     state.rules.clear()
     state.limits.clear()
     state.bills.clear()
+    state.batch_book.clear()
     return {"reset": True}

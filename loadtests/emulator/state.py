@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .batch_book import BatchBook
 from .limits import Bill, RateLimit, RuleOverride, limit_headers
 
 BYTES_PER_TOKEN = 4
@@ -243,6 +244,7 @@ class EmulatorState:
     rules: dict[str, RuleOverride] = field(default_factory=dict)
     limits: dict[str, RateLimit] = field(default_factory=dict)
     bills: dict[str, Bill] = field(default_factory=dict)
+    batch_book: BatchBook = field(default_factory=BatchBook)  # the batch APIs' files and jobs
 
     def rule(self, provider: str) -> RuleOverride:
         return self.rules.get(provider) or RuleOverride()
