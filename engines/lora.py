@@ -12,16 +12,19 @@ engine keeps serving.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
 class LoraRef:
-    """An adapter as vLLM's ``LoRARequest`` names it (and hashes its blocks by)."""
+    """An adapter as vLLM's ``LoRARequest`` names it (and hashes its blocks by); with
+    the sha256 of its weights files where the gateway read them (not part of its
+    identity: an engine's own list of what it holds carries none)."""
 
     name: str
     path: str
+    sha256: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name or not self.path:

@@ -57,6 +57,7 @@ from gateway.http.routes import (
     sagemaker,
     tokenize,
 )
+from gateway.local.adapters import Adapters
 from gateway.local.build import build_adapters, vision_rebuild, vision_renderer
 from gateway.local.dispatch import Dispatcher
 from gateway.local.governor import LocalGovernor
@@ -93,9 +94,13 @@ log = logging.getLogger(__name__)
 
 
 def _session_log(
-    settings: Settings, replicas: Sequence[Replica], store: SessionStore | None = None
+    settings: Settings,
+    replicas: Sequence[Replica],
+    store: SessionStore | None = None,
+    adapters: Adapters | None = None,
 ) -> SessionLog | None:
-    """The session log over ``store`` (by default the one ``settings.session_log`` names)."""
+    """The session log over ``store`` (by default the one ``settings.session_log`` names);
+    a LoRA adapter's request rebuilds with its weights as ``adapters`` loaded them."""
     cfg = settings.session_log
     if not cfg.enabled:
         return None
@@ -108,7 +113,8 @@ def _session_log(
         ready = [r.engine for r in replicas if r.engine.ready]
         return copies(ready[0].tokenizer) if ready else None
 
-    rebuild = Reconstructor(adapter_for, tokenizer, vision_rebuild(settings))
+    weights = adapters.digest if adapters is not None else None
+    rebuild = Reconstructor(adapter_for, tokenizer, vision_rebuild(settings), weights)
     return SessionLog(store, rebuild, cfg.verify_reconstruction, cfg.cached_sessions)
 
 
@@ -432,7 +438,7 @@ def create_app(
     local = local_chat(settings, local_dispatcher, turns, governor)
 
     # the service core, its session log and the key limits (shared on the bus)
-    session_log = _session_log(settings, replicas.replicas, session_store)
+    session_log = _session_log(settings, replicas.replicas, session_store, local.adapters)
     limits = RateLimits(publish=bus.publish)
     share_key_limits(bus, limits)
     service = gateway_service(settings, local, metrics, tracing, limits, provider_chat, session_log)

@@ -6,11 +6,12 @@ import sys
 import time
 from pathlib import Path
 
+from engines.lora import LoraRef
 from engines.providers.specs import adapter_for
 from engines.tokenizer import ChatTokenizer
 from gateway.core.config import Settings
 from gateway.sessions.log import SessionLog
-from gateway.sessions.reconstruct import Reconstructor, sha256
+from gateway.sessions.reconstruct import AdapterChanged, Reconstructor, sha256
 from gateway.sessions.store import SessionStore
 from manifest.attachments import AttachmentMismatch
 
@@ -40,7 +41,8 @@ def replay(settings: Settings, db: Path | None, request_id: str, quiet: bool) ->
     """Print the request rebuilt from the log and its sha256; 1 when it does not match,
     or when an image or document it references is missing from the attachments store or
     is not the object the log names (the error names its digest: nothing is rebuilt from
-    other bytes)."""
+    other bytes), or when the LoRA adapter it ran under has other weights now or is
+    gone (the error names the adapter)."""
     store = _store(settings, db)
     row = store.request(request_id)
     if row is None:
@@ -52,13 +54,17 @@ def replay(settings: Settings, db: Path | None, request_id: str, quiet: bool) ->
 
         return ChatTokenizer.from_pretrained(resolve_model(settings))
 
+    from gateway.local.adapters import weights_digest
     from gateway.local.build import vision_rebuild
 
-    rebuild = Reconstructor(adapter_for, tokenizer, vision_rebuild(settings))
+    def weights(adapter: LoraRef) -> str | None:
+        return weights_digest(adapter.path)
+
+    rebuild = Reconstructor(adapter_for, tokenizer, vision_rebuild(settings), weights)
     log = SessionLog(store, rebuild, verify=False)
     try:
         event, data = log.rebuild(row.session_id, row.seq)
-    except AttachmentMismatch as exc:
+    except (AttachmentMismatch, AdapterChanged) as exc:
         print(f"request  {request_id}  session {row.session_id}  target {row.target}")
         print(f"MISMATCH: the request does not rebuild: {exc}", file=sys.stderr)
         store.close()

@@ -14,11 +14,23 @@ one with its prefix warm wins as for the base model.  A replica chosen that does
 not hold it loads it first (:meth:`Adapters.ensure`): concurrent first requests
 for one adapter on one replica wait for the one load.  A load that fails is a 400
 naming why (the engine's own message), and the replica keeps serving.
+
+The session log records the adapter a request ran under (name, path and the sha256
+of its weights files, :func:`weights_digest`), so a replay can tell that the
+weights changed since.  The digest is read when an adapter becomes known (again
+after it was unloaded everywhere) and at every load an engine is sent (what the
+engine then holds is what was read), never per request: :meth:`Adapters.find`
+hands out the adapter with it, and :meth:`Adapters.digest` says what the gateway
+read last.  A request recorded with weights that a load then found changed is not
+sent (503 ``adapter_changed``; retried, it records the new ones).  An adapter whose
+files are not on this host (a remote replica's) has none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,7 +38,7 @@ from pathlib import Path
 from engines.base import Engine
 from engines.errors import EngineError, EngineInputError
 from engines.lora import AdapterEngine, LoraRef
-from gateway.core.errors import InvalidRequest, NotFound, from_engine_error
+from gateway.core.errors import InvalidRequest, NotFound, Unavailable, from_engine_error
 from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
 from manifest.index import LocationId
@@ -34,6 +46,23 @@ from manifest.index import LocationId
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+def weights_digest(path: str | Path) -> str | None:
+    """The sha256 of an adapter's files: over each regular file under ``path`` in the
+    order of its relative path, that path and the sha256 of its bytes; None when there
+    is no such directory (an adapter on another host, or gone)."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    out = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h = hashlib.sha256()
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        out.update(f.relative_to(root).as_posix().encode() + b"\0" + h.digest())
+    return out.hexdigest()
 
 
 def _lora(engine: Engine) -> AdapterEngine | None:
@@ -65,24 +94,33 @@ class Adapters:
         # per replica: the engine the residency was learned from, and what it holds
         self._held: dict[LocationId, tuple[Engine, dict[str, LoraRef]]] = {}
         self._loads: dict[tuple[LocationId, str], asyncio.Task[None]] = {}
+        # the sha256 of each adapter's weights as last read (None: not readable here)
+        self._digests: dict[LoraRef, str | None] = {}
         self.loads = 0  # adapter loads sent to engines (the first requests' included)
 
     # ---------------------------------------------------------------- lookup
 
     def find(self, name: str) -> LoraRef | None:
-        """The adapter served as ``name`` (None: no adapter is): known, or found in the
-        resolver directory (then known from now on)."""
+        """The adapter served as ``name`` (None: no adapter is), with the digest of its
+        weights: known, or found in the resolver directory (then known from now on)."""
         if not self.enabled or name == self.base:
             return None
         known = self._known.get(name)
-        if known is not None or self._resolver is None or "/" in name or name.startswith("."):
-            return known
-        where = self._resolver / name
-        if not (where / ADAPTER_CONFIG).is_file():
+        if known is None and self._resolver is not None and "/" not in name:
+            where = self._resolver / name
+            if not name.startswith(".") and (where / ADAPTER_CONFIG).is_file():
+                known = self._known[name] = LoraRef(name, str(where))
+        if known is None:
             return None
-        adapter = LoraRef(name, str(where))
-        self._known[name] = adapter
-        return adapter
+        if known not in self._digests:  # read once, when it becomes known
+            self._digests[known] = weights_digest(known.path)
+        return dataclasses.replace(known, sha256=self._digests[known])
+
+    def digest(self, adapter: LoraRef) -> str | None:
+        """The sha256 of ``adapter``'s weights as the gateway read them last (when it
+        became known, or at its last load); None when it was never read or is not on
+        this host."""
+        return self._digests.get(adapter)
 
     def get(self, name: str, param: str = "model") -> LoraRef:
         """The adapter ``name``; a 404 naming it when there is none."""
@@ -165,19 +203,29 @@ class Adapters:
 
     async def ensure(self, replica: Replica, adapter: LoraRef) -> None:
         """``adapter`` loaded on ``replica`` before a request under it is sent there:
-        nothing when it holds it; one load however many requests wait for it."""
+        nothing when it holds it; one load however many requests wait for it.  A 503
+        ``adapter_changed`` when the weights were read again since the request recorded
+        ``adapter.sha256`` and differ (a retry records them)."""
         held = self._current(replica)
         if held is None:
             held = await self.learn(replica)
-        if held.get(adapter.name) == adapter:
-            return
-        key = (replica.id, adapter.name)
-        task = self._loads.get(key)
-        if task is None:
-            task = asyncio.ensure_future(self._load(replica, adapter))
-            self._loads[key] = task
-            task.add_done_callback(lambda t: self._loaded(key, t))
-        await asyncio.shield(task)
+        if held.get(adapter.name) != adapter:
+            key = (replica.id, adapter.name)
+            task = self._loads.get(key)
+            if task is None:
+                task = asyncio.ensure_future(self._load(replica, adapter))
+                self._loads[key] = task
+                task.add_done_callback(lambda t: self._loaded(key, t))
+            await asyncio.shield(task)
+        now = self._digests.get(adapter)
+        if adapter.sha256 is not None and now != adapter.sha256:
+            raise Unavailable(  # the log would not say what the engine runs
+                f"the LoRA adapter '{adapter.name}' was loaded again with other weights "
+                f"(sha256 {now}) since this request was recorded (sha256 "
+                f"{adapter.sha256}); retry",
+                code="adapter_changed",
+                retry_after_s=1,
+            )
 
     def _loaded(self, key: tuple[LocationId, str], task: asyncio.Task[None]) -> None:
         """A load ended: the next first request loads again; its failure was raised to
@@ -195,6 +243,7 @@ class Adapters:
                 code="lora_disabled",
             )
         self.loads += 1
+        digest = await asyncio.to_thread(weights_digest, adapter.path)
         try:
             await engine.load_adapter(adapter)
         except EngineInputError as exc:
@@ -204,6 +253,7 @@ class Adapters:
         except EngineError as exc:
             raise from_engine_error(exc) from exc
         log.info("replica %s: adapter %s loaded from %s", replica.id, adapter.name, adapter.path)
+        self._digests[adapter] = digest  # what the engine read now
         await self.learn(replica)
         self._known[adapter.name] = adapter
 
@@ -268,6 +318,8 @@ class Adapters:
                 code="adapter_not_loaded",
             )
         anywhere = any(adapter == h.get(name) for _, h in self._held.values())
+        if not anywhere:  # read again when it is named next: it will be loaded again
+            self._digests.pop(adapter, None)
         if not anywhere and replica_id is None and not self._kept(adapter):
             self._known.pop(name, None)
         return done

@@ -34,10 +34,11 @@ class Room:
 def sent_to_engine(g: GenerateRequest, rendered: Mapping[str, Any]) -> Sent:
     """What the journal keeps of a request handed to vLLM: the payload's bytes, and the
     directives that rebuild them: the salt, the resolved sampling and ``rendered`` (how
-    the prompt became its ids: a chat's ``template``, a text's ``prompt``)."""
+    the prompt became its ids: a chat's ``template``, a text's ``prompt``); the adapter
+    it runs under is in the payload, as its header snapshot keeps it."""
     sampling = dataclasses.asdict(g.sampling)
     images = [hashlib.sha256(im.data).hexdigest() for im in g.images]
-    body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling, images)
+    body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling, images, g.lora)
     directives = {"cache_salt": g.cache_salt, "sampling": sampling, **rendered}
     return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
 

@@ -139,7 +139,7 @@ class LocalCompletions:
                 prompt_logprobs=req.prompt_logprobs_asked(),
             )
             span.set_attribute("vcache.prompt_tokens", greq.num_prompt_tokens)
-        header = Header.make(req.model, LOCAL_TARGET, (), None, text_config(req))
+        header = Header.make(req.model, LOCAL_TARGET, (), None, text_config(req, greq.lora))
         turns = (prompt_entry(asked.prompt),)
         return TextPrepared(call, greq, header, turns, shaping, t0)
 

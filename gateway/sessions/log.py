@@ -20,7 +20,9 @@ Images and documents are rebuilt from the store's attachments
 (``store.attachments``, stored by intake before the dispatch is journaled);
 one missing or corrupt fails the verify with :class:`AttachmentUnreadable`
 (a 500 naming ``sha256:<digest>``) and is quarantined (the store records it),
-never a rebuild from other bytes.
+never a rebuild from other bytes.  A request under a LoRA adapter whose weights
+were loaded again, changed, between its record and its verify is not sent either
+(a 503 ``adapter_changed`` naming the adapter: retried, it records the new weights).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.core.errors import APIError, NotFound, Unavailable
-from gateway.sessions.reconstruct import Reconstructor, sha256
+from gateway.sessions.reconstruct import AdapterChanged, Reconstructor, sha256
 from gateway.sessions.store import SessionStore
 from gateway.sessions.writer import Writer
 from manifest.attachments import AttachmentMismatch
@@ -274,6 +276,14 @@ class SessionLog:
                 f"request {event.request_id} was not sent: it does not rebuild from the "
                 f"session log ({exc})",
                 code="attachment_unreadable",
+            ) from exc
+        except AdapterChanged as exc:
+            log.error("request %s does not rebuild: %s", event.request_id, exc)
+            raise Unavailable(
+                f"request {event.request_id} was not sent: it does not rebuild from the "
+                f"session log ({exc})",
+                code="adapter_changed",
+                retry_after_s=1,
             ) from exc
         if rebuilt != sent:
             offset = first_difference(rebuilt, sent)

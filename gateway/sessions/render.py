@@ -35,6 +35,7 @@ from typing import Any
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
+from engines.lora import LoraRef
 from engines.providers.base import (
     Attached,
     CacheDirectives,
@@ -120,8 +121,33 @@ def request_parts(
     return split_messages(req.messages)
 
 
-def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, Any]:
-    """The call config a header snapshot keeps (what frames the request, not the turns)."""
+def adapter_record(lora: LoraRef | None) -> dict[str, Any]:
+    """What a header snapshot and the vLLM payload keep of the LoRA adapter a request
+    runs under (the adapter is model-visible): ``{"adapter": {name, path, sha256}}``
+    (``sha256``: of its weights files, where the gateway read them); {} for the base
+    model, so its headers and payloads stay as they always were."""
+    if lora is None:
+        return {}
+    out: dict[str, Any] = {"name": lora.name, "path": lora.path}
+    if lora.sha256 is not None:
+        out["sha256"] = lora.sha256
+    return {"adapter": out}
+
+
+def logged_adapter(header: Header) -> LoraRef | None:
+    """The adapter a header snapshot says its requests ran under (None: the base model,
+    or a header written before adapters were recorded)."""
+    a = header.settings().get("adapter")
+    if not isinstance(a, Mapping):
+        return None
+    return LoraRef(str(a["name"]), str(a["path"]), a.get("sha256"))
+
+
+def request_config(
+    req: ChatCompletionRequest, layout: str | None, lora: LoraRef | None = None
+) -> dict[str, Any]:
+    """The call config a header snapshot keeps (what frames the request, not the turns;
+    ``lora``: the adapter it runs under on the local model)."""
     out: dict[str, Any] = {
         "max_tokens": req.output_limit(),
         "temperature": req.temperature,
@@ -149,7 +175,7 @@ def request_config(req: ChatCompletionRequest, layout: str | None) -> dict[str, 
     extensions = req.vllm_config()
     if extensions:  # vLLM's sampling extensions, only where a request sets them
         out["vllm"] = extensions
-    return out
+    return out | adapter_record(lora)
 
 
 @dataclass(frozen=True)
@@ -414,10 +440,11 @@ def inline_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def text_config(req: CompletionRequest) -> dict[str, Any]:
-    """The call config a text completion's header snapshot keeps (what frames it; the
-    sampling vLLM was handed is the dispatch's)."""
-    return {"endpoint": "completions", "stream": req.stream, "echo": req.echo}
+def text_config(req: CompletionRequest, lora: LoraRef | None = None) -> dict[str, Any]:
+    """The call config a text completion's header snapshot keeps (what frames it, the
+    adapter it runs under included; the sampling vLLM was handed is the dispatch's)."""
+    out = {"endpoint": "completions", "stream": req.stream, "echo": req.echo}
+    return out | adapter_record(lora)
 
 
 def text_shaping(
@@ -450,11 +477,16 @@ def text_prompt(
 
 
 def vllm_payload(
-    token_ids: Sequence[int], cache_salt: str | None, sampling: Any, images: Sequence[str] = ()
+    token_ids: Sequence[int],
+    cache_salt: str | None,
+    sampling: Any,
+    images: Sequence[str] = (),
+    lora: LoraRef | None = None,
 ) -> bytes:
     """What the gateway hands vLLM, as bytes: token ids (a vision model's: expanded),
-    cache salt, resolved sampling and, where the prompt has images, each one's sha256 in
-    prompt order (text-only payloads are as they always were)."""
+    cache salt, resolved sampling, where the prompt has images each one's sha256 in
+    prompt order, and the adapter it runs under (:func:`adapter_record`); a base-model,
+    text-only payload is as it always was."""
     out: dict[str, Any] = {
         "prompt_token_ids": list(token_ids),
         "cache_salt": cache_salt,
@@ -462,7 +494,7 @@ def vllm_payload(
     }
     if images:
         out["images"] = list(images)
-    return canonical_json(out)
+    return canonical_json(out | adapter_record(lora))
 
 
 def usage_record(u: Usage) -> dict[str, Any]:

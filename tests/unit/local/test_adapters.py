@@ -12,9 +12,9 @@ import pytest
 from engines.base import GenerateRequest, SamplingOptions
 from engines.lora import LoraRef
 from engines.tokenizer import ChatTokenizer
-from gateway.core.errors import InvalidRequest, NotFound
+from gateway.core.errors import InvalidRequest, NotFound, Unavailable
 from gateway.core.metrics import Metrics
-from gateway.local.adapters import Adapters
+from gateway.local.adapters import Adapters, weights_digest
 from gateway.local.replicas import Replica
 from gateway.local.spans import KVSpans
 from manifest.hashing import HashKeys, block_hashes
@@ -254,3 +254,43 @@ async def _free_slot(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
     unbounded = Adapters(rs, "base", (), None, enabled=True)
     await unbounded.learn_new()
     assert unbounded.candidates(b) == set()  # slots not known: any replica
+
+
+def test_weights_digest_covers_every_file_by_name_and_bytes(tmp_path: Path) -> None:
+    d = adapter_dir(tmp_path, "ad-a")
+    (d / "adapter_model.safetensors").write_bytes(b"w1")
+    one = weights_digest(d)
+    assert one is not None and len(one) == 64 and weights_digest(d) == one
+    (d / "adapter_model.safetensors").write_bytes(b"w2")
+    assert weights_digest(d) not in (one, None)
+    (d / "adapter_model.safetensors").write_bytes(b"w1")
+    assert weights_digest(d) == one  # the bytes, not the file's times
+    (d / "adapter_model.safetensors").rename(d / "other.safetensors")
+    assert weights_digest(d) != one  # a file's name is part of it
+    assert weights_digest(tmp_path / "nowhere") is None
+
+
+def test_a_request_recorded_with_weights_a_load_finds_changed_is_refused(
+    tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    asyncio.run(_recorded_weights_changed_at_load(tokenizer, tmp_path))
+
+
+async def _recorded_weights_changed_at_load(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
+    (r0,) = await _replicas(tokenizer, 1)
+    d = adapter_dir(tmp_path, "ad-a")
+    (d / "adapter_model.safetensors").write_bytes(b"w1")
+    adapters = Adapters(booted([r0]), "base", [LoraRef("ad-a", str(d))], None, enabled=True)
+    asked = adapters.find("ad-a")  # read once, when it became known
+    assert asked is not None and asked.sha256 == weights_digest(d) == adapters.digest(asked)
+    (d / "adapter_model.safetensors").write_bytes(b"w2")
+    same = adapters.find("ad-a")  # not per request: what was read
+    assert same is not None and same.sha256 == asked.sha256
+    with pytest.raises(Unavailable) as err:  # the load reads the new weights
+        await adapters.ensure(r0, asked)
+    assert err.value.code == "adapter_changed" and "'ad-a'" in str(err.value)
+    assert _engine(r0).held["ad-a"] == asked  # loaded all the same
+    again = adapters.find("ad-a")
+    assert again is not None and again.sha256 == weights_digest(d) != asked.sha256
+    await adapters.ensure(r0, again)  # recorded with what is loaded: sent
+    assert len(_engine(r0).load_calls) == 1

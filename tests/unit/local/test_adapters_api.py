@@ -5,6 +5,7 @@ an admin, a failed load a 400 naming why."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,11 @@ from fastapi.testclient import TestClient
 from engines.lora import LoraRef
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from gateway.core.config import ApiKeyConfig, hash_api_key
+from gateway.core.config import ApiKeyConfig, Settings, hash_api_key
+from gateway.local.adapters import weights_digest
+from gateway.session_cli import replay
+from gateway.sessions.store import SessionStore
+from manifest.sessionlog import Header, fold
 from tests.settings import gateway_settings
 from tests.unit.local.lora_fake import LoraFakeEngine, adapter_dir
 
@@ -202,3 +207,91 @@ def test_grpc_runs_the_adapter_and_lists_it(demo_model: Path, tmp_path: Path) ->
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'ad-x'" in str(
             err.value.details()
         )
+
+
+def _logged(settings: Settings) -> list[tuple[str, Header]]:
+    """Each request in the session log, in order: its id and the header it ran under."""
+    store = SessionStore(settings.session_log.db_path(settings.data_dir))
+    try:
+        out = []
+        for row in store.requests():
+            header = fold(e for _, e in store.events(row.session_id, row.seq)).header
+            assert header is not None
+            out.append((row.request_id, header))
+        return out
+    finally:
+        store.close()
+
+
+def test_the_session_log_records_the_adapter_and_replay_refuses_changed_weights(
+    demo_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An adapter request's header snapshot keeps the adapter's name, path and the sha256
+    of its weights (read when it became known and at each load, not per request); the
+    payload carries it; ``vcache replay`` rebuilds it byte for byte while the weights are
+    those, and refuses naming the adapter once they changed or are gone."""
+    engine = LoraFakeEngine(ChatTokenizer.from_pretrained(str(demo_model)), block_size=16)
+    conf = adapter_dir(tmp_path / "conf", "ad-a")
+    weights = conf / "adapter_model.safetensors"
+    weights.write_bytes(b"weights one")
+    lora = {"enabled": True, "max_lora_rank": 8, "adapters": {"ad-a": str(conf)}}
+    keys = [
+        ApiKeyConfig(sha256=hash_api_key(ADMIN), tenant="ops", admin=True),
+        ApiKeyConfig(sha256=hash_api_key(USER), tenant="u"),
+    ]
+    settings = gateway_settings(
+        grpc_port=None,
+        model=str(demo_model),
+        served_model_name=MODEL,
+        engine={"lora": lora},
+        api_keys=keys,
+    )
+    first = weights_digest(conf)
+    assert first is not None
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    with TestClient(create_app(settings, [engine])) as http:
+        http.headers["Authorization"] = f"Bearer {USER}"
+        for model in ("ad-a", MODEL):  # verify on: each rebuilt from the log before it went
+            r = http.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES})
+            assert r.status_code == 200, r.text
+        r = http.post("/v1/completions", json={"model": "ad-a", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert engine.received[-1].lora == LoraRef("ad-a", str(conf))
+        assert engine.received[-1].lora.sha256 == first
+        # changed on disk, not loaded again: the engine serves what it read, as recorded
+        weights.write_bytes(b"weights two")
+        r = http.post("/v1/chat/completions", json={"model": "ad-a", "messages": MESSAGES})
+        assert r.status_code == 200, r.text
+        assert engine.received[-1].lora.sha256 == first
+        # unloaded, then named again: read again, loaded again, the new weights recorded
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "ad-a"}, headers=admin)
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", json={"model": "ad-a", "messages": MESSAGES})
+        assert r.status_code == 200, r.text
+    second = weights_digest(conf)
+    assert second is not None and second != first
+    assert engine.received[-1].lora.sha256 == second
+    assert [c.name for c in engine.load_calls] == ["ad-a", "ad-a"]  # at start, after unload
+    rows = _logged(settings)
+    a = {"name": "ad-a", "path": str(conf)}
+    recorded = [h.settings().get("adapter") for _, h in rows]
+    assert recorded == [{**a, "sha256": first}, None] + [{**a, "sha256": first}] * 2 + [
+        {**a, "sha256": second}
+    ]
+    ids = [rid for rid, _ in rows]
+    # the weights on disk now are not those the first request ran with: refused, named
+    assert replay(settings, None, ids[0], quiet=True) == 1
+    err = capsys.readouterr().err
+    assert "'ad-a'" in err and f"recorded sha256 {first}, now sha256 {second}" in err
+    assert replay(settings, None, ids[4], quiet=True) == 0  # recorded with these
+    assert replay(settings, None, ids[1], quiet=True) == 0  # the base model's
+    capsys.readouterr()
+    weights.write_bytes(b"weights one")  # as they were: the first four replay
+    for rid in ids[:4]:
+        assert replay(settings, None, rid, quiet=False) == 0
+    out = capsys.readouterr().out
+    assert out.count('"adapter":{"name":"ad-a"') == 3  # in the payload (not the base's)
+    shutil.rmtree(conf)
+    assert replay(settings, None, ids[0], quiet=True) == 1
+    err = capsys.readouterr().err
+    assert "'ad-a'" in err and "are gone" in err
