@@ -73,7 +73,8 @@ from gateway.providers.path import ProviderPath
 from gateway.service.attachment_intake import AttachmentIntake
 from gateway.service.auth import KeyRing
 from gateway.service.cache import CacheService
-from gateway.service.chat import GatewayService, ServiceParts, chat_targets, text_targets
+from gateway.service.catalog import ModelCatalog, chat_targets, text_targets
+from gateway.service.chat import GatewayService, ServiceParts
 from gateway.service.health import Health, StoreProbe
 from gateway.service.journal import Journal
 from gateway.service.limits import RateLimits
@@ -255,19 +256,20 @@ def gateway_service(
     text_loop = ServiceLoop(journal, metrics, text_targets(completions), settings.routing)
     local_name = settings.model_name if local.dispatcher.replicas else None
     targets = Targets(local_name, settings.aliases, list(settings.providers))
+    catalog = ModelCatalog(local, targets, settings.model_name)
     parts = ServiceParts(
         local,
         completions,
         loop,
         text_loop,
-        targets,
+        catalog,
         limits,
         metrics,
         tracing,
         providers,
         session_log,
     )
-    return GatewayService(parts, settings.model_name)
+    return GatewayService(parts)
 
 
 @dataclass(frozen=True)

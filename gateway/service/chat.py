@@ -9,7 +9,7 @@ serve text (the local replicas: :mod:`gateway.service.local_completions`),
 one engine request per prompt; so does the local cache warm
 (:meth:`GatewayService.warm_local`).
 The service is built from its parts (:class:`ServiceParts`: the local chat,
-the loops and their journal, the limits), each built once by the composition
+the loops and their journal, the model catalog, the limits), each built once by the composition
 root, ``gateway/app.py``.
 Each path produces answer pieces (:mod:`gateway.core.shaping`); they are
 shaped once into the API's objects.  Streams produce their first piece before
@@ -24,11 +24,11 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from gateway.core.completion_request import CompletionRequest
 from gateway.core.config import LOCAL_TARGET
-from gateway.core.errors import InvalidRequest, NotFound, RateLimited, Unavailable
+from gateway.core.errors import InvalidRequest, RateLimited
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import (
     ChatCompletion,
@@ -44,15 +44,16 @@ from gateway.core.schemas import (
     SamplingFields,
 )
 from gateway.core.shaping import Shape, chat_chunks, chat_completion, completion, completion_chunks
-from gateway.core.target import Call, Target
+from gateway.core.target import Call
 from gateway.core.tracing import RequestTrace, Tracing
 from gateway.core.types import Principal, Routed, RouteOverride, Served
 from gateway.local.dispatch import Dispatcher
 from gateway.local.routing import POLICIES
+from gateway.service.catalog import ModelCatalog
 from gateway.service.limits import Grant, RateLimits
 from gateway.service.local import LocalChat
 from gateway.service.local_completions import LocalCompletions, prompt_calls
-from gateway.service.loop import Resolve, ServiceLoop
+from gateway.service.loop import ServiceLoop
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets
 from gateway.sessions.log import SessionLog
@@ -109,45 +110,19 @@ async def _ended(pieces: Pieces, trace: RequestTrace, served: Served) -> Pieces:
         trace.end(error, target=served.target, **(_usage_attrs(usage) if usage else {}))
 
 
-def chat_targets(local: LocalChat, providers: ProviderChat | None) -> Resolve:
-    """The target a chat call's loop sends to by name: the local replicas, or the hosted
-    providers (a 503 when none is configured)."""
-
-    def target(name: str) -> Target[Any]:
-        if name == LOCAL_TARGET:
-            return local
-        if providers is None:
-            raise Unavailable("no hosted providers are configured", code="no_providers")
-        return providers
-
-    return target
-
-
-def text_targets(completions: LocalCompletions) -> Resolve:
-    """The target a text completion's loop sends to by name: the local replicas only."""
-
-    def target(name: str) -> Target[Any]:
-        if name == LOCAL_TARGET:
-            return completions
-        raise InvalidRequest(  # the text loop is given the local target only
-            f"{name} does not serve text completions", param="model", code="unsupported_model"
-        )
-
-    return target
-
-
 @dataclass(frozen=True)
 class ServiceParts:
     """What the service is built from, each built once by the composition root
     (``gateway/app.py``): the loops over the chat targets (``loop``, over
-    :func:`chat_targets`) and the text targets (``text_loop``, over
-    :func:`text_targets`) share one journal over ``log``."""
+    :func:`~gateway.service.catalog.chat_targets`) and the text targets (``text_loop``,
+    over :func:`~gateway.service.catalog.text_targets`) share one journal over ``log``;
+    ``catalog`` names the models served and a model's targets."""
 
     local: LocalChat
     completions: LocalCompletions
     loop: ServiceLoop
     text_loop: ServiceLoop
-    targets: Targets
+    catalog: ModelCatalog
     limits: RateLimits
     metrics: Metrics
     tracing: Tracing
@@ -156,13 +131,15 @@ class ServiceParts:
 
 
 class GatewayService:
-    def __init__(self, parts: ServiceParts, model_name: str) -> None:
-        self._model = model_name
+    """The one request path every edge calls (see the module); what models it serves and
+    a model's targets are its :class:`~gateway.service.catalog.ModelCatalog`'s."""
+
+    def __init__(self, parts: ServiceParts) -> None:
         self.local = parts.local
         self.completions = parts.completions
         self.loop = parts.loop
         self.text_loop = parts.text_loop  # the same loop over the targets of text prompts
-        self._targets = parts.targets
+        self.catalog = parts.catalog
         self.limits = parts.limits
         self._metrics = parts.metrics
         self.tracing = parts.tracing
@@ -171,11 +148,11 @@ class GatewayService:
 
     @property
     def targets(self) -> Targets:
-        return self._targets
+        return self.catalog.targets
 
     @property
     def model_name(self) -> str:
-        return self._model
+        return self.catalog.model_name
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -190,42 +167,21 @@ class GatewayService:
         return self.local.ready
 
     def models(self) -> ModelList:
-        if not self.dispatcher.replicas:  # a provider-only gateway
-            return ModelList(data=[ModelCard(id=name) for name in self._targets.names()])
-        max_len = self.local.engine.capabilities.max_model_len if self.ready else None
-        root = self.local.engine.capabilities.model if self.ready else None
-        cards = [ModelCard(id=self._model, max_model_len=max_len, root=root or self._model)]
-        adapters = self.local.adapters
-        for a in adapters.listed() if adapters is not None else ():  # as vLLM lists them
-            cards.append(
-                ModelCard(id=a.name, max_model_len=max_len, root=a.path, parent=self._model)
-            )
-        cards += [ModelCard(id=name) for name in self._targets.names()[1:]]
-        return ModelList(data=cards)
+        return self.catalog.models()
 
     def model(self, model_id: str) -> ModelCard:
-        self.local.adapter(model_id)  # one in the resolver directory is known from now on
-        card = next((m for m in self.models().data if m.id == model_id), None)
-        if card is None:
-            raise NotFound(
-                f"The model '{model_id}' does not exist", param="model", code="model_not_found"
-            )
-        return card
+        return self.catalog.model(model_id)
 
     def check_model(self, model: str) -> None:
         """``model`` is the local model and it can serve now."""
-        self.local.check_model(model, self._model)
+        self.catalog.check_model(model)
 
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
         return self.local.check_token_ids(ids, param)
 
     def resolve(self, model: str) -> list[str]:
-        """The targets of ``model``: a LoRA adapter of the local model (not shadowed by an
-        alias) is served by the local replicas, under that adapter; else as
-        :class:`~gateway.service.targets.Targets` resolves it (a 404 naming it)."""
-        if model not in self._targets.names() and self.local.adapter(model) is not None:
-            return [LOCAL_TARGET]
-        return self._targets.resolve(model)
+        """The targets of ``model`` (:meth:`~gateway.service.catalog.ModelCatalog.resolve`)."""
+        return self.catalog.resolve(model)
 
     def close(self) -> None:
         """Stop the local path's render thread."""
@@ -237,7 +193,7 @@ class GatewayService:
         """``req`` naming a model: as sent, or (left out, as vLLM allows) the local one."""
         if req.model:
             return req
-        local = self._targets.local
+        local = self.catalog.targets.local
         if local is None:
             raise InvalidRequest(
                 "Missing required parameter: 'model' (no local model to default to)",
@@ -384,28 +340,10 @@ class GatewayService:
 
     # ------------------------------------------------------- completions
 
-    def _served(self, model: str) -> str:
-        """The model a text completion names in its answer: the adapter it ran under, or
-        the local model (an alias of it answers as the local model)."""
-        return model if self.local.adapter(model) is not None else self._model
-
     def local_only(self, model: str, what: str = "text completions") -> None:
         """``model`` has the local model among its targets (else a 400 saying ``what`` is
         served by the local model only)."""
-        self._local_targets(model, what)
-
-    def _local_targets(self, model: str, what: str = "text completions") -> list[str]:
-        """The targets of ``model`` that serve ``what`` (the local replicas), in alias
-        order; a 400 when it has none."""
-        names = [n for n in self.resolve(model) if n == LOCAL_TARGET]
-        if not names:
-            raise InvalidRequest(
-                f"'{model}' is served by hosted providers only; {what} are "
-                "served by the local model",
-                param="model",
-                code="unsupported_model",
-            )
-        return names
+        self.catalog.local_targets(model, what)
 
     async def _text_answer(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None, whole: bool
@@ -415,7 +353,7 @@ class GatewayService:
         (:meth:`~gateway.service.loop.ServiceLoop.first_answer_each`), their answers
         merged (and echoed) into the request's."""
         await self.local.learn_adapters()
-        names = self._local_targets(req.model)
+        names = self.catalog.local_targets(req.model)
         grant = self._admit(who)
         trace = self.tracing.request("vcache.completion", model=req.model, stream=not whole)
         try:
@@ -436,7 +374,7 @@ class GatewayService:
         req = self.named(req)
         routed = await self._text_answer(req, who, route, whole=True)
         rid, pieces = routed.body
-        body = await completion(rid, self._served(req.model), pieces, completion_shape(req))
+        body = await completion(rid, self.catalog.served(req.model), pieces, completion_shape(req))
         return Routed(body, routed.served)
 
     async def complete_stream(
@@ -447,7 +385,7 @@ class GatewayService:
         routed = await self._text_answer(req, who, route, whole=False)
         rid, pieces = routed.body
         shape = completion_shape(req)
-        chunks = completion_chunks(rid, self._served(req.model), pieces, shape)
+        chunks = completion_chunks(rid, self.catalog.served(req.model), pieces, shape)
         return Routed(chunks, routed.served)
 
 
