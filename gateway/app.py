@@ -33,6 +33,7 @@ from gateway.batches.recall import default_gate
 from gateway.batches.runner import BatchRunner
 from gateway.batches.send import ServiceSender
 from gateway.batches.store import BatchStore
+from gateway.batches.targets import BatchTargets
 from gateway.core.config import Settings
 from gateway.core.loop_watch import LoopWatch, freeze_startup_heap
 from gateway.core.metrics import MULTIPROC_ENV, Metrics
@@ -485,6 +486,10 @@ def create_app(
         pins=CachePins(cache_ops),
         recall=default_gate() if runs.recall else None,
     )
+    # a batch model's hosted targets, for the provider plan (online against their batch API)
+    batch_targets = BatchTargets(
+        service.targets.resolve, providers.target if providers is not None else None
+    )
     gateway = Gateway(
         settings,
         metrics,
@@ -522,6 +527,7 @@ def create_app(
     state.health = Health(supervisor, service, _store_probes(settings, session_log, bus))
     state.server_load = ServerLoad()
     state.batches, state.batch_runner = batch_store, batch_runner
+    state.batch_targets = batch_targets
     install_error_handlers(app, metrics)
     install_openapi(app)
     routers = (health, models, chat, completions, responses, messages, cache, tokenize)

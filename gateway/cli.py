@@ -134,6 +134,16 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--batch-file", dest="_batch_file", default=None, help="plan a batch file, no gateway"
     )
+    pl.add_argument(
+        "--target",
+        dest="_targets",
+        action="append",
+        default=[],
+        help="with --batch-file: a hosted provider/model to plan the batch on (online in "
+        "DAG order against its batch API); may be repeated",
+    )
+    pl.add_argument("--rpm", dest="_rpm", type=float, default=None, help="requests/min left")
+    pl.add_argument("--tpm", dest="_tpm", type=float, default=None, help="input tokens/min left")
     return p
 
 
@@ -298,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         from gateway import plan_cli
 
         if ns._batch_file is not None:
-            return plan_cli.main_file(Path(ns._batch_file))
+            return plan_cli.main_file(Path(ns._batch_file), ns._targets, ns._rpm, ns._tpm)
         return plan_cli.main(ns._url, ns._key)
     if ns.command == "calibrate":
         from gateway.providers import calibrate

@@ -10,7 +10,10 @@ tier, and each anchor's decision (design note §5, ``manifest.economics``).
 OpenAI batch input file (JSON lines) or an Anthropic Message Batches body (a JSON
 object with ``requests``), checked as the API checks it, and printed as the batch's
 plan (:func:`gateway.batches.plan.preview`: send order, anchors, Zipf ``s``, top-7
-coverage, predicted cost as billed and in arrival order).
+coverage, predicted cost as billed and in arrival order); with ``--target
+provider/model`` (repeatable, ``--rpm`` and ``--tpm`` the headroom left), the provider
+plan of each: online in DAG order against the provider's batch API, and the cheaper
+(:mod:`gateway.batches.provider_plan`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import httpx
 
 from gateway.batches.intake import anthropic_plan, input_lines
 from gateway.batches.plan import preview
+from gateway.batches.provider_plan import Headroom, ProviderOption
+from gateway.batches.targets import profile_option
 from gateway.core.errors import APIError, InvalidRequest
 
 
@@ -92,6 +97,18 @@ def render_batch(p: dict[str, Any], shown: int = 20) -> str:
         f"  {'anchor tokens':>14}{'own':>8}{'items':>8}",
     ]
     lines += [f"  {a['tokens']:>14}{a['own_tokens']:>8}{a['items']:>8}" for a in p["anchors"]]
+    for t in p.get("providers") or []:
+        on, off = t["online"], t["batch_api"]
+        minutes = "-" if on["minutes"] is None else f"{on['minutes']:g} min"
+        lines += [
+            "",
+            f"  {t['target']}: {t['choice']}",
+            f"    online, DAG order  {on['cost']:g}  ({on['read_tokens']} read, "
+            f"{on['write_tokens']} written, {minutes} in the headroom)",
+            f"    batch API          {off['cost']:g}  (x{off['discount']:g}, breakpoint TTL "
+            f"{off['ttl'] or '-'}, hit share {off['hit_share']:g})",
+            f"    arrival order      {t['arrival_order']:g}",
+        ]
     lines += ["", f"  {'#':>5}  {'custom_id':<24}{'after':<24}{'shared':>8}"]
     for n, st in enumerate(p["order"][:shown], start=1):
         lines.append(
@@ -102,27 +119,36 @@ def render_batch(p: dict[str, Any], shown: int = 20) -> str:
     return "\n".join(lines)
 
 
-def batch_plan(data: bytes) -> dict[str, Any]:
-    """The plan of a batch file's bytes (see the module); an :class:`APIError` when the
-    API would refuse it."""
+def batch_plan(data: bytes, options: list[ProviderOption] | None = None) -> dict[str, Any]:
+    """The plan of a batch file's bytes (see the module), with the provider plan of each
+    of ``options``; an :class:`APIError` when the API would refuse it."""
+    opts = options or []
     try:
         whole = json.loads(data)
     except ValueError:
         whole = None
     if isinstance(whole, dict) and "requests" in whole:
-        return anthropic_plan(whole)
+        return anthropic_plan(whole, lambda _: opts)
     lines = input_lines(data)
     urls = {ln.url for ln in lines}
     if len(urls) != 1:
         mixed = ", ".join(sorted(urls))
         raise InvalidRequest(f"the file mixes endpoints ({mixed}): a batch has one")
-    return preview(urls.pop(), [ln.custom_id for ln in lines], [ln.body for ln in lines])
+    return preview(urls.pop(), [ln.custom_id for ln in lines], [ln.body for ln in lines], opts)
 
 
-def main_file(path: Path) -> int:
-    """``vcache plan --batch-file PATH``."""
+def main_file(
+    path: Path, targets: list[str] | None = None, rpm: float | None = None, tpm: float | None = None
+) -> int:
+    """``vcache plan --batch-file PATH [--target provider/model ...] [--rpm] [--tpm]``."""
+    headroom = Headroom(rpm, tpm) if rpm is not None or tpm is not None else None
     try:
-        p = batch_plan(path.read_bytes())
+        options = [profile_option(t, headroom) for t in targets or []]
+    except ValueError as exc:
+        print(f"vcache plan: {exc}", file=sys.stderr)
+        return 2
+    try:
+        p = batch_plan(path.read_bytes(), options)
     except OSError as exc:
         print(f"vcache plan: cannot read {path} ({exc})", file=sys.stderr)
         return 2

@@ -14,18 +14,21 @@ values up to 512).  Anthropic: ``requests`` of 1 to 100,000 ``{custom_id, params
 A new batch carries its plan: the prefix DAG's measures of its items
 (:func:`gateway.batches.plan.measures`), visible before anything runs.  A create body
 with ``"vcache": {"dry_run": true}`` is checked the same way but makes nothing: its
-plan (:func:`gateway.batches.plan.preview`: order, anchors, predicted cost) is the
-answer (:func:`openai_plan`, :func:`anthropic_plan`).
+plan (:func:`gateway.batches.plan.preview`: order, anchors, predicted cost, the
+provider plan of each hosted target the model resolves to) is the answer
+(:func:`openai_plan`, :func:`anthropic_plan`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.batches.plan import measures, preview, units
+from gateway.batches.provider_plan import ProviderOption
 from gateway.batches.send import MESSAGES, OPENAI_ENDPOINTS
 from gateway.batches.store import BatchRow, BatchStore, NewItem
 from gateway.core.errors import InvalidRequest, NotFound
@@ -122,16 +125,29 @@ def dry_run(body: dict[str, Any]) -> bool:
     return flag
 
 
-def openai_plan(store: BatchStore, who: Principal, body: dict[str, Any]) -> dict[str, Any]:
-    """The plan of the batch a ``POST /v1/batches`` body would make, made of nothing."""
+Options = Callable[[str], list[ProviderOption]]  # a model's hosted targets
+
+
+def _options(bodies: list[dict[str, Any]], options: Options | None) -> list[ProviderOption]:
+    """The hosted targets of the batch's model (its first item's: a batch has one)."""
+    model = bodies[0].get("model") if bodies else None
+    return options(model) if options is not None and isinstance(model, str) else []
+
+
+def openai_plan(
+    store: BatchStore, who: Principal, body: dict[str, Any], options: Options | None = None
+) -> dict[str, Any]:
+    """The plan of the batch a ``POST /v1/batches`` body would make, made of nothing;
+    with ``options``, the provider plan of each hosted target its model resolves to."""
     endpoint, lines, _, _ = _openai_lines(store, who, body)
-    return preview(endpoint, [ln.custom_id for ln in lines], [ln.body for ln in lines])
+    bodies = [ln.body for ln in lines]
+    return preview(endpoint, [ln.custom_id for ln in lines], bodies, _options(bodies, options))
 
 
-def anthropic_plan(body: dict[str, Any]) -> dict[str, Any]:
+def anthropic_plan(body: dict[str, Any], options: Options | None = None) -> dict[str, Any]:
     """The plan of the batch a ``POST /v1/messages/batches`` body would make."""
     bodies, items = _anthropic_items(body)
-    return preview(MESSAGES, [i.custom_id for i in items], bodies)
+    return preview(MESSAGES, [i.custom_id for i in items], bodies, _options(bodies, options))
 
 
 def openai_batch(store: BatchStore, who: Principal, body: dict[str, Any]) -> BatchRow:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.batches.cost import predicted
+from gateway.batches.provider_plan import ProviderOption, compare
 from manifest.economics import zipf_coverage
 from manifest.prefix_dag import PrefixDag, Unit
 
@@ -96,13 +97,19 @@ ANCHORS_SHOWN = 10
 
 
 def preview(
-    endpoint: str, custom_ids: Sequence[str], bodies: Sequence[dict[str, Any]]
+    endpoint: str,
+    custom_ids: Sequence[str],
+    bodies: Sequence[dict[str, Any]],
+    options: Sequence[ProviderOption] = (),
 ) -> dict[str, Any]:
     """The plan of a batch before it runs (a dry run, ``vcache plan --batch-file``): its
     measures (with the predicted cost), the send order (each item by its ``custom_id``,
-    the item it waits for, the tokens it reads from it) and the most valuable anchors."""
+    the item it waits for, the tokens it reads from it), the most valuable anchors and,
+    per hosted target in ``options``, the provider plan (online in DAG order against the
+    provider's batch API, :func:`gateway.batches.provider_plan.compare`)."""
     us = units(endpoint, bodies)
     dag = PrefixDag(us)
+    steps = dag.order()
     name = {str(i): cid for i, cid in enumerate(custom_ids)}
     return {
         "object": "batch.plan",
@@ -114,10 +121,11 @@ def preview(
                 "after": name[st.after] if st.after is not None else None,
                 "shared_tokens": st.shared_tokens,
             }
-            for st in dag.order()
+            for st in steps
         ],
         "anchors": [
             {"tokens": a.tokens, "own_tokens": a.own_tokens, "items": a.units}
             for a in dag.anchors(ANCHORS_SHOWN)
         ],
+        "providers": [compare(o, us, steps) for o in options],
     }

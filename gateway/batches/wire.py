@@ -227,3 +227,4 @@ class BatchPlan(_Out):
     plan: dict[str, Any]
     order: list[dict[str, Any]]
     anchors: list[dict[str, Any]]
+    providers: list[dict[str, Any]] = []  # per hosted target: online vs its batch API

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from gateway.batches.intake import dry_run, openai_batch, openai_plan
 from gateway.batches.runner import BatchRunner
+from gateway.batches.targets import BatchTargets
 from gateway.batches.wire import BatchList, BatchObject, BatchPlan, batch_object
 from gateway.core.errors import NotFound
 from gateway.core.types import Principal
@@ -34,6 +35,14 @@ async def batch_runner(request: Request) -> BatchRunner:
 Runner = Annotated[BatchRunner, Depends(batch_runner)]
 
 
+async def batch_targets(request: Request) -> BatchTargets:
+    targets: BatchTargets = request.app.state.batch_targets
+    return targets
+
+
+Targets = Annotated[BatchTargets, Depends(batch_targets)]
+
+
 def _missing(batch_id: str) -> NotFound:
     return NotFound(f"No such Batch object: {batch_id}", param="batch_id")
 
@@ -42,11 +51,17 @@ def _missing(batch_id: str) -> NotFound:
     "/batches", response_model=BatchObject | BatchPlan, responses=errors(400, 401, 404, 413)
 )
 async def create_batch(
-    body: Annotated[dict[str, Any], Depends(json_object)], who: Who, store: Store, runner: Runner
+    body: Annotated[dict[str, Any], Depends(json_object)],
+    who: Who,
+    store: Store,
+    runner: Runner,
+    targets: Targets,
 ) -> BatchObject | BatchPlan:
-    """A batch; with ``"vcache": {"dry_run": true}``, its plan only (nothing made)."""
+    """A batch; with ``"vcache": {"dry_run": true}``, its plan only (nothing made), with
+    the provider plan of each hosted target its model resolves to."""
     if dry_run(body):
-        return BatchPlan.model_validate(await asyncio.to_thread(openai_plan, store, who, body))
+        plan = await asyncio.to_thread(openai_plan, store, who, body, targets.options)
+        return BatchPlan.model_validate(plan)
     row = await asyncio.to_thread(openai_batch, store, who, body)
     runner.wake()
     return batch_object(row)

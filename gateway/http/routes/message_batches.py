@@ -31,7 +31,7 @@ from gateway.core.types import Principal
 from gateway.http import anthropic
 from gateway.http.deps import json_object
 from gateway.http.openapi import anthropic_errors
-from gateway.http.routes.batches import Runner
+from gateway.http.routes.batches import Runner, Targets
 from gateway.http.routes.files import Store
 from gateway.service.auth import require_anthropic_principal
 
@@ -73,11 +73,14 @@ async def create_message_batch(
     who: Who,
     store: Store,
     runner: Runner,
+    targets: Targets,
     _: RequestId,
 ) -> MessageBatchObject | BatchPlan:
-    """A batch; with ``"vcache": {"dry_run": true}``, its plan only (nothing made)."""
+    """A batch; with ``"vcache": {"dry_run": true}``, its plan only (nothing made), with
+    the provider plan of each hosted target its model resolves to."""
     if dry_run(body):
-        return BatchPlan.model_validate(await asyncio.to_thread(anthropic_plan, body))
+        plan = await asyncio.to_thread(anthropic_plan, body, targets.options)
+        return BatchPlan.model_validate(plan)
     row = await asyncio.to_thread(anthropic_batch, store, who, body)
     runner.wake()
     return _object(request, row)

@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 from engines.fake import FakeEngine
 from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
-from tests.unit.batches.conftest import KEY
+from tests.settings import gateway_settings
+from tests.unit.batches.conftest import KEY, keys
 from tests.unit.batches.test_message_batches import params
 from tests.unit.batches.test_openai_batches import ARRIVAL, chat_body, jsonl, line, settings
 
@@ -91,4 +92,40 @@ def test_an_anthropic_dry_run_answers_the_plan(http: tuple[FakeEngine, TestClien
     assert p["object"] == "batch.plan" and p["endpoint"] == "/v1/messages"
     assert [x["custom_id"] for x in p["order"]] == ["a1", "a2", "a3", "b1", "b2", "b3"]
     assert client.get("/v1/messages/batches", headers=headers).json()["data"] == []
+    assert engine.received == []
+
+
+def test_a_dry_run_on_an_alias_with_hosted_targets_shows_the_provider_plan(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """Each hosted target of the model: online in DAG order against its batch API, and
+    the choice; the local target has none; nothing is sent to a provider."""
+    cfg = gateway_settings(
+        grpc_port=None,
+        api_keys=keys(),
+        providers={"anthropic": {"base_url": "http://127.0.0.1:9/v1", "api_key": "unused"}},
+        aliases={"mix": ["local", "anthropic/claude-sonnet-4-5"]},
+    )
+    engine = FakeEngine(tokenizer, max_model_len=1024)
+    long = "Label the sentiment of each review by the rules. " * 200  # ~2.5k tokens
+    requests = [
+        {"custom_id": f"r{i}", "params": {**params("A", f"r{i}"), "model": "mix", "system": long}}
+        for i in range(6)
+    ]
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    with TestClient(create_app(cfg, [engine])) as client:
+        r = client.post(
+            "/v1/messages/batches",
+            headers=headers,
+            json={"requests": requests, "vcache": {"dry_run": True}},
+        )
+    assert r.status_code == 200, r.text
+    [p] = r.json()["providers"]
+    assert p["target"] == "anthropic/claude-sonnet-4-5"
+    assert p["online"]["read_tokens"] > 0 and p["online"]["write_tokens"] > 0
+    assert p["online"]["minutes"] is None  # no headroom known before any answer
+    assert p["batch_api"]["discount"] == 0.5 and p["batch_api"]["ttl"] == "1h"
+    assert p["choice"] in ("online", "batch_api")
+    cheaper = min(("online", "batch_api"), key=lambda k: p[k]["cost"])
+    assert p["choice"] == cheaper
     assert engine.received == []

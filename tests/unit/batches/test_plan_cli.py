@@ -56,3 +56,28 @@ def test_a_file_the_api_refuses_is_refused(
     assert main(["plan", "--batch-file", str(mixed)]) == 1
     assert "mixes endpoints" in capsys.readouterr().err
     assert main(["plan", "--batch-file", str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_targets_get_the_provider_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each --target: online in DAG order (minutes in the given headroom) against its batch
+    API, and the choice; an unknown provider exits 2."""
+    f = tmp_path / "in.jsonl"
+    long = "Label the sentiment of each review by the rules. " * 200
+    bodies = [
+        {
+            **chat_body("A", f"r{i}"),
+            "messages": [{"role": "system", "content": long}, {"role": "user", "content": f"r{i}"}],
+        }
+        for i in range(6)
+    ]
+    f.write_bytes(jsonl([line(f"r{i}", b) for i, b in enumerate(bodies)]))
+    argv = ["plan", "--batch-file", str(f), "--target", "anthropic/claude-sonnet-4-5"]
+    assert main([*argv, "--target", "openai/gpt-5", "--tpm", "30000"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "anthropic/claude-sonnet-4-5: online" in out
+        or "anthropic/claude-sonnet-4-5: batch_api" in out
+    )
+    assert "openai/gpt-5: " in out and "min in the headroom" in out
+    assert "breakpoint TTL 1h" in out
+    assert main([*argv[:3], "--target", "nowhere/x"]) == 2

@@ -1,0 +1,84 @@
+"""The hosted targets a batch's model resolves to, as the provider plan sees them.
+
+:class:`BatchTargets` resolves a model the way the service does (an alias's targets, or
+``provider/model``) and gives each hosted target's cache economics and its rate-limit
+headroom as its last answer reported it (:class:`~gateway.batches.provider_plan.ProviderOption`);
+the local model and unknown names give none.  :func:`option_of` makes one from a
+capability profile (``vcache plan --batch-file --target``, no gateway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engines.providers.ratelimits import RateLimits
+from engines.providers.specs import PROVIDERS
+from gateway.batches.provider_plan import Headroom, ProviderOption
+from gateway.core.errors import APIError
+from gateway.providers.targets import ProviderTarget
+from manifest.planner import CapabilityProfile, Regime
+
+LONG_WRITE_MULT = 2.0  # Anthropic's 1-hour TTL (shared/seeds/001 §5)
+
+
+def headroom_of(limits: RateLimits | None) -> Headroom | None:
+    if limits is None:
+        return None
+    return Headroom(
+        float(limits.requests_remaining) if limits.requests_remaining is not None else None,
+        float(limits.tokens_remaining) if limits.tokens_remaining is not None else None,
+    )
+
+
+def option_of(
+    target: str, profile: CapabilityProfile, headroom: Headroom | None = None
+) -> ProviderOption:
+    explicit = profile.regime is Regime.EXPLICIT
+    return ProviderOption(
+        target,
+        explicit,
+        profile.read_mult,
+        profile.write_mult,
+        LONG_WRITE_MULT if explicit and len(profile.ttl_options_s) > 1 else profile.write_mult,
+        profile.min_prefix_tokens,
+        1 if explicit else profile.granularity,
+        headroom,
+    )
+
+
+def profile_option(target: str, headroom: Headroom | None = None) -> ProviderOption:
+    """``provider/model`` from its provider's documented profile (no gateway)."""
+    provider, _, model = target.partition("/")
+    spec = PROVIDERS.get(provider)
+    if spec is None or not model:
+        raise ValueError(f"{target!r} is not provider/model of a known provider")
+    return option_of(target, spec.profile(model, 300), headroom)
+
+
+class BatchTargets:
+    def __init__(
+        self,
+        resolve: Callable[[str], list[str]],
+        target: Callable[[str], ProviderTarget] | None,
+    ) -> None:
+        self._resolve = resolve
+        self._target = target
+
+    def options(self, model: str) -> list[ProviderOption]:
+        """The hosted targets of ``model``, in its alias's order (none: local only)."""
+        if self._target is None:
+            return []
+        try:
+            names = self._resolve(model)
+        except APIError:
+            return []
+        out = []
+        for name in names:
+            if "/" not in name:
+                continue  # the local model
+            try:
+                t = self._target(name)
+            except (APIError, ValueError, KeyError):
+                continue
+            out.append(option_of(t.name, t.profile, headroom_of(t.client.limits)))
+        return out
