@@ -253,8 +253,9 @@ def gateway_service(
     intake = AttachmentIntake(settings.attachments, objects)  # images: decoded, stored
     chat = chat_targets(local, providers)
     sight = functools.partial(sees, local=local.sees)  # the local model's: a VLM's images
-    loop = ServiceLoop(journal, metrics, chat, settings.routing, intake=intake, can_see=sight)
-    text_loop = ServiceLoop(journal, metrics, text_targets(completions), settings.routing)
+    loop = ServiceLoop(journal, metrics, chat, intake, settings.routing, can_see=sight)
+    text = text_targets(completions)  # text prompts carry no attachments: intake is idle
+    text_loop = ServiceLoop(journal, metrics, text, intake, settings.routing)
     local_name = settings.model_name if local.dispatcher.replicas else None
     targets = Targets(local_name, settings.aliases, list(settings.providers))
     catalog = ModelCatalog(local, targets, settings.model_name)

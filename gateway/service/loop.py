@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
-from gateway.core.config import AttachmentSettings, RoutingSettings
+from gateway.core.config import RoutingSettings
 from gateway.core.errors import APIError
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
@@ -66,19 +66,17 @@ class ServiceLoop:
         journal: Journal,
         metrics: Metrics,
         resolve: Resolve,
+        intake: AttachmentIntake,
         routing: RoutingSettings | None = None,
         can_see: Callable[[str], bool] = sees,
-        intake: AttachmentIntake | None = None,
     ) -> None:
-        """``intake``: by default, the default bounds over the journal's log's store."""
+        """``intake``: the calls' images and documents, decoded and stored (built by the
+        composition root over the session log's store)."""
         self.journal = journal
         self._metrics = metrics
         self._resolve = resolve  # a target name → the Target that serves it
         self.routing = routing or RoutingSettings()
         self._sees = can_see  # a target name → whether it takes images and documents
-        if intake is None:
-            store = journal.log.store.attachments if journal.log is not None else None
-            intake = AttachmentIntake(AttachmentSettings(), store)
         self.intake = intake
 
     async def _order(

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.app import gateway_service, local_chat, session_turns
-from gateway.core.config import Settings
+from gateway.core.config import AttachmentSettings, RoutingSettings, Settings
 from gateway.core.metrics import Metrics
 from gateway.core.tracing import Tracing
 from gateway.local.dispatch import Dispatcher
@@ -17,9 +17,12 @@ from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.spans import KVSpans
+from gateway.service.attachment_intake import AttachmentIntake
 from gateway.service.chat import GatewayService
+from gateway.service.journal import Journal
 from gateway.service.limits import RateLimits
 from gateway.service.local import LocalChat
+from gateway.service.loop import Resolve, ServiceLoop
 from gateway.sessions.log import SessionLog
 from tests.settings import gateway_settings
 
@@ -71,3 +74,18 @@ def service(
     d = dispatcher(replicas, metrics, t, **options)
     chat = local_chat(settings, d, t)
     return gateway_service(settings, chat, metrics, Tracing(), RateLimits(), session_log=log)
+
+
+def loop(
+    journal: Journal,
+    metrics: Metrics,
+    resolve: Resolve,
+    routing: RoutingSettings | None = None,
+    intake: AttachmentIntake | None = None,
+) -> ServiceLoop:
+    """A service loop over ``resolve``'s targets; ``intake`` by default the default bounds
+    over the journal's log's attachments store (as ``gateway/app.py`` builds it)."""
+    if intake is None:
+        store = journal.log.store.attachments if journal.log is not None else None
+        intake = AttachmentIntake(AttachmentSettings(), store)
+    return ServiceLoop(journal, metrics, resolve, intake, routing)

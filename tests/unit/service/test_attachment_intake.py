@@ -362,7 +362,7 @@ class Seen:
 def serve(names: list[str], req: ChatCompletionRequest, log: list[str]) -> Served:
     target = Seen(log)
     intake = AttachmentIntake(AttachmentSettings(), Recording())
-    loop = ServiceLoop(Journal(None), Metrics(), lambda _: target, intake=intake)
+    loop = ServiceLoop(Journal(None), Metrics(), lambda _: target, intake)
 
     async def main() -> Served:
         routed = await loop.first_answer(names, Call(req, Principal(tenant="t"), "r1"))
@@ -407,12 +407,8 @@ def test_a_call_no_target_can_see_is_a_400_naming_the_image(names: list[str]) ->
 
 def test_a_direct_serve_on_the_local_target_refuses_images_by_name() -> None:
     target = Seen([])
-    loop = ServiceLoop(
-        Journal(None),
-        Metrics(),
-        lambda _: target,
-        intake=AttachmentIntake(AttachmentSettings(), None),
-    )
+    intake = AttachmentIntake(AttachmentSettings(), None)
+    loop = ServiceLoop(Journal(None), Metrics(), lambda _: target, intake)
     call = Call(request(image(data_url(PNG))), Principal(tenant="t"), "w1")
 
     async def main() -> None:

@@ -134,7 +134,7 @@ async def world(demo_model: Path, tmp_path: Path, wait_s: float = WAIT_S) -> Asy
         provider,
         control,
         journal,
-        ServiceLoop(journal, metrics, lambda n: w.target(n)),
+        builders.loop(journal, metrics, lambda n: w.target(n)),
         metrics,
     )
     try:

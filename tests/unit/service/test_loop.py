@@ -22,8 +22,8 @@ from gateway.core.schemas import ChatCompletionRequest, ChatMessage
 from gateway.core.target import Call, Quote, Sent
 from gateway.core.types import Principal, Served
 from gateway.service.journal import Journal
-from gateway.service.loop import ServiceLoop
 from manifest.sessionlog import Header, MessageEvent
+from tests.unit import builders
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def _run(
     names: list[str],
     routing: RoutingSettings | None = None,
 ) -> tuple[Any, ...]:
-    loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: targets[name], routing)
+    loop = builders.loop(RecordingJournal(log), Metrics(), lambda name: targets[name], routing)
 
     async def main() -> tuple[str, list[Piece], Served]:
         routed = await loop.first_answer(names, _call())
@@ -217,7 +217,7 @@ def test_a_retry_is_prepared_again_and_journaled_as_its_own_dispatch() -> None:
 
 def test_settled_even_when_the_client_leaves_after_the_usage() -> None:
     log: list[str] = []
-    loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: FakeTarget(log))
+    loop = builders.loop(RecordingJournal(log), Metrics(), lambda name: FakeTarget(log))
 
     async def main() -> None:
         pieces = (await loop.first_answer(["a"], _call())).body.pieces
@@ -233,7 +233,7 @@ def test_settled_even_when_the_client_leaves_after_the_usage() -> None:
 def test_the_claims_go_back_when_the_client_leaves_before_the_first_token() -> None:
     log: list[str] = []
     target = FakeTarget(log, stall=True)
-    loop = ServiceLoop(RecordingJournal(log), Metrics(), lambda name: target)
+    loop = builders.loop(RecordingJournal(log), Metrics(), lambda name: target)
 
     async def main() -> None:
         task = asyncio.create_task(loop.first_answer(["a"], _call()))
@@ -254,7 +254,7 @@ def test_a_journal_that_fails_acquires_nothing() -> None:
             raise Unavailable("the session log is unavailable", code="session_log_unavailable")
 
     target = FakeTarget(log)
-    loop = ServiceLoop(Failing(log), Metrics(), lambda name: target)
+    loop = builders.loop(Failing(log), Metrics(), lambda name: target)
     with pytest.raises(Unavailable):
         asyncio.run(loop.first_answer(["a"], _call()))
     assert log == ["admit", "prepare a chatcmpl-1", "open t", "release"] and not target.claims
