@@ -8,12 +8,19 @@ start), loaded at run time (the admin routes), learned from a replica that holds
 one).  Which replica holds which adapter is kept per engine: a restarted replica's
 new engine is asked again (an embedded one holds its configured adapters again).
 
-Routing prefers the replicas that hold a request's adapter (:meth:`Adapters.where`);
-the block hashes carry the adapter (``("lora", name, path)``), so among them the
-one with its prefix warm wins as for the base model.  A replica chosen that does
-not hold it loads it first (:meth:`Adapters.ensure`): concurrent first requests
-for one adapter on one replica wait for the one load.  A load that fails is a 400
-naming why (the engine's own message), and the replica keeps serving.
+Routing (:meth:`Adapters.candidates`, the policy in
+:mod:`gateway.local.adapter_placement`) sends a request to the replicas that hold
+its adapter or are loading it, and to one that must load it only where the cache
+hit it gives outweighs the load (measured per adapter: bytes, seconds); with none
+holding it, to those that can load it.  The block hashes carry the adapter
+(``("lora", name, path)``), so among them the one with its prefix warm wins as for
+the base model.  A replica chosen that does not hold it loads it first
+(:meth:`Adapters.ensure`): concurrent first requests for one adapter wait for the
+one load.  A load onto a replica whose slots (vLLM's ``max_cpu_loras``) are full lets
+its least recently used adapter go first, never one that is leased (pinned spans
+under it, :meth:`Adapters.lease`): the engine's own LRU eviction would not ask.  A
+load that fails is a 400 naming why (the engine's own message), and the replica
+keeps serving.
 
 The session log records the adapter a request ran under (name, path and the sha256
 of its weights files, :func:`weights_digest`), so a replay can tell that the
@@ -32,20 +39,30 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from engines.base import Engine
+from engines.base import Engine, GenerateRequest
 from engines.errors import EngineError, EngineInputError
 from engines.lora import AdapterEngine, LoraRef
 from gateway.core.errors import InvalidRequest, NotFound, Unavailable, from_engine_error
+from gateway.local.adapter_placement import LoadCost, Option, load_tokens, place
 from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
+from gateway.local.spans import image_spans
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
+PREFILL_S_PER_TOKEN = 1e-3  # what routing weighs a load against (a CPU engine's order)
+
+
+def weights_bytes(path: str | Path) -> int:
+    """The bytes of an adapter's files (0: no such directory)."""
+    root = Path(path)
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
 def weights_digest(path: str | Path) -> str | None:
@@ -78,12 +95,15 @@ class Adapters:
         resolver_dir: Path | None = None,
         enabled: bool = False,
         slots: int | None = None,
+        prefill_s_per_token: float = PREFILL_S_PER_TOKEN,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``base``: the served name of the base model (an adapter may not take it);
         ``configured``: the adapters every embedded engine loads at its start;
         ``enabled``: the local engines run with LoRA (else nothing is an adapter);
         ``slots``: the adapters an engine holds before loading one lets another go
-        (vLLM's max_cpu_loras; None: not known)."""
+        (vLLM's max_cpu_loras; None: not known); ``prefill_s_per_token``: what a
+        load's seconds are worth in prompt tokens, for routing."""
         self._replicas = replicas
         self.base = base
         self.enabled = enabled
@@ -96,6 +116,15 @@ class Adapters:
         self._loads: dict[tuple[LocationId, str], asyncio.Task[None]] = {}
         # the sha256 of each adapter's weights as last read (None: not readable here)
         self._digests: dict[LoraRef, str | None] = {}
+        self._prefill_s = prefill_s_per_token
+        self._clock = clock
+        self.costs: dict[str, LoadCost] = {}  # each adapter's last load, measured
+        # per replica and adapter name: its last use (a counter, for LRU), its leases
+        # (owner -> until, on the clock)
+        self._used: dict[tuple[LocationId, str], int] = {}
+        self._uses = 0
+        self._leases: dict[tuple[LocationId, str], dict[str, float]] = {}
+        self.evictions = 0  # adapters let go to make room for a load
         self.loads = 0  # adapter loads sent to engines (the first requests' included)
 
     # ---------------------------------------------------------------- lookup
@@ -144,19 +173,78 @@ class Adapters:
                 out.add(r.id)
         return out
 
-    def candidates(self, adapter: LoraRef) -> set[LocationId]:
-        """Where a request under ``adapter`` goes first: the replicas that hold it; when
-        none does, those that can load it without letting another adapter go (a free
-        slot); empty when neither is known (any replica then)."""
+    def candidates(self, adapter: LoraRef, greq: GenerateRequest | None = None) -> set[LocationId]:
+        """Where a request under ``adapter`` (``greq``: its prompt, for the cache hit
+        each replica gives) may go: :func:`~gateway.local.adapter_placement.place` over
+        the replicas, each holding it (or loading it now), able to load it (a free slot,
+        or an unleased adapter to let go) or neither; empty when none qualifies (any
+        replica then)."""
         holding = self.where(adapter)
-        if holding or self._slots is None:
-            return holding
-        out: set[LocationId] = set()
-        for r in self._replicas.replicas:
-            held = self._held.get(r.id)
-            if held is not None and held[0] is r.engine and len(held[1]) < self._slots:
-                out.add(r.id)
-        return out
+        loading = {rid for rid, name in self._loads if name == adapter.name}
+        cached: Mapping[LocationId, int] = {}
+        kv = self._replicas.kv
+        if greq is not None and kv is not None:
+            hashes = kv.hashes(greq.prompt_token_ids, greq.cache_salt, adapter, image_spans(greq))
+            cached = kv.predict(hashes, greq.num_prompt_tokens)
+        options = [
+            Option(
+                r.id,
+                cached.get(r.id, 0),
+                r.id in holding or r.id in loading,
+                self._loadable(r),
+                self._free(r),
+            )
+            for r in self._replicas.replicas
+        ]
+        prompt = greq.num_prompt_tokens if greq is not None else 0
+        load = load_tokens(self.costs.get(adapter.name), self._prefill_s)
+        return place(options, prompt, load, adapter.name)
+
+    def _free(self, replica: Replica) -> bool:
+        """Whether ``replica`` has a free adapter slot (with its slots not known, yes)."""
+        held = self._current(replica)
+        return self._slots is None or (held is not None and len(held) < self._slots)
+
+    def _loadable(self, replica: Replica) -> bool:
+        """Whether ``replica`` can load one more adapter: a free slot, or one it holds
+        that is not leased (to let go); with its slots not known, yes."""
+        held = self._current(replica)
+        if self._slots is None:
+            return True
+        if held is None:
+            return False
+        return len(held) < self._slots or any(not self.leased(replica.id, n) for n in held)
+
+    # --------------------------------------------------------------- leases
+
+    def lease(self, replica: LocationId, name: str, owner: str, lease_s: float) -> None:
+        """``owner`` holds spans under the adapter ``name`` on ``replica`` for
+        ``lease_s``: the adapter is not let go there to make room until it ends (or
+        :meth:`unlease`)."""
+        self._leases.setdefault((replica, name), {})[owner] = self._clock() + lease_s
+
+    def leased_on(self, name: str) -> list[str]:
+        """The replicas where a live lease keeps the adapter ``name``."""
+        return sorted(r.id for r in self._replicas.replicas if self.leased(r.id, name))
+
+    def unlease(self, replica: LocationId, name: str, owner: str) -> None:
+        held = self._leases.get((replica, name))
+        if held is not None:
+            held.pop(owner, None)
+            if not held:
+                del self._leases[(replica, name)]
+
+    def leased(self, replica: LocationId, name: str) -> bool:
+        """Whether a lease on ``name``'s spans on ``replica`` is live (expired ones go)."""
+        held = self._leases.get((replica, name))
+        if not held:
+            return False
+        now = self._clock()
+        for owner in [o for o, until in held.items() if until <= now]:
+            del held[owner]
+        if not held:
+            del self._leases[(replica, name)]
+        return bool(held)
 
     def residency(self) -> dict[str, list[str]]:
         """Adapter name -> the replicas known to hold it (what the admin route shows)."""
@@ -209,6 +297,8 @@ class Adapters:
         held = self._current(replica)
         if held is None:
             held = await self.learn(replica)
+        self._uses += 1
+        self._used[(replica.id, adapter.name)] = self._uses
         if held.get(adapter.name) != adapter:
             key = (replica.id, adapter.name)
             task = self._loads.get(key)
@@ -242,8 +332,11 @@ class Adapters:
                 param="model",
                 code="lora_disabled",
             )
+        await self._make_room(replica, engine, adapter.name)
         self.loads += 1
         digest = await asyncio.to_thread(weights_digest, adapter.path)
+        size = await asyncio.to_thread(weights_bytes, adapter.path)
+        t0 = self._clock()
         try:
             await engine.load_adapter(adapter)
         except EngineInputError as exc:
@@ -254,8 +347,35 @@ class Adapters:
             raise from_engine_error(exc) from exc
         log.info("replica %s: adapter %s loaded from %s", replica.id, adapter.name, adapter.path)
         self._digests[adapter] = digest  # what the engine read now
+        self.costs[adapter.name] = LoadCost(size, self._clock() - t0)
         await self.learn(replica)
         self._known[adapter.name] = adapter
+
+    async def _make_room(self, replica: Replica, engine: AdapterEngine, name: str) -> None:
+        """With ``replica``'s slots full, let its least recently used adapter that is
+        not leased go before ``name`` is loaded (the engine's own eviction would take
+        the least recently used, leased or not); a 503 when every one is leased."""
+        held = self._current(replica) or {}
+        if self._slots is None or len(held) < self._slots or name in held:
+            return
+        free = [n for n in held if not self.leased(replica.id, n)]
+        if not free:
+            raise Unavailable(
+                f"every adapter slot on replica {replica.id} holds a leased adapter "
+                f"({', '.join(sorted(held))}): '{name}' cannot be loaded there until a "
+                "lease ends",
+                code="adapter_slots_leased",
+                retry_after_s=5,
+            )
+        victim = min(free, key=lambda n: self._used.get((replica.id, n), 0))
+        try:
+            gone = await engine.unload_adapter(victim)
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+        if gone:
+            self.evictions += 1
+            log.info("replica %s: adapter %s let go to load %s", replica.id, victim, name)
+        await self.learn(replica)
 
     def _targets(self, replica_id: str | None) -> list[Replica]:
         if replica_id is None:

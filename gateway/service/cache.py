@@ -3,7 +3,10 @@
 Spans are named by a prompt (``messages``, ``prompt`` or ``token_ids``,
 rendered and hashed exactly as a request would be) or by explicit
 ``block_hashes`` (hex).  They belong to the caller's tenant unless a global
-admin names another ``tenant``: the tenant is part of every block hash.  An
+admin names another ``tenant``: the tenant is part of every block hash.  A ``model``
+that names a LoRA adapter names that adapter's spans (its blocks are keyed by it):
+a pin under it also keeps the adapter on the replica while the pin's lease lasts
+(a full replica lets another adapter go to load one, never a leased one).  An
 admin key's scope is its own tenant; raw block hashes, which can name any
 tenant's span, need a global admin key (``scope: global``).
 
@@ -21,6 +24,7 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engines.lora import LoraRef
 from gateway.core.completion_request import CompletionRequest, TextPrompt
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import (
@@ -149,14 +153,23 @@ WarmLocal = Callable[[Call], Awaitable[tuple[Served, Usage, tuple[int, ...]]]]
 
 
 class _Spans:
-    """A cache request resolved to tokens (when given), block hashes and replicas."""
+    """A cache request resolved to tokens (when given), block hashes (under the adapter
+    ``model`` names, if it names one) and replicas."""
 
-    def __init__(self, body: CacheRequest, who: Principal, tokens: list[int] | None, kv: KVSpans):
+    def __init__(
+        self,
+        body: CacheRequest,
+        who: Principal,
+        tokens: list[int] | None,
+        kv: KVSpans,
+        lora: LoraRef | None = None,
+    ):
         self.salt = tenant_salt(body.tenant or who.tenant)
         self.tokens = tokens
+        self.lora = lora
         self.hashes: list[BlockHash]
         if self.tokens is not None:
-            self.hashes = kv.hashes(self.tokens, self.salt)
+            self.hashes = kv.hashes(self.tokens, self.salt, lora)
         else:
             try:
                 self.hashes = [from_hex(h) for h in body.block_hashes or []]
@@ -219,7 +232,7 @@ class CacheService:
             tokens = await local.text_tokens(body.prompt, add_special_tokens=True)  # as completions
         elif body.token_ids:
             tokens = local.check_token_ids(list(body.token_ids), "token_ids")
-        return kv, _Spans(body, who, tokens, kv)
+        return kv, _Spans(body, who, tokens, kv, local.adapter(body.model))
 
     @staticmethod
     def require_admin(who: Principal) -> None:
@@ -260,6 +273,12 @@ class CacheService:
         await kv.sync(barrier=True)
         owner = who.key_name or who.tenant
         results = [await kv.pin(r, spans.hashes, owner, body.lease_s) for r in spans.replicas]
+        adapters = self._local.adapters
+        if spans.lora is not None and adapters is not None:  # not let go while pinned
+            for p in results:
+                if p.pinned:
+                    lease = body.lease_s or kv.default_lease_s
+                    adapters.lease(p.replica, spans.lora.name, owner, lease)
         return PinResponse(
             owner=owner,
             lease_s=body.lease_s or kv.default_lease_s,
@@ -275,6 +294,10 @@ class CacheService:
     async def unpin(self, body: CacheRequest, who: Principal) -> UnpinResponse:
         kv, spans = await self._spans(body, who)
         owner = who.key_name or who.tenant
+        adapters = self._local.adapters
+        if spans.lora is not None and adapters is not None:
+            for r in spans.replicas:
+                adapters.unlease(r, spans.lora.name, owner)
         return UnpinResponse(
             replicas=[
                 ReplicaUnpins(replica=r, unpinned=await kv.unpin(r, spans.hashes, owner))
@@ -361,7 +384,8 @@ class CacheService:
         replica = LocationId(served.dispatch.replica_id)
         await kv.sync(barrier=True)  # the blocks it stored are in the index
         salt = tenant_salt(tenant)
-        after = kv.predict(kv.hashes(ids, salt), len(ids) + 1).get(replica, 0)
+        lora = self._local.adapter(body.model)  # an adapter's warm: its own blocks
+        after = kv.predict(kv.hashes(ids, salt, lora), len(ids) + 1).get(replica, 0)
         before = usage.prompt_tokens_details.cached_tokens
         return WarmResponse(replica=replica, cached_tokens_before=before, cached_tokens_after=after)
 

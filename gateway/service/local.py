@@ -480,7 +480,7 @@ class LocalChat:
         with trace.step("route") as span:
             lora, among = greq.lora, set[LocationId]()
             if lora is not None and self.adapters is not None:
-                among = self.adapters.candidates(lora)  # its replicas, else a free slot
+                among = self.adapters.candidates(lora, greq)  # see adapter_placement
             d = await self.dispatcher.route(greq, route, session, lease_blocks, among)
             if lora is not None and self.adapters is not None:
                 try:  # loaded there first (once, however many wait for it)

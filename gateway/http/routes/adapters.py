@@ -59,6 +59,10 @@ class AdapterEntry(BaseModel):
     lora_name: str
     lora_path: str
     replicas: list[str]  # the replicas that hold it now
+    sha256: str | None = None  # of its weights files as last read (None: not on this host)
+    leased: list[str] = []  # the replicas where pinned spans under it keep it loaded
+    load_bytes: int | None = None  # its last load, measured (None: not loaded by vcache)
+    load_seconds: float | None = None
 
 
 class AdapterList(BaseModel):
@@ -94,13 +98,24 @@ async def unload_lora_adapter(
 
 @router.get("/lora_adapters", responses=errors(400, 401, 403, 503))
 async def lora_adapters(who: Admin, svc: Service) -> AdapterList:
-    """Each adapter known, its path and the replicas that hold it now (a 400 when the
-    local engines run without LoRA)."""
+    """Each adapter known: its path, the replicas that hold it now, the sha256 of its
+    weights, where leases keep it and what its last load cost (a 400 when the local
+    engines run without LoRA)."""
     adapters = svc.local.served_adapters()
     await adapters.learn_all()
     where = adapters.residency()
-    data = [
-        AdapterEntry(lora_name=a.name, lora_path=a.path, replicas=where.get(a.name, []))
-        for a in adapters.listed()
-    ]
+    data = []
+    for a in adapters.listed():
+        cost = adapters.costs.get(a.name)
+        data.append(
+            AdapterEntry(
+                lora_name=a.name,
+                lora_path=a.path,
+                replicas=where.get(a.name, []),
+                sha256=adapters.digest(a),
+                leased=adapters.leased_on(a.name),
+                load_bytes=cost.bytes if cost is not None else None,
+                load_seconds=round(cost.seconds, 4) if cost is not None else None,
+            )
+        )
     return AdapterList(data=data)

@@ -136,8 +136,12 @@ def test_load_and_unload_at_run_time_by_an_admin(
     assert r.json()["replicas"] == ["replica-0"] and engine.held["ad-n"].path == str(new)
     ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
     assert "ad-n" in ids
-    listed = http.get("/v1/lora_adapters", headers=admin).json()["data"]
-    assert {"lora_name": "ad-n", "lora_path": str(new), "replicas": ["replica-0"]} in listed
+    listed = {
+        e["lora_name"]: e for e in http.get("/v1/lora_adapters", headers=admin).json()["data"]
+    }
+    n = listed["ad-n"]
+    assert (n["lora_path"], n["replicas"], n["leased"]) == (str(new), ["replica-0"], [])
+    assert n["sha256"] == weights_digest(new) and n["load_bytes"] > 0
     r = http.post("/v1/chat/completions", json={"model": "ad-n", "messages": MESSAGES})
     assert r.status_code == 200 and engine.received[-1].lora == LoraRef("ad-n", str(new))
     gone = {"lora_name": "ad-n"}
