@@ -52,15 +52,6 @@ from manifest.session_tips import TipPlan
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class CallTelemetry:
-    """Filled in as a call runs: what the provider reported and what was settled."""
-
-    usage: ProviderUsage | None = None
-    settlement: Settlement | None = None
-    cached_content: str | None = None
-
-
 @dataclass(frozen=True)
 class PlannedCall:
     """A call planned and rendered for one target: what is sent (and journaled first)."""
@@ -242,30 +233,29 @@ class ProviderPath:
         rendered = p.target.client.adapter.render(p.call, directives)
         return dataclasses.replace(p, handle=None, directives=directives, rendered=rendered)
 
-    async def send(self, p: PlannedCall, out: CallTelemetry) -> AsyncGenerator[Delta, None]:
-        """One attempt at the provider (its client retries transient failures); ``out``
-        holds the usage once it ends."""
-        out.cached_content = p.directives.cached_content
+    async def send(self, p: PlannedCall) -> AsyncGenerator[Delta, None]:
+        """One attempt at the provider (its client retries transient failures): its
+        deltas, the last with the usage the provider reported (what :meth:`settle`
+        folds)."""
         async with aclosing(self._send(p.target, p.rendered)) as deltas:
             async for d in deltas:
                 p.release()  # the answer began: the provider has written the prefix
-                out.usage = d.usage or out.usage
                 yield d
 
     def failed(self, t: ProviderTarget) -> None:
         """A call that did not complete (its error is the caller's to raise)."""
         self._metrics.provider_requests.labels(t.name, "error").inc()
 
-    def settle(self, p: PlannedCall, request_id: str, out: CallTelemetry) -> None:
-        """Verify, then account: fold the provider's usage telemetry into the belief."""
+    def settle(self, p: PlannedCall, request_id: str, u: ProviderUsage | None) -> Settlement | None:
+        """Verify, then account: fold the usage the provider reported (``u``; None: it
+        reported none, nothing is folded) into the belief; what was settled."""
         t, m = p.target, self._metrics
         m.provider_requests.labels(t.name, "ok").inc()
         if p.tip is not None and self.control is not None:
             self.control.tips.end(p.tip)  # the session's pause begins
-        if out.usage is None:
-            return
-        u = out.usage
-        out.settlement = s = self.book.settle(
+        if u is None:
+            return None
+        s = self.book.settle(
             request_id,
             p.view,
             t.profile,
@@ -291,6 +281,7 @@ class ProviderPath:
                 s.broken_at,
                 s.broken_part,
             )
+        return s
 
     async def _send(self, t: ProviderTarget, r: Rendered) -> AsyncGenerator[Delta, None]:
         if r.stream:

@@ -20,7 +20,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engines.errors import EngineError
@@ -32,7 +32,7 @@ from gateway.core.outputs import Usage
 from gateway.core.pieces import Piece, Pieces, ToolCallDelta
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.target import Call, Quote, Sent
-from gateway.providers.path import CallTelemetry, PlannedCall, ProviderPath
+from gateway.providers.path import PlannedCall, ProviderPath
 from gateway.providers.targets import ProviderTarget
 from gateway.sessions.render import (
     SystemLayouts,
@@ -46,9 +46,21 @@ from manifest.sessionlog import Header, MessageEvent
 
 
 def usage_of(u: ProviderUsage | None) -> Usage:
+    """The provider's reported usage in the API's terms (zeros, with no cache writes
+    stated, when it reported none: :func:`reported` reads that back)."""
     if u is None:
         return Usage.of(0, 0, 0)
     return Usage.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cache_write_tokens)
+
+
+def reported(u: Usage) -> ProviderUsage | None:
+    """What :func:`usage_of` was given: the provider's usage (None when it reported none,
+    the one case its cache writes are not stated)."""
+    written = u.prompt_tokens_details.cache_write_tokens
+    if written is None:
+        return None
+    cached = u.prompt_tokens_details.cached_tokens
+    return ProviderUsage(u.prompt_tokens, cached, written, u.completion_tokens)
 
 
 def _local_only_parameters(req: ChatCompletionRequest) -> None:
@@ -116,7 +128,6 @@ class ProviderPrepared:
     request_id: str
     t0: float
     lint: tuple[str, ...] = ()
-    outcome: CallTelemetry = field(default_factory=CallTelemetry)  # the provider's own telemetry
     placement: None = None
 
     @property
@@ -228,10 +239,12 @@ class ProviderChat:
         timing = _Timing(self.metrics, p.planned.call.model, p.target, p.t0)
         trace.begin("dispatch", target=p.target)
         first = True
+        usage: ProviderUsage | None = None  # the provider's, with its last delta
         try:
             with self._failures(t):
-                async with aclosing(self.path.send(p.planned, p.outcome)) as deltas:
+                async with aclosing(self.path.send(p.planned)) as deltas:
                     async for d in deltas:
+                        usage = d.usage or usage
                         if first:  # the first token
                             trace.finish("dispatch")
                             trace.begin("generate")
@@ -246,7 +259,7 @@ class ProviderChat:
         # what planning decided and handed over (a Gemini cached content to create or
         # delete), now that the answer is in and before it ends
         await self.path.cached_contents.run(p.planned.actions)
-        yield Piece(usage=usage_of(p.outcome.usage))
+        yield Piece(usage=usage_of(usage))
 
     def retry(self, p: ProviderPrepared, error: Exception) -> ProviderPrepared | None:
         """A cached-content handle the provider no longer knows (a false warm): the same
@@ -258,8 +271,9 @@ class ProviderChat:
         if inline is None:
             return None
         rid = f"{p.call.request_id}-1"
-        return dataclasses.replace(p, planned=inline, request_id=rid, outcome=CallTelemetry())
+        return dataclasses.replace(p, planned=inline, request_id=rid)
 
     def settle(self, p: ProviderPrepared, usage: Usage) -> None:
-        """Verify, then account: the provider's own telemetry into the belief."""
-        self.path.settle(p.planned, p.call.request_id, p.outcome)
+        """Verify, then account: the usage the provider reported (as the answer's last
+        piece carried it) into the belief."""
+        self.path.settle(p.planned, p.call.request_id, reported(usage))
