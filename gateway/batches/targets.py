@@ -10,12 +10,12 @@ capability profile (``vcache plan --batch-file --target``, no gateway).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from engines.providers.ratelimits import RateLimits
 from engines.providers.specs import PROVIDERS
 from gateway.batches.provider_plan import Headroom, ProviderOption
 from gateway.core.errors import APIError
-from gateway.providers.targets import ProviderTarget
 from manifest.planner import CapabilityProfile, Regime
 
 LONG_WRITE_MULT = 2.0  # Anthropic's 1-hour TTL (shared/seeds/001 §5)
@@ -55,11 +55,31 @@ def profile_option(target: str, headroom: Headroom | None = None) -> ProviderOpt
     return option_of(target, spec.profile(model, 300), headroom)
 
 
+class Reports(Protocol):
+    @property
+    def limits(self) -> RateLimits | None:
+        """The headroom the provider's last answer reported."""
+        ...
+
+
+class HostedTarget(Protocol):
+    """What the plan reads of a provider target (``gateway.providers.targets``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def profile(self) -> CapabilityProfile: ...
+
+    @property
+    def client(self) -> Reports: ...
+
+
 class BatchTargets:
     def __init__(
         self,
         resolve: Callable[[str], list[str]],
-        target: Callable[[str], ProviderTarget] | None,
+        target: Callable[[str], HostedTarget] | None,
     ) -> None:
         self._resolve = resolve
         self._target = target

@@ -47,6 +47,7 @@ class LimitSpec(BaseModel):
 class BatchRulesSpec(BaseModel):
     delay_s: float = Field(1.0, ge=0)
     parallel: int = Field(16, ge=1)
+    wave_s: float = Field(0.0, ge=0)
 
 
 class Advance(BaseModel):
@@ -79,7 +80,7 @@ async def set_limits(spec: LimitSpec, request: Request) -> dict[str, object]:
 async def set_batch_rules(spec: BatchRulesSpec, request: Request) -> dict[str, object]:
     """How long a batch takes (emulator seconds) and how many of its items run side by
     side (a wave does not read its own cache writes)."""
-    state_of(request).batch_book.rules = BatchRules(spec.delay_s, spec.parallel)
+    state_of(request).batch_book.rules = BatchRules(spec.delay_s, spec.parallel, spec.wave_s)
     return spec.model_dump()
 
 

@@ -18,10 +18,13 @@ class BatchRules:
     """``delay_s``: emulator seconds from a batch's creation until it has run (its items
     are answered on the first read after that); ``parallel``: items answered side by side
     in one wave, which do not read each other's cache writes (caching inside a batch is
-    best effort: only a later wave reads an earlier wave's prefixes)."""
+    best effort: only a later wave reads an earlier wave's prefixes); ``wave_s``: emulator
+    seconds each wave takes (the clock moves on while a long batch runs, so a prefix
+    written early may expire before an item late in the batch reads it)."""
 
     delay_s: float = 1.0
     parallel: int = 16
+    wave_s: float = 0.0
 
 
 @dataclass

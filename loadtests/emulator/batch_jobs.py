@@ -1,19 +1,19 @@
 """Running a batch job: its items answered as the online endpoint would, in waves.
 
 A job runs once its ``delay_s`` (emulator time, :class:`~.batch_book.BatchRules`) has
-passed since its creation, on the first read of it after that (no background task:
-a test moves the clock and reads).  Its items are answered in the order they were
-given, ``parallel`` at a time: the items of one wave read the cache as the earlier
-waves left it and write their own prefixes only once the wave is over, so a batch's
-caching is best effort, as the providers document it (a batch sent in the order of its
-shared prefixes reads more of them than one in arrival order).  The cache is the
-provider's own (a batch reads what online requests wrote, and the reverse); rate limits
-do not apply (a batch has its own queue), and the tokens are billed on the provider's
-``-batch`` bill (``openai-batch``, ``anthropic-batch``), priced at
-:data:`~.batch_book.BATCH_DISCOUNT` of the online price.
+passed since its creation, on the first read of it after that (no background task: a
+test moves the clock and reads). Its items are answered in the order they were given,
+``parallel`` at a time (each wave moving the clock on by ``wave_s``): the items of one
+wave read the cache as the earlier waves left it and write their own prefixes only once
+the wave is over, so a batch's caching is best effort, as the providers document it (a
+batch sent in the order of its shared prefixes reads more of them than one in arrival
+order). The cache is the provider's own (a batch reads what online requests wrote, and
+the reverse); rate limits do not apply (a batch has its own queue), and the tokens are
+billed on the provider's ``-batch`` bill (``openai-batch``, ``anthropic-batch``), priced
+at :data:`~.batch_book.BATCH_DISCOUNT` of the online price.
 
-An item's answer is the body the online endpoint would have sent (its usage, cache
-reads and writes included) or the error body it would have answered with.
+An item's answer is the body the online endpoint would have sent (its usage, cache reads
+and writes included) or the error body it would have answered with.
 """
 
 from __future__ import annotations
@@ -61,13 +61,16 @@ def settle(state: EmulatorState, job: Job) -> None:
 
 def run(state: EmulatorState, job: Job) -> None:
     """Answer every item, in waves (see the module)."""
-    step = max(1, state.batch_book.rules.parallel)
+    rules = state.batch_book.rules
+    step = max(1, rules.parallel)
     for start in range(0, len(job.items), step):
         pending: list[Any] = []
         for item in job.items[start : start + step]:
             answer(state, job, item, pending)
         for store, key, n, ttl in pending:
             store.write(key, n, ttl)
+        if rules.wave_s:
+            state.clock.advance(rules.wave_s)
 
 
 def answer(state: EmulatorState, job: Job, item: Item, pending: list[Any]) -> None:

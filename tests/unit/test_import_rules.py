@@ -127,6 +127,20 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
     "manifest.identity": ({"loadtests.bench_manifest"}, "the manifest benchmark, in process"),
     "manifest.index": ({"loadtests.bench_manifest"}, "the manifest benchmark, in process"),
     "manifest.records": ({"loadtests.bench_manifest"}, "the manifest benchmark, in process"),
+    "gateway.batches.plan": (
+        {"loadtests.batch_workload"},
+        "the batch workload orders its items as the batch runner does, in process",
+    ),
+    "gateway.batches.provider_plan": (
+        {"loadtests.batch_workload"},
+        "the batch workload prints the provider plan's prediction beside what it measured",
+    ),
+    "gateway.batches.targets": (
+        {"loadtests.batch_workload"},
+        "the provider plan's option for each provider, from its documented profile",
+    ),
+    "manifest.prefix_dag": ({"loadtests.batch_workload"}, "the batch's DAG order, in process"),
+    "manifest.economics": ({"loadtests.batch_workload"}, "H(7,s)/H(V,s) beside the measured"),
 }
 
 

@@ -1,0 +1,281 @@
+"""The held-out batch workload (issue 52) on the provider emulator: what ordering a batch
+by its prefix DAG buys, against arrival order and against the provider's batch API.
+
+``python -m loadtests.batch_workload [--units 10000] [--anchors 1000] [--out PATH]``
+
+The workload: ``units`` work units of 10-50 tokens, each under one of ``anchors``
+anchors (a system prompt of 1-4k tokens), the anchor drawn from Zipf(s) over the
+anchors, for s = 0.8, 1.0 and 1.74; the units arrive in random order.  On each
+provider (Anthropic, with a breakpoint on the anchor; OpenAI, automatic caching) three
+arms send the same requests to the emulator (in process, over its HTTP API):
+
+- **dag**: online, in the order of the batch's prefix DAG as vcache's batch runner
+  walks it (:func:`gateway.batches.plan.units`, :meth:`PrefixDag.order`): an anchor's
+  units back to back;
+- **arrival**: online, in arrival order;
+- **batch_api**: the provider's batch API given the units in arrival order (no
+  ordering): items in waves of ``--parallel`` that do not read each other's writes,
+  each wave taking ``--wave-s`` emulator seconds; billed at half price.
+
+Online requests are paced at what the rate-limit headroom allows (design note §5.5:
+``min(R, X/P̄)`` requests a minute, ``--rpm`` and ``--tpm``), the emulator's clock
+moved on by that pace between requests, so an anchor whose units are spread out expires
+between them (5 minutes: Anthropic's short TTL, OpenAI's in-memory retention).  Billed
+cost is in input-token equivalents at the online price (uncached 1, cache read ``r``,
+cache write ``w``: Anthropic r 0.1, 5m write 1.25; OpenAI r 0.5, writes free, as
+``manifest.planner``'s profiles have them); output tokens, one per request, are left
+out.  Beside each measured cost, the provider plan's prediction
+(:mod:`gateway.batches.provider_plan`) of the dag and batch_api arms.  Top-7 coverage is
+measured (the share of units under the 7 most used anchors) against H(7,s)/H(V,s).
+
+Prints a table and writes the figures as JSON to ``--out``.  The local-replica arm (a
+vLLM engine) is not run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gateway.batches.plan import units as plan_units
+from gateway.batches.provider_plan import ProviderOption, compare
+from gateway.batches.targets import profile_option
+from loadtests.emulator.app import create_app
+from loadtests.emulator.batch_book import BATCH_DISCOUNT, BatchBook, BatchRules
+from loadtests.emulator.state import EmulatorState
+from manifest.economics import zipf_coverage
+from manifest.prefix_dag import PrefixDag
+
+KEY = "workload-key"
+MODELS = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-5"}
+PRICES = {  # read, 5m write, 1h write (input-token equivalents)
+    "anthropic": (0.1, 1.25, 2.0),
+    "openai": (0.5, 1.0, 1.0),
+}
+WORDS = "cache prefix token block warm anchor replica model stream byte ledger plan".split()
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    """About ``tokens`` of the emulator's tokens (4 bytes each)."""
+    out: list[str] = []
+    size = 0
+    while size < tokens * 4:
+        w = rng.choice(WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)
+
+
+def workload(
+    units: int, anchors: int, s: float, seed: int
+) -> tuple[list[str], list[int], list[str]]:
+    """The anchors' texts, each unit's anchor (arrival order) and each unit's own text."""
+    rng = random.Random(seed)
+    texts = [f"anchor {j}: " + _text(rng, rng.randint(1000, 4000)) for j in range(anchors)]
+    weights = [(j + 1) ** -s for j in range(anchors)]
+    which = rng.choices(range(anchors), weights=weights, k=units)
+    own = [f"unit {i}: " + _text(rng, rng.randint(10, 50)) for i in range(units)]
+    return texts, which, own
+
+
+def body(provider: str, anchor: str, text: str) -> dict[str, Any]:
+    if provider == "anthropic":
+        system = [{"type": "text", "text": anchor, "cache_control": {"type": "ephemeral"}}]
+        return {
+            "model": MODELS[provider],
+            "max_tokens": 1,
+            "system": system,
+            "messages": [{"role": "user", "content": text}],
+        }
+    return {
+        "model": MODELS[provider],
+        "max_tokens": 1,
+        "messages": [{"role": "system", "content": anchor}, {"role": "user", "content": text}],
+    }
+
+
+def cost(provider: str, bill: dict[str, Any], discount: float = 1.0) -> float:
+    r, w5, w1 = PRICES[provider]
+    tokens = [float(bill[k]) for k in ("uncached", "read", "write", "write_long")]
+    return discount * (tokens[0] + r * tokens[1] + w5 * tokens[2] + w1 * tokens[3])
+
+
+def headers(provider: str) -> dict[str, str]:
+    if provider == "anthropic":
+        return {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    return {"authorization": f"Bearer {KEY}"}
+
+
+async def online(
+    provider: str, bodies: list[dict[str, Any]], order: list[int], pace_s: float
+) -> dict[str, Any]:
+    """Send ``bodies`` in ``order``, one at a time, the emulator's clock moved on by
+    ``pace_s`` before each; the bill."""
+    state = EmulatorState(api_key=KEY, answer_words=1)
+    app = create_app(state)
+    path = "/v1/messages" if provider == "anthropic" else "/v1/chat/completions"
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://emulator"
+    ) as http:
+        for i in order:
+            state.clock.advance(pace_s)
+            r = await http.post(path, json=bodies[i], headers=headers(provider))
+            r.raise_for_status()
+    return state.bill(provider).view()
+
+
+async def batch_api(
+    provider: str, bodies: list[dict[str, Any]], parallel: int, wave_s: float
+) -> dict[str, Any]:
+    """The bodies, in arrival order, through the provider's batch API; the bill."""
+    rules = BatchRules(delay_s=0.0, parallel=parallel, wave_s=wave_s)
+    state = EmulatorState(api_key=KEY, answer_words=1, batch_book=BatchBook(rules))
+    app = create_app(state)
+    h = headers(provider)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://emulator", timeout=600
+    ) as http:
+        if provider == "anthropic":
+            reqs = [{"custom_id": f"u{i}", "params": b} for i, b in enumerate(bodies)]
+            r = await http.post("/v1/messages/batches", json={"requests": reqs}, headers=h)
+            r.raise_for_status()
+            done = await http.get(f"/v1/messages/batches/{r.json()['id']}", headers=h)
+            assert done.json()["processing_status"] == "ended", done.text
+        else:
+            lines = [
+                {"custom_id": f"u{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}
+                for i, b in enumerate(bodies)
+            ]
+            data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
+            f = await http.post(
+                "/v1/files",
+                files={"file": ("in.jsonl", data)},
+                data={"purpose": "batch"},
+                headers=h,
+            )
+            f.raise_for_status()
+            spec = {
+                "input_file_id": f.json()["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            }
+            r = await http.post("/v1/batches", json=spec, headers=h)
+            r.raise_for_status()
+            done = await http.get(f"/v1/batches/{r.json()['id']}", headers=h)
+            assert done.json()["status"] == "completed", done.text
+    return state.bill(f"{provider}-batch").view()
+
+
+def pace(rpm: float, tpm: float, bodies: list[dict[str, Any]]) -> float:
+    """Seconds between online requests inside the headroom: 60 / min(R, X/P̄)."""
+    mean = sum(len(json.dumps(b)) / 4 for b in bodies) / max(1, len(bodies))
+    return 60.0 / min(rpm, tpm / max(mean, 1.0))
+
+
+async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
+    texts, which, own = workload(args.units, args.anchors, s, args.seed)
+    counts = Counter(which)
+    top7 = sum(c for _, c in counts.most_common(7)) / len(which)
+    out: dict[str, Any] = {
+        "s": s,
+        "units": args.units,
+        "anchors": args.anchors,
+        "anchors_used": len(counts),
+        "top7_coverage": round(top7, 4),
+        "top7_coverage_zipf": round(zipf_coverage(7, args.anchors, s), 4),
+        "providers": {},
+    }
+    for provider in args.providers:
+        bodies = [body(provider, texts[a], own[i]) for i, a in enumerate(which)]
+        endpoint = "/v1/messages" if provider == "anthropic" else "/v1/chat/completions"
+        us = plan_units(endpoint, bodies)
+        dag = PrefixDag(us)
+        steps = dag.order()
+        order = [int(st.unit) for st in steps]
+        arrival = list(range(len(bodies)))
+        gap = pace(args.rpm, args.tpm, bodies)
+        t0 = time.perf_counter()
+        bills = {
+            "dag": await online(provider, bodies, order, gap),
+            "arrival": await online(provider, bodies, arrival, gap),
+            "batch_api": await batch_api(provider, bodies, args.parallel, args.wave_s),
+        }
+        costs = {
+            "dag": cost(provider, bills["dag"]),
+            "arrival": cost(provider, bills["arrival"]),
+            "batch_api": cost(provider, bills["batch_api"], BATCH_DISCOUNT),
+        }
+        option: ProviderOption = profile_option(f"{provider}/{MODELS[provider]}")
+        plan = compare(option, us, steps)
+        out["providers"][provider] = {
+            "pace_s": round(gap, 3),
+            "measured_s": round(dag.concentration() or 0.0, 3),
+            "bills": bills,
+            "cost": {k: round(v, 1) for k, v in costs.items()},
+            "predicted": {
+                "dag": plan["online"]["cost"],
+                "batch_api": plan["batch_api"]["cost"],
+                "arrival": plan["arrival_order"],
+                "choice": plan["choice"],
+            },
+            "wall_s": round(time.perf_counter() - t0, 1),
+        }
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'s':>5} {'provider':<10}{'dag':>13}{'arrival':>13}{'batch_api':>13}"
+        f"{'dag/arrival':>12}{'pred dag':>12}{'pred batch':>12}  {'top7':>6}{'H(7,s)/H(V,s)':>15}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        for p, v in r["providers"].items():
+            c, pr = v["cost"], v["predicted"]
+            lines.append(
+                f"{r['s']:>5} {p:<10}{c['dag']:>13,.0f}{c['arrival']:>13,.0f}"
+                f"{c['batch_api']:>13,.0f}{c['dag'] / c['arrival']:>12.3f}"
+                f"{pr['dag']:>12,.0f}{pr['batch_api']:>12,.0f}  {r['top7_coverage']:>6.1%}"
+                f"{r['top7_coverage_zipf']:>15.1%}"
+            )
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [await run_s(args, s) for s in args.s]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--units", type=int, default=10_000)
+    p.add_argument("--anchors", type=int, default=1_000)
+    p.add_argument("--s", type=float, nargs="+", default=[0.8, 1.0, 1.74])
+    p.add_argument("--providers", nargs="+", default=["anthropic", "openai"])
+    p.add_argument("--rpm", type=float, default=2000.0, help="requests/min of headroom")
+    p.add_argument("--tpm", type=float, default=200_000.0, help="input tokens/min of headroom")
+    p.add_argument("--parallel", type=int, default=16, help="batch API: items per wave")
+    p.add_argument("--wave-s", type=float, default=2.0, help="batch API: seconds per wave")
+    p.add_argument("--seed", type=int, default=52)
+    p.add_argument("--out", type=Path, default=Path("batch_workload.json"))
+    args = p.parse_args(argv)
+    results = asyncio.run(main_async(args))
+    print(table(results))
+    args.out.write_text(
+        json.dumps(
+            {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1
+        )
+    )
+    print(f"\nwritten: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
