@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from gateway.core.completion_request import TextPrompt
 from gateway.core.errors import InvalidRequest
@@ -45,6 +45,7 @@ from gateway.core.types import Placement, Principal, RouteOverride
 from manifest.sessionlog import Header, MessageEvent
 
 P = TypeVar("P", bound="Prepared")
+M = TypeVar("M")  # a target's memo: what it computed to quote, for its prepare
 
 
 def _untraced() -> RequestTrace:
@@ -103,22 +104,23 @@ class Sent:
 
 
 @dataclass(frozen=True)
-class Quote:
+class Quote(Generic[M]):
     """What serving a call on one target is expected to cost, known before anything is
     planned or sent: the prompt's tokens, how many the target is expected to read from
     cache (the exact index on the local replicas, the warmth belief on a provider), and
     the target's prices (the uncached input price per million tokens, in the unit the
     deployment chose, and the cache's read price as a multiple of it).
 
-    ``memo``: what the target computed to quote (token ids, a rendered prompt view),
-    handed back to its ``prepare`` so that nothing is rendered twice."""
+    ``memo``: what the target computed to quote (token ids, a rendered prompt view), of
+    the target's own type ``M``, handed back to its ``prepare`` so that nothing is
+    rendered twice (None: nothing to hand back).  The loop never reads it."""
 
     target: str
     prompt_tokens: int
     cached_tokens: float  # expected: a belief's tokens weighed by its probability
     input_price: float
     read_mult: float = 1.0
-    memo: Any = field(default=None, compare=False, repr=False)
+    memo: M | None = field(default=None, compare=False, repr=False)
 
     @property
     def rate(self) -> float:
@@ -173,18 +175,19 @@ class Target(Protocol[P]):
         priority first)."""
         ...
 
-    async def quote(self, name: str, call: Call) -> Quote | None:
+    async def quote(self, name: str, call: Call) -> Quote[Any] | None:
         """What ``call`` would cost on target ``name`` now, from what is known (no I/O:
         awaited only for a render off the event loop; no side effects: a target not
         chosen is left as it was); None where it cannot say (not ready, or the call is
         one it refuses: its prepare says why)."""
         ...
 
-    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> P:
+    async def prepare(self, name: str, call: Call, quote: Quote[Any] | None = None) -> P:
         """Plan and render ``call`` for target ``name`` (``quote``: this target's, when
-        the call was quoted); errors in the API's terms.  Decides only: it claims nothing
-        and waits for nothing (awaited only for a render off the event loop), so a call
-        that goes no further (its journal fails, its client leaves) leaves nothing behind."""
+        the call was quoted, its memo of the target's own type); errors in the API's
+        terms.  Decides only: it claims nothing and waits for nothing (awaited only for a
+        render off the event loop), so a call that goes no further (its journal fails, its
+        client leaves) leaves nothing behind."""
         ...
 
     async def acquire(self, prepared: P) -> P:

@@ -312,7 +312,7 @@ class LocalChat:
     def admission(self, call: Call) -> AbstractContextManager[None]:
         return self.dispatcher.admit(call.who.priority)
 
-    async def quote(self, name: str, call: Call) -> Quote | None:
+    async def quote(self, name: str, call: Call) -> Quote[list[int]] | None:
         """The prompt's tokens and the most of them a serving replica holds now (the
         exact index as it stands: no sync, nothing routed), at the local price."""
         if not self.ready:
@@ -332,7 +332,9 @@ class LocalChat:
             cached = self.dispatcher.held(prompt, salt, self.adapter(req.model), spans)
         return Quote(name, len(prompt), cached, self.input_price, memo=ids)
 
-    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> LocalPrepared:
+    async def prepare(
+        self, name: str, call: Call, quote: Quote[list[int]] | None = None
+    ) -> LocalPrepared:
         """Tokenize with the model's template, check the context and a forced replica.
         Nothing is routed or claimed: that is :meth:`acquire`, after the journal."""
         t0 = time.perf_counter()

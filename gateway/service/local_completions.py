@@ -99,7 +99,7 @@ class LocalCompletions:
     def admission(self, call: Call) -> AbstractContextManager[None]:
         return self.local.admission(call)
 
-    async def quote(self, name: str, call: Call) -> Quote | None:
+    async def quote(self, name: str, call: Call) -> Quote[list[int]] | None:
         """The prompt's tokens and the most of them a serving replica holds now, at the
         local price (as a chat's quote)."""
         local = self.local
@@ -115,7 +115,9 @@ class LocalCompletions:
             cached = local.dispatcher.held(ids, salt)
         return Quote(name, len(ids), cached, local.input_price, memo=ids)
 
-    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> TextPrepared:
+    async def prepare(
+        self, name: str, call: Call, quote: Quote[list[int]] | None = None
+    ) -> TextPrepared:
         """Tokenize the prompt (or check its ids), truncate it where asked, check the
         context and a forced replica.  Nothing is routed or claimed: that is
         :meth:`acquire`, after the journal."""

@@ -81,15 +81,15 @@ class ServiceLoop:
 
     async def _order(
         self, names: Sequence[str], call: Call, served: Served
-    ) -> list[tuple[str, Quote | None]]:
+    ) -> list[tuple[str, Quote[Any] | None]]:
         """``names`` in the order they are tried, each with its quote: cheapest first when
         every target can quote (else, and under ``routing.by: order``, the alias order).
         A first target that quotes nothing to pay (the local replicas at price 0) cannot
         be beaten: the rest are not quoted and follow in alias order."""
-        alias: list[tuple[str, Quote | None]] = [(n, None) for n in names]
+        alias: list[tuple[str, Quote[Any] | None]] = [(n, None) for n in names]
         if len(names) < 2 or self.routing.by == "order":
             return alias
-        quotes: list[Quote] = []
+        quotes: list[Quote[Any]] = []
         with call.trace.step("quote"):
             for n in names:
                 q = await self._resolve(n).quote(n, call)
@@ -156,7 +156,7 @@ class ServiceLoop:
                 served.fallback_from += (name,)
         raise AssertionError("no targets")  # Targets.resolve never returns an empty list
 
-    def serve(self, name: str, call: Call, quote: Quote | None = None) -> Routed[Pieces]:
+    def serve(self, name: str, call: Call, quote: Quote[Any] | None = None) -> Routed[Pieces]:
         """One target's answer (not started: the pieces run it) and where it is served:
         admitted, prepared, journaled, acquired, sent, settled; every claim given back on
         the way out (see the module)."""
@@ -169,7 +169,7 @@ class ServiceLoop:
         calls: Sequence[Call],
         served: Served,
         join: Join | None = None,
-        quote: Quote | None = None,
+        quote: Quote[Any] | None = None,
     ) -> Pieces:
         """One target's answer to a request served as the engine requests ``calls``:
         admitted once (as the one request they make), each prepared before any is

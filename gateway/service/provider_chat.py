@@ -21,10 +21,9 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass
-from typing import Any
 
 from engines.errors import EngineError
-from engines.providers.base import Delta, ProviderUsage
+from engines.providers.base import ChatCall, Delta, ProviderUsage
 from engines.providers.errors import ProviderNotFound
 from gateway.core.errors import APIError, InvalidRequest, from_engine_error
 from gateway.core.metrics import Metrics
@@ -32,6 +31,7 @@ from gateway.core.outputs import Usage
 from gateway.core.pieces import Piece, Pieces, ToolCallDelta
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.target import Call, Quote, Sent
+from gateway.providers.book import PromptView
 from gateway.providers.path import PlannedCall, ProviderPath
 from gateway.providers.targets import ProviderTarget
 from gateway.sessions.render import (
@@ -43,6 +43,10 @@ from gateway.sessions.render import (
     request_parts,
 )
 from manifest.sessionlog import Header, MessageEvent
+
+# a call as the log keeps it (its header and turns), the provider-neutral call, its lint
+_Parts = tuple[Header, tuple[MessageEvent, ...], ChatCall, list[str]]
+_Memo = tuple[_Parts, PromptView]  # a quote's: the parts and the prompt's plain view
 
 
 def usage_of(u: ProviderUsage | None) -> Usage:
@@ -171,9 +175,7 @@ class ProviderChat:
                 raise from_engine_error(exc) from exc
             raise
 
-    def _call(
-        self, name: str, call: Call
-    ) -> tuple[Header, tuple[MessageEvent, ...], Any, list[str]]:
+    def _call(self, name: str, call: Call) -> _Parts:
         """The header and turns the log keeps, the provider-neutral call, its lint."""
         req = call.chat
         _local_only_parameters(req)
@@ -185,7 +187,7 @@ class ProviderChat:
         chat, lint = provider_call(header, turns, self.layouts, request_attachments(req))
         return header, turns, chat, lint
 
-    async def quote(self, name: str, call: Call) -> Quote | None:
+    async def quote(self, name: str, call: Call) -> Quote[_Memo] | None:
         """The prompt's estimated tokens and those believed warm (weighed by the belief's
         probability), at the target's prices: nothing planned, nothing counted."""
         try:
@@ -196,17 +198,20 @@ class ProviderChat:
         view = self.path.view(t, parts[2], call.who.tenant)
         believed = self.path.book.believed(view)
         cached = believed.tokens * believed.probability
-        memo = (parts, view)  # rendered once: its prepare takes them
+        memo: _Memo = (parts, view)  # rendered once: its prepare takes them
         return Quote(name, view.total_tokens, cached, t.input_price, t.profile.read_mult, memo=memo)
 
-    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> ProviderPrepared:
+    async def prepare(
+        self, name: str, call: Call, quote: Quote[_Memo] | None = None
+    ) -> ProviderPrepared:
         """Plan the cache and render once: the header and turns the log keeps, the
         provider-neutral call, the planner's breakpoints and directives.  Nothing waits
         and nothing is claimed (the fan-in hold is :meth:`acquire`)."""
         t0 = time.perf_counter()
         t = self.path.target(name)  # 404 / 503 before anything else
         req = call.chat
-        parts, view = quote.memo if quote is not None else (self._call(name, call), None)
+        memo = quote.memo if quote is not None else None
+        parts, view = memo if memo is not None else (self._call(name, call), None)
         header, turns, chat, lint = parts
         tenant = call.who.tenant
         with call.trace.step("plan", target=name) as span, self._failures(t):

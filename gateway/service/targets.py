@@ -19,6 +19,7 @@ target of its model can see is a 400 naming the first image
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from engines.providers import specs
 from gateway.core.config import LOCAL_TARGET
@@ -63,7 +64,7 @@ def can_fall_back(exc: APIError) -> bool:
     return isinstance(exc, Unavailable | RateLimited) or exc.status >= 500
 
 
-def by_cost(names: Sequence[str], quotes: Sequence[Quote], margin: float) -> list[str]:
+def by_cost(names: Sequence[str], quotes: Sequence[Quote[Any]], margin: float) -> list[str]:
     """``names`` (in alias order) ordered by their quotes' price per prompt token: each
     place goes to the earliest target left whose rate, less ``margin`` of it, is at most
     the cheapest one's.  A later target moves ahead only when it is clearly cheaper (a

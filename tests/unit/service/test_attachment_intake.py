@@ -334,11 +334,11 @@ class Seen:
         assert isinstance(call.request, ChatCompletionRequest)
         return all(p.attachment is not None for _, p in call.request.attachment_parts())
 
-    async def quote(self, name: str, call: Call) -> Quote | None:
+    async def quote(self, name: str, call: Call) -> Quote[None] | None:
         self.log.append(f"quote {name} taken={self._taken(call)}")
         return Quote(name, 100, 0, 1.0)
 
-    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> Prepared:
+    async def prepare(self, name: str, call: Call, quote: Quote[None] | None = None) -> Prepared:
         self.log.append(f"prepare {name}")
         return Prepared(name, call.request_id)
 

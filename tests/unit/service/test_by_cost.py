@@ -8,14 +8,12 @@ from gateway.core.target import Quote
 from gateway.service.targets import by_cost
 
 
-def _q(
-    name: str, cached: float, price: float = 1.0, read: float = 0.1, write: float = 1.0
-) -> Quote:
-    return Quote(name, 10_000, cached, price, read, write)
+def _q(name: str, cached: float, price: float = 1.0, read: float = 0.1) -> Quote[None]:
+    return Quote(name, 10_000, cached, price, read)
 
 
 def test_cost_reads_the_cached_tokens_and_prices_the_rest_uncached() -> None:
-    q = Quote("anthropic/m", 10_000, 8_000, 3.0, 0.1)
+    q: Quote[None] = Quote("anthropic/m", 10_000, 8_000, 3.0, 0.1)
     # 8,000 read at 0.1 and 2,000 uncached, at 3 per million
     assert q.cost == pytest.approx(3.0 * (800 + 2_000) / 1e6)
     assert Quote("local", 10_000, 8_000, 0.0).cost == 0.0
@@ -26,7 +24,8 @@ def test_cost_reads_the_cached_tokens_and_prices_the_rest_uncached() -> None:
 def test_targets_are_compared_per_prompt_token_not_by_their_estimates() -> None:
     """One prompt estimated at 120 tokens in one provider's format and 80 in another's,
     both cold at one price: the same rate, so the alias order stands."""
-    a, b = Quote("a", 120, 0, 1.0, 0.1), Quote("b", 80, 0, 1.0, 0.1)
+    a: Quote[None] = Quote("a", 120, 0, 1.0, 0.1)
+    b: Quote[None] = Quote("b", 80, 0, 1.0, 0.1)
     assert a.rate == b.rate and a.cost > b.cost
     assert by_cost(["a", "b"], [a, b], 0.1) == ["a", "b"]
 

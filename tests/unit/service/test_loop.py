@@ -69,13 +69,13 @@ class FakeTarget:
     def admission(self, call: Call) -> AbstractContextManager[None]:
         return self._admitted()
 
-    async def quote(self, name: str, call: Call) -> Quote | None:
+    async def quote(self, name: str, call: Call) -> Quote[str] | None:
         self.log.append(f"quote {name}")
         if self.cached is None:
             return None
         return Quote(name, 1000, self.cached, self.price, 0.1, memo=f"memo {name}")
 
-    async def prepare(self, name: str, call: Call, quote: Quote | None = None) -> FakePrepared:
+    async def prepare(self, name: str, call: Call, quote: Quote[str] | None = None) -> FakePrepared:
         memo = f" ({quote.memo})" if quote is not None else ""
         self.log.append(f"prepare {name} {call.request_id}{memo}")
         return FakePrepared(name, call.request_id, notes={"x-vcache-note": name})
