@@ -30,10 +30,11 @@ from gateway.core.config import Priority
 from gateway.core.errors import NotFound, Unavailable, from_engine_error
 from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
+from gateway.core.tracing import RequestTrace
 from gateway.core.types import RouteOverride
 from gateway.local.admission import Admission
 from gateway.local.fairness import Entry, FairGate, gates
-from gateway.local.preempt import Held, chunks
+from gateway.local.preempt import Held, started
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.refresh import Refresh
 from gateway.local.replica_set import ReplicaSet
@@ -52,13 +53,15 @@ def hash_tokens(tokens: Sequence[int]) -> int:
     return zlib.crc32(array("I", tokens).tobytes())
 
 
-@dataclass
+@dataclass(frozen=True)
 class Totals:
+    """A request's count at its end, :meth:`Dispatcher.run`'s last output."""
+
     prompt: int = 0
     cached: int = 0
     completion: int = 0
     finish_reason: str = "stop"
-    phases: dict[str, float] | None = None  # where its TTFT went (gateway/local/ttft.py)
+    phases: Mapping[str, float] | None = None  # where its TTFT went (gateway/local/ttft.py)
 
     def usage(self) -> Usage:
         return Usage.of(self.prompt, self.completion, self.cached)
@@ -292,20 +295,32 @@ class Dispatcher:
         return self.kv.predict(hashes, greq.num_prompt_tokens)
 
     async def run(
-        self, greq: GenerateRequest, d: Dispatch, endpoint: str, t0: float, totals: Totals
-    ) -> AsyncGenerator[GenerateChunk, None]:
-        """Stream from the chosen replica (inside :meth:`admit`); fold usage as it arrives.
-        Until its first token, its prompt is a running prefill others may wait for; the
-        blocks it was predicted to read are the last its replica evicts.  What it claims
-        (the replica's in-flight count, a place in the fair gate, the room keeper) and
-        ``d``'s prefill registration are given back in one ``finally``, however it ends
-        (also cancelled while it waits for room or for its place)."""
+        self,
+        greq: GenerateRequest,
+        d: Dispatch,
+        endpoint: str,
+        t0: float,
+        trace: RequestTrace | None = None,
+    ) -> AsyncGenerator[GenerateChunk | Totals, None]:
+        """Stream from the chosen replica (inside :meth:`admit`): the engine's chunks,
+        then, last, the request's :class:`Totals`.  Until its first token, its prompt is a
+        running prefill others may wait for; the blocks it was predicted to read are the
+        last its replica evicts.  What it claims (the replica's in-flight count, a place in
+        the fair gate, the room keeper) and ``d``'s prefill registration are given back in
+        one ``finally``, however it ends (also cancelled while it waits for room or for its
+        place).  ``trace``: its ``dispatch`` step ends at the first token (with the TTFT's
+        phases), its ``generate`` step at the last."""
         stamps = Stamps(t0, time.perf_counter())
         gate = self._gates.get(d.replica.id)
         held = Held(None)  # its place in the gate: a higher class may stop its prefill
         keeper: asyncio.Task[None] | None = None
         counted = False  # in the replica's in-flight count
+        prompt = cached = completion = 0
+        finish = "stop"
+        phases: dict[str, float] | None = None
         m = self._metrics
+        if trace is not None:
+            trace.begin("dispatch", replica=d.replica_id)
         try:
             if self._touch(d):
                 await asyncio.sleep(0)  # the touch is sent before the request
@@ -319,14 +334,6 @@ class Dispatcher:
                 held.entry = await self._enter(gate, greq, d, tenant)
                 if waits and self._touch(d):  # others ran meanwhile: touched again
                     await asyncio.sleep(0)
-            first = True
-            cached_known = False
-            itl = m.inter_token.labels(self.model, "local", d.replica_id)
-            per_token = greq.sampling.stream_interval is None  # else outputs come coalesced
-            prompt_tokens = m.prompt_tokens.labels(self.model, d.replica_id)
-            completion_tokens = m.completion_tokens.labels(self.model, d.replica_id)
-            last = t0
-            stops = m.prefill_stops.labels(d.replica_id)
             if self.make_room is not None and self.kv is not None:
                 keeper = keep_room(
                     self.make_room,
@@ -344,42 +351,56 @@ class Dispatcher:
             def enter(g: FairGate) -> Awaitable[Entry]:
                 return self._enter(g, greq, d, tenant)
 
-            attempts = chunks(send, gate, held, enter, stops.inc)
+            stops = m.prefill_stops.labels(d.replica_id)
             try:
-                async with aclosing(attempts) as stream:
-                    async for chunk in stream:
-                        now = time.perf_counter()
-                        if not first and per_token:
-                            itl.observe(now - last)
-                        last = now
-                        if first:
-                            totals.phases = stamps.phases(chunk.core_times, now)
-                            self._first_output(d, chunk, endpoint, now - t0, greq.priority, totals)
-                            self.prefills.finish(d.prefill)
-                            if keeper is not None:
-                                keeper.cancel()
-                            if gate is not None and held.entry is not None:
-                                gate.first_token(held.entry)
-                            totals.prompt = chunk.num_prompt_tokens
-                            prompt_tokens.inc(totals.prompt)
-                            first = False
-                        if chunk.num_cached_tokens is not None and not cached_known:
-                            # embedded engines know it at the first token, remote ones at the end
-                            totals.cached = chunk.num_cached_tokens
-                            m.cached_tokens.labels(self.model, d.replica_id).inc(totals.cached)
-                            if not held.stops:  # a stopped prefill stored blocks since routing
-                                self._fold_prediction(d, totals.cached)
-                            cached_known = True
-                        totals.completion += len(chunk.token_ids)
-                        completion_tokens.inc(len(chunk.token_ids))
-                        if chunk.finish_reason is not None:
-                            totals.finish_reason = chunk.finish_reason
+                stream, chunk = await started(send, gate, held, enter, stops.inc)
+                async with aclosing(stream):
+                    if chunk is not None:  # the first token: the prefill is done
+                        last = time.perf_counter()
+                        phases = stamps.phases(chunk.core_times, last)
+                        ph = phases or {}
+                        self._first_output(d, chunk, endpoint, last - t0, greq.priority, ph)
+                        self.prefills.finish(d.prefill)
+                        if keeper is not None:
+                            keeper.cancel()
+                        if gate is not None and held.entry is not None:
+                            gate.first_token(held.entry)
+                        prompt = chunk.num_prompt_tokens
+                        if chunk.num_cached_tokens is not None:
+                            # embedded engines know it at the first token, remote ones later
+                            cached = self._cached(d, chunk.num_cached_tokens, held.stops)
+                        completion = len(chunk.token_ids)
+                        finish = chunk.finish_reason or finish
+                        if trace is not None:
+                            attrs = {f"ttft.{k}_s": v for k, v in ph.items()}
+                            trace.finish("dispatch", cached_tokens=cached, **attrs)
+                            trace.begin("generate")
                         yield chunk
+                        itl = m.inter_token.labels(self.model, "local", d.replica_id)
+                        # outputs come coalesced for an answer sent whole: no gap to time
+                        per_token = greq.sampling.stream_interval is None
+                        cached_known = chunk.num_cached_tokens is not None
+                        async for chunk in stream:  # the per-token path: kept lean
+                            n = len(chunk.token_ids)
+                            if per_token:
+                                now = time.perf_counter()
+                                itl.observe((now - last) / max(n, 1))  # a coalesced output's
+                                last = now  # gap is its tokens' (the engine merged them)
+                            if not cached_known and chunk.num_cached_tokens is not None:
+                                cached = self._cached(d, chunk.num_cached_tokens, held.stops)
+                                cached_known = True
+                            completion += n
+                            if chunk.finish_reason is not None:
+                                finish = chunk.finish_reason
+                            yield chunk
             except EngineError as exc:
                 raise from_engine_error(exc) from exc
             except (GeneratorExit, asyncio.CancelledError):
                 m.aborted.labels(endpoint).inc()  # the client went away
                 raise
+            if trace is not None:
+                trace.finish("generate", completion_tokens=completion)
+            yield Totals(prompt, cached, completion, finish, phases)
         finally:
             if counted:
                 d.replica.inflight -= 1
@@ -387,7 +408,20 @@ class Dispatcher:
             if keeper is not None:
                 keeper.cancel()
             if gate is not None and held.entry is not None:
-                gate.leave(held.entry, totals.completion)
+                gate.leave(held.entry, completion)
+            if prompt:  # counted once a request, not per token
+                m.prompt_tokens.labels(self.model, d.replica_id).inc(prompt)
+            if completion:
+                m.completion_tokens.labels(self.model, d.replica_id).inc(completion)
+
+    def _cached(self, d: Dispatch, cached: int, stops: int) -> int:
+        """The engine reported ``cached`` prompt tokens read from its prefix cache: counted,
+        and folded into the prediction's record (not after a stopped prefill, which stored
+        blocks since routing)."""
+        self._metrics.cached_tokens.labels(self.model, d.replica_id).inc(cached)
+        if not stops:
+            self._fold_prediction(d, cached)
+        return cached
 
     def _touch(self, d: Dispatch) -> bool:
         """Touch the blocks ``d`` predicts its request reads (False: nothing to touch)."""
@@ -419,14 +453,14 @@ class Dispatcher:
         endpoint: str,
         ttft_s: float,
         priority: int,
-        totals: Totals,
+        phases: Mapping[str, float],
     ) -> None:
         """The engine prefilled the prompt: its blocks are stored (see ``KVSpans.answered``)."""
         if self.kv is not None:
             self.kv.answered(d.replica.id, d.hashes)
         m = self._metrics
         m.ttft.labels(endpoint, self.model, "local", d.replica_id).observe(ttft_s)
-        for phase, s in (totals.phases or {}).items():
+        for phase, s in phases.items():
             m.ttft_phase.labels(phase, priority_class(priority)).observe(s)
         if (core := chunk.core_times) is not None:  # queued → scheduled in the engine core
             m.queue_time.labels(self.model, d.replica_id).observe(core.scheduled_s - core.queued_s)

@@ -4,7 +4,7 @@ vLLM schedules its running requests before its waiting ones, so a batch
 prompt already in prefill shares every step of an interactive prompt that
 arrives after it (priority scheduling preempts only when KV blocks run out).
 The fair gate tells such a request to stop (:attr:`Entry.stop`, set when a
-higher class enters); :func:`chunks` then aborts it in the engine before its
+higher class enters); :func:`started` then aborts it in the engine before its
 first token, gives its slot back (:meth:`FairGate.withdraw`) and enters the
 gate again, where it waits behind the higher class.  The blocks it had
 computed stay in vLLM's prefix cache: the next attempt starts from them.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,31 +60,34 @@ async def first_or_stop(
     return nxt.result()
 
 
-async def chunks(
+async def started(
     open_stream: Callable[[], AsyncGenerator[GenerateChunk, None]],
     gate: FairGate | None,
     held: Held,
     enter: Callable[[FairGate], Awaitable[Entry]],
     stopped: Callable[[], None],
-) -> AsyncGenerator[GenerateChunk, None]:
-    """The engine's chunks for one request; until its first, a stop from ``gate`` aborts
-    it, and it enters the gate again (``enter``) and starts over (``stopped`` counts)."""
+) -> tuple[AsyncGenerator[GenerateChunk, None], GenerateChunk | None]:
+    """One request's engine stream, open, and its first chunk (None: it ended without
+    one); the caller reads the rest from the stream itself (nothing of this module on
+    the per-token path) and closes it.  Until that first chunk, a stop from ``gate``
+    aborts the request, and it enters the gate again (``enter``) and starts over
+    (``stopped`` counts)."""
     while True:
         e = held.entry
-        if gate is None or not gate.preempt or e is None or held.stops >= MAX_STOPS:
-            async with aclosing(open_stream()) as stream:
-                async for c in stream:
-                    yield c
-            return
-        if not e.stop.is_set():
-            async with aclosing(open_stream()) as stream:
-                first = await first_or_stop(stream, e.stop)
-                if first != "stopped":
-                    if isinstance(first, GenerateChunk):
-                        yield first
-                        async for c in stream:
-                            yield c
-                    return
+        stop = None if gate is None or not gate.preempt or e is None else e.stop
+        if held.stops >= MAX_STOPS:
+            stop = None  # it runs on
+        if stop is None or not stop.is_set():
+            stream = open_stream()
+            try:
+                first = await (anext(stream, None) if stop is None else first_or_stop(stream, stop))
+            except BaseException:
+                await stream.aclose()
+                raise
+            if first != "stopped":
+                return stream, first
+            await stream.aclose()
+        assert gate is not None and e is not None  # (a stop needs both)
         held.stops += 1
         stopped()
         held.entry = None

@@ -507,20 +507,16 @@ class LocalChat:
     ) -> Pieces:
         """The engine's outputs as answer pieces; ``length_as_stop``: an answer the
         operator's ceiling cut ends as the model's own end would."""
-        totals = Totals()
-        trace.begin("dispatch", replica=d.replica_id)
         first = True
         started: set[int] = set()  # the samples whose first piece went out
-        async with aclosing(self.dispatcher.run(greq, d, endpoint, t0, totals)) as chunks:
-            async for c in chunks:
-                head = first
+        async with aclosing(self.dispatcher.run(greq, d, endpoint, t0, trace)) as outputs:
+            async for c in outputs:
+                if isinstance(c, Totals):  # the last: the answer's usage
+                    yield Piece(usage=c.usage())
+                    continue
+                head, first = first, False  # the first: what the engine knew at the start
                 new = c.index not in started
                 started.add(c.index)
-                if first:  # the first token: the engine scheduled and prefilled it
-                    phases = {f"ttft.{k}_s": v for k, v in (totals.phases or {}).items()}
-                    trace.finish("dispatch", cached_tokens=c.num_cached_tokens or 0, **phases)
-                    trace.begin("generate")
-                    first = False
                 finish = c.finish_reason
                 if length_as_stop and finish == "length":
                     finish = "stop"
@@ -536,8 +532,6 @@ class LocalChat:
                     prompt_token_ids=greq.prompt_token_ids if new else None,
                     prompt_logprobs=c.prompt_logprobs,
                 )
-        trace.finish("generate", completion_tokens=totals.completion)
-        yield Piece(usage=totals.usage())
 
     # ---------------------------------------------------------- limits
 

@@ -16,7 +16,7 @@ from engines.vllm.placement import HostUnits
 from gateway.core.config import Settings
 from gateway.core.metrics import Metrics
 from gateway.local import build
-from gateway.local.dispatch import Dispatch, Dispatcher, Totals
+from gateway.local.dispatch import Dispatch, Dispatcher
 from gateway.local.fairness import FairGate, Scope
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
@@ -124,7 +124,7 @@ def _two_replicas(demo_model: Path, shares: str | None) -> tuple[list[str], list
 
         async def send(greq: GenerateRequest, replica: Replica) -> None:
             d = Dispatch(replica, replica.id, None)
-            async for _ in dispatcher.run(greq, d, "chat", 0.0, Totals()):
+            async for _ in dispatcher.run(greq, d, "chat", 0.0):
                 if greq.request_id not in firsts:
                     firsts.append(greq.request_id)
 

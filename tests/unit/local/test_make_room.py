@@ -19,7 +19,7 @@ from engines.tokenizer import ChatTokenizer
 from gateway.core.config import RetentionSettings
 from gateway.core.metrics import Metrics
 from gateway.local import room
-from gateway.local.dispatch import Dispatch, Dispatcher, Totals
+from gateway.local.dispatch import Dispatch, Dispatcher
 from gateway.local.pauses import SessionTurns
 from gateway.local.replicas import Replica
 from gateway.local.retention import BreakpointLeases
@@ -200,7 +200,7 @@ def test_the_dispatcher_makes_room_before_the_engine_hears_of_the_request(
         prompt = tuple(range(1, 41))  # 40 tokens: 2 full blocks of 16, 3 blocks held
         greq = GenerateRequest("r1", prompt, SamplingOptions(max_tokens=20, n=2))
         d = Dispatch(replica, R, None, HASHES[:2])
-        async for _ in dispatcher.run(greq, d, "chat", 0.0, Totals()):
+        async for _ in dispatcher.run(greq, d, "chat", 0.0):
             pass
         await kv.close()
         return asked
@@ -243,7 +243,7 @@ def test_a_request_waiting_for_its_first_token_asks_for_room_again(
             hold.release()
 
         release = asyncio.create_task(asked_thrice())
-        async for _ in dispatcher.run(greq, d, "chat", 0.0, Totals()):
+        async for _ in dispatcher.run(greq, d, "chat", 0.0):
             at_first = at_first or asked
         await release
 

@@ -96,15 +96,16 @@ def _events(
 
         async def send(greq: GenerateRequest) -> int:
             d = Dispatch(replica, R, None)
-            totals = Totals()
-            first = True
-            async for _ in dispatcher.run(greq, d, "chat", 0.0, totals):
-                if first:
+            first, completion = True, 0
+            async for out in dispatcher.run(greq, d, "chat", 0.0):
+                if isinstance(out, Totals):  # the last
+                    completion = out.completion
+                elif first:
                     seen.append(f"{greq.request_id}:first")
                     firsts.setdefault(greq.request_id, asyncio.Event()).set()
                     first = False
             seen.append(f"{greq.request_id}:end")
-            return totals.completion
+            return completion
 
         bulk = asyncio.create_task(send(_greq("bulk", BATCH)))
         agents = []
@@ -178,7 +179,7 @@ def test_a_client_gone_during_a_stoppable_prefill_leaves_nothing_behind(
         replica = dispatcher.replicas[0]
 
         async def send(greq: GenerateRequest) -> None:
-            async for _ in dispatcher.run(greq, Dispatch(replica, R, None), "chat", 0.0, Totals()):
+            async for _ in dispatcher.run(greq, Dispatch(replica, R, None), "chat", 0.0):
                 pass
 
         gone = asyncio.create_task(send(_greq("gone", BATCH)))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engines.base import GenerateChunk, GenerateRequest, SamplingOptions
 from gateway.core.metrics import Metrics
-from gateway.local.dispatch import Dispatch, Dispatcher, Totals
+from gateway.local.dispatch import Dispatch, Dispatcher
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.spans import KVSpans
@@ -67,7 +67,7 @@ def _run(tmp_path: Path, body: Body, refresh: bool = True, slots: int | None = N
 async def _answer(d: Dispatcher, rid: str, predicted: int | None = 3 * BS) -> None:
     greq = GenerateRequest(rid, PROMPT, SamplingOptions(max_tokens=1))
     dispatch = Dispatch(d.replicas[0], R, predicted, HASHES)
-    async for _ in d.run(greq, dispatch, "chat", time.perf_counter(), Totals()):
+    async for _ in d.run(greq, dispatch, "chat", time.perf_counter()):
         pass
 
 

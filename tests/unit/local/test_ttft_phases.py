@@ -45,14 +45,22 @@ class _Engine:
         yield GenerateChunk("b", (2,), 8, 0, finish_reason="stop")
 
 
-async def _answer(d: Dispatcher, rid: str, totals: Totals, priority: int = 0) -> float:
+async def _answer(
+    d: Dispatcher, rid: str, started: asyncio.Event, priority: int = 0
+) -> tuple[float, Totals]:
+    """The answer's TTFT and its totals; ``started`` is set at its first token."""
     greq = GenerateRequest(rid, tuple(range(8)), SamplingOptions(max_tokens=2), priority=priority)
     t0 = time.perf_counter()
     first: float | None = None
-    async for _ in d.run(greq, Dispatch(d.replicas[0], R, None), "chat", t0, totals):
+    totals = None
+    async for out in d.run(greq, Dispatch(d.replicas[0], R, None), "chat", t0):
+        if isinstance(out, Totals):
+            totals = out
+            continue
         first = first or time.perf_counter()
-    assert first is not None
-    return first - t0
+        started.set()
+    assert first is not None and totals is not None
+    return first - t0, totals
 
 
 def test_phases_add_up_to_the_ttft_and_each_wait_lands_in_its_own() -> None:
@@ -60,16 +68,16 @@ def test_phases_add_up_to_the_ttft_and_each_wait_lands_in_its_own() -> None:
         engine = _Engine()
         m = Metrics()
         d = Dispatcher(booted([Replica(R, engine)]), Router(), m, max_inflight=8, slots=1)  # type: ignore[arg-type]
-        ahead, behind = Totals(), Totals()
-        first = asyncio.create_task(_answer(d, "r1", ahead))
-        await until(lambda: ahead.phases is not None, "r1 holds the one slot, past its first token")
-        second = asyncio.create_task(_answer(d, "r2", behind, -1))
+        r1_started = asyncio.Event()
+        first = asyncio.create_task(_answer(d, "r1", r1_started))
+        await until(r1_started.is_set, "r1 holds the one slot, past its first token")
+        second = asyncio.create_task(_answer(d, "r2", asyncio.Event(), -1))
         waits = m.registry.get_sample_value
         await until(lambda: waits("vcache_fair_queue_waits_total", {"replica": R}), "r2 waits")
         await asyncio.sleep(GATE_S)  # the wait the gate phase measures (the thing under test)
         engine.release.set()
-        await first
-        ttft = await second
+        _, ahead = await first
+        ttft, behind = await second
         assert ahead.phases is not None and behind.phases is not None
         assert set(behind.phases) == set(PHASES)
         assert all(s >= 0 for s in behind.phases.values())
