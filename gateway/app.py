@@ -486,6 +486,7 @@ def create_app(
         poll_s=runs.poll_s,
         pins=CachePins(cache_ops),
         recall=default_gate() if runs.recall else None,
+        metrics=metrics,
     )
     # a batch model's hosted targets, for the provider plan (online against their batch API)
     batch_targets = BatchTargets(

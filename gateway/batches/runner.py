@@ -53,6 +53,7 @@ from gateway.batches.plan import units
 from gateway.batches.recall import Gate, decide, warm_body
 from gateway.batches.send import Sender, batch_caller
 from gateway.batches.store import BatchRow, BatchStore
+from gateway.core.metrics import Metrics
 from gateway.core.types import Principal
 from manifest.prefix_dag import PrefixDag, Unit
 
@@ -82,10 +83,11 @@ class BatchRunner:
         owner: str | None = None,
         pins: AnchorPins | None = None,
         recall: Gate | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """``owner``: this runner's name on the items it claims (unique per process by
         default: a restarted gateway does not take over its old claims before their
-        leases run out)."""
+        leases run out); ``metrics``: where its counts are exported (``/metrics``)."""
         if concurrency < 1 or lease_s <= 0 or poll_s <= 0:
             raise ValueError("concurrency >= 1, lease_s > 0 and poll_s > 0")
         self._store = store
@@ -101,6 +103,16 @@ class BatchRunner:
         self._recall = recall
         self.recall_counted: Counter[str] = Counter()  # replay, fresh
         self.recall_decisions: list[dict[str, object]] = []  # each with its predicted cost
+        self._metrics = metrics
+
+    def _pinned(self, outcome: str) -> None:
+        self.pins_counted[outcome] += 1
+        if self._metrics is not None:
+            self._metrics.batch_pins.labels(outcome).inc()
+
+    def _item_counted(self, endpoint: str, state: str) -> None:
+        if self._metrics is not None:
+            self._metrics.batch_items.labels(endpoint, state).inc()
 
     @property
     def store(self) -> BatchStore:
@@ -234,8 +246,14 @@ class BatchRunner:
         assert self._recall is not None
         who = batch_caller(batch.tenant, batch.key_name)
         for d in decide(us, dag.parents(), open_, self._recall):
-            self.recall_counted["replay" if d.replay else "fresh"] += 1
+            decision = "replay" if d.replay else "fresh"
+            self.recall_counted[decision] += 1
             self.recall_decisions.append({"batch": batch.id, **d.as_dict()})
+            if self._metrics is not None:
+                self._metrics.batch_recall.labels(decision).inc()
+                tokens = self._metrics.batch_recall_tokens
+                tokens.labels(decision, "replay_cost").inc(d.replay_cost)
+                tokens.labels(decision, "saving").inc(d.saving)
             if not d.replay:
                 continue
             for uid in d.chain:  # topological: each reads the one before from cache
@@ -258,7 +276,7 @@ class BatchRunner:
         except Exception:  # pinning only helps: the siblings run without it
             log.exception("batch %s: pinning the anchor of item %d failed", bid, key[0])
             receipt = None
-        self.pins_counted["taken" if receipt is not None else "skipped"] += 1
+        self._pinned("taken" if receipt is not None else "skipped")
         return receipt
 
     async def _release(self, receipt: Receipt | None) -> None:
@@ -268,7 +286,7 @@ class BatchRunner:
             await self._pins.release(receipt)
         except Exception:  # its lease runs out in any case
             log.exception("releasing a batch anchor's pin failed")
-        self.pins_counted["released"] += 1
+        self._pinned("released")
 
     async def _sibling(
         self,
@@ -307,7 +325,9 @@ class BatchRunner:
             while (out := await self._send(endpoint, body, who, started)).retryable:
                 if await asyncio.to_thread(self._store.status, bid) != "in_progress":
                     await asyncio.to_thread(self._store.drop, bid, idx, self.owner)
+                    self._item_counted(endpoint, "dropped")
                     return  # cancelled while it waited to be sent again
+                self._item_counted(endpoint, "retried")
                 await asyncio.sleep(retry_delay(out.retry_after_s, attempt))
                 attempt += 1
             usage = replace(out.usage, bought=bought(out.usage, *plan))
@@ -326,6 +346,8 @@ class BatchRunner:
             )
             if not kept:
                 log.warning("batch %s item %d: lease lost, its result dropped", bid, idx)
+            else:
+                self._item_counted(endpoint, "completed" if out.ok else "failed")
         finally:
             done.set()
             self._slots.release()

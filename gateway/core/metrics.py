@@ -272,6 +272,33 @@ class Metrics:
             ["tenant", "key"],
             registry=r,
         )
+        self.batch_items = Counter(
+            "vcache_batch_items",
+            "Batch items the runner settled, by endpoint and state (completed, failed; "
+            "retried: refused for load and sent again; dropped: cancelled while waiting)",
+            ["endpoint", "state"],
+            registry=r,
+        )
+        self.batch_pins = Counter(
+            "vcache_batch_pins",
+            "Batch anchors pinned on the local replicas while their siblings run (taken, "
+            "skipped: nothing to pin, released)",
+            ["outcome"],
+            registry=r,
+        )
+        self.batch_recall = Counter(
+            "vcache_batch_recall",
+            "Recall decisions on a batch's settled parents (replay, fresh)",
+            ["decision"],
+            registry=r,
+        )
+        self.batch_recall_tokens = Counter(
+            "vcache_batch_recall_tokens",
+            "Recall decisions' predicted cost (replay_cost: P*r) and saving (k*u*(1-r)), in "
+            "input-token equivalents",
+            ["decision", "kind"],
+            registry=r,
+        )
 
     def count_routing(self, policy: str, reason: str) -> None:
         self.routing_decisions.labels(policy, reason).inc()

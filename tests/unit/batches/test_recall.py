@@ -14,6 +14,7 @@ from gateway.batches.recall import chain, decide, default_gate, warm_body
 from gateway.batches.runner import BatchRunner
 from gateway.batches.send import Outcome
 from gateway.batches.store import BatchStore, BatchUsage, NewItem
+from gateway.core.metrics import Metrics
 from gateway.core.types import Principal
 from manifest.prefix_dag import PrefixDag, Unit
 from tests.unit.batches.test_runner import _ended, store  # noqa: F401
@@ -106,12 +107,17 @@ def test_with_the_gate_forced_on_the_chain_is_replayed_first(
 ) -> None:
     bid = _resumed(store)
     sender = Recorder()
-    runner = BatchRunner(store, sender, poll_s=0.01, recall=lambda p, u, k: True)
+    metrics = Metrics()
+    runner = BatchRunner(store, sender, poll_s=0.01, recall=lambda p, u, k: True, metrics=metrics)
     _run(store, runner, bid)
     assert sender.sent[0] == ("q", 1)  # the parent's prompt, one token, before its children
     assert sorted(sender.sent[1:]) == [("more", 50), ("other", 50)]
     assert runner.recall_counted == {"replay": 1}
+    sample = metrics.registry.get_sample_value
+    assert sample("vcache_batch_recall_total", {"decision": "replay"}) == 1.0
     [d] = runner.recall_decisions
+    saving = {"decision": "replay", "kind": "saving"}
+    assert sample("vcache_batch_recall_tokens_total", saving) == d["saving"]
     assert (d["batch"], d["parent"], d["siblings"], d["decision"]) == (bid, "0", 2, "replay")
     row = store.batch(bid)
     assert row is not None and row.counts.done == 3  # the replay is no item's answer

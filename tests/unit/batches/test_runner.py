@@ -14,6 +14,7 @@ import pytest
 from gateway.batches.runner import BatchRunner, retry_delay
 from gateway.batches.send import Outcome
 from gateway.batches.store import BatchStore, BatchUsage, NewItem
+from gateway.core.metrics import Metrics
 from gateway.core.types import Principal
 from tests.unit.batches.conftest import OpenStore
 from tests.unit.waits import until
@@ -356,3 +357,26 @@ def test_siblings_fan_out_at_their_leads_first_token(store: BatchStore) -> None:
         "a3": False,
         "b1": False,  # b1 reads nothing from a1's A branch; nothing waits for it
     }
+
+
+def test_the_runner_exports_its_items_by_state_as_metrics(store: BatchStore) -> None:
+    """/metrics: vcache_batch_items{endpoint, state}: completed, failed, retried."""
+    bid = _create(store)
+    sender = Sender(fail=("b1",), busy={"a1": 1})
+    metrics = Metrics()
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, concurrency=2, poll_s=0.01, metrics=metrics)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+    def count(state: str) -> float | None:
+        labels = {"endpoint": CHAT, "state": state}
+        return metrics.registry.get_sample_value("vcache_batch_items_total", labels)
+
+    assert (count("completed"), count("failed"), count("retried")) == (4.0, 1.0, 1.0)
+    assert b"vcache_batch_items_total" in metrics.render()
