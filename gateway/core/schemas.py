@@ -476,8 +476,11 @@ class ChatCompletionRequest(SamplingFields, ChatShaping):
         return self._hints
 
     def with_hints(self, hints: EdgeHints) -> ChatCompletionRequest:
-        self._hints = hints
-        return self
+        """A copy of this request (shallow: the messages are shared, never changed) with
+        ``hints``; this one is left as it was."""
+        copy = self.model_copy()
+        copy._hints = hints  # the copy is new: no one else holds it yet
+        return copy
 
     def attachment_parts(self) -> Iterator[tuple[str, ImageUrlPart | FilePart]]:
         """Each image and document part of the messages, in order, with its name in the
