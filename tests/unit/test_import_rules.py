@@ -102,6 +102,10 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
         "the workloads are sized in the model's tokens (counted client-side); the render "
         "benchmark tokenizes in process",
     ),
+    "engines.vllm.demo_lora": (
+        {"loadtests.lora_routing"},
+        "builds the demo adapters the gateways it starts load from their resolver directory",
+    ),
     "engines.vllm.demo_model": (
         {"loadtests.bench_render", "loadtests.bench_workers"},
         "builds the demo model the processes they start load",

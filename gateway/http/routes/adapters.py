@@ -70,6 +70,8 @@ class AdapterList(BaseModel):
 
     object: str = "list"
     data: list[AdapterEntry]
+    loads: int = 0  # adapter loads this gateway sent to engines
+    evictions: int = 0  # adapters it let go to make room for a load
 
 
 Admin = Annotated[Principal, Depends(require_admin)]
@@ -118,4 +120,4 @@ async def lora_adapters(who: Admin, svc: Service) -> AdapterList:
                 load_seconds=round(cost.seconds, 4) if cost is not None else None,
             )
         )
-    return AdapterList(data=data)
+    return AdapterList(data=data, loads=adapters.loads, evictions=adapters.evictions)

@@ -24,6 +24,7 @@ class LoraFakeEngine(FakeEngine):
         self.held: dict[str, LoraRef] = {}
         self.load_calls: list[LoraRef] = []
         self.load_delay_s = 0.0
+        self.load_error: Exception | None = None  # raised by the next loads (a sick engine)
 
     @property
     def lora_enabled(self) -> bool:
@@ -32,6 +33,8 @@ class LoraFakeEngine(FakeEngine):
     async def load_adapter(self, adapter: LoraRef) -> None:
         self.load_calls.append(adapter)
         await asyncio.sleep(self.load_delay_s)
+        if self.load_error is not None:
+            raise self.load_error
         config = Path(adapter.path) / "adapter_config.json"
         if not config.is_file():
             raise EngineInputError(f"no adapter at {adapter.path}", param="lora_path")
