@@ -125,44 +125,19 @@ class MessageEvent:
     parts: str | None = None
 
     def key(self) -> tuple[str | None, ...]:
-        """What identifies the message in a conversation (messages without tool calls,
-        thinking, tool changes or attachments keep the shorter keys they always had, so
-        their digests do not change)."""
-        if self.parts is not None:
-            return (
-                self.role,
-                self.content,
-                self.name,
-                self.tool_calls,
-                self.tool_call_id,
-                self.thinking,
-                self.tool_changes,
-                self.control,
-                self.parts,
-            )
-        if self.tool_changes is not None or self.control is not None:
-            return (
-                self.role,
-                self.content,
-                self.name,
-                self.tool_calls,
-                self.tool_call_id,
-                self.thinking,
-                self.tool_changes,
-                self.control,
-            )
-        if self.thinking is not None:
-            return (
-                self.role,
-                self.content,
-                self.name,
-                self.tool_calls,
-                self.tool_call_id,
-                self.thinking,
-            )
-        if self.tool_calls is None and self.tool_call_id is None:
-            return (self.role, self.content, self.name)
-        return (self.role, self.content, self.name, self.tool_calls, self.tool_call_id)
+        """What identifies the message in a conversation: its fields in groups, in the
+        order the log came to record them, up to the last group with a value.  The groups
+        after it (all None) are left off, so a message without tool calls, thinking, tool
+        changes, a control or attachments keeps the key, and the digest, it always had."""
+        groups: tuple[tuple[str | None, ...], ...] = (
+            (self.role, self.content, self.name),
+            (self.tool_calls, self.tool_call_id),
+            (self.thinking,),
+            (self.tool_changes, self.control),
+            (self.parts,),
+        )
+        last = max(i for i, g in enumerate(groups) if i == 0 or any(v is not None for v in g))
+        return tuple(v for g in groups[: last + 1] for v in g)
 
 
 @dataclass(frozen=True)

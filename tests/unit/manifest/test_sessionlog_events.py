@@ -3,6 +3,7 @@ codec, and enter a message's key only when present (older digests do not change)
 
 from __future__ import annotations
 
+from manifest.canonical import canonical_json
 from manifest.sessionlog import MessageEvent, decode, encode
 
 
@@ -23,3 +24,43 @@ def test_thinking_round_trips_and_keys_only_when_present() -> None:
     for m in (plain, calls, thought):
         assert _roundtrip(m) == m
     assert b"thinking" not in encode(calls).data  # absent, not null: old rows read the same
+
+
+# each message shape's key as the log has always written it (pinned from the key as it
+# was before the groups were named): a session's digests chain these bytes
+KEYS = [
+    (MessageEvent("user", "hi"), '["user","hi",null]'),
+    (MessageEvent("user", "hi", name="bob"), '["user","hi","bob"]'),
+    (
+        MessageEvent("assistant", "", tool_calls='[{"id":"c"}]'),
+        '["assistant","",null,"[{\\"id\\":\\"c\\"}]",null]',
+    ),
+    (MessageEvent("tool", "42", tool_call_id="c"), '["tool","42",null,null,"c"]'),
+    (
+        MessageEvent("assistant", "ok", thinking='[{"t":1}]'),
+        '["assistant","ok",null,null,null,"[{\\"t\\":1}]"]',
+    ),
+    (
+        MessageEvent("system", "", tool_changes='[{"add":"f"}]'),
+        '["system","",null,null,null,null,"[{\\"add\\":\\"f\\"}]",null]',
+    ),
+    (
+        MessageEvent("user", "go", control='{"effort":"low"}'),
+        '["user","go",null,null,null,null,null,"{\\"effort\\":\\"low\\"}"]',
+    ),
+    (
+        MessageEvent("user", "see", parts='[{"type":"text","text":"see"}]'),
+        '["user","see",null,null,null,null,null,null,"[{\\"type\\":\\"text\\",\\"text\\":\\"see\\"}]"]',
+    ),
+    (
+        MessageEvent(
+            "assistant", "x", tool_calls='[{"id":"d"}]', thinking='[{"t":2}]', control='{"e":1}'
+        ),
+        '["assistant","x",null,"[{\\"id\\":\\"d\\"}]",null,"[{\\"t\\":2}]",null,"{\\"e\\":1}"]',
+    ),
+]
+
+
+def test_every_message_shape_keeps_the_key_bytes_the_log_chains() -> None:
+    for m, pinned in KEYS:
+        assert canonical_json(list(m.key())).decode() == pinned, m
