@@ -157,8 +157,20 @@ class VllmEngine:
         )
         finished = False
         first = True
+        # a streamed answer's outputs read at most once per interval: what the engine
+        # made meanwhile, vLLM's output collector has merged into one (several tokens,
+        # one piece, one SSE event); an answer sent whole is coalesced by vLLM already
+        interval = self._config.output_interval_s if request.sampling.stream_interval is None else 0
+        loop = asyncio.get_running_loop()
+        due = 0.0
         try:
-            async for out in stream:
+            while True:
+                if not finished and interval and (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                out = await anext(stream, None)
+                if out is None:
+                    break
+                due = loop.time() + interval
                 finished = out.finished
                 times = _core_times(out) if first else None  # on the first chunk only
                 prompt_lps = _prompt_logprobs(out, request) if first else None

@@ -68,6 +68,9 @@ class VllmEngineConfig:
     # a vision model's images per prompt (vLLM's limit_mm_per_prompt); None: text only or
     # vLLM's default
     max_images_per_prompt: int | None = None
+    # a streamed answer's outputs are read at most once per this many seconds, what came
+    # meanwhile merged into one (engine.output_interval_ms); 0: each as it comes
+    output_interval_s: float = 0.0
 
 
 def core_environment(c: VllmEngineConfig) -> Env:

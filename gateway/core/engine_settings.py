@@ -96,6 +96,12 @@ class EngineSettings(BaseModel):
     # vLLM's tool-call parser for the model's chat template (hermes, llama3_json, mistral,
     # qwen3_coder, ...): reads tool calls out of answers to `tool_choice: auto`
     tool_parser: str = "hermes"
+    # a streamed answer's outputs are read from an embedded engine at most once per this
+    # many milliseconds: the tokens it made meanwhile (vLLM merges them) go out as one
+    # piece, one SSE event.  Below what a reader sees; the gateway's work per token falls
+    # with the tokens an event carries (docs/benchmarks.md).  0: each step's output as it
+    # comes.  Answers sent whole are coalesced by the engine whatever this is
+    output_interval_ms: float = Field(20.0, ge=0, le=1000)
     # vLLM's --trust-request-chat-template: a request may bring its own chat_template
     trust_request_chat_template: bool = False
     # requests in each replica's engine at once (vLLM's max_num_seqs); the rest wait in

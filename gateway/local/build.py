@@ -115,6 +115,7 @@ def engine_configs(settings: Settings, runtime_dir: Path, model: str) -> list[Vl
                 scheduling_policy=e.scheduling_policy,
                 max_num_seqs=e.max_num_seqs,
                 long_prefill_token_threshold=e.long_prefill_token_threshold,
+                output_interval_s=e.output_interval_ms / 1000,
                 top_prefill_whole=e.top_prefill_whole,
                 top_prefill_alone=e.top_prefill_alone,
                 top_prefill_decodes=e.top_prefill_decodes,
