@@ -75,14 +75,19 @@ def _text(rng: random.Random, tokens: int) -> str:
 
 
 def workload(
-    units: int, anchors: int, s: float, seed: int
+    units: int,
+    anchors: int,
+    s: float,
+    seed: int,
+    anchor_tokens: tuple[int, int] = (1000, 4000),
+    unit_tokens: tuple[int, int] = (10, 50),
 ) -> tuple[list[str], list[int], list[str]]:
     """The anchors' texts, each unit's anchor (arrival order) and each unit's own text."""
     rng = random.Random(seed)
-    texts = [f"anchor {j}: " + _text(rng, rng.randint(1000, 4000)) for j in range(anchors)]
+    texts = [f"anchor {j}: " + _text(rng, rng.randint(*anchor_tokens)) for j in range(anchors)]
     weights = [(j + 1) ** -s for j in range(anchors)]
     which = rng.choices(range(anchors), weights=weights, k=units)
-    own = [f"unit {i}: " + _text(rng, rng.randint(10, 50)) for i in range(units)]
+    own = [f"unit {i}: " + _text(rng, rng.randint(*unit_tokens)) for i in range(units)]
     return texts, which, own
 
 

@@ -116,11 +116,11 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
         "that reads it, so the key they send is one the gateway accepts",
     ),
     "gateway.core.config": (
-        {"loadtests.agent_sessions", "loadtests.routing_pressure"},
+        {"loadtests.agent_sessions", "loadtests.routing_pressure", "loadtests.batch_local"},
         "the vllm-router arm serves the model the gateway would (resolve_model(Settings()))",
     ),
     "gateway.local.build": (
-        {"loadtests.agent_sessions", "loadtests.routing_pressure"},
+        {"loadtests.agent_sessions", "loadtests.routing_pressure", "loadtests.batch_local"},
         "resolve_model: the model path (or the demo model) exactly as the gateway resolves it",
     ),
     "gateway.service.render_thread": (
