@@ -46,6 +46,7 @@ class _LLM:
             finished = False
             while not finished:
                 out = self.q.get_nowait() or await self.q.get()
+                assert isinstance(out, RequestOutput)
                 finished = out.finished
                 yield out
         finally:
