@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-CODEX_VERSION = "0.169.0"
-CLAUDE_CODE_VERSION = "2.1.328"
+CODEX_VERSION = "0.171.0"
+CLAUDE_CODE_VERSION = "2.1.332"
 
 Target = Literal["local", "emulated"]
 TARGETS: tuple[Target, ...] = ("local", "emulated")

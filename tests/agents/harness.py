@@ -131,6 +131,9 @@ def run_leg(
             summary.notes.append(f"step {i}: {s.describe()}")
     (root / "summary.json").write_text(json.dumps(summary.to_json(), indent=2))
     (root / "exchanges.json").write_text(json.dumps([x.record() for x in exchanges], indent=2))
+    scenario = f"{agent.name}-{target}"
+    lines = (json.dumps(x.capture(scenario)) + "\n" for x in exchanges)
+    (root / "captures.jsonl").write_text("".join(lines))
     return summary
 
 

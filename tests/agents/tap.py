@@ -6,7 +6,9 @@ and streams the answer back as it comes, chunk by chunk.  It records what the
 gateway's own counters cannot say per request: the status, the gateway's
 ``x-vcache-*`` headers (the predicted cached tokens among them), and, for an
 answer that is not a 2xx, the request and the error body, so a refusal can be
-reported exactly.  Prompts stay in memory; nothing is logged.
+reported exactly.  Prompts stay in memory; :meth:`Exchange.capture` gives an
+exchange in the form of ``tests/agents/data``'s recordings (credentials left out),
+for a run that keeps them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ _HOP = frozenset(
     }
 )
 
+_SECRET = frozenset({"authorization", "x-api-key", "cookie"})
+
 
 @dataclass
 class Exchange:
@@ -48,6 +52,7 @@ class Exchange:
     method: str
     path: str
     request: bytes
+    request_headers: dict[str, str] = field(default_factory=dict)  # as sent, hop-by-hop out
     status: int = 0  # 0: no answer (the gateway could not be reached)
     headers: dict[str, str] = field(default_factory=dict)  # the gateway's x-vcache-* and ids
     error: str | None = None  # the body of an answer that is not a 2xx (or what failed)
@@ -63,6 +68,22 @@ class Exchange:
             return json.loads(self.request)
         except ValueError:
             return None
+
+    def capture(self, scenario: str) -> dict[str, Any]:
+        """The exchange as ``tests/agents/data`` records one (the unit tier sends every
+        recording again): method, path, query, the request's headers without credentials,
+        its body, the scenario it came from and the status it was answered with."""
+        u = urlsplit(self.path)
+        headers = {k: v for k, v in self.request_headers.items() if k.lower() not in _SECRET}
+        return {
+            "method": self.method,
+            "path": u.path,
+            "query": u.query,
+            "headers": headers,
+            "body": self.body(),
+            "scenario": scenario,
+            "answered": self.status,
+        }
 
     def predicted(self) -> int | None:
         v = self.headers.get("x-vcache-predicted-cached-tokens")
@@ -170,11 +191,11 @@ class Tap:
 
     def _relay(self, h: BaseHTTPRequestHandler) -> None:
         t0 = time.monotonic()
-        x = Exchange(h.command, h.path, self._read_body(h))
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
+        x = Exchange(h.command, h.path, self._read_body(h), headers)
         up = http.client.HTTPConnection(self._host, self._port, timeout=UPSTREAM_TIMEOUT_S)
         self._begin()  # recorded in the finally below, however the relay ends
         try:
-            headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
             up.request(h.command, h.path, body=x.request or None, headers=headers)
             r = up.getresponse()
             x.status = r.status
