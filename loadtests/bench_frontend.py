@@ -102,6 +102,10 @@ ARMS: dict[str, dict[str, str]] = {
     "guard-replica": {"VCACHE_ENGINE__GUARD_SCOPE": "replica"},
     "no-retention": {"VCACHE_CACHE__RETENTION__ENABLED": "false"},
     "verify": {"VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION": "true"},  # off by default
+    # each engine output read as it comes (one SSE event a step), as vLLM's server does
+    "per-output": {"VCACHE_ENGINE__OUTPUT_INTERVAL_MS": "0"},
+    # the engine processes not niced below the gateway (vLLM's server does not nice its own)
+    "nice0": {"VCACHE_ENGINE__NICE": "0"},
     "fcfs": {"VCACHE_ENGINE__SCHEDULING_POLICY": "fcfs"},
     # every scheduler change off: what vLLM alone would schedule
     "plain-scheduler": {
