@@ -35,6 +35,8 @@ METHODS = frozenset(
         "vcache_sweep",
         "vcache_evict",
         "vcache_touch",
+        "vcache_hold",
+        "vcache_release",
         "vcache_cache_stats",
         "vcache_resident",
         "vcache_events_barrier",

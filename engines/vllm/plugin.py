@@ -22,6 +22,16 @@ client reaches with ``call_utility_async("vcache_pin", ...)``:
 ``vcache_touch(hashes)``
     Move resident blocks no request or pin holds to the most recently used end of
     the free queue (a request routed to them reads them soon): evicted last.
+``vcache_hold(hold_id, hashes, max_share, reserve, ttl_s)``
+    Hold a request's leading resident blocks (one reference each, shared by the
+    holds on a block) from its routing until it is scheduled: vLLM cannot evict
+    them in that window.  All or nothing: refused when the holds would pass
+    ``max_share`` of the KV blocks, or leave fewer than ``reserve`` free blocks
+    (a live request's room).  Returns how many leading blocks are held (the
+    request's cached prefix as the engine has it now).  A hold runs out after
+    ``ttl_s`` (the bound); every hold, release and sweep lets expired holds go.
+``vcache_release(hold_ids)``
+    Let holds go (the request's first token, or its end); unknown ids are ignored.
 ``vcache_cache_stats()`` / ``vcache_resident()``
     Counts, and every resident block hash (for a full index resync).
 ``vcache_events_barrier()``
@@ -114,6 +124,7 @@ def vcache_sweep(core: Any) -> dict[str, Any]:
     """Release every block whose holds have all run out.  Every pin and unpin sweeps
     first, so the walk over all holds runs only once the soonest of them has ended."""
     now = time.monotonic()
+    _expire_holds(core, now)  # request holds past their bound (cheap: one per request)
     if now < getattr(core, "_vcache_sweep_at", 0.0):
         return {"unpinned": []}
     released = []
@@ -127,6 +138,82 @@ def vcache_sweep(core: Any) -> dict[str, Any]:
             released.append(h)
     core._vcache_sweep_at = soonest
     return {"unpinned": released}
+
+
+def _request_holds(core: Any) -> dict[str, tuple[list[bytes], float]]:
+    """Per request hold: its blocks' hashes and when it runs out (monotonic clock)."""
+    by: dict[str, tuple[list[bytes], float]] | None = getattr(core, "_vcache_req_holds", None)
+    if by is None:
+        by = {}
+        core._vcache_req_holds = by
+    return by
+
+
+def _held(core: Any) -> dict[bytes, list[Any]]:
+    """Per held block: ``[block, holds]`` (one pool reference, however many holds)."""
+    held: dict[bytes, list[Any]] | None = getattr(core, "_vcache_held", None)
+    if held is None:
+        held = {}
+        core._vcache_held = held
+    return held
+
+
+def _let_go(core: Any, hold_ids: list[str]) -> int:
+    """Drop these holds; a block no hold keeps loses the reference.  Blocks freed."""
+    by, held = _request_holds(core), _held(core)
+    freed = []
+    for hid in hold_ids:
+        hashes, _ = by.pop(hid, ([], 0.0))
+        for h in hashes:
+            entry = held.get(h)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del held[h]
+                freed.append(entry[0])
+    if freed:
+        _pool(core).free_blocks(freed[::-1])  # a prefix's tail evicted first
+    return len(freed)
+
+
+def _expire_holds(core: Any, now: float) -> int:
+    return _let_go(core, [hid for hid, (_, until) in _request_holds(core).items() if until <= now])
+
+
+def vcache_hold(
+    core: Any, hold_id: str, hashes: list[bytes], max_share: float, reserve: int, ttl_s: float
+) -> dict[str, Any]:
+    """Hold the leading resident blocks of ``hashes`` for ``hold_id`` (all or nothing)."""
+    now = time.monotonic()
+    _expire_holds(core, now)
+    pool, held, by = _pool(core), _held(core), _request_holds(core)
+    prefix: list[tuple[bytes, Any]] = []
+    for h in hashes:
+        block = held[h][0] if h in held else _lookup(pool, h)
+        if block is None:
+            break
+        prefix.append((h, block))
+    if not prefix or hold_id in by:
+        return {"held": 0, "refused": "" if not prefix else "duplicate"}
+    new = [(h, b) for h, b in prefix if h not in held]
+    taken_free = sum(1 for _, b in new if b.ref_cnt == 0)  # out of the free queue
+    if len(held) + len(new) > int(pool.num_gpu_blocks * max_share):
+        return {"held": 0, "refused": "budget"}
+    if pool.get_num_free_blocks() - taken_free < reserve:
+        return {"held": 0, "refused": "reserve"}
+    pool.touch([b for _, b in new])
+    for h, b in new:
+        held[h] = [b, 0]
+    for h, _ in prefix:
+        held[h][1] += 1
+    by[hold_id] = ([h for h, _ in prefix], now + ttl_s)
+    return {"held": len(prefix), "refused": ""}
+
+
+def vcache_release(core: Any, hold_ids: list[str]) -> dict[str, Any]:
+    """Let the holds ``hold_ids`` go (and any that ran out); how many blocks were freed."""
+    return {"freed": _expire_holds(core, time.monotonic()) + _let_go(core, list(hold_ids))}
 
 
 def vcache_pin(
@@ -219,6 +306,8 @@ def vcache_cache_stats(core: Any) -> dict[str, Any]:
         "cached_blocks": len(pool.cached_block_hash_to_block),
         "pinned_blocks": len(_pins(core)),
         "holders": len({k for by in _holds(core).values() for k in by}),
+        "held_blocks": len(_held(core)),  # request holds (vcache_hold)
+        "holds": len(_request_holds(core)),
         "usage": float(pool.get_usage()),
         # steps the top-first scheduler changed (engines/vllm/top_first_scheduler.py;
         # empty under vLLM's own scheduler)
@@ -270,6 +359,8 @@ _METHODS = {
     "vcache_pin": vcache_pin,
     "vcache_unpin": vcache_unpin,
     "vcache_sweep": vcache_sweep,
+    "vcache_hold": vcache_hold,
+    "vcache_release": vcache_release,
     "vcache_evict": vcache_evict,
     "vcache_touch": vcache_touch,
     "vcache_cache_stats": vcache_cache_stats,

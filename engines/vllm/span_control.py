@@ -73,6 +73,24 @@ class SpanControl:
         res = await self._reply("vcache_unpin", [bytes(h) for h in hashes], holder)
         return _hashes(res.get("unpinned", ()))
 
+    async def hold(
+        self, hold_id: str, hashes: Sequence[bytes], max_share: float, reserve: int, ttl_s: float
+    ) -> tuple[int, str]:
+        """Hold the leading resident blocks of ``hashes`` for ``hold_id`` until
+        :meth:`release` or ``ttl_s``: (how many leading blocks are held, why none were:
+        ``""`` when held or none resident, ``"budget"``, ``"reserve"``, ``"duplicate"``)."""
+        res = await self._reply(
+            "vcache_hold", hold_id, [bytes(h) for h in hashes], max_share, reserve, ttl_s
+        )
+        try:
+            return int(res["held"]), str(res["refused"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineUnavailable(f"engine core call vcache_hold answered {res!r}") from exc
+
+    async def release(self, hold_ids: Sequence[str]) -> int:
+        """Let holds go; how many blocks nobody holds any more."""
+        return int((await self._reply("vcache_release", list(hold_ids))).get("freed", 0))
+
     async def sweep(self) -> tuple[bytes, ...]:
         """Release the blocks whose holds have all run out; which."""
         return _hashes((await self._reply("vcache_sweep")).get("unpinned", ()))
