@@ -199,6 +199,8 @@ def dispatcher(
         first_token_guard=e.first_token_guard,
         preempt_prefills=e.preempt_prefills,
         refresh=settings.cache.refresh_predicted,
+        hold_share=settings.cache.hold_max_share,
+        hold_s=settings.cache.hold_s,
         prefill_slots={ENGINE_PRIORITY[p]: n for p, n in e.prefill_slots.items()},
         make_room=turns.make_room,
     )

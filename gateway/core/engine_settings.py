@@ -236,4 +236,9 @@ class CacheSettings(BaseModel):
     # a request's predicted cached blocks are made the last its replica evicts before it
     # runs (gateway/local/refresh.py)
     refresh_predicted: bool = True
+    # a routed request's predicted blocks held in its engine until its first token, at
+    # most this share of a replica's KV blocks in all (0: no holds; predictions are then
+    # approximate), each for at most hold_s (gateway/local/kv_holds.py)
+    hold_max_share: float = Field(0.25, ge=0, lt=1)
+    hold_s: float = Field(10.0, gt=0)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)

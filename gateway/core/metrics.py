@@ -253,6 +253,34 @@ class Metrics:
             ["replica", "result"],
             registry=r,
         )
+        self.prediction_results = Counter(
+            "vcache_prediction_results",
+            "Local predictions of cached tokens against the engine's report: exact (held "
+            "or cold, and right), approximate (cause: hold_budget, hold_reserve, hold_failed, "
+            "no_hold, prefill_in_flight), missed (said exact, wrong; cause: evicted, "
+            "stored_since)",
+            ["result", "cause"],
+            registry=r,
+        )
+        self.kv_holds = Counter(
+            "vcache_kv_holds",
+            "Holds asked of a replica's engine for a routed request's predicted blocks "
+            "(held; none: nothing resident; budget, reserve: refused; failed)",
+            ["replica", "outcome"],
+            registry=r,
+        )
+        self.kv_hold_blocks = Counter(
+            "vcache_kv_hold_blocks",
+            "Blocks held for routed requests until their first token (sum over holds)",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_hold_seconds = Histogram(
+            "vcache_kv_hold_seconds",
+            "How long a routed request's hold kept its blocks (routing to first token or end)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
         self.prefill_stops = Counter(
             "vcache_prefill_stops",
             "Prompts of a lower priority stopped in their prefill for a higher one's on their "

@@ -34,6 +34,7 @@ from gateway.core.tracing import RequestTrace
 from gateway.core.types import RouteOverride
 from gateway.local.admission import Admission
 from gateway.local.fairness import Entry, FairGate, gates
+from gateway.local.kv_holds import Hold
 from gateway.local.preempt import Held, started
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.refresh import Refresh
@@ -51,6 +52,18 @@ AFFINITY_TOKENS = 256  # a new prefix family is placed by its first tokens
 
 def hash_tokens(tokens: Sequence[int]) -> int:
     return zlib.crc32(array("I", tokens).tobytes())
+
+
+def prediction_result(d: Dispatch, actual: int) -> tuple[str, str]:
+    """``d``'s prediction against the ``actual`` cached tokens vLLM reported: (result,
+    cause).  ``approximate`` with why it was; ``missed`` when it said exact and was
+    wrong (``evicted``: it read less; ``stored_since``: more); ``exact`` otherwise."""
+    if d.approximate:
+        return "approximate", d.approximate
+    predicted = d.predicted_cached_tokens or 0
+    if actual == predicted:
+        return "exact", ""
+    return "missed", "evicted" if actual < predicted else "stored_since"
 
 
 @dataclass(frozen=True)
@@ -75,14 +88,19 @@ class Dispatch:
     replica_id: str
     predicted_cached_tokens: int | None  # None: no exact prediction for this replica
     hashes: Sequence[BlockHash] = ()  # the prompt's full blocks (empty without a KV index)
-    # its prompt as a running prefill, from routing to its first token (others may wait):
-    # the claim this receipt gives back (Dispatcher.run at the first token, else release)
+    # its prompt as a running prefill, from routing to its first token (others may wait),
+    # and the hold on the blocks it reads: the claims this receipt gives back
+    # (Dispatcher.run at the first token, else release)
     prefill: Prefill | None = field(default=None, compare=False, repr=False)
+    # why the prediction may still be wrong ("": exact: its blocks held, or none to read
+    # and no prefill of them running)
+    approximate: str = ""
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-replica": self.replica_id}
         if self.predicted_cached_tokens is not None:
             h["x-vcache-predicted-cached-tokens"] = str(self.predicted_cached_tokens)
+            h["x-vcache-prediction"] = "approximate" if self.approximate else "exact"
         return h
 
 
@@ -102,11 +120,15 @@ class Dispatcher:
         preempt_prefills: bool = False,
         refresh: bool = False,
         make_room: MakeRoom | None = None,
+        hold_share: float = 0.0,
+        hold_s: float = 10.0,
     ) -> None:
         """``replicas``: the set the supervisor starts and restarts (its readiness and
         the KV spans attached at boot are read from it); ``make_room``: room in a
         replica's KV for a request before it starts (``SessionTurns.make_room``: paused
-        sessions' leases give way to live requests)."""
+        sessions' leases give way to live requests); ``hold_share``: the most of a
+        replica's KV blocks routed requests' holds may keep (0: no holds, predictions
+        approximate), each for at most ``hold_s``."""
         self.replica_set = replicas
         self.router = router
         self._metrics = metrics
@@ -126,6 +148,8 @@ class Dispatcher:
         self.make_room = make_room
         self._refresh_on = refresh  # predicted blocks touched before the request runs
         self._refresh: Refresh | None = None
+        self._hold_share = hold_share
+        self._hold_s = hold_s
 
     @property
     def replicas(self) -> list[Replica]:
@@ -230,14 +254,55 @@ class Dispatcher:
             if lease_blocks is not None and session is None and view is not None:
                 ctx = await self._with_room(ctx, serving, max(lease_blocks, len(hashes)))
             replica = self.router.choose(serving, ctx, policy)
+        running = False  # a prefill of its blocks still running when it goes
         if predicted is not None and replica.id in pending:
-            predicted = await self._join(greq, hashes, predicted, replica.id, pending[replica.id])
+            predicted, running = await self._join(
+                greq, hashes, predicted, replica.id, pending[replica.id]
+            )
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p = predicted.get(replica.id) if predicted is not None and exact else None
+        hold: Hold | None = None
+        approximate = ""
+        if p is not None:
+            p, hold, approximate = await self._hold(greq, replica, hashes, p)
+            if running:
+                approximate = "prefill_in_flight"
         # registered now, with no await before the caller holds it: a sibling routed next
         # waits for this prefill
-        prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)])
-        return Dispatch(replica, replica.id, p, hashes, prefill)
+        prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)], hold)
+        return Dispatch(replica, replica.id, p, hashes, prefill, approximate)
+
+    async def _hold(
+        self, greq: GenerateRequest, replica: Replica, hashes: Sequence[BlockHash], predicted: int
+    ) -> tuple[int, Hold | None, str]:
+        """Hold the blocks ``greq`` reads on ``replica`` until its first token: (its
+        prediction, the hold, why the prediction is approximate or "").  The engine's
+        answer is the prediction: its leading resident blocks, held from now on, so no
+        eviction before vLLM schedules it changes what it reads.  A cold prediction
+        holds nothing (no eviction can make it wrong); a refused or failed hold leaves
+        the index's prediction, approximate."""
+        assert self.kv is not None
+        if self._hold_share <= 0:
+            return predicted, None, "no_hold"
+        if predicted == 0:
+            return 0, None, ""
+        bs = self.kv.block_size
+        reserve = -(-replica.engine.capabilities.max_model_len // bs)  # its longest request
+        m = self._metrics
+        res = await self.kv.holds.take(
+            replica.id,
+            hashes[: self._cap(greq)],
+            self._hold_share,
+            reserve,
+            self._hold_s,
+            lambda h, s: m.kv_hold_seconds.observe(s),
+        )
+        outcome = "held" if res.hold is not None else res.refused or "none"
+        m.kv_holds.labels(replica.id, outcome).inc()
+        if res.blocks is None:
+            return predicted, None, f"hold_{res.refused}"
+        m.kv_hold_blocks.labels(replica.id).inc(res.blocks)
+        return res.blocks * bs, res.hold, ""
 
     def release(self, d: Dispatch) -> None:
         """Give back what routing claimed for ``d`` (its prompt's registration as a
@@ -278,13 +343,15 @@ class Dispatcher:
         predicted: dict[LocationId, int],
         replica: LocationId,
         pending: tuple[int, Prefill],
-    ) -> dict[LocationId, int]:
+    ) -> tuple[dict[LocationId, int], bool]:
         """Wait (bounded) for the running prefill whose blocks this request would read, then
-        predict again: the engine has stored them and the index has seen them."""
+        predict again: the engine has stored them and the index has seen them.  With
+        whether that prefill is still running (the wait ran out): what the request reads
+        of its blocks then depends on which of the two vLLM schedules first."""
         assert self.kv is not None
         blocks, running = pending
         if blocks * self.kv.block_size <= predicted.get(replica, 0):
-            return predicted  # the index holds as much already
+            return predicted, False  # the index holds as much already
         try:
             await asyncio.wait_for(running.done.wait(), self._prefill_wait_s)
             outcome = "joined"
@@ -292,7 +359,7 @@ class Dispatcher:
             outcome = "timeout"
         self._metrics.prefill_waits.labels(outcome).inc()
         await self.kv.sync()
-        return self.kv.predict(hashes, greq.num_prompt_tokens)
+        return self.kv.predict(hashes, greq.num_prompt_tokens), not running.done.is_set()
 
     async def run(
         self,
@@ -470,3 +537,4 @@ class Dispatcher:
             return
         matched = self.kv.record_outcome(d.replica.id, d.predicted_cached_tokens, actual)
         self._metrics.predictions.labels("matched" if matched else "missed").inc()
+        self._metrics.prediction_results.labels(*prediction_result(d, actual)).inc()

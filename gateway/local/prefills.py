@@ -16,7 +16,16 @@ A registration is a claim with a receipt: :meth:`Prefills.start` returns the
 the first token, at the request's end, or, when the request never reached the
 engine (its journal failed, its client left, it fell back elsewhere), as soon
 as that is known (the service loop's ``finally``), so no sibling waits for a
-prefill that will never run.
+prefill that will never run.  The hold on the blocks the prompt was predicted to
+read (:mod:`gateway.local.kv_holds`) rides on the same receipt, for the same
+span of time: :meth:`Prefills.finish` gives it back too.
+
+What a running prefill will store is known when a sibling is routed: its
+blocks' hashes.  :meth:`Prefills.overlap` answers with them (the pending span
+and the prefill that will store it); routing counts them as the replica's, the
+sibling joins the prefill on them, and its prediction says whether it waited
+for them to be stored (exact) or went with the prefill still running
+(approximate: what it reads depends on which of them vLLM schedules first).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.local.kv_holds import Hold
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
@@ -36,6 +46,7 @@ class Prefill:
     hashes: tuple[BlockHash, ...]
     started: float = 0.0
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    hold: Hold | None = None  # the blocks it was predicted to read, held until its first token
 
 
 def _common(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
@@ -62,18 +73,28 @@ class Prefills:
         self._max_age_s = max_age_s
         self._clock = clock
 
-    def start(self, replica: LocationId, hashes: Sequence[BlockHash]) -> Prefill | None:
+    def start(
+        self, replica: LocationId, hashes: Sequence[BlockHash], hold: Hold | None = None
+    ) -> Prefill | None:
+        """Register a prompt's full blocks as being prefilled on ``replica``, with the
+        ``hold`` on the blocks it reads (None when it has no full block: nothing to
+        register, and nothing can be held)."""
         if not hashes:
+            if hold is not None:
+                hold.give()
             return None
-        p = Prefill(replica, tuple(hashes), self._clock())
+        p = Prefill(replica, tuple(hashes), self._clock(), hold=hold)
         self._running.setdefault(replica, []).append(p)
         return p
 
     def finish(self, p: Prefill | None) -> None:
-        """``p``'s first token came (or it ended): its blocks are stored, or never will be."""
+        """``p``'s first token came (or it ended): its blocks are stored, or never will be;
+        the engine has scheduled it (or never will), so its hold is given back."""
         if p is None or p.done.is_set():
             return
         p.done.set()
+        if p.hold is not None:
+            p.hold.give()
         running = self._running.get(p.replica, [])
         if p in running:
             running.remove(p)

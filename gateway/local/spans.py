@@ -6,6 +6,8 @@
   one :class:`PrefixIndex` (location = replica id), gaps repaired, barriers;
 - :class:`~gateway.local.kv_pins.SpanPins`: pins with owners and leases
   (a pure :class:`LeaseBook`, the clock injected) and eviction;
+- :class:`~gateway.local.kv_holds.SpanHolds`: a routed request's predicted blocks
+  held in its engine until it is scheduled (receipts given back on every path);
 - :mod:`~gateway.local.kv_probe`: the hash probe run at start (a client's warm is a request
   through the service loop).
 
@@ -28,6 +30,7 @@ from engines.base import GenerateRequest
 from engines.errors import EngineError
 from engines.lora import LoraRef
 from gateway.local import kv_probe
+from gateway.local.kv_holds import SpanHolds
 from gateway.local.kv_pins import PinResult, SpanPins
 from gateway.local.kv_sync import Agreement, CoreControlled, KVSync, ReplicaCacheState
 from gateway.local.leases import LeaseBook
@@ -58,8 +61,10 @@ class KVSpans:
         self.pins = SpanPins(
             self.events, self.leases, pin_max_share, default_lease_s, clock, holder
         )
+        self.holds = SpanHolds(self.events, holder or "gateway", clock)
         self._clock = clock
         self._reaper: asyncio.Task[None] | None = None
+        self._releaser: asyncio.Task[None] | None = None
 
     # ---------------------------------------------------------- replicas
 
@@ -88,15 +93,18 @@ class KVSpans:
         """Start the subscribers and the lease reaper, then probe every replica."""
         self.events.start()
         self._reaper = asyncio.create_task(self.pins.reap_forever(), name="pin-reaper")
+        self._releaser = asyncio.create_task(self.holds.run(), name="hold-releaser")
         for replica in self.events.replicas:
             await self.probe(replica, probe_tokens)
 
     async def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
+        for task in (self._reaper, self._releaser):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reaper = self._releaser = None
+        await self.holds.flush()  # the holds given back before the close
         await self.events.close()
 
     @property
