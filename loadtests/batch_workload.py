@@ -15,7 +15,9 @@ arms send the same requests to the emulator (in process, over its HTTP API):
 - **arrival**: online, in arrival order;
 - **batch_api**: the provider's batch API given the units in arrival order (no
   ordering): items in waves of ``--parallel`` that do not read each other's writes,
-  each wave taking ``--wave-s`` emulator seconds; billed at half price.
+  each wave taking ``--wave-s`` emulator seconds; billed at half price;
+- **batch_api_dag**: the same batch API given the units in DAG order (what the provider
+  plan's batch option would submit).
 
 Online requests are paced at what the rate-limit headroom allows (design note §5.5:
 ``min(R, X/P̄)`` requests a minute, ``--rpm`` and ``--tpm``), the emulator's clock
@@ -25,11 +27,13 @@ cost is in input-token equivalents at the online price (uncached 1, cache read `
 cache write ``w``: Anthropic r 0.1, 5m write 1.25; OpenAI r 0.5, writes free, as
 ``manifest.planner``'s profiles have them); output tokens, one per request, are left
 out.  Beside each measured cost, the provider plan's prediction
-(:mod:`gateway.batches.provider_plan`) of the dag and batch_api arms.  Top-7 coverage is
-measured (the share of units under the 7 most used anchors) against H(7,s)/H(V,s).
+(:mod:`gateway.batches.provider_plan`) of the dag arm and of its batch option (DAG
+order, the breakpoint TTL it picks, its stated hit share), and each arm's read share.
+Top-7 coverage is measured (the share of units under the 7 most used anchors) against
+H(7,s)/H(V,s).
 
 Prints a table and writes the figures as JSON to ``--out``.  The local-replica arm (a
-vLLM engine) is not run here.
+vLLM engine) is :mod:`loadtests.batch_local`.
 """
 
 from __future__ import annotations
@@ -179,6 +183,12 @@ async def batch_api(
     return state.bill(f"{provider}-batch").view()
 
 
+def read_share(bill: dict[str, Any]) -> float:
+    """The share of the prompt tokens read from cache."""
+    total = sum(float(bill[k]) for k in ("uncached", "read", "write", "write_long"))
+    return round(float(bill["read"]) / total, 4) if total else 0.0
+
+
 def pace(rpm: float, tpm: float, bodies: list[dict[str, Any]]) -> float:
     """Seconds between online requests inside the headroom: 60 / min(R, X/P̄)."""
     mean = sum(len(json.dumps(b)) / 4 for b in bodies) / max(1, len(bodies))
@@ -212,11 +222,15 @@ async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
             "dag": await online(provider, bodies, order, gap),
             "arrival": await online(provider, bodies, arrival, gap),
             "batch_api": await batch_api(provider, bodies, args.parallel, args.wave_s),
+            "batch_api_dag": await batch_api(
+                provider, [bodies[i] for i in order], args.parallel, args.wave_s
+            ),
         }
         costs = {
             "dag": cost(provider, bills["dag"]),
             "arrival": cost(provider, bills["arrival"]),
             "batch_api": cost(provider, bills["batch_api"], BATCH_DISCOUNT),
+            "batch_api_dag": cost(provider, bills["batch_api_dag"], BATCH_DISCOUNT),
         }
         option: ProviderOption = profile_option(f"{provider}/{MODELS[provider]}")
         plan = compare(option, us, steps)
@@ -225,6 +239,7 @@ async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
             "measured_s": round(dag.concentration() or 0.0, 3),
             "bills": bills,
             "cost": {k: round(v, 1) for k, v in costs.items()},
+            "read_share": {k: read_share(b) for k, b in bills.items()},
             "predicted": {
                 "dag": plan["online"]["cost"],
                 "batch_api": plan["batch_api"]["cost"],
@@ -238,19 +253,25 @@ async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
 
 def table(results: list[dict[str, Any]]) -> str:
     head = (
-        f"{'s':>5} {'provider':<10}{'dag':>13}{'arrival':>13}{'batch_api':>13}"
-        f"{'dag/arrival':>12}{'pred dag':>12}{'pred batch':>12}  {'top7':>6}{'H(7,s)/H(V,s)':>15}"
+        f"{'s':>5} {'provider':<10}{'dag':>12}{'arrival':>12}{'batch_api':>12}"
+        f"{'batch dag':>12}{'dag/arr':>8}{'pred dag':>12}{'pred batch':>12}"
+        f"  {'top7':>6}{'H(7,s)/H(V,s)':>14}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         for p, v in r["providers"].items():
             c, pr = v["cost"], v["predicted"]
             lines.append(
-                f"{r['s']:>5} {p:<10}{c['dag']:>13,.0f}{c['arrival']:>13,.0f}"
-                f"{c['batch_api']:>13,.0f}{c['dag'] / c['arrival']:>12.3f}"
-                f"{pr['dag']:>12,.0f}{pr['batch_api']:>12,.0f}  {r['top7_coverage']:>6.1%}"
-                f"{r['top7_coverage_zipf']:>15.1%}"
+                f"{r['s']:>5} {p:<10}{c['dag']:>12,.0f}{c['arrival']:>12,.0f}"
+                f"{c['batch_api']:>12,.0f}{c['batch_api_dag']:>12,.0f}"
+                f"{c['dag'] / c['arrival']:>8.3f}{pr['dag']:>12,.0f}{pr['batch_api']:>12,.0f}"
+                f"  {r['top7_coverage']:>6.1%}{r['top7_coverage_zipf']:>14.1%}"
             )
+    lines += ["", "read share (cache reads / prompt tokens) per arm"]
+    for r in results:
+        for p, v in r["providers"].items():
+            shares = "  ".join(f"{k} {x:.3f}" for k, x in v["read_share"].items())
+            lines.append(f"{r['s']:>5} {p:<10}{shares}")
     return "\n".join(lines)
 
 
