@@ -12,7 +12,8 @@ Routing (:meth:`Adapters.candidates`, the policy in
 :mod:`gateway.local.adapter_placement`) sends a request to the replicas that hold
 its adapter or are loading it, and to one that must load it only where the cache
 hit it gives outweighs the load (measured per adapter: bytes, seconds); with none
-holding it, to those that can load it.  The block hashes carry the adapter
+holding it, to one that can load it (the adapter's name decides among equals).
+The block hashes carry the adapter
 (``("lora", name, path)``), so among them the one with its prefix warm wins as for
 the base model.  A replica chosen that does not hold it loads it first
 (:meth:`Adapters.ensure`): concurrent first requests for one adapter wait for the
@@ -26,7 +27,8 @@ The session log records the adapter a request ran under (name, path and the sha2
 of its weights files, :func:`weights_digest`), so a replay can tell that the
 weights changed since.  The digest is read when an adapter becomes known (again
 after it was unloaded everywhere) and at every load an engine is sent (what the
-engine then holds is what was read), never per request: :meth:`Adapters.find`
+engine then holds is what was read; an engine's own adapters when it is first
+asked, off the event loop), never per request: :meth:`Adapters.find`
 hands out the adapter with it, and :meth:`Adapters.digest` says what the gateway
 read last.  A request recorded with weights that a load then found changed is not
 sent (503 ``adapter_changed``; retried, it records the new ones).  An adapter whose
@@ -266,6 +268,8 @@ class Adapters:
         self._held[replica.id] = (replica.engine, held)
         for a in held.values():
             self._known.setdefault(a.name, a)
+            if a not in self._digests:  # read off the event loop, before a request needs it
+                self._digests[a] = await asyncio.to_thread(weights_digest, a.path)
         return held
 
     async def learn_all(self) -> None:

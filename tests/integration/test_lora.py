@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +22,13 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from engines.vllm.demo_lora import DEMO_ADAPTERS, DemoLoraSpec, ensure_demo_lora
-from tests.integration.conftest import ADMIN, ADMIN_KEY, ADMIN_KEYS, own_gateway
+from gateway.core.config import Settings
+from gateway.session_cli import replay
+from tests.integration.conftest import ADMIN, ADMIN_KEY, ADMIN_KEYS, own_gateway, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +44,9 @@ class LoraGateway:
     resolve_dir: Path  # holds "demo-lora-c" (seed 3)
     wide: Path  # a rank-16 adapter (the engines' maximum is 8)
     other: Path  # an adapter outside the resolver directory
+    spare: Path  # another (seed 6), outside it too
+    tmp: Path  # the gateway's own: its session log is tmp/sessions.db
+    settings: Settings  # what ``vcache replay`` reads the log with
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
@@ -60,6 +68,7 @@ def lora_gw(
     )
     wide = ensure_demo_lora(built, demo_model, "wide", DemoLoraSpec(seed=4, rank=16))
     other = ensure_demo_lora(built, demo_model, "other", DemoLoraSpec(seed=5))
+    spare = ensure_demo_lora(built, demo_model, "spare", DemoLoraSpec(seed=6))
     settings = {
         **ADMIN_KEYS,
         "VCACHE_ENGINE__LORA__ENABLED": "true",
@@ -70,8 +79,9 @@ def lora_gw(
         "VCACHE_ENGINE__LORA__RESOLVER_DIR": str(resolve),
     }
     args = ["--replicas", "2", "--kv-cache-bytes", str(32 << 20), "--max-model-len", "2048"]
+    offline = Settings(data_dir=data_dir, model=str(demo_model))
     with own_gateway(tmp, data_dir, args, settings) as url:
-        yield LoraGateway(url, resolve, wide, other)
+        yield LoraGateway(url, resolve, wide, other, spare, tmp, offline)
 
 
 def _text(seed: int, n: int) -> str:
@@ -223,3 +233,167 @@ def test_an_unknown_adapter_is_a_404_naming_it(lora_gw: LoraGateway) -> None:
     }
     r = httpx.post(f"{lora_gw.url}/v1/messages", json=body, headers=ADMIN, timeout=60)
     assert r.status_code == 404 and json.loads(r.text)["type"] == "error"
+
+
+def test_a_session_under_an_adapter_replays_and_refuses_changed_weights(
+    lora_gw: LoraGateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The log records the adapter (name, path, sha256 of its weights): ``vcache replay``
+    rebuilds each turn byte for byte, and refuses naming the adapter once its weights
+    changed."""
+    where = lora_gw.tmp / "replayed" / "ad-replay"
+    shutil.copytree(lora_gw.other, where)
+    client = lora_gw.client()
+    with lora_gw.admin() as admin:
+        r = admin.post(
+            "/v1/load_lora_adapter", json={"lora_name": "ad-replay", "lora_path": str(where)}
+        )
+        assert r.status_code == 200, r.text
+        messages: list[dict[str, str]] = [{"role": "user", "content": _text(400, 150)}]
+        ids = []
+        for turn in range(2):
+            body = client.chat.completions.create(
+                model="ad-replay",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=4,
+                temperature=0,
+                extra_headers={"x-vcache-session": "lora-replay"},
+            )
+            ids.append(body.id)
+            messages += [
+                {"role": "assistant", "content": body.choices[0].message.content or ""},
+                {"role": "user", "content": _text(401 + turn, 40)},
+            ]
+        db = lora_gw.tmp / "sessions.db"
+        for rid in ids:
+            assert replay(lora_gw.settings, db, rid, quiet=False) == 0
+        out = capsys.readouterr().out
+        assert out.count('"adapter":{"name":"ad-replay"') == 2
+        assert out.count("match: the log rebuilds what was sent") == 2
+        # other weights at the same path: replay refuses, naming the adapter
+        shutil.copy(lora_gw.spare / "adapter_model.safetensors", where)
+        assert replay(lora_gw.settings, db, ids[1], quiet=True) == 1
+        err = capsys.readouterr().err
+        assert "'ad-replay'" in err and "changed since" in err
+        shutil.copy(lora_gw.other / "adapter_model.safetensors", where)
+        assert replay(lora_gw.settings, db, ids[1], quiet=True) == 0
+        r = admin.post("/v1/unload_lora_adapter", json={"lora_name": "ad-replay"})
+        assert r.status_code == 200, r.text
+
+
+def test_cache_lookup_and_pins_under_an_adapter_are_its_own(lora_gw: LoraGateway) -> None:
+    client = lora_gw.client()
+    messages = [{"role": "user", "content": _text(500, 400)}]
+    ran = _chat(client, A, messages)
+    with lora_gw.admin() as admin:
+
+        def lookup(model: str) -> dict[str, int]:
+            r = admin.post("/v1/cache/lookup", json={"model": model, "messages": messages})
+            assert r.status_code == 200, r.text
+            return {x["replica"]: x["predicted_cached_tokens"] for x in r.json()["replicas"]}
+
+        under_a = lookup(A)
+        assert under_a[ran.replica] >= (ran.prompt_tokens - 1) // BLOCK * BLOCK > 0
+        assert set(lookup(B).values()) == {0} and set(lookup(MODEL).values()) == {0}
+        pin = {"model": A, "messages": messages, "replica": ran.replica, "lease_s": 60}
+        r = admin.post("/v1/cache/pin", json=pin)
+        assert r.status_code == 200, r.text
+        assert r.json()["replicas"][0]["pinned"]
+
+        def leased() -> list[str]:
+            listed = admin.get("/v1/lora_adapters").json()["data"]
+            return next(e["leased"] for e in listed if e["lora_name"] == A)
+
+        assert leased() == [ran.replica]  # the adapter stays loaded there while pinned
+        r = admin.post("/v1/cache/unpin", json=pin)
+        assert r.status_code == 200, r.text
+        assert leased() == []
+
+
+def test_ten_concurrent_first_requests_load_a_resolved_adapter_once(
+    lora_gw: LoraGateway,
+) -> None:
+    """An adapter in the resolver directory that no replica holds: ten requests at once
+    are all served, on one replica, after one load; the first's added time is printed
+    (the closing note's figure)."""
+    shutil.copytree(lora_gw.spare, lora_gw.resolve_dir / "demo-lora-d")
+    client = lora_gw.client()
+    with lora_gw.admin() as admin:
+        before = admin.get("/v1/lora_adapters").json()["loads"]
+        got: list[tuple[Served, float]] = []
+        lock = threading.Lock()
+
+        def first(i: int) -> None:
+            t0 = time.perf_counter()
+            s = _chat(client, "demo-lora-d", [{"role": "user", "content": _text(600 + i, 60)}])
+            with lock:
+                got.append((s, time.perf_counter() - t0))
+
+        threads = [threading.Thread(target=first, args=(i,)) for i in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 10 and all(s.predicted == s.cached for s, _ in got)
+        listed = admin.get("/v1/lora_adapters").json()
+        assert listed["loads"] == before + 1  # one load for the ten
+        (entry,) = [e for e in listed["data"] if e["lora_name"] == "demo-lora-d"]
+        assert len(entry["replicas"]) == 1 and {s.replica for s, _ in got} == set(entry["replicas"])
+        t0 = time.perf_counter()
+        _chat(client, "demo-lora-d", [{"role": "user", "content": _text(700, 60)}])
+        warm = time.perf_counter() - t0
+        slowest = max(t for _, t in got)
+        print(
+            f"\nfirst requests for an unloaded adapter: slowest of ten {slowest:.3f} s, "
+            f"a later one {warm:.3f} s; load measured {entry['load_seconds']} s, "
+            f"{entry['load_bytes']} bytes"
+        )
+
+
+def _engine_cores(url: str) -> list[psutil.Process]:
+    """The engine cores under the gateway that listens at ``url``."""
+    port = int(url.rsplit(":", 1)[1])
+    (pid,) = {
+        c.pid
+        for c in psutil.net_connections("tcp")
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+    }
+    gw = psutil.Process(pid)
+    return [p for p in gw.children(recursive=True) if p.name() == "VLLM::EngineCore"]
+
+
+def test_killed_engine_cores_come_back_with_their_adapters_and_no_stale_blocks(
+    lora_gw: LoraGateway,
+) -> None:
+    """kill -9 of every engine core (this module's last test): the supervisor restarts
+    them, the adapters configured at start are held again, an adapter loaded at run time
+    is loaded again by the next request that names it, and no block under an adapter is
+    predicted from the dead engines."""
+    client = lora_gw.client()
+    messages = [{"role": "user", "content": _text(800, 300)}]
+    with lora_gw.admin() as admin:
+        rt = {"lora_name": "ad-rt", "lora_path": str(lora_gw.other), "replica": "replica-0"}
+        assert admin.post("/v1/load_lora_adapter", json=rt).status_code == 200
+        _chat(client, A, messages)
+        again = _chat(client, A, messages)
+        assert again.cached == again.predicted > 0
+        cores = _engine_cores(lora_gw.url)
+        assert len(cores) == 2
+        for core in cores:
+            core.kill()
+        wait_for(lambda: httpx.get(f"{lora_gw.url}/readyz").status_code == 503, timeout_s=30)
+        wait_for(lambda: httpx.get(f"{lora_gw.url}/readyz").status_code == 200, timeout_s=300)
+        held = {
+            e["lora_name"]: e["replicas"] for e in admin.get("/v1/lora_adapters").json()["data"]
+        }
+        assert sorted(held[A]) == sorted(held[B]) == ["replica-0", "replica-1"]  # configured
+        assert held["ad-rt"] == []  # loaded at run time: not held by the new engines
+        r = admin.post("/v1/cache/lookup", json={"model": A, "messages": messages})
+        assert r.status_code == 200, r.text
+        assert {x["predicted_cached_tokens"] for x in r.json()["replicas"]} == {0}
+    cold = _chat(client, A, messages)
+    assert cold.predicted == cold.cached == 0  # nothing stale under the adapter
+    warm = _chat(client, A, messages)
+    assert warm.predicted == warm.cached > 0
+    rt_served = _chat(client, "ad-rt", [{"role": "user", "content": "back again"}])
+    assert rt_served.predicted == rt_served.cached
