@@ -8,9 +8,9 @@ before it is still an error status, not a broken stream.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engines.base import TokenLogprob
 from engines.providers.base import ThinkingPart
@@ -51,6 +51,37 @@ class Piece:
     token_ids: tuple[int, ...] = ()  # the output tokens of this piece (the engine's)
     prompt_token_ids: tuple[int, ...] | None = None  # on a choice's first, where asked
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first, where asked
+
+
+class Step(Protocol):
+    """A per-piece step of an answer (its tool calls read out of the text, its JSON
+    escaped, its breakpoints' lease at the end): plain calls the answer's one generator
+    makes, not a generator of its own around the answer (one a layer, per token)."""
+
+    def step(self, p: Piece) -> Sequence[Piece]:
+        """What ``p`` (a piece of text, not the usage) comes out as: nothing, itself,
+        or several pieces."""
+        ...
+
+    async def end(self, last: Piece) -> Piece:
+        """The last piece (the usage) as it goes out; it may await (a lease taken before
+        the client hears that the answer ended)."""
+        ...
+
+
+def stepped(p: Piece, steps: Sequence[Step]) -> Sequence[Piece]:
+    """What ``p`` comes out as through ``steps``, in order."""
+    out: Sequence[Piece] = (p,)
+    for s in steps:
+        out = s.step(out[0]) if len(out) == 1 else [q for x in out for q in s.step(x)]
+    return out
+
+
+async def ended(last: Piece, steps: Sequence[Step]) -> Piece:
+    """The usage piece through each step's :meth:`Step.end`, in order."""
+    for s in steps:
+        last = await s.end(last)
+    return last
 
 
 @dataclass(frozen=True)

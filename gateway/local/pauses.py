@@ -35,12 +35,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.core.config import RetentionSettings
-from gateway.core.pieces import Pieces
+from gateway.core.pieces import Piece
 from gateway.local.retention import BreakpointLeases
 from gateway.local.spans import KVSpans, PinResult
 from manifest.hashing import BlockHash
@@ -276,21 +275,28 @@ def _owner(key: str) -> str:
     return f"session:{key}"
 
 
-async def paused(
-    pieces: Pieces,
-    turns: SessionTurns,
-    kv: KVSpans | None,
-    key: str,
-    replica: LocationId,
-    hashes: Sequence[BlockHash],
-) -> Pieces:
-    """The pieces of one turn of session ``key``; at its end (before the usage goes out,
-    so a client that comes back at once finds the lease) the retention is decided."""
-    called = False
-    async with aclosing(pieces):
-        async for p in pieces:
-            if p.index == 0 and p.finish_reason == "tool_calls":
-                called = True
-            if p.usage is not None:
-                await turns.ended(kv, key, replica, hashes, called)
-            yield p
+class Paused:
+    """One turn of session ``key``: whether it ended calling tools; at its end (before
+    the usage goes out, so a client that comes back at once finds the lease) the
+    retention is decided.  A :class:`~gateway.core.pieces.Step`."""
+
+    def __init__(
+        self,
+        turns: SessionTurns,
+        kv: KVSpans | None,
+        key: str,
+        replica: LocationId,
+        hashes: Sequence[BlockHash],
+    ) -> None:
+        self._turns, self._kv, self._key = turns, kv, key
+        self._replica, self._hashes = replica, hashes
+        self._called = False
+
+    def step(self, p: Piece) -> Sequence[Piece]:
+        if p.index == 0 and p.finish_reason == "tool_calls":
+            self._called = True
+        return (p,)
+
+    async def end(self, last: Piece) -> Piece:
+        await self._turns.ended(self._kv, self._key, self._replica, self._hashes, self._called)
+        return last

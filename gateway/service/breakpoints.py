@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from contextlib import aclosing
 from typing import Any
 
 from gateway.core.outputs import Usage
-from gateway.core.pieces import Pieces
+from gateway.core.pieces import Piece
 from gateway.core.schemas import Breakpoint
 from gateway.local.dispatch import Dispatch
 from gateway.local.retention import BreakpointLeases
@@ -84,30 +83,39 @@ class PrefixLengths:
         return out
 
 
-async def retained(
-    pieces: Pieces,
-    d: Dispatch,
-    ends: Ends,
-    owner: str,
-    kv: KVSpans | None,
-    block: int,
-    leases: BreakpointLeases,
-) -> Pieces:
-    """The pieces; at the end the blocks through each breakpoint are leased on the
-    replica for its TTL, and the usage says how many prompt tokens were newly cached
-    through the last breakpoint (Anthropic's ``cache_creation_input_tokens``)."""
-    async with aclosing(pieces):
-        async for p in pieces:
-            if p.usage is not None:
-                u = p.usage
-                cached = u.prompt_tokens_details.cached_tokens
-                through = max(pos for pos, _ in ends) // block * block
-                written = max(0, min(through, u.prompt_tokens) - cached)
-                usage = Usage.of(u.prompt_tokens, u.completion_tokens, cached, written)
-                p = dataclasses.replace(p, usage=usage)
-                if kv is not None and d.hashes:
-                    await _lease(kv, d, ends, owner, block, leases)
-            yield p
+class Retained:
+    """One answer's breakpoints on its replica: at its end the blocks through each are
+    leased for its TTL, and the usage says how many prompt tokens were newly cached
+    through the last breakpoint (Anthropic's ``cache_creation_input_tokens``).  A
+    :class:`~gateway.core.pieces.Step`."""
+
+    def __init__(
+        self,
+        d: Dispatch,
+        ends: Ends,
+        owner: str,
+        kv: KVSpans | None,
+        block: int,
+        leases: BreakpointLeases,
+    ) -> None:
+        self._d, self._ends, self._owner = d, ends, owner
+        self._kv, self._block, self._leases = kv, block, leases
+
+    def step(self, p: Piece) -> Sequence[Piece]:
+        return (p,)
+
+    async def end(self, last: Piece) -> Piece:
+        u = last.usage
+        if u is None:
+            return last
+        cached = u.prompt_tokens_details.cached_tokens
+        through = max(pos for pos, _ in self._ends) // self._block * self._block
+        written = max(0, min(through, u.prompt_tokens) - cached)
+        usage = Usage.of(u.prompt_tokens, u.completion_tokens, cached, written)
+        if self._kv is not None and self._d.hashes:
+            d, kv = self._d, self._kv
+            await _lease(kv, d, self._ends, self._owner, self._block, self._leases)
+        return dataclasses.replace(last, usage=usage)
 
 
 async def _lease(

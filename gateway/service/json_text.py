@@ -11,11 +11,11 @@ whitespace or an error either way, and is left alone).
 from __future__ import annotations
 
 import dataclasses
-from contextlib import aclosing
+from collections.abc import Sequence
 from typing import Literal
 
 from engines.base import GenerateRequest
-from gateway.core.pieces import Pieces
+from gateway.core.pieces import Piece
 
 
 def _escape(ch: str) -> str:
@@ -71,17 +71,22 @@ class JsonEscaper:
         return "".join(out)
 
 
-async def escaped_json(pieces: Pieces) -> Pieces:
-    """An answer constrained to JSON, its text escaped as :class:`JsonEscaper` does
-    (one escaper per sample)."""
-    escapers: dict[int, JsonEscaper] = {}
-    async with aclosing(pieces):
-        async for p in pieces:
-            if p.text:
-                text = escapers.setdefault(p.index, JsonEscaper()).feed(p.text)
-                if text != p.text:
-                    p = dataclasses.replace(p, text=text)
-            yield p
+class JsonText:
+    """An answer constrained to JSON, its text escaped as :class:`JsonEscaper` does (one
+    escaper per sample): a :class:`~gateway.core.pieces.Step`."""
+
+    def __init__(self) -> None:
+        self._escapers: dict[int, JsonEscaper] = {}
+
+    def step(self, p: Piece) -> Sequence[Piece]:
+        if p.text:
+            text = self._escapers.setdefault(p.index, JsonEscaper()).feed(p.text)
+            if text != p.text:
+                p = dataclasses.replace(p, text=text)
+        return (p,)
+
+    async def end(self, last: Piece) -> Piece:
+        return last
 
 
 def json_answer(greq: GenerateRequest) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +33,7 @@ from engines.vllm.tool_calls import ToolCallParser, known_parser
 from gateway.core.config import LOCAL_TARGET
 from gateway.core.errors import APIError, InvalidRequest, NotFound, Unavailable
 from gateway.core.outputs import Usage
-from gateway.core.pieces import Piece, Pieces
+from gateway.core.pieces import Piece, Pieces, Step, ended, stepped
 from gateway.core.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -51,10 +51,10 @@ from gateway.core.types import (
 from gateway.local.adapters import Adapters
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
-from gateway.local.pauses import SessionTurns, paused
+from gateway.local.pauses import Paused, SessionTurns
 from gateway.local.retention import BreakpointLeases
 from gateway.local.vision_prompt import VisionPrompt, VisionRenderer
-from gateway.service.breakpoints import Ends, SystemPrompts, Turns, retained
+from gateway.service.breakpoints import Ends, Retained, SystemPrompts, Turns
 from gateway.service.context_edits import CLEAR_TOOL_USES, clear_tool_uses, tool_use_edit
 from gateway.service.engine_request import (
     Room,
@@ -63,7 +63,7 @@ from gateway.service.engine_request import (
     sent_to_engine,
     vocab_size,
 )
-from gateway.service.json_text import escaped_json, json_answer
+from gateway.service.json_text import JsonText, json_answer
 from gateway.service.prompts import Prompts
 from gateway.service.tools import ToolPlan
 from gateway.service.vision_request import engine_images, expanded_prompt
@@ -429,21 +429,21 @@ class LocalChat:
     def send(self, p: LocalPrepared, session: str | None) -> Pieces:
         d = p.routed
         as_stop = p.ceiling and self.ceiling_finish == "stop"
-        pieces = self.pieces(p.greq, d, "chat", p.t0, p.call.trace, as_stop)
+        steps: list[Step] = []  # what each piece goes through, in the one generator
         if p.plan is not None:
-            pieces = p.plan.stream(pieces)
+            steps.append(p.plan.reader())
         elif json_answer(p.greq):
-            pieces = escaped_json(pieces)
+            steps.append(JsonText())
         if p.ends:
             owner = f"breakpoints:{p.call.who.tenant}:{session or p.call.request_id}"
             kv = self.dispatcher.kv
             block = kv.block_size if kv is not None else self.engine.capabilities.block_size
-            pieces = retained(pieces, d, p.ends, owner, kv, block, self.leases)
+            steps.append(Retained(d, p.ends, owner, kv, block, self.leases))
         key = _session_key(p.call) or (f"{p.call.who.tenant}:log:{session}" if session else None)
         if key is not None and not p.call.warm:  # a warm's blocks are not a session's turn
             self.turns.began(key, p.call.who.tenant)
-            pieces = paused(pieces, self.turns, self.dispatcher.kv, key, d.replica.id, d.hashes)
-        return pieces
+            steps.append(Paused(self.turns, self.dispatcher.kv, key, d.replica.id, d.hashes))
+        return self.pieces(p.greq, d, "chat", p.t0, p.call.trace, as_stop, steps)
 
     def retry(self, p: LocalPrepared, error: Exception) -> LocalPrepared | None:
         return None  # another replica is the router's choice, made before the send
@@ -504,15 +504,18 @@ class LocalChat:
         t0: float,
         trace: RequestTrace,
         length_as_stop: bool = False,
+        steps: Sequence[Step] = (),
     ) -> Pieces:
-        """The engine's outputs as answer pieces; ``length_as_stop``: an answer the
-        operator's ceiling cut ends as the model's own end would."""
+        """The engine's outputs as answer pieces, each through ``steps`` (tool calls,
+        JSON text, breakpoints, a session's pause: plain calls, this one generator);
+        ``length_as_stop``: an answer the operator's ceiling cut ends as the model's own
+        end would."""
         first = True
         started: set[int] = set()  # the samples whose first piece went out
         async with aclosing(self.dispatcher.run(greq, d, endpoint, t0, trace)) as outputs:
             async for c in outputs:
                 if isinstance(c, Totals):  # the last: the answer's usage
-                    yield Piece(usage=c.usage())
+                    yield await ended(Piece(usage=c.usage()), steps)
                     continue
                 head, first = first, False  # the first: what the engine knew at the start
                 new = c.index not in started
@@ -520,7 +523,7 @@ class LocalChat:
                 finish = c.finish_reason
                 if length_as_stop and finish == "length":
                     finish = "stop"
-                yield Piece(
+                p = Piece(
                     c.text,
                     finish,
                     index=c.index,
@@ -532,6 +535,11 @@ class LocalChat:
                     prompt_token_ids=greq.prompt_token_ids if new else None,
                     prompt_logprobs=c.prompt_logprobs,
                 )
+                if not steps:
+                    yield p
+                    continue
+                for q in stepped(p, steps):
+                    yield q
 
     # ---------------------------------------------------------- limits
 

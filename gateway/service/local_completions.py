@@ -38,7 +38,7 @@ from gateway.core.types import Placement, Principal, RouteOverride, request_salt
 from gateway.local.dispatch import Dispatch
 from gateway.service.completions import Echo, echoed, merged, prompt_list
 from gateway.service.engine_request import sent_to_engine
-from gateway.service.json_text import escaped_json, json_answer
+from gateway.service.json_text import JsonText, json_answer
 from gateway.service.local import LocalChat
 from gateway.service.loop import Join
 from gateway.sessions.render import text_config, text_prompt, text_shaping
@@ -179,8 +179,8 @@ class LocalCompletions:
     def send(self, p: TextPrepared, session: str | None) -> Pieces:
         if p.dispatch is None:  # sending what was never acquired is a bug
             raise RuntimeError(f"{p.greq.request_id}: sent before it was routed")
-        pieces = self.local.pieces(p.greq, p.dispatch, "completions", p.t0, p.call.trace)
-        return escaped_json(pieces) if json_answer(p.greq) else pieces
+        steps = (JsonText(),) if json_answer(p.greq) else ()
+        return self.local.pieces(p.greq, p.dispatch, "completions", p.t0, p.call.trace, steps=steps)
 
     def retry(self, p: TextPrepared, error: Exception) -> TextPrepared | None:
         return None  # another replica is the router's choice, made before the send

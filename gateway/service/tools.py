@@ -20,14 +20,13 @@ A sample that called tools ends with ``finish_reason: "tool_calls"``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from contextlib import aclosing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engines.base import Structured, call_id
 from engines.vllm.tool_calls import ParsedCalls
-from gateway.core.pieces import Piece, Pieces, ToolCallDelta
+from gateway.core.pieces import Piece, ToolCallDelta
 from gateway.core.schemas import ChatCompletionRequest, NamedToolChoice
 from gateway.service.json_text import JsonEscaper
 from gateway.service.required_calls import RequiredCalls
@@ -101,31 +100,9 @@ class ToolPlan:
         parsed = self._parse(text, self.tools)
         return parsed.content, list(parsed.calls)
 
-    async def stream(self, pieces: Pieces) -> Pieces:
-        """The model's pieces with tool calls read out of their text."""
-        samples: dict[int, _Sample] = {}
-        head: Piece | None = None  # its prompt counts go out with the first piece out
-        async with aclosing(pieces):
-            async for p in pieces:
-                head = head or p
-                if p.usage is not None:
-                    yield p
-                    continue
-                s = samples.setdefault(p.index, _Sample())
-                s.ids += p.token_ids
-                for out in self._step(s, p):
-                    out = dataclasses.replace(out, token_ids=s.ids)  # with the next piece out
-                    s.ids = ()
-                    if head is not None and head.prompt_tokens is not None:
-                        out = dataclasses.replace(
-                            out,
-                            prompt_tokens=head.prompt_tokens,
-                            cached_tokens=head.cached_tokens,
-                            prompt_token_ids=head.prompt_token_ids,
-                            prompt_logprobs=head.prompt_logprobs,
-                        )
-                        head = Piece()  # passed on
-                    yield out
+    def reader(self) -> ToolCalls:
+        """A :class:`ToolCalls` step for one answer."""
+        return ToolCalls(self)
 
     def _step(self, s: _Sample, p: Piece) -> list[Piece]:
         if self.mode == "named":
@@ -182,3 +159,39 @@ class ToolPlan:
             ToolCallDelta(i, call_id(), name, args) for i, (name, args) in enumerate(calls)
         )
         return [Piece(content or "", "tool_calls", None, p.index, p.logprobs, deltas)]
+
+
+class ToolCalls:
+    """One answer's tool calls read out of its text, as its :class:`ToolPlan` says: a
+    :class:`~gateway.core.pieces.Step`.  The output token ids ride on the next piece out;
+    the first piece's prompt counts on the first piece out."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._plan = plan
+        self._samples: dict[int, _Sample] = {}
+        self._head: Piece | None = None  # its prompt counts go out with the first piece out
+
+    def step(self, p: Piece) -> Sequence[Piece]:
+        head = self._head = self._head or p
+        s = self._samples.get(p.index)
+        if s is None:
+            s = self._samples[p.index] = _Sample()
+        s.ids += p.token_ids
+        outs = self._plan._step(s, p)
+        for i, out in enumerate(outs):
+            out = dataclasses.replace(out, token_ids=s.ids)  # with the next piece out
+            s.ids = ()
+            if head.prompt_tokens is not None:
+                out = dataclasses.replace(
+                    out,
+                    prompt_tokens=head.prompt_tokens,
+                    cached_tokens=head.cached_tokens,
+                    prompt_token_ids=head.prompt_token_ids,
+                    prompt_logprobs=head.prompt_logprobs,
+                )
+                head = self._head = Piece()  # passed on
+            outs[i] = out
+        return outs
+
+    async def end(self, last: Piece) -> Piece:
+        return last
