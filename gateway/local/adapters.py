@@ -18,8 +18,10 @@ The block hashes carry the adapter
 the base model.  A replica chosen that does not hold it loads it first
 (:meth:`Adapters.ensure`): concurrent first requests for one adapter wait for the
 one load.  A load onto a replica whose slots (vLLM's ``max_cpu_loras``) are full lets
-its least recently used adapter go first, never one that is leased (pinned spans
-under it, :meth:`Adapters.lease`): the engine's own LRU eviction would not ask.  A
+its least recently used adapter go first, never one that is leased (spans under it
+pinned there: a cache-API pin, :meth:`Adapters.lease`, or any pin on the first block
+of one of its recent prompts, an agent session's lease across a tool call among
+them): the engine's own LRU eviction would not ask.  A
 load that fails is a 400 naming why (the engine's own message), and the replica
 keeps serving.
 
@@ -53,12 +55,14 @@ from gateway.local.adapter_placement import LoadCost, Option, load_tokens, place
 from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
 from gateway.local.spans import image_spans
+from manifest.hashing import BlockHash
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 PREFILL_S_PER_TOKEN = 1e-3  # what routing weighs a load against (a CPU engine's order)
+FIRST_BLOCKS = 64  # per adapter: the first blocks of its recent prompts kept (leases)
 
 
 def weights_bytes(path: str | Path) -> int:
@@ -126,6 +130,9 @@ class Adapters:
         self._used: dict[tuple[LocationId, str], int] = {}
         self._uses = 0
         self._leases: dict[tuple[LocationId, str], dict[str, float]] = {}
+        # per adapter name: the first blocks of its recent prompts (keyed by the adapter:
+        # one pinned on a replica is a span under it held there, whoever pinned it)
+        self._firsts: dict[str, dict[BlockHash, None]] = {}
         self.evictions = 0  # adapters let go to make room for a load
         self.loads = 0  # adapter loads sent to engines (the first requests' included)
 
@@ -188,6 +195,8 @@ class Adapters:
         if greq is not None and kv is not None:
             hashes = kv.hashes(greq.prompt_token_ids, greq.cache_salt, adapter, image_spans(greq))
             cached = kv.predict(hashes, greq.num_prompt_tokens)
+            if hashes:
+                self._first_block(adapter.name, hashes[0])
         options = [
             Option(
                 r.id,
@@ -219,6 +228,13 @@ class Adapters:
 
     # --------------------------------------------------------------- leases
 
+    def _first_block(self, name: str, h: BlockHash) -> None:
+        firsts = self._firsts.setdefault(name, {})
+        firsts.pop(h, None)
+        firsts[h] = None  # the most recent last
+        while len(firsts) > FIRST_BLOCKS:
+            del firsts[next(iter(firsts))]
+
     def lease(self, replica: LocationId, name: str, owner: str, lease_s: float) -> None:
         """``owner`` holds spans under the adapter ``name`` on ``replica`` for
         ``lease_s``: the adapter is not let go there to make room until it ends (or
@@ -237,16 +253,25 @@ class Adapters:
                 del self._leases[(replica, name)]
 
     def leased(self, replica: LocationId, name: str) -> bool:
-        """Whether a lease on ``name``'s spans on ``replica`` is live (expired ones go)."""
+        """Whether spans under ``name`` are held on ``replica``: a live lease (expired
+        ones go), or a pin there on the first block of one of its recent prompts (an
+        agent session's KV leased across a tool call, a breakpoint's retention, a pin by
+        raw block hashes: whoever pinned it)."""
         held = self._leases.get((replica, name))
-        if not held:
-            return False
-        now = self._clock()
-        for owner in [o for o, until in held.items() if until <= now]:
-            del held[owner]
-        if not held:
+        if held:
+            now = self._clock()
+            for owner in [o for o, until in held.items() if until <= now]:
+                del held[owner]
+            if held:
+                return True
             del self._leases[(replica, name)]
-        return bool(held)
+        kv = self._replicas.kv
+        firsts = self._firsts.get(name)
+        return (
+            kv is not None
+            and firsts is not None
+            and any(kv.index.is_pinned(replica, h) for h in firsts)
+        )
 
     def residency(self) -> dict[str, list[str]]:
         """Adapter name -> the replicas known to hold it (what the admin route shows)."""

@@ -19,8 +19,10 @@ from gateway.core.errors import Unavailable
 from gateway.local.adapter_placement import LoadCost, Option, load_tokens, place
 from gateway.local.adapters import Adapters
 from gateway.local.replicas import Replica
+from gateway.local.spans import KVSpans
 from manifest.index import LocationId
 from tests.unit.builders import booted
+from tests.unit.local.fake_core import Clock, FakeCore
 from tests.unit.local.lora_fake import LoraFakeEngine, adapter_dir
 
 R0, R1, R2 = LocationId("replica-0"), LocationId("replica-1"), LocationId("replica-2")
@@ -137,3 +139,33 @@ async def _make_room(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
     assert set(_engine(r0).held) == {"b", "d"} and adapters.evictions == 2
     adapters.unlease(R0, "b", "sess-1")
     assert not adapters.leased(R0, "b")
+
+
+def test_a_pin_on_an_adapters_blocks_leases_it_whoever_pinned_them(
+    tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    asyncio.run(_pinned_blocks(tokenizer, tmp_path))
+
+
+async def _pinned_blocks(tokenizer: ChatTokenizer, tmp_path: Path) -> None:
+    (r0,) = await _replicas(tokenizer, 1)
+    clock = Clock()
+    kv = KVSpans(16, "0", pin_max_share=0.5, default_lease_s=60, clock=clock)
+    b = LoraRef("b", str(adapter_dir(tmp_path, "b")))
+    greq = _greq("s1", b)
+    hashes = kv.hashes(greq.prompt_token_ids, greq.cache_salt, b)
+    base = kv.hashes(greq.prompt_token_ids, greq.cache_salt)  # the base model's
+    kv.attach(R0, FakeCore(hashes[:2] + base[:2], 10), f"ipc://{tmp_path}/none", None)
+    kv.index.apply_stored(R0, hashes[:2] + base[:2])
+    try:
+        adapters = Adapters(booted([r0], kv), "base", (), None, enabled=True, slots=2)
+        adapters.candidates(b, greq)  # a request under b: its first block is kept
+        assert not adapters.leased(R0, "b")
+        other = await kv.pin(R0, base[:2], "other")  # the same tokens, not under b
+        assert other.pinned and not adapters.leased(R0, "b")
+        session = await kv.pin(R0, hashes[:2], "agent-session")  # e.g. a tool call's pause
+        assert session.pinned and adapters.leased(R0, "b") and adapters.leased_on("b") == [R0]
+        await kv.unpin(R0, hashes[:2], "agent-session")
+        assert not adapters.leased(R0, "b")
+    finally:
+        await kv.close()
