@@ -455,6 +455,7 @@ def create_app(
         provider_chat,
         service.warm_provider,
         service.warm_local,
+        service.loop.intake,
     )
 
     # supervision: readiness changes reach the gRPC server's health while one runs

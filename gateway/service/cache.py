@@ -40,10 +40,11 @@ from gateway.core.target import Call
 from gateway.core.types import Principal, RouteOverride, Served, tenant_salt
 from gateway.local.spans import KVSpans
 from gateway.providers import control_plan
+from gateway.service.attachment_intake import AttachmentIntake
 from gateway.service.local import LocalChat
 from gateway.service.provider_chat import ProviderChat
 from gateway.service.targets import Targets
-from manifest.hashing import BlockHash, from_hex
+from manifest.hashing import BlockHash, MMSpan, from_hex
 from manifest.index import LocationId
 
 
@@ -163,13 +164,14 @@ class _Spans:
         tokens: list[int] | None,
         kv: KVSpans,
         lora: LoraRef | None = None,
+        mm: tuple[MMSpan, ...] = (),
     ):
         self.salt = tenant_salt(body.tenant or who.tenant)
         self.tokens = tokens
         self.lora = lora
         self.hashes: list[BlockHash]
         if self.tokens is not None:
-            self.hashes = kv.hashes(self.tokens, self.salt, lora)
+            self.hashes = kv.hashes(self.tokens, self.salt, lora, mm)
         else:
             try:
                 self.hashes = [from_hex(h) for h in body.block_hashes or []]
@@ -188,7 +190,9 @@ class _Spans:
 class CacheService:
     """The admin operations; callers check that the principal is an admin.  Spans are
     the local model's (``local``, served as ``model``); a model whose targets are hosted
-    providers names their caches (``providers``, warmed through ``warm_provider``)."""
+    providers names their caches (``providers``, warmed through ``warm_provider``).
+    ``intake`` takes in a prompt's images for a local vision-language model (its spans
+    are keyed by them, as a chat's)."""
 
     def __init__(
         self,
@@ -198,8 +202,10 @@ class CacheService:
         providers: ProviderChat | None,
         warm_provider: WarmProvider,
         warm_local: WarmLocal,
+        intake: AttachmentIntake,
     ) -> None:
         self._local = local
+        self._intake = intake
         self._model = model
         self._targets = targets
         self._providers = providers
@@ -226,13 +232,35 @@ class CacheService:
         local.check_model(body.model, self._model)
         kv = self._manager()
         tokens: list[int] | None = None
+        mm: tuple[MMSpan, ...] = ()
         if body.messages:
-            tokens = await local.chat_tokens(body.messages)
+            chat = self._image_chat(body)
+            if chat is None:
+                tokens = await local.chat_tokens(body.messages)
+            else:
+                tokens, mm = await self._image_prompt(chat)
         elif body.prompt:
             tokens = await local.text_tokens(body.prompt, add_special_tokens=True)  # as completions
         elif body.token_ids:
             tokens = local.check_token_ids(list(body.token_ids), "token_ids")
-        return kv, _Spans(body, who, tokens, kv, local.adapter(body.model))
+        return kv, _Spans(body, who, tokens, kv, local.adapter(body.model), mm)
+
+    def _image_chat(self, body: CacheRequest) -> ChatCompletionRequest | None:
+        """``body.messages`` as the chat request they render as, when they carry images for
+        a local vision-language model (None: text only, or a model that reads text only,
+        which refuses them by name)."""
+        if not body.messages or not self._local.sees:
+            return None
+        chat = ChatCompletionRequest(model=body.model, messages=body.messages)
+        return chat if any(chat.attachment_parts()) else None
+
+    async def _image_prompt(
+        self, chat: ChatCompletionRequest
+    ) -> tuple[list[int], tuple[MMSpan, ...]]:
+        """``chat``'s images taken in (a bad one is a 400 naming its part), its token ids with
+        each image expanded as vLLM expands it, and the images' spans."""
+        await self._intake.take(chat)
+        return await self._local.chat_prompt(chat)
 
     @staticmethod
     def require_admin(who: Principal) -> None:
@@ -378,6 +406,10 @@ class CacheService:
             route=route,
             warm=True,
         )
+        mm: tuple[MMSpan, ...] = ()
+        chat = self._image_chat(body)
+        if chat is not None:  # its images' spans (the warm renders the same prompt)
+            _, mm = await self._image_prompt(chat)
         served, usage, ids = await self._warm_local(call)
         if served.dispatch is None:  # an answer is routed before it is sent
             raise RuntimeError(f"{call.request_id}: answered without a replica")
@@ -385,7 +417,7 @@ class CacheService:
         await kv.sync(barrier=True)  # the blocks it stored are in the index
         salt = tenant_salt(tenant)
         lora = self._local.adapter(body.model)  # an adapter's warm: its own blocks
-        after = kv.predict(kv.hashes(ids, salt, lora), len(ids) + 1).get(replica, 0)
+        after = kv.predict(kv.hashes(ids, salt, lora, mm), len(ids) + 1).get(replica, 0)
         before = usage.prompt_tokens_details.cached_tokens
         return WarmResponse(replica=replica, cached_tokens_before=before, cached_tokens_after=after)
 

@@ -73,6 +73,7 @@ from gateway.sessions.render import (
     split_messages,
 )
 from manifest.canonical import canonical_json
+from manifest.hashing import MMSpan
 from manifest.index import LocationId
 from manifest.sessionlog import Header
 
@@ -241,6 +242,16 @@ class LocalChat:
                     )
         system, turns = split_messages(messages)
         return await self._prompts.chat(self.engine.tokenizer, system, turns, tools, template)
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], tuple[MMSpan, ...]]:
+        """The token ids ``req`` (its images taken in) is counted and hashed by, each image
+        expanded as vLLM's processor expands it, and the images' spans: as :meth:`quote`
+        renders it, for ``/tokenize`` and the cache API."""
+        system, turns = request_parts(req)
+        tools, template = req.tool_dicts(), self._shaping(req)
+        ids = await self._prompts.chat(self.engine.tokenizer, system, turns, tools, template)
+        vp = await self._expanded(req, ids)
+        return (ids, ()) if vp is None else (list(vp.token_ids), vp.spans)
 
     def _shaping(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """The request's prompt shaping as rendered and journaled: a request's own chat

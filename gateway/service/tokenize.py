@@ -2,7 +2,12 @@
 path's own tokenization: a chat request's messages (and tools) render through the same
 template, from the same parts the session log keeps, as ``/v1/chat/completions`` sends
 them; a prompt as ``/v1/completions`` sends it.  With exact spans on, the answer also
-carries the block hashes the index keys those tokens by (the caller's tenant salt)."""
+carries the block hashes the index keys those tokens by (the caller's tenant salt).
+
+On a local vision-language model, messages with images are taken in as a chat's are
+(decoded, bounded, stored: a bad image is a 400 naming its part) and counted as the
+chat counts them, each image expanded to vLLM's placeholders; their blocks' hashes carry
+the images' ``("mm", ...)`` keys."""
 
 from __future__ import annotations
 
@@ -10,9 +15,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from gateway.core.schemas import ChatMessage, RequestModel, ToolSpec
+from gateway.core.schemas import ChatCompletionRequest, ChatMessage, RequestModel, ToolSpec
 from gateway.core.types import Principal, tenant_salt
 from gateway.service.chat import GatewayService
+from manifest.hashing import MMSpan
 
 
 class TokenizeRequest(RequestModel):
@@ -65,7 +71,12 @@ async def tokenize(svc: GatewayService, req: TokenizeRequest, who: Principal) ->
     on for a prompt (as text completions tokenize it), off for messages."""
     svc.check_model(req.model or svc.model_name)
     local = svc.local
-    if req.messages is not None:
+    spans: tuple[MMSpan, ...] = ()
+    chat = _image_chat(req, req.model or svc.model_name) if local.sees else None
+    if chat is not None:
+        await svc.loop.intake.take(chat)
+        ids, spans = await local.chat_prompt(chat)
+    elif req.messages is not None:
         tools: list[dict[str, Any]] | None = (
             [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         )
@@ -80,8 +91,25 @@ async def tokenize(svc: GatewayService, req: TokenizeRequest, who: Principal) ->
         max_model_len=local.engine.capabilities.max_model_len,
         tokens=ids,
         token_strs=[tok.decode([t]) for t in ids] if req.return_token_strs else None,
-        block_hashes=[h.hex() for h in kv.hashes(ids, tenant_salt(who.tenant))] if kv else None,
+        block_hashes=[h.hex() for h in kv.hashes(ids, tenant_salt(who.tenant), None, spans)]
+        if kv
+        else None,
     )
+
+
+def _image_chat(req: TokenizeRequest, model: str) -> ChatCompletionRequest | None:
+    """``req``'s messages as the chat request they render as, when they carry an image or
+    a document (None: text only, or a prompt)."""
+    if req.messages is None:
+        return None
+    chat = ChatCompletionRequest(
+        model=model,
+        messages=req.messages,
+        tools=req.tools,
+        add_generation_prompt=req.add_generation_prompt,
+        add_special_tokens=bool(req.add_special_tokens),
+    )
+    return chat if any(chat.attachment_parts()) else None
 
 
 def detokenize(svc: GatewayService, req: DetokenizeRequest) -> DetokenizeResponse:

@@ -2,7 +2,8 @@
 vision`, one vLLM CPU replica shared by the module), driven by the official ``openai`` and
 ``anthropic`` SDKs: the gateway's ``x-vcache-predicted-cached-tokens`` equals the cached
 tokens vLLM reports, through an image's blocks and not past an image that moved; an image
-the processor cannot take (one too many) is a 400 naming its part.
+the processor cannot take (one too many) is a 400 naming its part; ``/tokenize`` and the
+cache API (lookup, pin, warm) name an image-bearing prompt's blocks as the chat hashes them.
 
 Each prompt is also rendered here as vLLM renders it (``VisionRenderer`` over the model's
 own tokenizer) to know where the image's placeholders sit."""
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from PIL import Image
@@ -32,7 +34,7 @@ from gateway.local.vision_prompt import (
     VisionPrompt,
     VisionRenderer,
 )
-from tests.integration.conftest import running
+from tests.integration.conftest import ADMIN, ADMIN_KEY, ADMIN_KEYS, running
 
 pytestmark = pytest.mark.integration
 
@@ -48,10 +50,16 @@ class Vision:
     tokenizer: Any
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
 
     def anthropic(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0)
+        return anthropic.Anthropic(base_url=self.url, api_key=ADMIN_KEY, max_retries=0)
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """An admin's call to the gateway's own API; its 200 answer."""
+        r = httpx.post(f"{self.url}{path}", json=body, headers=ADMIN, timeout=120)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
 
     def prompt(self, messages: list[dict[str, Any]], images: list[PromptImage]) -> VisionPrompt:
         """``messages`` (each image part as ``{"type": "image"}``) as vLLM expands them."""
@@ -79,6 +87,7 @@ def vision(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
     # every image request rebuilt from the log and its stored images before it is sent
     env["VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION"] = "true"
+    env |= ADMIN_KEYS  # the cache API's admin; every client sends the key
     cmd = [
         sys.executable,
         "-m",
@@ -245,3 +254,202 @@ def test_an_image_conversation_through_the_messages_api_predicted_exactly(
         ]
     assert all(r > 0 for r in reads[1:]), reads  # each later turn reads through the image
     assert reads == sorted(reads), reads
+
+
+def _encoded(mode: str, size: tuple[int, int], fmt: str, **kw: Any) -> PromptImage:
+    img = Image.new(mode, size)
+    for x in range(size[0]):
+        img.putpixel((x, x % size[1]), 255 if mode in ("L", "1", "I;16") else (255,) * len(mode))
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return PromptImage(buf.getvalue(), size[0], size[1])
+
+
+def _animated_gif() -> PromptImage:
+    frames = [Image.new("P", (90, 60), c) for c in (1, 80, 160)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=50, loop=0)
+    return PromptImage(buf.getvalue(), 90, 60)
+
+
+# images the demo model's processor takes although they are odd: a pixel, a line, an
+# extreme aspect ratio, and the modes and formats vLLM converts to RGB itself
+ODD = {
+    "1x1 png": (lambda: _encoded("RGB", (1, 1), "PNG"), "image/png"),
+    "3x1 png": (lambda: _encoded("RGB", (3, 1), "PNG"), "image/png"),
+    "5000x3 png": (lambda: _encoded("RGB", (5000, 3), "PNG"), "image/png"),
+    "grey+alpha png": (lambda: _encoded("LA", (50, 70), "PNG"), "image/png"),
+    "16-bit grey png": (lambda: _encoded("I;16", (64, 48), "PNG"), "image/png"),
+    "cmyk jpeg": (lambda: _encoded("CMYK", (120, 80), "JPEG"), "image/jpeg"),
+    "animated gif": (_animated_gif, "image/gif"),
+    "rgba webp": (lambda: _encoded("RGBA", (100, 100), "WEBP", lossless=True), "image/webp"),
+}
+
+
+@pytest.mark.parametrize("name", list(ODD))
+def test_an_odd_image_the_processor_takes_is_served_and_predicted_exactly(
+    vision: Vision, name: str
+) -> None:
+    """Never an engine error: the image is served, counted as vLLM expands it, and a
+    second question reads through its blocks as predicted."""
+    make, media = ODD[name]
+    shot = make()
+    system = {"role": "system", "content": SYSTEM + f"Odd: {name}. "}
+    user = {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": _url(shot, media)}},
+            {"type": "text", "text": "What is it?"},
+        ],
+    }
+    predicted, cached, n = _chat(vision, [system, user])
+    expected = vision.prompt([system, _templated(True, "What is it?")], [shot])
+    assert n == len(expected.token_ids)
+    assert predicted == cached
+    again = {**user, "content": [user["content"][0], {"type": "text", "text": "And now?"}]}
+    predicted, cached, n = _chat(vision, [system, again])
+    span = vision.prompt([system, _templated(True, "And now?")], [shot]).spans[0]
+    assert predicted == cached >= (span.offset + span.length) // BLOCK * BLOCK > 0
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _bmp() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30)).save(buf, "BMP")
+    return buf.getvalue()
+
+
+PNG = _encoded("RGB", (64, 64), "PNG").data
+REFUSED = {  # (the bytes, the media type the client declares, what the 400 says)
+    "a bmp called png": (_bmp(), "image/png", "not image/png"),
+    "a png called jpeg": (PNG, "image/jpeg", "the bytes are image/png, not image/jpeg"),
+    "a truncated png": (PNG[: len(PNG) // 2], "image/png", "does not decode"),
+    "a png whose header lies": (
+        PNG[:16] + (5000).to_bytes(4, "big") + PNG[20:],
+        "image/png",
+        "does not decode",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_an_image_no_decoder_takes_is_a_400_naming_the_clients_part(
+    vision: Vision, name: str
+) -> None:
+    """Through the Messages API: the client's own name of the block, never an engine
+    error (the image is refused before anything is rendered or sent)."""
+    data, media, says = REFUSED[name]
+    good = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": _b64(PNG)},
+    }
+    bad = {"type": "image", "source": {"type": "base64", "media_type": media, "data": _b64(data)}}
+    history: Any = [
+        {"role": "user", "content": [good, {"type": "text", "text": "Look."}]},
+        {"role": "assistant", "content": "Looked."},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}, bad]},
+    ]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        vision.anthropic().messages.create(model=MODEL, max_tokens=1, messages=history)
+    assert err.value.status_code == 400
+    assert "messages.2.content.1" in str(err.value) and says in str(err.value), err.value
+
+
+def test_a_conversations_fifth_screenshot_in_a_tool_result_is_a_400_naming_it(
+    vision: Vision,
+) -> None:
+    """An agent's screenshots accumulate: the one past the model's limit, in a tool
+    result, is named as the client sent it."""
+    tool: Any = {"name": "computer", "input_schema": {"type": "object", "properties": {}}}
+    history: Any = [{"role": "user", "content": "Start."}]
+    for i in range(IMAGES_PER_PROMPT + 1):
+        shot = _image((64 + i, 64), "PNG", (i, 2, 3))
+        history += [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": f"toolu_{i}", "name": "computer", "input": {}}
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": f"toolu_{i}",
+                        "content": [
+                            {"type": "text", "text": f"screenshot {i}"},
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": _b64(shot.data),
+                                },
+                            },
+                        ],
+                    }
+                ],
+            },
+        ]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        vision.anthropic().messages.create(
+            model=MODEL, max_tokens=1, tools=[tool], messages=history
+        )
+    last = 2 * IMAGES_PER_PROMPT + 2
+    assert f"messages.{last}.content.0.content.1" in str(err.value), err.value
+
+
+def _spans_of(v: Vision, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cache API's lookup of ``messages`` on the one replica."""
+    found = v.post("/v1/cache/lookup", {"model": MODEL, "messages": messages})
+    return dict(found["replicas"][0])
+
+
+def test_tokenize_and_lookup_name_an_image_prompts_blocks_as_the_chat_hashes_them(
+    vision: Vision,
+) -> None:
+    shot = _image((480, 300), "PNG", (10, 200, 90))
+    system = {"role": "system", "content": "Tokenize. " + SYSTEM}
+    messages = [system, _user(shot, "What is it?")]
+    expected = vision.prompt([system, _templated(True, "What is it?")], [shot])
+    got = vision.post("/tokenize", {"model": MODEL, "messages": messages})
+    assert got["tokens"] == list(expected.token_ids)  # the image expanded as vLLM does
+    assert len(got["block_hashes"]) == len(expected.token_ids) // BLOCK
+    before = _spans_of(vision, messages)
+    assert before["block_hashes"] == got["block_hashes"] and not any(before["resident"])
+    _chat(vision, messages)
+    after = _spans_of(vision, messages)  # the engine's KV events keyed them so
+    assert all(after["resident"]), after["resident"]
+    predicted, cached, n = _chat(vision, messages)
+    assert after["predicted_cached_tokens"] == predicted == cached == (n - 1) // BLOCK * BLOCK
+
+
+def test_a_warm_and_a_pin_of_an_image_prompt_hold_its_image_blocks(vision: Vision) -> None:
+    shot = _image((300, 500), "PNG", (240, 200, 10))
+    system = {"role": "system", "content": "Warm. " + SYSTEM}
+    messages = [system, _user(shot, "Describe it.")]
+    n = len(vision.prompt([system, _templated(True, "Describe it.")], [shot]).token_ids)
+    warmed = vision.post("/v1/cache/warm", {"model": MODEL, "messages": messages})
+    assert warmed["cached_tokens_before"] == 0
+    assert warmed["cached_tokens_after"] == n // BLOCK * BLOCK  # through the image
+    pinned = vision.post("/v1/cache/pin", {"model": MODEL, "messages": messages, "lease_s": 60})
+    (held,) = pinned["replicas"]
+    assert len(held["pinned"]) == n // BLOCK and held["missing"] == [] == held["refused"]
+    predicted, cached, _ = _chat(vision, messages)
+    assert predicted == cached == (n - 1) // BLOCK * BLOCK  # vLLM computes the last token
+    out = vision.post("/v1/cache/unpin", {"model": MODEL, "messages": messages})
+    assert len(out["replicas"][0]["unpinned"]) == n // BLOCK
+
+
+def test_tokenize_refuses_a_bad_image_by_its_part(vision: Vision) -> None:
+    bad = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(_bmp())}"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, bad]}]
+    r = httpx.post(
+        f"{vision.url}/tokenize", json={"model": MODEL, "messages": messages}, headers=ADMIN
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[0].content[1]", r.text

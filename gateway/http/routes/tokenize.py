@@ -25,7 +25,7 @@ Svc = Annotated[GatewayService, Depends(service)]
 Who = Annotated[Principal, Depends(require_principal)]
 
 
-@router.post("/tokenize", responses=errors(400, 401, 404, 503))
+@router.post("/tokenize", responses=errors(400, 401, 404, 413, 503))
 async def tokenize_route(body: TokenizeRequest, who: Who, svc: Svc) -> TokenizeResponse:
     return await tokenize(svc, body, who)
 

@@ -84,7 +84,13 @@ async def world(demo_model: Path, tmp_path: Path, **dispatch: Any) -> AsyncItera
     svc = service(booted(replicas, kv), metrics, log, **dispatch)
     dispatcher = svc.dispatcher
     cache = CacheService(
-        svc.local, svc.model_name, svc.targets, svc.providers, svc.warm_provider, svc.warm_local
+        svc.local,
+        svc.model_name,
+        svc.targets,
+        svc.providers,
+        svc.warm_provider,
+        svc.warm_local,
+        svc.loop.intake,
     )
     try:
         yield World(engines, dispatcher, log, cache, metrics)
