@@ -29,6 +29,7 @@ from engines.providers.specs import adapter_for
 from engines.providers.transport import Transport
 from engines.tokenizer import ChatTokenizer, ThreadCopies
 from gateway.batches.pins import CachePins
+from gateway.batches.provider_api import BatchAPIClient, ProviderBatches
 from gateway.batches.recall import default_gate
 from gateway.batches.runner import BatchRunner
 from gateway.batches.send import ServiceSender
@@ -373,6 +374,7 @@ def lifespan(g: Gateway) -> Callable[[FastAPI], contextlib.AbstractAsyncContextM
             if g.session_log is not None:
                 g.session_log.close()
             g.batches.store.close()
+            await g.batches.aclose()
             g.tracing.shutdown()
 
     return span
@@ -481,6 +483,20 @@ def create_app(
     log_cfg = settings.session_log  # batches live on the session log's database
     batch_store = BatchStore.beside(log_cfg.db_path(settings.data_dir), log_cfg.fsync, log_cfg.url)
     runs = settings.batches
+    # a batch model's hosted targets, for the provider plan (online against their batch API)
+    batch_targets = BatchTargets(
+        service.targets.resolve,
+        providers.target if providers is not None else None,
+        settings.providers,
+    )
+    provider_batches = None
+    if runs.provider_api and providers is not None:  # where the plan finds it cheaper
+        provider_batches = ProviderBatches(
+            service,
+            BatchAPIClient(provider_transport, runs.provider_poll_s),
+            batch_targets.endpoint,
+            batch_targets.batch_api,
+        )
     batch_runner = BatchRunner(
         batch_store,
         ServiceSender(service),
@@ -490,10 +506,7 @@ def create_app(
         pins=CachePins(cache_ops),
         recall=default_gate() if runs.recall else None,
         metrics=metrics,
-    )
-    # a batch model's hosted targets, for the provider plan (online against their batch API)
-    batch_targets = BatchTargets(
-        service.targets.resolve, providers.target if providers is not None else None
+        provider=provider_batches,
     )
     gateway = Gateway(
         settings,

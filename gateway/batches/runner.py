@@ -43,24 +43,43 @@ import json
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 from gateway.batches.cost import bought, measured
 from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import units
 from gateway.batches.recall import Gate, decide, warm_body
-from gateway.batches.send import Sender, batch_caller
+from gateway.batches.send import CHAT, Outcome, Sender, batch_caller
 from gateway.batches.store import BatchRow, BatchStore
 from gateway.core.metrics import Metrics
 from gateway.core.types import Principal
-from manifest.prefix_dag import PrefixDag, Unit
+from manifest.prefix_dag import PrefixDag, Step, Unit
 
 log = logging.getLogger(__name__)
 
 
 RETRY_CAP_S = 30.0
+
+
+class ProviderRoute(Protocol):
+    """A batch sent to its provider's own batch API (:mod:`gateway.batches.provider_api`)."""
+
+    def choose(
+        self, endpoint: str, model: str | None, units: Sequence[Unit], steps: Sequence[Step]
+    ) -> str | None:
+        """The hosted target whose batch API the provider plan chooses (None: online)."""
+        ...
+
+    async def run(
+        self, target: str, items: Sequence[tuple[int, dict[str, object]]], who: Principal
+    ) -> dict[int, Outcome]:
+        """Every item's outcome, by index."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
 def retry_delay(retry_after_s: float | None, attempt: int, cap_s: float = RETRY_CAP_S) -> float:
@@ -84,10 +103,12 @@ class BatchRunner:
         pins: AnchorPins | None = None,
         recall: Gate | None = None,
         metrics: Metrics | None = None,
+        provider: ProviderRoute | None = None,
     ) -> None:
         """``owner``: this runner's name on the items it claims (unique per process by
         default: a restarted gateway does not take over its old claims before their
-        leases run out); ``metrics``: where its counts are exported (``/metrics``)."""
+        leases run out); ``metrics``: where its counts are exported (``/metrics``);
+        ``provider``: a batch the provider plan sends to its provider's own batch API."""
         if concurrency < 1 or lease_s <= 0 or poll_s <= 0:
             raise ValueError("concurrency >= 1, lease_s > 0 and poll_s > 0")
         self._store = store
@@ -104,6 +125,8 @@ class BatchRunner:
         self.recall_counted: Counter[str] = Counter()  # replay, fresh
         self.recall_decisions: list[dict[str, object]] = []  # each with its predicted cost
         self._metrics = metrics
+        self._provider = provider
+        self.provider_batches: list[dict[str, object]] = []  # sent to a provider's batch API
 
     def _pinned(self, outcome: str) -> None:
         self.pins_counted[outcome] += 1
@@ -191,39 +214,51 @@ class BatchRunner:
                     if st.after is not None
                 }
                 left.update(anchor[i] for i in open_ if i in anchor)
-                if self._recall is not None:
-                    await self._recall_chains(us, dag, {str(i) for i in open_}, bodies, batch)
-                for step in steps:
-                    idx = int(step.unit)
-                    if idx not in open_:
-                        continue
-                    lead = ended.get(int(step.after)) if step.after is not None else None
-                    if lead is not None:
-                        await lead.wait()  # send-one-then-fan
-                    key = anchor.get(idx)
-                    if key is not None and key not in held and self._pins is not None:
-                        held[key] = await self._pin(bid, batch.endpoint, bodies[key[0]], key, who)
-                    if await asyncio.to_thread(store.status, bid) != "in_progress":
-                        break  # cancelled (or ended elsewhere): no new items
-                    await self._slots.acquire()
-                    claimed = False
-                    try:
-                        claimed = await asyncio.to_thread(
-                            store.claim, bid, idx, self.owner, self._lease_s
-                        )
-                    finally:
+                model = bodies[items[0].idx].get("model")
+                target = None
+                if self._provider is not None:
+                    named = model if isinstance(model, str) else None
+                    target = self._provider.choose(batch.endpoint, named, us, steps)
+                if target is not None:  # the provider plan: its own batch API is cheaper
+                    await self._provider_walk(bid, target, steps, open_, bodies, us, who)
+                else:
+                    if self._recall is not None:
+                        await self._recall_chains(us, dag, {str(i) for i in open_}, bodies, batch)
+                    for step in steps:
+                        idx = int(step.unit)
+                        if idx not in open_:
+                            continue
+                        lead = ended.get(int(step.after)) if step.after is not None else None
+                        if lead is not None:
+                            await lead.wait()  # send-one-then-fan
+                        key = anchor.get(idx)
+                        if key is not None and key not in held and self._pins is not None:
+                            held[key] = await self._pin(
+                                bid, batch.endpoint, bodies[key[0]], key, who
+                            )
+                        if await asyncio.to_thread(store.status, bid) != "in_progress":
+                            break  # cancelled (or ended elsewhere): no new items
+                        await self._slots.acquire()
+                        claimed = False
+                        try:
+                            claimed = await asyncio.to_thread(
+                                store.claim, bid, idx, self.owner, self._lease_s
+                            )
+                        finally:
+                            if not claimed:
+                                self._slots.release()
                         if not claimed:
-                            self._slots.release()
-                    if not claimed:
-                        continue  # settled, or another gateway runs it
-                    ended[idx] = done = asyncio.Event()
-                    plan = (step.shared_tokens, us[idx].size)
-                    item = self._item(bid, idx, batch.endpoint, bodies[idx], who, done, leads, plan)
-                    sent.append(
-                        asyncio.create_task(
-                            self._sibling(item, key, held, left), name=f"batch-item-{bid}-{idx}"
+                            continue  # settled, or another gateway runs it
+                        ended[idx] = done = asyncio.Event()
+                        plan = (step.shared_tokens, us[idx].size)
+                        item = self._item(
+                            bid, idx, batch.endpoint, bodies[idx], who, done, leads, plan
                         )
-                    )
+                        sent.append(
+                            asyncio.create_task(
+                                self._sibling(item, key, held, left), name=f"batch-item-{bid}-{idx}"
+                            )
+                        )
             await asyncio.gather(*sent)
         finally:
             for t in sent:
@@ -232,6 +267,52 @@ class BatchRunner:
             for key in list(held):  # cancelled, or siblings never sent: release what is held
                 await self._release(held.pop(key))
         await asyncio.to_thread(store.finalize, bid, output_files)
+
+    async def aclose(self) -> None:
+        """Close what the runner's provider route opened (its own HTTP session)."""
+        if self._provider is not None:
+            await self._provider.aclose()
+
+    async def _provider_walk(
+        self,
+        bid: str,
+        target: str,
+        steps: list[Step],
+        open_: set[int],
+        bodies: dict[int, dict[str, object]],
+        us: list[Unit],
+        who: Principal,
+    ) -> None:
+        """Claim the open items and send them, in DAG order, as one batch to ``target``'s
+        own batch API; write each result as it came back."""
+        assert self._provider is not None
+        claimed: list[Step] = []
+        for st in steps:
+            idx = int(st.unit)
+            if idx in open_ and await asyncio.to_thread(
+                self._store.claim, bid, idx, self.owner, self._lease_s
+            ):
+                claimed.append(st)
+        if not claimed:
+            return
+        self.provider_batches.append({"batch": bid, "target": target, "items": len(claimed)})
+        log.info("batch %s: %d items to %s's batch API", bid, len(claimed), target)
+        async with self._slots:
+            outcomes = await self._provider.run(
+                target, [(int(st.unit), bodies[int(st.unit)]) for st in claimed], who
+            )
+        for st in claimed:
+            idx = int(st.unit)
+            out = outcomes[idx]
+            usage = replace(out.usage, bought=bought(out.usage, st.shared_tokens, us[idx].size))
+            result = out.result()
+            if out.ok:
+                result["cost"] = measured(usage)
+            kept = await asyncio.to_thread(
+                self._store.finish, bid, idx, self.owner, out.ok, out.status_code, result, usage
+            )
+            if kept:
+                self._item_counted(CHAT, "completed" if out.ok else "failed")
 
     async def _recall_chains(
         self,

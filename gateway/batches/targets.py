@@ -9,14 +9,17 @@ capability profile (``vcache plan --batch-file --target``, no gateway).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from engines.providers.ratelimits import RateLimits
 from engines.providers.specs import PROVIDERS
-from gateway.batches.provider_plan import Headroom, ProviderOption
+from gateway.batches.provider_api import SUPPORTED, Endpoint
+from gateway.batches.provider_plan import Headroom, ProviderOption, compare
 from gateway.core.errors import APIError
+from gateway.core.provider_settings import ProviderConfig
 from manifest.planner import CapabilityProfile, Regime
+from manifest.prefix_dag import Step, Unit
 
 LONG_WRITE_MULT = 2.0  # Anthropic's 1-hour TTL (shared/seeds/001 §5)
 
@@ -80,9 +83,37 @@ class BatchTargets:
         self,
         resolve: Callable[[str], list[str]],
         target: Callable[[str], HostedTarget] | None,
+        providers: Mapping[str, ProviderConfig] | None = None,
     ) -> None:
+        """``providers``: the configured providers, where their batch APIs live."""
         self._resolve = resolve
         self._target = target
+        self._providers = dict(providers or {})
+
+    def endpoint(self, target: str) -> Endpoint | None:
+        """Where ``provider/model``'s batch API lives (None: a provider without one here)."""
+        provider = target.partition("/")[0]
+        cfg = self._providers.get(provider)
+        if cfg is None or provider not in SUPPORTED:
+            return None
+        key = cfg.resolved_key(provider)
+        if key is None:
+            return None
+        headers = PROVIDERS[provider].adapter().auth_headers(key)
+        return Endpoint(provider, cfg.resolved_base_url(provider), headers)
+
+    def batch_api(self, model: str, units: Sequence[Unit], steps: Sequence[Step]) -> str | None:
+        """The hosted target whose own batch API the provider plan chooses for a batch of
+        ``model``: its first target, when that is hosted, has a batch API here and the
+        plan finds it cheaper than online in DAG order (None: run online)."""
+        options = self.options(model)
+        try:
+            first = self._resolve(model)[0]
+        except (APIError, IndexError):
+            return None
+        if not options or options[0].target != first or self.endpoint(first) is None:
+            return None
+        return first if compare(options[0], units, steps)["choice"] == "batch_api" else None
 
     def options(self, model: str) -> list[ProviderOption]:
         """The hosted targets of ``model``, in its alias's order (none: local only)."""

@@ -126,6 +126,12 @@ class BatchSettings(BaseModel):
     # recall (M4): replay a done item's prompt chain so the items extending it read it from
     # cache, where the cost gate passes (manifest.economics.recall_pays); off: prefill fresh
     recall: bool = False
+    # a batch of chat completions on a hosted target goes to the provider's own batch API
+    # (OpenAI's, Anthropic's) where the provider plan finds it cheaper than online requests
+    # in DAG order; off: every item online
+    provider_api: bool = False
+    # between two reads of a batch running on a provider's batch API
+    provider_poll_s: float = Field(30.0, gt=0)
 
 
 class AttachmentSettings(BaseModel):

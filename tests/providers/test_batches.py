@@ -10,13 +10,15 @@ import hashlib
 import io
 import json
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anthropic
 import openai
 import pytest
 
-from tests.providers.conftest import KEY, MANUAL, MODELS, Gw
+from engines.tokenizer import ChatTokenizer
+from tests.providers.conftest import KEY, MANUAL, MODELS, Emulator, Gw, make_gateway
 
 ITEMS = 6
 
@@ -134,3 +136,78 @@ def test_an_openai_batch_on_an_unknown_hosted_model_fails_each_item(gw: Gw) -> N
     assert done.error_file_id is not None
     [err] = [json.loads(x) for x in client.files.content(done.error_file_id).read().splitlines()]
     assert err["custom_id"] == "x" and err["response"]["status_code"] == 404
+
+
+@pytest.fixture
+def via_api(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
+    """A gateway that sends a batch to its provider's batch API where the plan chooses it."""
+    emulator.admin("reset")
+    emulator.admin("batch-rules", delay_s=0, parallel=4)
+    batches = {"provider_api": True, "provider_poll_s": 0.05, "poll_s": 0.05}
+    yield from make_gateway(emulator, tokenizer, batches=batches)
+
+
+def _openai_batch(gw: Gw, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    client = gw.client()
+    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
+    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = _until(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+        "the batch's end",
+    )
+    assert done.request_counts is not None and done.request_counts.completed == len(lines)
+    assert done.output_file_id is not None
+    return [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+
+
+def _lines(target: str, system: Callable[[int], str]) -> list[dict[str, Any]]:
+    return [
+        {
+            "custom_id": f"item-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": target,
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "system", "content": system(i)},
+                    {"role": "user", "content": f"what is section {i} about?"},
+                ],
+            },
+        }
+        for i in range(ITEMS)
+    ]
+
+
+def test_a_batch_the_plan_sends_to_openais_batch_api(via_api: Gw) -> None:
+    """On OpenAI (reads at 0.5) half price wins: one submission to the batch API, every
+    item answered from it by custom_id, each journaled item rebuilt to the bytes in the
+    provider's batch file."""
+    target = f"openai/{MODELS['openai']}"
+    out = _openai_batch(via_api, _lines(target, lambda i: MANUAL))
+    assert sorted(x["custom_id"] for x in out) == [f"item-{i}" for i in range(ITEMS)]
+    assert all(x["response"]["body"]["object"] == "chat.completion" for x in out)
+    bill = via_api.emulator.admin_get("billing")
+    assert bill["openai-batch"]["requests"] == ITEMS and "openai" not in bill
+    assert _rebuilt(via_api, target) == ITEMS
+    sent = [r for r in via_api.emulator.received() if r["path"] == "/v1/batches"]
+    assert len(sent) == 1
+
+
+def test_the_plan_keeps_a_shared_anthropic_batch_online_and_sends_a_flat_one(
+    via_api: Gw,
+) -> None:
+    """Anthropic reads at 0.1: six items under one long prefix are cheaper online in DAG
+    order; six items with nothing shared go to the Message Batches API."""
+    target = f"anthropic/{MODELS['anthropic']}"
+    _openai_batch(via_api, _lines(target, lambda i: MANUAL))
+    bill = via_api.emulator.admin_get("billing")
+    assert bill["anthropic"]["requests"] == ITEMS and "anthropic-batch" not in bill
+    out = _openai_batch(via_api, _lines(target, lambda i: f"Manual {i}. " + MANUAL))
+    assert all(x["response"]["status_code"] == 200 for x in out)
+    bill = via_api.emulator.admin_get("billing")
+    assert bill["anthropic-batch"]["requests"] == ITEMS
+    assert _rebuilt(via_api, target) == 2 * ITEMS

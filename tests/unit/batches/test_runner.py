@@ -380,3 +380,50 @@ def test_the_runner_exports_its_items_by_state_as_metrics(store: BatchStore) -> 
 
     assert (count("completed"), count("failed"), count("retried")) == (4.0, 1.0, 1.0)
     assert b"vcache_batch_items_total" in metrics.render()
+
+
+class Route:
+    """A provider route that takes every batch to ``target``'s batch API."""
+
+    def __init__(self, target: str | None) -> None:
+        self.target = target
+        self.runs: list[tuple[str, list[str]]] = []
+
+    def choose(self, endpoint: str, model: str | None, units: Any, steps: Any) -> str | None:
+        return self.target
+
+    async def run(self, target: str, items: Any, who: Principal) -> dict[int, Outcome]:
+        tags = [str(body["messages"][-1]["content"]) for _, body in items]
+        self.runs.append((target, tags))
+        usage = BatchUsage(100, 60, 2)
+        return {
+            idx: Outcome(200, f"req-{tag}", body={"tag": tag}, usage=usage)
+            for (idx, _), tag in zip(items, tags, strict=True)
+        }
+
+    async def aclose(self) -> None:
+        return None
+
+
+def test_a_batch_the_plan_sends_to_a_providers_batch_api_is_one_submission(
+    store: BatchStore,
+) -> None:
+    """Every open item claimed and sent in one submission, in DAG order; nothing goes
+    through the online sender; each result written; the batch ends."""
+    bid = _create(store)
+    sender, route = Sender(), Route("openai/gpt-5")
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, concurrency=2, poll_s=0.01, provider=route)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert runner.provider_batches == [{"batch": bid, "target": "openai/gpt-5", "items": 5}]
+
+    asyncio.run(main())
+    assert sender.sent == []
+    assert route.runs == [("openai/gpt-5", ["a1", "a2", "a3", "b1", "b2"])]
+    row = store.batch(bid)
+    assert row is not None and row.status == "completed" and row.counts.done == 5
+    assert row.totals.cached == 5 * 60
