@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import KEY_A, KEY_B, Gateway
+from tests.integration.conftest import KEY_A, KEY_B, Gateway, metric, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -116,6 +116,33 @@ def test_predicted_equals_actual_for_every_request(gateway: Gateway) -> None:
             hits += cached > 0
     print(f"\npredicted == actual for {matched}/{len(plan)} requests ({hits} with cache hits)")
     assert hits >= len(plan) - 3  # only each family's first request is cold
+
+
+def test_a_predicted_request_is_held_until_its_first_token(gateway: Gateway) -> None:
+    """The second request of a prefix is routed with its blocks held in the engine
+    (``vcache_hold``): its prediction is the engine's count and says ``exact``; the hold
+    is released once it has answered."""
+    messages = [{"role": "user", "content": _words(45, 600)}]
+    with admin(gateway) as c:
+        chat(c, gateway.model, messages)
+        held = 'vcache_kv_holds_total{outcome="held",replica="%s"}'
+        before = {r: metric(gateway.base_url, held % r) for r in ("replica-0", "replica-1")}
+        r = c.post(
+            "/v1/chat/completions",
+            json={"model": gateway.model, "messages": messages, "max_tokens": 1},
+        )
+        assert r.status_code == 200, r.text
+        replica = r.headers["x-vcache-replica"]
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert r.headers["x-vcache-prediction"] == "exact", r.headers
+        assert int(r.headers["x-vcache-predicted-cached-tokens"]) == cached > 0
+        assert metric(gateway.base_url, held % replica) == before[replica] + 1
+
+        def released() -> bool:
+            stats = c.get("/v1/cache/stats").json()["replicas"][replica]["engine"]
+            return bool(stats["holds"] == 0 and stats["held_blocks"] == 0)
+
+        wait_for(released, timeout_s=10)
 
 
 def test_evict_then_the_same_request_is_cold(gateway: Gateway) -> None:
