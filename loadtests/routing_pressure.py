@@ -18,7 +18,10 @@ worst).  Arms, each from a cold prefix set (a new run id):
 
 Per arm: token-weighted hit rate (the engines' ``cached_tokens``), TTFT
 p50/p90, and for vcache the prediction error (the ``predicted`` header
-against what the engine reported).  Prints a table, writes JSON, exits 1 on a
+against what the engine reported), the gateway's own count of exact,
+approximate and missed predictions with their causes, and what the holds
+cost (``/metrics`` before and after the arm: holds by outcome, blocks per
+hold, hold time p99 from the histogram's buckets).  Prints a table, writes JSON, exits 1 on a
 missed target (kv at least 1.8x round_robin, at least 95 % of the oracle,
 ahead of vllm-router).
 """
@@ -28,12 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from loadtests.admin_key import admin_env, locust_env
+import httpx
+
+from loadtests.admin_key import admin_env, bearer, locust_env
 from loadtests.procs import free_port, get_ok, run_locust, serving, vllm_router
 from loadtests.report import read_raw, summarize
 from loadtests.run import token_counter
@@ -58,6 +64,66 @@ def prediction(rows: list[dict[str, str]]) -> dict[str, Any]:
     }
 
 
+HOLD_SERIES = (
+    "vcache_prediction_results_total",
+    "vcache_kv_holds_total",
+    "vcache_kv_hold_blocks_total",
+    "vcache_kv_hold_seconds_bucket",
+    "vcache_kv_hold_seconds_count",
+    "vcache_kv_hold_seconds_sum",
+)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def series(text: str) -> dict[str, float]:
+    """The prediction and hold series of a Prometheus exposition, by name with labels."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(HOLD_SERIES):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def scrape(host: str) -> dict[str, float]:
+    return series(httpx.get(f"{host}/metrics", headers=bearer(), timeout=10).text)
+
+
+def hold_cost(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What an arm's predictions and holds were, from the gateway's series before and after
+    it: results by ``result:cause``, holds by outcome, blocks per hold, hold time."""
+    diff = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    results: dict[str, int] = {}
+    holds: dict[str, int] = {}
+    buckets: list[tuple[float, float]] = []
+    blocks = 0.0
+    for key, v in diff.items():
+        labels = dict(_LABEL.findall(key))
+        if key.startswith("vcache_prediction_results_total") and v:
+            results[f"{labels['result']}:{labels['cause']}".rstrip(":")] = int(v)
+        elif key.startswith("vcache_kv_holds_total") and v:
+            holds[labels["outcome"]] = holds.get(labels["outcome"], 0) + int(v)
+        elif key.startswith("vcache_kv_hold_blocks_total"):
+            blocks += v
+        elif key.startswith("vcache_kv_hold_seconds_bucket"):
+            buckets.append((float(labels["le"]), v))
+    count = diff.get("vcache_kv_hold_seconds_count", 0.0)
+    p99 = None
+    for le, cum in sorted(buckets):
+        if count and cum >= 0.99 * count:
+            p99 = le  # the bucket's upper bound
+            break
+    held = holds.get("held", 0)
+    return {
+        "results": results,
+        "holds": holds,
+        "blocks_held": int(blocks),
+        "blocks_per_hold": blocks / held if held else None,
+        "hold_mean_s": diff.get("vcache_kv_hold_seconds_sum", 0.0) / count if count else None,
+        "hold_p99_s_at_most": p99,
+    }
+
+
 def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str, str]) -> Any:
     run_id = f"{name}-{time.time_ns():x}"
     w = shared_prefix(
@@ -74,9 +140,11 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
     wdir = out / name
     wdir.mkdir(parents=True, exist_ok=True)
     w.dump(wdir / "workload.json")
+    before = scrape(host) if name != "vllm_router" else {}
     elapsed = run_locust(wdir / "workload.json", host, wdir, env, args.users, args.limit_s)
     rows = read_raw(wdir / "raw.csv")
     s = summarize(rows, elapsed)
+    holds = hold_cost(before, scrape(host)) if name != "vllm_router" else None
     return {
         "arm": name,
         "requests": s["requests"],
@@ -84,6 +152,7 @@ def arm(name: str, host: str, out: Path, args: argparse.Namespace, env: dict[str
         "hit_rate": round(s["hit_rate"], 4),
         "ttft_ms": s["ttft_ms"],
         "prediction": prediction(rows),
+        "holds": holds,
     }
 
 
@@ -123,15 +192,22 @@ def router_arm(out: Path, args: argparse.Namespace, model: str) -> Any:
 def table(rows: list[Any]) -> str:
     lines = [
         f"{'arm':<14}{'req':>5}{'err':>5}{'hit':>8}{'ttft p50':>10}{'p90':>8}"
-        f"{'predicted exact':>17}{'mean |err| tok':>16}"
+        f"{'predicted exact':>17}{'mean |err| tok':>16}{'said approx':>13}{'blk/hold':>10}"
+        f"{'hold p99 s':>12}"
     ]
     for r in rows:
         t, p = r["ttft_ms"], r["prediction"]
         exact = "-" if p["exact_share"] is None else f"{p['exact_share']:.3f}"
         err = "-" if p["mean_abs_error_tokens"] is None else f"{p['mean_abs_error_tokens']:.1f}"
+        h = r.get("holds") or {}
+        said = sum(n for k, n in h.get("results", {}).items() if k.startswith("approximate"))
+        approx = f"{said}" if h else "-"
+        per = "-" if h.get("blocks_per_hold") is None else f"{h['blocks_per_hold']:.1f}"
+        p99 = "-" if h.get("hold_p99_s_at_most") is None else f"<={h['hold_p99_s_at_most']:g}"
         lines.append(
             f"{r['arm']:<14}{r['requests']:>5}{r['errors']:>5}{r['hit_rate']:>8.3f}"
-            f"{t['p50'] or 0:>10.0f}{t['p90'] or 0:>8.0f}{exact:>17}{err:>16}"
+            f"{t['p50'] or 0:>10.0f}{t['p90'] or 0:>8.0f}{exact:>17}{err:>16}{approx:>13}"
+            f"{per:>10}{p99:>12}"
         )
     return "\n".join(lines)
 
