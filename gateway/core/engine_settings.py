@@ -238,7 +238,8 @@ class CacheSettings(BaseModel):
     refresh_predicted: bool = True
     # a routed request's predicted blocks held in its engine until its first token, at
     # most this share of a replica's KV blocks in all (0: no holds; predictions are then
-    # approximate), each for at most hold_s (gateway/local/kv_holds.py)
+    # approximate) (gateway/local/kv_holds.py)
     hold_max_share: float = Field(0.25, ge=0, lt=1)
+    # the longest a hold lasts in the engine when its owner never gives it back
     hold_s: float = Field(10.0, gt=0)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
