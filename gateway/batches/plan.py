@@ -27,7 +27,7 @@ from typing import Any
 from gateway.batches.cost import predicted
 from gateway.batches.provider_plan import ProviderOption, compare
 from manifest.economics import zipf_coverage
-from manifest.prefix_dag import PrefixDag, Unit
+from manifest.prefix_dag import PrefixDag, Step, Unit
 
 TOP = 7  # the design note's "7 → 85%"
 SYSTEM_ROLES = ("system", "developer")
@@ -91,6 +91,16 @@ def measures(dag: PrefixDag, units: Sequence[Unit]) -> dict[str, Any]:
         ),
         "predicted_cost": predicted(units, steps),
     }
+
+
+def leads_first(steps: Sequence[Step]) -> list[Step]:
+    """``steps`` for an executor that runs many items side by side and cannot wait for a
+    lead (a provider's batch API): the items that wait for nothing first, then the rest,
+    each part in DAG order.  In DAG order an anchor's siblings sit together, so a wave
+    run side by side holds many of them before any has written the prefix: they all
+    miss.  Leads first, the prefixes are written by the early waves and read by the
+    later ones."""
+    return [st for st in steps if st.after is None] + [st for st in steps if st.after is not None]
 
 
 ANCHORS_SHOWN = 10

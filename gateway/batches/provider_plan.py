@@ -13,7 +13,7 @@ steps; ``r`` is the read multiplier, ``w`` the write multiplier (shared/seeds/00
   ``Σ size - Σ cacheable(shared)·(1 - r) + Σ_anchors cacheable·(w5 - 1)``.  Its time
   is bound by the headroom (§5.5): requests per minute ``min(R - R_real, (X - X_real)/P̄)``
   with ``P̄`` the mean prompt; it is feasible when that fits the completion window.
-- **the batch API**: the items submitted in DAG order, billed at ``discount`` (half) of
+- **the batch API**: the items submitted leads first, billed at ``discount`` (half) of
   the online price, but a batch's caching is best effort: an item reads its anchor with
   probability ``h`` (:data:`HIT_SHARE`).  On an explicit provider each anchor gets the
   breakpoint TTL that pays (§5.4): none, 5 minutes or 1 hour, whichever has the lowest
@@ -122,7 +122,7 @@ def batch_api(
     steps: Sequence[Step],
     discount: float = BATCH_DISCOUNT,
 ) -> dict[str, Any]:
-    """The provider's batch API, the items in DAG order (see the module)."""
+    """The provider's batch API, the items leads first (see the module)."""
     size = sum(u.size for u in units)
     anchors = _anchors(steps)
     if o.explicit:

@@ -50,7 +50,7 @@ from typing import Protocol
 from gateway.batches.cost import bought, measured
 from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
-from gateway.batches.plan import units
+from gateway.batches.plan import leads_first, units
 from gateway.batches.recall import Gate, decide, warm_body
 from gateway.batches.send import CHAT, Outcome, Sender, batch_caller
 from gateway.batches.store import BatchRow, BatchStore
@@ -283,11 +283,11 @@ class BatchRunner:
         us: list[Unit],
         who: Principal,
     ) -> None:
-        """Claim the open items and send them, in DAG order, as one batch to ``target``'s
-        own batch API; write each result as it came back."""
+        """Claim the open items and send them, leads first (:func:`leads_first`), as one
+        batch to ``target``'s own batch API; write each result as it came back."""
         assert self._provider is not None
         claimed: list[Step] = []
-        for st in steps:
+        for st in leads_first(steps):
             idx = int(st.unit)
             if idx in open_ and await asyncio.to_thread(
                 self._store.claim, bid, idx, self.owner, self._lease_s

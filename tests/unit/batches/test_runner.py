@@ -408,8 +408,8 @@ class Route:
 def test_a_batch_the_plan_sends_to_a_providers_batch_api_is_one_submission(
     store: BatchStore,
 ) -> None:
-    """Every open item claimed and sent in one submission, in DAG order; nothing goes
-    through the online sender; each result written; the batch ends."""
+    """Every open item claimed and sent in one submission, leads first (then the rest in
+    DAG order); nothing goes through the online sender; each result written."""
     bid = _create(store)
     sender, route = Sender(), Route("openai/gpt-5")
 
@@ -423,7 +423,7 @@ def test_a_batch_the_plan_sends_to_a_providers_batch_api_is_one_submission(
 
     asyncio.run(main())
     assert sender.sent == []
-    assert route.runs == [("openai/gpt-5", ["a1", "a2", "a3", "b1", "b2"])]
+    assert route.runs == [("openai/gpt-5", ["a1", "b1", "a2", "a3", "b2"])]
     row = store.batch(bid)
     assert row is not None and row.status == "completed" and row.counts.done == 5
     assert row.totals.cached == 5 * 60
