@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,7 +76,8 @@ class HoldResult(NamedTuple):
 class SpanHolds:
     def __init__(self, kv: KVSync, holder: str, clock: Callable[[], float] = time.monotonic):
         self._kv = kv
-        self._holder = holder  # this gateway, as the engines know it
+        # this gateway, as the engines know it, and this book (workers may share an id)
+        self._holder = f"{holder}:{secrets.token_hex(4)}"
         self._clock = clock
         self._ids = itertools.count()
         self._pending: dict[LocationId, list[str]] = {}  # given back, not yet released
