@@ -94,20 +94,26 @@ def _usage_attrs(u: Usage) -> dict[str, int]:
     }
 
 
-async def _ended(pieces: Pieces, trace: RequestTrace, served: Served) -> Pieces:
-    """``pieces``; the request's span ends with the answer (or when the client leaves)."""
+async def _ended(
+    pieces: Pieces, trace: RequestTrace, served: Served, grant: Grant | None
+) -> Pieces:
+    """``pieces``; when the answer ends (or the client leaves), in one ``finally``: the
+    request's span ends, and the key's slot is freed with its tokens counted (a key
+    without limits: nothing to free)."""
     usage: Usage | None = None
     error: BaseException | None = None
     try:
         async with aclosing(pieces):
             async for p in pieces:
-                usage = p.usage or usage
+                if p.usage is not None:
+                    usage = p.usage
                 yield p
     except BaseException as exc:
         error = exc
         raise
     finally:
         trace.end(error, target=served.target, **(_usage_attrs(usage) if usage else {}))
+        _release(grant, usage.total_tokens if usage is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -242,8 +248,10 @@ class GatewayService:
             _release(grant, 0)
             raise
         a, served = routed.body, routed.served
-        pieces = _limited(_ended(a.pieces, trace, served), grant)
-        return Routed(Answer(a.id, await primed(pieces)), served)
+        # started here, so its finally (the span's end, the key's slot) runs however
+        # the stream ends, even one never read
+        pieces = await primed(_ended(a.pieces, trace, served, grant))
+        return Routed(Answer(a.id, pieces), served)
 
     async def chat(
         self,
@@ -366,7 +374,7 @@ class GatewayService:
             _release(grant, 0)
             raise
         a, served = routed.body, routed.served
-        return Routed((a.id, _limited(_ended(a.pieces, trace, served), grant)), served)
+        return Routed((a.id, _ended(a.pieces, trace, served, grant)), served)
 
     async def complete(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
@@ -397,21 +405,3 @@ def _release(grant: Grant | None, tokens: int) -> None:
 def _headers(grant: Grant | None) -> dict[str, str]:
     """The key's x-ratelimit-* headers (none without limits)."""
     return grant.headers() if grant is not None else {}
-
-
-def _limited(pieces: Pieces, grant: Grant | None) -> Pieces:
-    """``pieces``, the key's slot freed and its tokens counted when the answer ends (or
-    the client leaves); as they are for a key without limits."""
-    return pieces if grant is None else _counted(pieces, grant)
-
-
-async def _counted(pieces: Pieces, grant: Grant) -> Pieces:
-    tokens = 0
-    try:
-        async with aclosing(pieces):
-            async for p in pieces:
-                if p.usage is not None:
-                    tokens = p.usage.total_tokens
-                yield p
-    finally:
-        grant.done(tokens)
