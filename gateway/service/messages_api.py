@@ -391,6 +391,15 @@ class Messages:
         reports as input + cache read + cache creation tokens."""
         chat, names = mapped(req)
         self._svc.local_only(req.model, "token counts")
+        local = self._svc.local
+        if local.sees and any(chat.attachment_parts()):  # a vision model counts its images
+            local.check_ready()
+            try:
+                await self._svc.loop.intake.take(chat)
+                ids, _ = await local.chat_prompt(chat)
+            except APIError as exc:
+                raise client_named(exc, names) from exc
+            return TokenCount(input_tokens=len(ids))
         for i, m in enumerate(chat.messages):  # the local model reads text only
             for j, p in enumerate(m.content if isinstance(m.content, list) else []):
                 if not isinstance(p, TextPart):

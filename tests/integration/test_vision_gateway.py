@@ -453,3 +453,27 @@ def test_tokenize_refuses_a_bad_image_by_its_part(vision: Vision) -> None:
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages[0].content[1]", r.text
+
+
+def test_count_tokens_counts_an_image_as_the_next_request_does(vision: Vision) -> None:
+    shot = _image((500, 300), "PNG", (5, 90, 250))
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": _b64(shot.data)},
+    }
+    history: Any = [{"role": "user", "content": [{"type": "text", "text": "See:"}, image]}]
+    client = vision.anthropic()
+    system = "Count. " + SYSTEM
+    counted = client.messages.count_tokens(model=MODEL, system=system, messages=history)
+    m = client.messages.create(model=MODEL, max_tokens=1, system=system, messages=history)
+    u = m.usage
+    sent = u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
+    assert counted.input_tokens == sent
+    expected = vision.prompt(
+        [
+            {"role": "system", "content": system},
+            {"role": "user", "content": [{"type": "text", "text": "See:"}, {"type": "image"}]},
+        ],
+        [shot],
+    )
+    assert sent == len(expected.token_ids)  # the image as vLLM expands it
