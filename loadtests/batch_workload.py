@@ -21,6 +21,10 @@ arms send the same requests to the emulator (in process, over its HTTP API):
   DAG order (:func:`gateway.batches.plan.leads_first`: what vcache submits when the
   provider plan chooses the batch API).
 
+The batch arms' requests use the short cache tier, or with ``--batch-ttl 1h`` the long
+one (Anthropic's 1-hour breakpoint, written at 2.0; OpenAI's 24 h retention): a batch's
+items are spread over its whole run, longer than 5 minutes.
+
 Online requests are paced at what the rate-limit headroom allows (design note §5.5:
 ``min(R, X/P̄)`` requests a minute, ``--rpm`` and ``--tpm``), the emulator's clock
 moved on by that pace between requests, so an anchor whose units are spread out expires
@@ -98,20 +102,26 @@ def workload(
     return texts, which, own
 
 
-def body(provider: str, anchor: str, text: str) -> dict[str, Any]:
+def body(provider: str, anchor: str, text: str, ttl: str = "5m") -> dict[str, Any]:
+    """One unit's request; ``ttl`` ``1h``: Anthropic's 1-hour breakpoint, OpenAI's 24 h
+    retention (the long tier of each)."""
     if provider == "anthropic":
-        system = [{"type": "text", "text": anchor, "cache_control": {"type": "ephemeral"}}]
+        mark = {"type": "ephemeral", **({"ttl": "1h"} if ttl == "1h" else {})}
+        system = [{"type": "text", "text": anchor, "cache_control": mark}]
         return {
             "model": MODELS[provider],
             "max_tokens": 1,
             "system": system,
             "messages": [{"role": "user", "content": text}],
         }
-    return {
+    out: dict[str, Any] = {
         "model": MODELS[provider],
         "max_tokens": 1,
         "messages": [{"role": "system", "content": anchor}, {"role": "user", "content": text}],
     }
+    if ttl == "1h":
+        out["prompt_cache_retention"] = "24h"
+    return out
 
 
 def cost(provider: str, bill: dict[str, Any], discount: float = 1.0) -> float:
@@ -213,6 +223,8 @@ async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
     }
     for provider in args.providers:
         bodies = [body(provider, texts[a], own[i]) for i, a in enumerate(which)]
+        # the batch arms' requests: the long cache tier with --batch-ttl 1h
+        sent = [body(provider, texts[a], own[i], args.batch_ttl) for i, a in enumerate(which)]
         endpoint = "/v1/messages" if provider == "anthropic" else "/v1/chat/completions"
         us = plan_units(endpoint, bodies)
         dag = PrefixDag(us)
@@ -225,12 +237,12 @@ async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
         bills = {
             "dag": await online(provider, bodies, order, gap),
             "arrival": await online(provider, bodies, arrival, gap),
-            "batch_api": await batch_api(provider, bodies, args.parallel, args.wave_s),
+            "batch_api": await batch_api(provider, sent, args.parallel, args.wave_s),
             "batch_api_dag": await batch_api(
-                provider, [bodies[i] for i in order], args.parallel, args.wave_s
+                provider, [sent[i] for i in order], args.parallel, args.wave_s
             ),
             "batch_api_leads": await batch_api(
-                provider, [bodies[i] for i in leads], args.parallel, args.wave_s
+                provider, [sent[i] for i in leads], args.parallel, args.wave_s
             ),
         }
         costs = {
@@ -298,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpm", type=float, default=200_000.0, help="input tokens/min of headroom")
     p.add_argument("--parallel", type=int, default=16, help="batch API: items per wave")
     p.add_argument("--wave-s", type=float, default=2.0, help="batch API: seconds per wave")
+    p.add_argument(
+        "--batch-ttl",
+        choices=["5m", "1h"],
+        default="5m",
+        help="the batch arms' cache tier: Anthropic's breakpoint TTL (1h: 2.0 writes), "
+        "OpenAI's retention (1h: 24h)",
+    )
     p.add_argument("--seed", type=int, default=52)
     p.add_argument("--out", type=Path, default=Path("batch_workload.json"))
     args = p.parse_args(argv)
