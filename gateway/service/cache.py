@@ -334,7 +334,10 @@ class CacheService:
         )
 
     def _provider_target(self, body: CacheRequest) -> str | None:
-        """The first provider target of ``body.model`` when it names no local target."""
+        """The first provider target of ``body.model`` when it names no local target (an
+        adapter of the local model, not shadowed by an alias, names the local one)."""
+        if body.model not in self._targets.names() and self._local.adapter(body.model):
+            return None
         targets = self._targets.resolve(body.model)
         if LOCAL_TARGET in targets or self._providers is None:
             return None

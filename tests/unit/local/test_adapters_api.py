@@ -299,3 +299,20 @@ def test_the_session_log_records_the_adapter_and_replay_refuses_changed_weights(
     assert replay(settings, None, ids[0], quiet=True) == 1
     err = capsys.readouterr().err
     assert "'ad-a'" in err and "are gone" in err
+
+
+def test_the_cache_api_takes_an_adapter_as_its_model(
+    gw: tuple[LoraFakeEngine, TestClient, Path],
+) -> None:
+    """warm and evict name an adapter's spans on the local replicas (no provider's): with
+    the fake engine's no KV events, each is the local path's 503, not a 404."""
+    _, http, _ = gw
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for op in ("warm", "evict", "lookup", "pin"):
+        r = http.post(
+            f"/v1/cache/{op}", json={"model": "ad-a", "messages": MESSAGES}, headers=admin
+        )
+        assert r.status_code == 503, (op, r.text)
+        assert r.json()["error"]["code"] == "kv_tracking_unavailable"
+    r = http.post("/v1/cache/warm", json={"model": "ad-x", "messages": MESSAGES}, headers=admin)
+    assert r.status_code == 404 and "'ad-x'" in r.json()["error"]["message"]
