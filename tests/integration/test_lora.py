@@ -308,6 +308,17 @@ def test_cache_lookup_and_pins_under_an_adapter_are_its_own(lora_gw: LoraGateway
         r = admin.post("/v1/cache/unpin", json=pin)
         assert r.status_code == 200, r.text
         assert leased() == []
+        # a warm under an adapter fills that adapter's blocks, as its next request finds
+        warmed = [{"role": "user", "content": _text(510, 400)}]
+        r = admin.post("/v1/cache/warm", json={"model": B, "messages": warmed})
+        assert r.status_code == 200, r.text
+        w = r.json()
+        assert w["cached_tokens_before"] == 0 and w["cached_tokens_after"] > 0
+        r = admin.post("/v1/cache/lookup", json={"model": A, "messages": warmed})
+        assert {x["predicted_cached_tokens"] for x in r.json()["replicas"]} == {0}
+    got = _chat(client, B, warmed)
+    assert got.replica == w["replica"]
+    assert got.cached == got.predicted >= w["cached_tokens_after"]
 
 
 def test_ten_concurrent_first_requests_load_a_resolved_adapter_once(
