@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import psutil
 
 from loadtests.procs import free_port, get_ok, serving
@@ -279,6 +280,24 @@ def misses(rows: Mapping[str, Mapping[str, Row]], gateway: str = "vcache") -> li
                 need = "<=" if under else ">="
                 out.append(f"{load}: {key} {shown} of vLLM's, the target {need} {bound}x")
     return out
+
+
+_PHASE_SAMPLE = re.compile(
+    r'^vcache_ttft_phase_seconds_(sum|count)\{phase="(\w+)",priority="\w+"\} ([0-9.e+-]+)$'
+)
+
+
+def ttft_phases(metrics: str) -> dict[str, float]:
+    """A gateway's ``/metrics`` text: the mean ms of each phase of its local requests' TTFT
+    (``vcache_ttft_phase_seconds``, every priority together), in the phases' order."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in metrics.splitlines():
+        m = _PHASE_SAMPLE.match(line)
+        if m is not None:
+            into = sums if m[1] == "sum" else counts
+            into[m[2]] = into.get(m[2], 0.0) + float(m[3])
+    return {p: sums[p] * 1e3 / counts[p] for p in sums if counts.get(p)}
 
 
 def table(rows: Mapping[str, Mapping[str, Row]]) -> str:
@@ -720,6 +739,15 @@ def _rounds(servers: list[Server], args: argparse.Namespace, systems: Sequence[s
     return n
 
 
+def _phases(s: Server) -> dict[str, float]:
+    """Where the gateway's TTFT went, by phase (every request it served so far)."""
+    text = httpx.get(f"{s.url}/metrics", timeout=10).text
+    phases = ttft_phases(text)
+    shown = "  ".join(f"{p} {ms:.1f}" for p, ms in phases.items())
+    print(f"{s.name}: TTFT by phase, mean ms: {shown}", flush=True)
+    return phases
+
+
 def _profiles(
     servers: list[Server], args: argparse.Namespace, systems: Sequence[str], n: int
 ) -> dict[str, dict[str, Any]]:
@@ -763,6 +791,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         servers = _servers(stack, args, work, env)
         print(f"servers up: {', '.join(s.name for s in servers)}; logs in {work}", flush=True)
         n = _rounds(servers, args, systems)
+        phases = {s.name: _phases(s) for s in servers if s.name != VLLM}
         profiles = _profiles(servers, args, systems, n) if args.profile else {}
     loads = args.loads.split(",")
     rows = {name: {s.name: summarize(s.slices.get(name, [])) for s in servers} for name in loads}
@@ -786,6 +815,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             load: {s: ratios(r, by[VLLM]) for s, r in by.items() if s != VLLM}
             for load, by in rows.items()
         },
+        "ttft_phases_ms": phases,
         "profiles": profiles,
         "table": table(rows),
     }

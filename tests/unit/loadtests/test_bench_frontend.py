@@ -27,6 +27,7 @@ from loadtests.bench_frontend import (
     thread_cpu,
     thread_names,
     top_costs,
+    ttft_phases,
 )
 
 
@@ -188,3 +189,22 @@ def test_the_issues_targets_are_checked_on_every_load() -> None:
     assert misses({"whole": {VLLM: Row(), "vcache": good}})[0].startswith(
         "whole: cpu_us_per_token -"
     )  # nothing to compare with is not a pass
+
+
+def test_ttft_phases_are_means_over_every_priority_from_the_metrics() -> None:
+    metrics = "\n".join(
+        [
+            "# TYPE vcache_ttft_phase_seconds histogram",
+            'vcache_ttft_phase_seconds_bucket{le="0.01",phase="prepare",priority="batch"} 1.0',
+            'vcache_ttft_phase_seconds_sum{phase="prepare",priority="interactive"} 0.03',
+            'vcache_ttft_phase_seconds_count{phase="prepare",priority="interactive"} 2.0',
+            'vcache_ttft_phase_seconds_sum{phase="prepare",priority="batch"} 0.01',
+            'vcache_ttft_phase_seconds_count{phase="prepare",priority="batch"} 2.0',
+            'vcache_ttft_phase_seconds_sum{phase="queue",priority="interactive"} 0.002',
+            'vcache_ttft_phase_seconds_count{phase="queue",priority="interactive"} 1.0',
+            'vcache_ttft_phase_seconds_sum{phase="gate",priority="interactive"} 0.0',
+            'vcache_ttft_phase_seconds_count{phase="gate",priority="interactive"} 0.0',
+        ]
+    )
+    got = ttft_phases(metrics)
+    assert got == pytest.approx({"prepare": 10.0, "queue": 2.0})  # no request: no mean
