@@ -143,17 +143,19 @@ class MessageEvent:
 @dataclass(frozen=True)
 class PartRef:
     """An attachment where it sits in a message: the stored object's reference, an
-    image's OpenAI ``detail`` and a document's title (file name), as sent."""
+    image's OpenAI ``detail`` and a document's title (file name), as sent, and the
+    client's ``uuid`` for an image (vLLM's extension: the image's cache identifier)."""
 
     ref: AttachmentRef
     detail: str | None = None
     title: str | None = None
+    uuid: str | None = None
 
 
 def parts_json(parts: Sequence[str | PartRef]) -> str:
     """A message's content in order as the log keeps it (canonical JSON): each text as
     ``{"type": "text", "text"}``, each attachment as ``{"type": "image" | "document",
-    digest, media_type, size, width?, height?, detail?, title?}``."""
+    digest, media_type, size, width?, height?, detail?, title?, uuid?}``."""
     out: list[dict[str, Any]] = []
     for p in parts:
         if isinstance(p, str):
@@ -164,6 +166,8 @@ def parts_json(parts: Sequence[str | PartRef]) -> str:
             d["detail"] = p.detail
         if p.title is not None:
             d["title"] = p.title
+        if p.uuid is not None:
+            d["uuid"] = p.uuid
         out.append(d)
     return canonical_json(out).decode()
 
@@ -182,7 +186,7 @@ def parts_of(m: MessageEvent) -> tuple[str | PartRef, ...]:
             ref = AttachmentRef.from_json(d)
             if ref.kind != kind:
                 raise ValueError(f"a {kind} part naming a {ref.media_type} object")
-            out.append(PartRef(ref, d.get("detail"), d.get("title")))
+            out.append(PartRef(ref, d.get("detail"), d.get("title"), d.get("uuid")))
         else:
             raise ValueError(f"a message part of type {kind!r}")
     return tuple(out)

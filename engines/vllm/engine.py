@@ -378,19 +378,19 @@ def _translate(exc: Exception) -> EngineError:
 
 def _tokens_prompt(request: GenerateRequest) -> TokensPrompt:
     """The prompt as vLLM takes it: the token ids, or, with images, the template's ids (one
-    image token per image) and the images' original bytes (``MediaWithBytes``: vLLM's
-    identifier is blake3 over those bytes, or the client's uuid where it gave one)."""
+    image token per image) and the images loaded as vLLM's server loads a data URL's bytes
+    (``ImageMediaIO.load_bytes``: turned upright by EXIF, converted to RGB, kept with the
+    original bytes as ``MediaWithBytes``; vLLM's identifier is blake3 over those bytes and
+    the conversion, or the client's uuid where it gave one)."""
     from vllm.inputs import TokensPrompt
 
     if not request.images:
         return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
-    import io
-
-    from PIL import Image
-    from vllm.multimodal.media.base import MediaWithBytes
+    from vllm.multimodal.media.image import ImageMediaIO
 
     assert request.template_token_ids is not None  # GenerateRequest checks it
-    media = [MediaWithBytes(Image.open(io.BytesIO(i.data)), i.data) for i in request.images]
+    loader = ImageMediaIO()
+    media = [loader.load_bytes(i.data) for i in request.images]
     prompt = TokensPrompt(
         prompt_token_ids=list(request.template_token_ids),
         multi_modal_data={"image": media},

@@ -116,6 +116,9 @@ class ImageUrlPart(_Attaching):
 
     type: Literal["image_url"]
     image_url: ImageUrl
+    # vLLM's extension: the client's identifier of the image, its cache key in place of
+    # the bytes' hash (the client asserts that one uuid is one image)
+    uuid: str | None = Field(default=None, min_length=1)
 
 
 class FileData(BaseModel):

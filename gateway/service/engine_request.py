@@ -38,7 +38,8 @@ def sent_to_engine(g: GenerateRequest, rendered: Mapping[str, Any]) -> Sent:
     it runs under is in the payload, as its header snapshot keeps it."""
     sampling = dataclasses.asdict(g.sampling)
     images = [hashlib.sha256(im.data).hexdigest() for im in g.images]
-    body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling, images, g.lora)
+    uuids = [im.uuid for im in g.images]
+    body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling, images, g.lora, uuids)
     directives = {"cache_salt": g.cache_salt, "sampling": sampling, **rendered}
     return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
 

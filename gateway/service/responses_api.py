@@ -152,7 +152,8 @@ def _logged_part(
     url = f"data:{p.ref.media_type};base64,{base64.b64encode(att.data).decode('ascii')}"
     part: ImageUrlPart | FilePart
     if p.ref.kind == "image":
-        part = ImageUrlPart(type="image_url", image_url=ImageUrl(url=url, detail=p.detail))
+        image = ImageUrl(url=url, detail=p.detail)
+        part = ImageUrlPart(type="image_url", image_url=image, uuid=p.uuid)
     else:
         part = FilePart(type="file", file=FileData(file_data=url, filename=p.title))
     part.with_attachment(att)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from engines.base import EngineImage
 from engines.tokenizer import ChatTokenizer
 from gateway.core.errors import InvalidRequest
-from gateway.core.schemas import ChatCompletionRequest, FilePart
+from gateway.core.schemas import ChatCompletionRequest, FilePart, ImageUrlPart
 from gateway.local.vision_prompt import ImageRefused, PromptImage, VisionPrompt, VisionRenderer
 from gateway.service.prompts import Prompts
 
@@ -43,7 +43,8 @@ async def expanded_prompt(
         a = part.attachment
         if a is None or a.ref.width is None or a.ref.height is None:
             raise InvalidRequest(f"{where}: the image was not taken in", param=where)
-        images.append(PromptImage(a.data, a.ref.width, a.ref.height))
+        uuid = part.uuid if isinstance(part, ImageUrlPart) else None
+        images.append(PromptImage(a.data, a.ref.width, a.ref.height, uuid))
     try:
         return await prompts.expanded(tok, vision, ids, images)
     except ImageRefused as exc:
@@ -61,7 +62,8 @@ def engine_images(req: ChatCompletionRequest, vp: VisionPrompt) -> tuple[EngineI
     for (_, part), span in zip(req.attachment_parts(), vp.spans, strict=True):
         a = part.attachment
         assert a is not None  # expanded: every image was taken in
+        uuid = part.uuid if isinstance(part, ImageUrlPart) else None
         out.append(
-            EngineImage(a.data, a.ref.media_type, span.identifier, None, span.offset, span.length)
+            EngineImage(a.data, a.ref.media_type, span.identifier, uuid, span.offset, span.length)
         )
     return tuple(out)

@@ -34,11 +34,10 @@ from gateway.sessions.render import (
     text_prompt,
     vllm_payload,
 )
-from manifest.attachments import AttachmentRef
-from manifest.sessionlog import DispatchEvent, State, entry_prompt
+from manifest.sessionlog import DispatchEvent, PartRef, State, entry_prompt
 
 # a vision model's template ids with the logged images expanded (as the live path did)
-ExpandImages = Callable[[Sequence[int], Sequence[AttachmentRef], Attachments], list[int]]
+ExpandImages = Callable[[Sequence[int], Sequence[PartRef], Attachments], list[int]]
 # the sha256 of an adapter's weights as they are now (None: gone, or not readable here)
 AdapterWeights = Callable[[LoraRef], str | None]
 
@@ -118,8 +117,9 @@ class Reconstructor:
                 ids = chat_prompt(tok, messages, tools, d.get("template"))
             if refs and self._expand is not None and attachments is not None:
                 ids = self._expand(ids, refs, attachments)
-            images = [r.digest for r in refs]
-            return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"), images, lora)
+            images = [r.ref.digest for r in refs]
+            uuids = [r.uuid for r in refs]
+            return vllm_payload(ids, d.get("cache_salt"), d.get("sampling"), images, lora, uuids)
         call, _ = provider_call(state.header, state.messages, attachments=attachments)
         directives = CacheDirectives(
             breakpoints=tuple(d.get("breakpoints") or ()),

@@ -71,7 +71,7 @@ def message_parts(m: ChatMessage) -> str | None:
         if isinstance(p, FilePart):
             out.append(PartRef(p.attachment.ref, title=p.file.filename))
         else:
-            out.append(PartRef(p.attachment.ref, detail=p.image_url.detail))
+            out.append(PartRef(p.attachment.ref, detail=p.image_url.detail, uuid=p.uuid))
     return parts_json(out)
 
 
@@ -355,9 +355,9 @@ def _template_parts(m: MessageEvent) -> list[dict[str, Any]]:
     return out
 
 
-def prompt_images(turns: Sequence[MessageEvent]) -> list[AttachmentRef]:
+def prompt_images(turns: Sequence[MessageEvent]) -> list[PartRef]:
     """The images of ``turns`` in prompt order (the order of the template's image tokens)."""
-    return [p.ref for m in turns for p in parts_of(m) if isinstance(p, PartRef)]
+    return [p for m in turns for p in parts_of(m) if isinstance(p, PartRef)]
 
 
 def _templated_call(call: dict[str, Any]) -> dict[str, Any]:
@@ -482,11 +482,13 @@ def vllm_payload(
     sampling: Any,
     images: Sequence[str] = (),
     lora: LoraRef | None = None,
+    image_uuids: Sequence[str | None] = (),
 ) -> bytes:
     """What the gateway hands vLLM, as bytes: token ids (a vision model's: expanded),
     cache salt, resolved sampling, where the prompt has images each one's sha256 in
-    prompt order, and the adapter it runs under (:func:`adapter_record`); a base-model,
-    text-only payload is as it always was."""
+    prompt order (and, when the client named any, each one's uuid or null), and the
+    adapter it runs under (:func:`adapter_record`); a base-model, text-only payload is
+    as it always was."""
     out: dict[str, Any] = {
         "prompt_token_ids": list(token_ids),
         "cache_salt": cache_salt,
@@ -494,6 +496,8 @@ def vllm_payload(
     }
     if images:
         out["images"] = list(images)
+    if any(u is not None for u in image_uuids):
+        out["image_uuids"] = list(image_uuids)
     return canonical_json(out | adapter_record(lora))
 
 

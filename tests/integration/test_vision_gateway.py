@@ -477,3 +477,81 @@ def test_count_tokens_counts_an_image_as_the_next_request_does(vision: Vision) -
         [shot],
     )
     assert sent == len(expected.token_ids)  # the image as vLLM expands it
+
+
+def _exif_jpeg(size: tuple[int, int], color: tuple[int, int, int], orientation: int) -> bytes:
+    """A JPEG stored at ``size`` whose EXIF orientation tag says how to show it."""
+    img = Image.new("RGB", size, color)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def test_a_jpeg_marked_rotated_is_counted_upright_and_predicted_exactly(vision: Vision) -> None:
+    """vLLM's server turns an image upright by its EXIF orientation before its processor
+    sees it: a 1600 x 200 JPEG marked "rotate 90" (orientation 6) is a 200 x 1600 image
+    (4 rows of one tile, not one row of 4), in the gateway's count and in the engine's."""
+    marked = PromptImage(_exif_jpeg((1600, 200), (200, 120, 30), 6), 1600, 200)
+    system = {"role": "system", "content": SYSTEM + "Upright. "}
+
+    def user(text: str) -> dict[str, Any]:
+        url = _url(marked, "image/jpeg")
+        return {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": text},
+            ],
+        }
+
+    predicted, cached, n = _chat(vision, [system, user("What is it?")])
+    assert predicted == cached  # the system prompt's first block is other tests' too
+    upright = _image((200, 1600), "JPEG", (200, 120, 30))
+    as_shown = vision.prompt([system, _templated(True, "What is it?")], [upright])
+    as_stored = vision.prompt(
+        [system, _templated(True, "What is it?")], [_image((1600, 200), "JPEG", (200, 120, 30))]
+    )
+    assert n == len(as_shown.token_ids) == len(as_stored.token_ids) + 3  # a newline per row
+    predicted, cached, n = _chat(vision, [system, user("Which way up?")])
+    assert predicted == cached
+    span = vision.prompt([system, _templated(True, "Which way up?")], [upright]).spans[0]
+    assert cached >= (span.offset + span.length) // BLOCK * BLOCK > span.offset
+
+
+def expected_offset(v: Vision, system: dict[str, Any], img: PromptImage) -> int:
+    """Where the image's placeholders start in ``system`` + the image + a question."""
+    return v.prompt([system, _templated(True, "Colour?")], [img]).spans[0].offset
+
+
+def test_two_images_under_one_client_uuid_share_their_blocks(vision: Vision) -> None:
+    """vLLM's extension, honoured as vLLM honours it: an ``image_url`` part's ``uuid`` is
+    the image's identity, so another image sent under the same uuid hits the first one's
+    blocks (the client asserted they are one image), predicted exactly."""
+    system = {"role": "system", "content": SYSTEM + "Named. "}
+
+    def user(img: PromptImage, text: str) -> dict[str, Any]:
+        part = {"type": "image_url", "image_url": {"url": _url(img)}, "uuid": "h50b-shot-1"}
+        return {"role": "user", "content": [part, {"type": "text", "text": text}]}
+
+    red = _image((320, 240), "PNG", (210, 10, 10))
+    blue = _image((320, 240), "PNG", (10, 10, 210))
+    first, read, _ = _chat(vision, [system, user(red, "Colour?")])
+    assert first == read < expected_offset(vision, system, red)  # nothing of the image yet
+    predicted, cached, n = _chat(vision, [system, user(blue, "Colour?")])
+    expected = vision.prompt([system, _templated(True, "Colour?")], [blue])
+    assert n == len(expected.token_ids)
+    assert predicted == cached
+    span = expected.spans[0]
+    assert cached >= (span.offset + span.length) // BLOCK * BLOCK > span.offset  # through it
+    # without the uuid the blue image is its own: nothing past the text before it is hit
+    plain = {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": _url(blue)}},
+            {"type": "text", "text": "Colour!"},
+        ],
+    }
+    predicted, cached, _ = _chat(vision, [system, plain])
+    assert predicted == cached <= span.offset

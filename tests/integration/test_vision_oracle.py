@@ -4,7 +4,9 @@ For the demo vision model, the gateway's rendering (``gateway/local/vision_promp
 the chat template's ``<image>`` expanded from each image's pixel size, the identifier
 from its bytes or uuid) and hashing (``manifest.hashing`` with ``("mm", ...)`` keys) are
 compared with vLLM's own input processor and block hasher, called in-process on the same
-prompt (no engine is started: building vLLM's config and processor takes seconds)."""
+prompt (no engine is started: building vLLM's config and processor takes seconds), each
+image loaded from its bytes as vLLM's server loads a data URL (``ImageMediaIO``: upright
+by its EXIF orientation, converted to RGB)."""
 
 from __future__ import annotations
 
@@ -43,12 +45,12 @@ class Oracle:
     ) -> tuple[list[int], list[tuple[str, int, int]], list[bytes]]:
         """vLLM's prompt token ids, mm features and block hashes for the request."""
         from vllm import SamplingParams
-        from vllm.multimodal.media.base import MediaWithBytes
+        from vllm.multimodal.media.image import ImageMediaIO
         from vllm.utils.hashing import sha256_cbor
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.v1.request import Request
 
-        media = [MediaWithBytes(Image.open(io.BytesIO(i.data)), i.data) for i in images]
+        media = [ImageMediaIO().load_bytes(i.data) for i in images]
         prompt: dict[str, Any] = {"prompt_token_ids": ids, "multi_modal_data": {"image": media}}
         uuids = [i.uuid for i in images]
         if any(uuids):
@@ -97,13 +99,27 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Oracle]:
     )
 
 
-def _image(size: tuple[int, int], fmt: str, color: tuple[int, int, int]) -> PromptImage:
+def _image(
+    size: tuple[int, int],
+    fmt: str,
+    color: tuple[int, int, int],
+    orientation: int | None = None,
+    mode: str = "RGB",
+    uuid: str | None = None,
+) -> PromptImage:
+    """An image as a client sends it (``size``: its stored pixels, as intake records them;
+    ``orientation``: an EXIF orientation tag written into it)."""
     img = Image.new("RGB", size, color)
     for x in range(0, size[0], 7):
         img.putpixel((x, x % size[1]), (x % 256, 0, 255))
     buf = io.BytesIO()
-    img.save(buf, fmt)
-    return PromptImage(buf.getvalue(), size[0], size[1])
+    save: dict[str, Any] = {}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        save["exif"] = exif.tobytes()
+    img.convert(mode).save(buf, fmt, **save)
+    return PromptImage(buf.getvalue(), size[0], size[1], uuid)
 
 
 SYSTEM = {"role": "system", "content": "You are a careful visual assistant. " * 12}
@@ -129,10 +145,17 @@ CASES = {
     ),
     "a client uuid": (
         _chat(PART, {"type": "text", "text": "Again?"}),
+        [_image((320, 240), "PNG", (200, 30, 60), uuid="screenshot-0001")],
+    ),
+    "jpeg 1600x200 with exif orientation 6 (shown 200x1600)": (
+        _chat({"type": "text", "text": "Read the banner: "}, PART),
+        [_image((1600, 200), "JPEG", (10, 120, 30), orientation=6)],
+    ),
+    "rgba png and a grey png (converted to rgb)": (
+        _chat(PART, PART, {"type": "text", "text": "Both?"}),
         [
-            PromptImage(
-                _image((320, 240), "PNG", (200, 30, 60)).data, 320, 240, uuid="screenshot-0001"
-            )
+            _image((320, 240), "PNG", (200, 30, 60), mode="RGBA"),
+            _image((64, 90), "PNG", (1, 2, 3), mode="L"),
         ],
     ),
 }
@@ -150,6 +173,37 @@ def test_tokens_spans_and_block_hashes_equal_vllms(oracle: Oracle, case: str) ->
     assert len(hashes) >= 2  # the images' blocks are full blocks, keyed by them
     if images[0].uuid is not None:
         assert vp.spans[0].identifier == images[0].uuid
+
+
+def test_exif_orientation_turns_the_grid_as_vllm_sees_it(oracle: Oracle) -> None:
+    """A JPEG stored 1600 x 200 and marked "rotate 90" is a 200 x 1600 image to vLLM (4
+    rows of one tile, not one row of 4): its placeholders are the upright image's."""
+    ids = oracle.template(_chat({"type": "text", "text": "Read the banner: "}, PART))
+    marked = _image((1600, 200), "JPEG", (10, 120, 30), orientation=6)
+    plain = _image((1600, 200), "JPEG", (10, 120, 30))
+    upright = _image((200, 1600), "JPEG", (10, 120, 30))
+    v_ids = oracle.vllm(ids, [marked])[0]
+    assert list(oracle.ours(ids, [marked])[0].token_ids) == v_ids
+    assert v_ids == oracle.vllm(ids, [upright])[0]
+    assert v_ids != oracle.vllm(ids, [plain])[0]
+    assert len(v_ids) == len(oracle.vllm(ids, [plain])[0]) + 3  # a newline per tile row
+
+
+def test_two_images_under_one_uuid_share_their_blocks_as_in_vllm(oracle: Oracle) -> None:
+    """vLLM's documented behaviour: the client's uuid is the image's identity, so two
+    different images sent under one uuid key the same blocks."""
+    ids = oracle.template(_chat(PART, {"type": "text", "text": "What is shown?"}))
+    red = _image((320, 240), "PNG", (200, 30, 60), uuid="shot-7")
+    blue = _image((320, 240), "PNG", (0, 0, 250), uuid="shot-7")
+    _, ours_red = oracle.ours(ids, [red])
+    vp, ours_blue = oracle.ours(ids, [blue])
+    assert ours_red == ours_blue == oracle.vllm(ids, [blue])[2] == oracle.vllm(ids, [red])[2]
+    assert vp.spans[0].identifier == "shot-7"
+    unnamed = oracle.ours(ids, [_image((320, 240), "PNG", (0, 0, 250))])[1]
+    assert (
+        unnamed[vp.spans[0].offset // oracle.block_size]
+        != ours_blue[vp.spans[0].offset // oracle.block_size]
+    )
 
 
 def test_the_same_image_one_message_later_shares_no_block_past_the_move(oracle: Oracle) -> None:
@@ -210,7 +264,9 @@ def test_a_logged_conversation_renders_to_vllms_prompt(oracle: Oracle) -> None:
             parts=parts_json(["Look: ", PartRef(shot.ref)]),
         ),
         MessageEvent("assistant", "A red square."),
-        MessageEvent("user", "And this?", parts=parts_json([PartRef(jpeg.ref), "And this?"])),
+        MessageEvent(
+            "user", "And this?", parts=parts_json([PartRef(jpeg.ref, uuid="banner-1"), "And this?"])
+        ),
     )
     tok = ChatTokenizer.from_pretrained(oracle.path)
     ids = render(tok, (SYSTEM["content"],), turns, None)
@@ -219,7 +275,10 @@ def test_a_logged_conversation_renders_to_vllms_prompt(oracle: Oracle) -> None:
         return store[ref.digest]
 
     images = prompt_images(image_refs(turns), get)
-    assert [(i.width, i.height) for i in images] == [(320, 240), (1600, 200)]
+    assert [(i.width, i.height, i.uuid) for i in images] == [
+        (320, 240, None),
+        (1600, 200, "banner-1"),
+    ]
     v_ids, v_feats, v_hashes = oracle.vllm(ids, images)
     vp, hashes = oracle.ours(ids, images)
     assert list(vp.token_ids) == v_ids

@@ -4,6 +4,7 @@ images' spans keying their blocks, and the local target seeing only as a VLM."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -39,7 +40,12 @@ def _renderer(limit: int = 2) -> VisionRenderer:
 
 
 def _img(w: int, h: int, data: bytes = b"png") -> PromptImage:
-    return PromptImage(data, w, h)
+    """A real PNG of ``w`` x ``h`` (the renderer decodes it once), its colour from ``data``."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), tuple(data[:3].ljust(3, b"\0"))).save(buf, "PNG")
+    return PromptImage(buf.getvalue(), w, h)
 
 
 def test_positions_after_an_image_move_by_its_growth() -> None:

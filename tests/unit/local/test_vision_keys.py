@@ -4,9 +4,11 @@ image's placeholder range, after a LoRA key and before the cache salt."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from gateway.local.vision_prompt import image_identifier
+from gateway.local.vision_prompt import Seen, image_identifier, seen
 from manifest.hashing import HashKeys, MMSpan, block_hashes
 
 
@@ -52,3 +54,62 @@ def test_the_image_enters_only_the_blocks_it_touches() -> None:
     assert seen[2] != plain[2]  # the parent changed
     other = block_hashes(tokens, 16, "0", HashKeys(mm=(MMSpan("x", 21, 8),)))
     assert other[1] != seen[1]  # the same image one token later is another block
+
+
+def _encoded(img: object, fmt: str, **save: object) -> bytes:
+    import io
+
+    from PIL import Image
+
+    assert isinstance(img, Image.Image)
+    buf = io.BytesIO()
+    img.save(buf, fmt, **save)
+    return buf.getvalue()
+
+
+def _rgba_png() -> bytes:
+    from PIL import Image
+
+    return _encoded(Image.new("RGBA", (6, 4), (9, 8, 7, 100)), "PNG")
+
+
+def _grey_png() -> bytes:
+    from PIL import Image
+
+    return _encoded(Image.new("L", (6, 4), 77), "PNG")
+
+
+def _rotated_jpeg() -> bytes:
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 30 x 10, shown 10 x 30
+    return _encoded(Image.new("RGB", (30, 10), (1, 2, 3)), "JPEG", exif=exif.tobytes())
+
+
+@pytest.mark.parametrize("make", [_rgba_png, _grey_png, _rotated_jpeg])
+def test_the_image_is_seen_and_named_as_vllms_server_loads_it(make: Any) -> None:
+    """vLLM's server loads a data URL's bytes with ``ImageMediaIO.load_bytes``: upright
+    by EXIF, converted to RGB, the conversion hashed with the bytes."""
+    from vllm.multimodal.hasher import MultiModalHasher
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    data = make()
+    media = ImageMediaIO().load_bytes(data)
+    look = seen(data)
+    assert (look.width, look.height) == media.media.size
+    expected = MultiModalHasher.hash_kwargs("blake3", model_id="m", image=media)
+    assert image_identifier("m", data, converted=look.converted) == expected
+
+
+def test_an_exif_orientation_swaps_the_size_a_plain_jpeg_keeps_it() -> None:
+    from PIL import Image
+
+    assert seen(_rotated_jpeg()) == Seen(10, 30, False)
+    assert seen(_encoded(Image.new("RGB", (30, 10)), "JPEG")) == Seen(30, 10, False)
+    assert seen(_rgba_png()).converted and seen(_grey_png()).converted
+
+
+def test_bytes_no_decoder_takes_are_a_value_error() -> None:
+    with pytest.raises(ValueError, match="does not decode"):
+        seen(b"\x89PNG\r\n\x1a\nnot really")

@@ -33,7 +33,19 @@ def test_image_parts_keep_their_place() -> None:
     ]
     assert out[2] == {"role": "assistant", "content": "ok"}
     assert out[3]["content"] == [{"type": "image"}]
-    assert prompt_images(turns) == [A, B, B]
+    assert prompt_images(turns) == [PartRef(A), PartRef(B), PartRef(B)]
+
+
+def test_a_client_uuid_is_kept_in_the_log_and_given_back_in_prompt_order() -> None:
+    turns = (
+        MessageEvent(
+            "user",
+            "",
+            parts=parts_json([PartRef(A, detail="low", uuid="shot-1"), PartRef(B)]),
+        ),
+    )
+    assert '"uuid":"shot-1"' in (turns[0].parts or "")
+    assert prompt_images(turns) == [PartRef(A, detail="low", uuid="shot-1"), PartRef(B)]
 
 
 def test_a_document_is_not_shown_to_the_local_model() -> None:
