@@ -56,6 +56,7 @@ class InputImage(BaseModel):
     type: Literal["input_image"]
     image_url: str | None = None
     detail: Literal["low", "high", "auto"] | None = None
+    uuid: str | None = Field(default=None, min_length=1)  # vLLM's: the image's cache identity
     file_id: str | None = None
 
     _file_id = field_validator("file_id")(_no_file_id)

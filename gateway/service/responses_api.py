@@ -93,7 +93,7 @@ def chat_content(
             out.append(TextPart(type="text", text=p.text))
         elif isinstance(p, InputImage):
             image = ImageUrl(url=p.image_url or "", detail=p.detail)
-            out.append(ImageUrlPart(type="image_url", image_url=image))
+            out.append(ImageUrlPart(type="image_url", image_url=image, uuid=p.uuid))
         else:
             file = FileData(file_data=p.file_data, filename=p.filename)
             out.append(FilePart(type="file", file=file))

@@ -159,7 +159,12 @@ def test_input_image_and_input_file_become_chat_parts() -> None:
                     "role": "user",
                     "content": [
                         {"type": "input_text", "text": "look"},
-                        {"type": "input_image", "image_url": data, "detail": "low"},
+                        {
+                            "type": "input_image",
+                            "image_url": data,
+                            "detail": "low",
+                            "uuid": "shot-1",
+                        },
                         {
                             "type": "input_file",
                             "file_data": f"data:application/pdf;base64,{PDF_B64}",
@@ -174,6 +179,7 @@ def test_input_image_and_input_file_become_chat_parts() -> None:
     assert isinstance(parts, list) and [p.type for p in parts] == ["text", "image_url", "file"]
     assert isinstance(parts[1], ImageUrlPart) and isinstance(parts[2], FilePart)
     assert parts[1].image_url.url == data and parts[1].image_url.detail == "low"
+    assert parts[1].uuid == "shot-1"  # vLLM's extension, kept as its image's identity
     assert parts[2].file.filename == "a.pdf"
 
 
