@@ -4,6 +4,8 @@ sent by its task, an engine that cannot hold or release never an error."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from engines.errors import EngineUnavailable
@@ -38,35 +40,42 @@ class Core:
         raise AssertionError("not used")
 
 
-def _sync(cores: dict[LocationId, Core]) -> KVSync:
+@asynccontextmanager
+async def _sync(cores: dict[LocationId, Core]) -> AsyncIterator[KVSync]:
+    """The index over ``cores``, closed on the way out (its event subscribers' sockets
+    left to the garbage collector block the interpreter's exit)."""
     kv = KVSync(PrefixIndex(), LeaseBook())
     for r, core in cores.items():
         kv.attach(r, core, f"ipc:///tmp/never-{r}", None)
-    return kv
+    try:
+        yield kv
+    finally:
+        await kv.close()
 
 
 def test_a_receipt_is_given_back_once_and_released_in_one_batch_per_replica() -> None:
     async def main() -> None:
         c0, c1 = Core(), Core()
-        holds = SpanHolds(_sync({R0: c0, R1: c1}), "gw")
-        seconds: list[float] = []
-        a = await holds.take(R0, HASHES, 0.25, 16, 10, lambda h, s: seconds.append(s))
-        b = await holds.take(R0, HASHES, 0.25, 16, 10)
-        c = await holds.take(R1, HASHES, 0.25, 16, 10)
-        assert a.hold is not None and b.hold is not None and c.hold is not None
-        assert (a.blocks, a.refused) == (4, "") and holds.held == {R0: 8, R1: 4}
-        assert a.hold.hold_id != b.hold.hold_id
-        task = asyncio.create_task(holds.run())
-        a.hold.give()
-        a.hold.give()  # twice is once
-        b.hold.give()
-        c.hold.give()
-        await until(lambda: holds.pending() == 0, "released")
-        await until(lambda: len(c1.calls) == 2, "replica-1 told")
-        assert c0.calls[-1] == ("vcache_release", [a.hold.hold_id, b.hold.hold_id])
-        assert c1.calls[-1] == ("vcache_release", [c.hold.hold_id])
-        assert holds.held == {R0: 0, R1: 0} and len(seconds) == 1
-        task.cancel()
+        async with _sync({R0: c0, R1: c1}) as kv:
+            holds = SpanHolds(kv, "gw")
+            seconds: list[float] = []
+            a = await holds.take(R0, HASHES, 0.25, 16, 10, lambda h, s: seconds.append(s))
+            b = await holds.take(R0, HASHES, 0.25, 16, 10)
+            c = await holds.take(R1, HASHES, 0.25, 16, 10)
+            assert a.hold is not None and b.hold is not None and c.hold is not None
+            assert (a.blocks, a.refused) == (4, "") and holds.held == {R0: 8, R1: 4}
+            assert a.hold.hold_id != b.hold.hold_id
+            task = asyncio.create_task(holds.run())
+            a.hold.give()
+            a.hold.give()  # twice is once
+            b.hold.give()
+            c.hold.give()
+            await until(lambda: holds.pending() == 0, "released")
+            await until(lambda: len(c1.calls) == 2, "replica-1 told")
+            assert c0.calls[-1] == ("vcache_release", [a.hold.hold_id, b.hold.hold_id])
+            assert c1.calls[-1] == ("vcache_release", [c.hold.hold_id])
+            assert holds.held == {R0: 0, R1: 0} and len(seconds) == 1
+            task.cancel()
 
     asyncio.run(main())
 
@@ -77,21 +86,23 @@ def test_refused_failed_and_nothing_resident_leave_no_receipt() -> None:
         cold = Core({"held": 0, "refused": ""})
         down = Core()
         down.down = True
-        holds = SpanHolds(_sync({R0: refusing, R1: cold, LocationId("r2"): down}), "gw")
-        assert tuple(await holds.take(R0, HASHES, 0.25, 16, 10)) == (None, None, "budget")
-        assert tuple(await holds.take(R1, HASHES, 0.25, 16, 10)) == (None, 0, "")
-        assert tuple(await holds.take(LocationId("r2"), HASHES, 0.25, 16, 10)) == (
-            None,
-            None,
-            "failed",
-        )
+        async with _sync({R0: refusing, R1: cold, LocationId("r2"): down}) as kv:
+            holds = SpanHolds(kv, "gw")
+            assert tuple(await holds.take(R0, HASHES, 0.25, 16, 10)) == (None, None, "budget")
+            assert tuple(await holds.take(R1, HASHES, 0.25, 16, 10)) == (None, 0, "")
+            assert tuple(await holds.take(LocationId("r2"), HASHES, 0.25, 16, 10)) == (
+                None,
+                None,
+                "failed",
+            )
         ok = Core()
-        holds = SpanHolds(_sync({R0: ok}), "gw")
-        got = await holds.take(R0, HASHES, 0.25, 16, 10)
-        assert got.hold is not None
-        got.hold.give()
-        ok.down = True  # the engine died: its holds run out there; nothing raises here
-        await holds.flush()
-        assert holds.pending() == 0
+        async with _sync({R0: ok}) as kv:
+            holds = SpanHolds(kv, "gw")
+            got = await holds.take(R0, HASHES, 0.25, 16, 10)
+            assert got.hold is not None
+            got.hold.give()
+            ok.down = True  # the engine died: its holds run out there; nothing raises here
+            await holds.flush()
+            assert holds.pending() == 0
 
     asyncio.run(main())
