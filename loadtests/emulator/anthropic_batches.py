@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from .anthropic import error
 from .batch_book import Item, Job
 from .batch_jobs import new_id, settle
-from .common import check_key, fault_response, state_of
+from .common import check_key, opened, state_of
 
 router = APIRouter()
 
@@ -84,19 +84,17 @@ def _items(body: Any) -> list[Item] | str:
 
 @router.post("/v1/messages/batches", response_model=None)
 async def create(request: Request) -> Response:
-    refused = _auth(request)
-    if refused is not None:
-        return refused
-    state = state_of(request)
-    raw = await request.body()
-    state.log("anthropic", "/v1/messages/batches", raw)
-    early, _ = await fault_response(state, "anthropic", error, False)
-    if early is not None:
-        return early
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError:
-        return _bad("the request body is not valid JSON")
+    got = await opened(
+        request,
+        "anthropic",
+        "/v1/messages/batches",
+        _auth,
+        error,
+        "the request body is not valid JSON",
+    )
+    if isinstance(got, Response):
+        return got
+    state, body = got
     items = _items(body)
     if isinstance(items, str):
         return _bad(items)

@@ -160,29 +160,7 @@ def _responses(state: EmulatorState, body: Any, pending: list[Any]) -> tuple[int
     n = answer_length(state, body.get("max_output_tokens"))
     state.bill("openai-batch").add(c.prompt - c.cached, c.cached, 0, 0, n)
     text = "".join(reply_words(compact(body), n))
-    return 200, {
-        "id": f"resp_{uuid.uuid4().hex[:24]}",
-        "object": "response",
-        "created_at": int(time.time()),
-        "status": "completed",
-        "model": body["model"],
-        "output": [
-            {
-                "type": "message",
-                "id": f"msg_{uuid.uuid4().hex[:24]}",
-                "status": "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}],
-            }
-        ],
-        "usage": {
-            "input_tokens": c.prompt,
-            "input_tokens_details": {"cached_tokens": c.cached},
-            "output_tokens": n,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": c.prompt + n,
-        },
-    }
+    return 200, oai.response_object(body["model"], text, c.prompt, c.cached, n)
 
 
 def _anthropic(state: EmulatorState, body: Any, pending: list[Any]) -> tuple[int, dict[str, Any]]:

@@ -134,3 +134,29 @@ def event_stream(
     events: AsyncIterator[bytes], headers: dict[str, str] | None = None
 ) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def opened(
+    request: Request,
+    provider: str,
+    path: str,
+    auth: Callable[[Request], Response | None],
+    error: ErrorBody,
+    not_json: str,
+) -> tuple[EmulatorState, Any] | Response:
+    """A create request's state and JSON body, once its key passed (``auth``), it is
+    logged and no queued fault answers it; else the answer to give (a bad body: a 400
+    saying ``not_json``)."""
+    refused = auth(request)
+    if refused is not None:
+        return refused
+    state = state_of(request)
+    raw = await request.body()
+    state.log(provider, path, raw)
+    early, _ = await fault_response(state, provider, error, False)
+    if early is not None:
+        return early
+    try:
+        return state, json.loads(raw)
+    except json.JSONDecodeError:
+        return JSONResponse(error(400, not_json), 400)

@@ -350,31 +350,7 @@ async def responses(request: Request) -> Response:
         return limited
     c = _cache(state, rules, body["model"], prompt, key, _ttl(rules, body))
     state.bill("openai").add(c.prompt - c.cached, c.cached, 0, 0, n)
-    text = "".join(reply_words(raw, n))
-    rid = f"resp_{uuid.uuid4().hex[:24]}"
-    done = {
-        "id": rid,
-        "object": "response",
-        "created_at": int(time.time()),
-        "status": "completed",
-        "model": body["model"],
-        "output": [
-            {
-                "type": "message",
-                "id": f"msg_{uuid.uuid4().hex[:24]}",
-                "status": "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}],
-            }
-        ],
-        "usage": {
-            "input_tokens": c.prompt,
-            "input_tokens_details": {"cached_tokens": c.cached},
-            "output_tokens": n,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": c.prompt + n,
-        },
-    }
+    done = response_object(body["model"], "".join(reply_words(raw, n)), c.prompt, c.cached, n)
     if not stream:
         return JSONResponse(done)
 
@@ -389,3 +365,31 @@ async def responses(request: Request) -> Response:
         yield sse({"type": "response.completed", "response": done}, "response.completed")
 
     return event_stream(cut_after(events(), cut))
+
+
+def response_object(model: str, text: str, prompt: int, cached: int, n: int) -> dict[str, Any]:
+    """A completed Responses API ``response``: one message of ``text``, its usage (``n``
+    output tokens, ``cached`` of ``prompt`` read from cache).  Online and in a batch."""
+    return {
+        "id": f"resp_{uuid.uuid4().hex[:24]}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "completed",
+        "model": model,
+        "output": [
+            {
+                "type": "message",
+                "id": f"msg_{uuid.uuid4().hex[:24]}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ],
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": n,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + n,
+        },
+    }

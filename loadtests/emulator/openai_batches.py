@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .batch_book import Item, Job, StoredFile
 from .batch_jobs import new_id, settle
-from .common import check_key, fault_response, state_of
+from .common import check_key, opened, state_of
 from .openai import error
 from .state import EmulatorState
 
@@ -169,19 +169,17 @@ def _lines(data: bytes, endpoint: str) -> tuple[list[Item], list[dict[str, Any]]
 
 @router.post("/v1/batches", response_model=None)
 async def create_batch(request: Request) -> Response:
-    refused = _auth(request)
-    if refused is not None:
-        return refused
-    state = state_of(request)
-    raw = await request.body()
-    state.log("openai", "/v1/batches", raw)
-    early, _ = await fault_response(state, "openai", error, False)
-    if early is not None:
-        return early
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError:
-        return _bad("We could not parse the JSON body of your request.")
+    got = await opened(
+        request,
+        "openai",
+        "/v1/batches",
+        _auth,
+        error,
+        "We could not parse the JSON body of your request.",
+    )
+    if isinstance(got, Response):
+        return got
+    state, body = got
     if not isinstance(body, dict):
         return _bad("The body must be a JSON object.")
     endpoint, window = body.get("endpoint"), body.get("completion_window")
