@@ -5,7 +5,8 @@ One gateway of this module's own (two embedded replicas with LoRA on; the shared
 session gateway runs without it): predictions equal vLLM's cached tokens on a mixed
 stream of base and adapter requests; the same prompt under two adapters shares no
 block; an adapter loaded on one replica at run time is routed there, unloaded and
-loaded again; a failed load names why; an unknown adapter is a 404 naming it.
+loaded again; requests running under an adapter finish when it is unloaded; a failed
+load names why; an unknown adapter is a 404 naming it.
 """
 
 from __future__ import annotations
@@ -205,6 +206,69 @@ def test_an_adapter_loaded_on_one_replica_is_routed_there_and_unloaded(
     with pytest.raises(openai.NotFoundError) as err:
         _chat(client, "ad-other", [{"role": "user", "content": "hello"}])
     assert "'ad-other'" in str(err.value)
+
+
+def test_requests_running_under_an_adapter_finish_when_it_is_unloaded(
+    lora_gw: LoraGateway,
+) -> None:
+    """Unloaded while four streamed answers under it run: each runs to its end (every
+    token asked for), and the next request loads it again (it is in the resolver
+    directory) and is predicted exactly."""
+    client, c, n, tokens = lora_gw.client(), "demo-lora-c", 4, 160
+    _chat(client, c, [{"role": "user", "content": _text(500, 40)}])  # loaded somewhere
+    begun = [threading.Event() for _ in range(n)]
+    ended = [threading.Event() for _ in range(n)]
+    got: list[tuple[int, str | None]] = [(0, None)] * n
+    failed: list[BaseException] = []
+
+    def stream(i: int) -> None:
+        try:
+            count, finish = 0, None
+            with client.chat.completions.create(
+                model=c,
+                messages=[{"role": "user", "content": _text(510 + i, 60)}],
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            ) as chunks:
+                for ch in chunks:
+                    if ch.choices and ch.choices[0].delta.content:
+                        begun[i].set()
+                    if ch.choices and ch.choices[0].finish_reason:
+                        finish = ch.choices[0].finish_reason
+                    if ch.usage is not None:
+                        count = ch.usage.completion_tokens
+            got[i] = (count, finish)
+        except BaseException as exc:  # reported below, in the test's thread
+            failed.append(exc)
+        finally:
+            begun[i].set()
+            ended[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        assert all(b.wait(120) for b in begun), "the answers did not begin"
+        running = [i for i in range(n) if not ended[i].is_set()]
+        with lora_gw.admin() as admin:
+            r = admin.post("/v1/unload_lora_adapter", json={"lora_name": c})
+        assert r.status_code == 200, r.text
+    finally:
+        for t in threads:
+            t.join(300)
+    assert not failed, failed
+    assert running, "every answer ended before the unload: nothing was tested"
+    assert all(got[i] == (tokens, "length") for i in running), got
+    again = _chat(client, c, [{"role": "user", "content": _text(500, 40)}])
+    assert again.predicted == again.cached
+    with lora_gw.admin() as admin:
+        held = {
+            e["lora_name"]: e["replicas"] for e in admin.get("/v1/lora_adapters").json()["data"]
+        }
+    assert held.get(c), "served again, so loaded again"
 
 
 def test_a_failed_load_names_why_and_the_replicas_serve_on(lora_gw: LoraGateway) -> None:
