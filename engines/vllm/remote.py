@@ -10,6 +10,12 @@ the vcache plugins (``VLLM_PLUGINS=vcache,vcache-control``,
 --prefix-caching-hash-algo sha256_cbor``, ``--enable-prompt-tokens-details``,
 KV events on ZMQ, and the gateway's ``PYTHONHASHSEED``.
 
+Images travel on the generate route only (``remote_wire.content_parts``: the
+original bytes under the gateway's identifier as their uuid); a replica reached on
+the completions route refuses them by name.  The replica reports the ids it
+expanded the images to, and an expansion unlike the gateway's is logged and
+counted (``expansion_mismatches``).
+
 Closing a stream closes the HTTP response, and vLLM aborts a request whose
 client went away.  HTTP and transport errors map onto ``engines.errors``.  The
 transport is an ``aiohttp`` session, made in the engine's event loop on first use:
@@ -48,6 +54,8 @@ from engines.vllm.remote_wire import (
     PATHS,
     RemoteApi,
     choice_chunk,
+    expansion,
+    expansion_differs,
     prompt_logprobs,
     request_body,
     usage_chunk,
@@ -101,6 +109,9 @@ class RemoteVllmEngine:
         self._closed = False
         self.api: RemoteApi = "completions"  # settled by start()
         self.stale_retries = 0  # requests sent again after a pooled connection closed
+        # image requests the replica expanded otherwise than the gateway (then its
+        # predictions for them are not exact: the replica's processor is configured apart)
+        self.expansion_mismatches = 0
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -214,13 +225,12 @@ class RemoteVllmEngine:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         if not self.ready:
             raise EngineUnavailable("replica is not ready")
-        if request.images:
-            # vLLM 0.32's /inference/v1/generate takes an image as ``features`` (the
-            # processed pixel tensors, which the gateway does not make: it never decodes
-            # pixels) or ``content_parts`` (URLs the replica fetches; its identifiers
-            # unverified against the gateway's): neither is wired, so refused by name.
+        if request.images and self.api != "generate":
+            # vLLM's completions route takes token ids or images, not both
             raise EngineInputError(
-                f"image 1 of {len(request.images)}: a remote replica does not take images"
+                f"image 1 of {len(request.images)}: replica {self._config.url} takes token "
+                f"ids on {PATHS[self.api]}, which takes no images; images need "
+                f"{PATHS['generate']} (start the replica with --enable-scale-out)"
             )
         model = request.lora.name if request.lora is not None else self._model
         body = request_body(self.api, request, model)
@@ -246,6 +256,7 @@ class RemoteVllmEngine:
     ) -> AsyncGenerator[GenerateChunk, None]:
         """A whole (non-streamed) answer as the chunks a stream would have given."""
         data = json.loads(await resp.read())
+        self._check_expansion(request, data)
         top = request.sampling.prompt_logprobs or 0
         steps = data.get("prompt_logprobs")  # the generate route's, beside its choices
         for c in data.get("choices") or []:
@@ -254,11 +265,34 @@ class RemoteVllmEngine:
             yield replace(chunk, prompt_logprobs=lps)
         yield usage_chunk(data.get("usage") or {}, request.num_prompt_tokens)
 
+    def _check_expansion(self, request: GenerateRequest, data: dict[str, Any]) -> bool:
+        """Compare the ids and placeholders the replica expanded an image request to (in
+        ``data``, its first chunk or whole answer) with the gateway's; a difference is
+        logged and counted (the answer stands: only its prediction was not exact).  False
+        when ``data`` carries no expansion."""
+        if not request.images:
+            return True
+        found = expansion(data)
+        if found is None:
+            return False
+        differs = expansion_differs(request, *found)
+        if differs is not None:
+            self.expansion_mismatches += 1
+            log.warning(
+                "replica %s expanded the images of %s otherwise than the gateway: %s "
+                "(its image processor is configured apart?)",
+                self._config.url,
+                request.request_id,
+                differs,
+            )
+        return True
+
     async def _chunks(
         self, resp: aiohttp.ClientResponse, request: GenerateRequest
     ) -> AsyncGenerator[GenerateChunk, None]:
         num_prompt = request.num_prompt_tokens
         decoder = SSEDecoder()
+        unchecked = bool(request.images)  # the first chunk carries the replica's expansion
         async for raw in resp.content.iter_any():
             for event in decoder.feed(raw):
                 if event.data == "[DONE]":
@@ -266,6 +300,8 @@ class RemoteVllmEngine:
                 data = json.loads(event.data)
                 if "error" in data:
                     raise _error(int(data["error"].get("code") or 500), event.data.encode())
+                if unchecked:
+                    unchecked = not self._check_expansion(request, data)
                 usage = data.get("usage")
                 if data.get("choices"):
                     for c in data["choices"]:

@@ -16,14 +16,23 @@ template or tokenize:
 Both stream choices as SSE with a last usage event (``include_usage``); a whole
 answer (asked for when prompt logprobs are, which vLLM gives only there)
 carries the same choices and usage.
+
+Images go on the generate route only (the completions route takes none with token
+ids): the template's ids (one image token per image: the replica expands them, as
+the embedded engine's vLLM does) and ``content_parts``, each image a data URL of
+its original bytes with the gateway's identifier as its ``uuid``
+(:func:`content_parts`).  The first chunk of such an answer carries the ids and
+placeholder ranges the replica expanded to (``return_token_ids``), which
+:func:`expansion` reads.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from engines.base import LOGPROB_FLOOR, GenerateChunk, GenerateRequest, TokenLogprob
+from engines.base import LOGPROB_FLOOR, EngineImage, GenerateChunk, GenerateRequest, TokenLogprob
 from engines.vllm.sampling import sampling_fields, stop_string
 
 RemoteApi = Literal["completions", "generate"]
@@ -45,17 +54,70 @@ def request_body(api: RemoteApi, request: GenerateRequest, model: str) -> dict[s
         body["cache_salt"] = request.cache_salt
     if request.priority:
         body["priority"] = request.priority
+    if request.images and api != "generate":
+        raise ValueError(f"images go on {PATHS['generate']} only, not {PATHS[api]}")
     if api == "generate":
         body |= {
             "token_ids": list(request.prompt_token_ids),
             "sampling_params": sampling_fields(s),
             "output_mode": "text",
         }
+        if request.images:
+            assert request.template_token_ids is not None  # GenerateRequest checks it
+            body |= {
+                "token_ids": list(request.template_token_ids),
+                "content_parts": content_parts(request.images),
+                "return_token_ids": True,
+            }
     else:  # the completions route takes the same fields by the same names, but one
         body |= {"prompt": list(request.prompt_token_ids), "return_token_ids": True}
         body |= sampling_fields(s)
         body.pop("stream_interval", None)  # not a field there: every token is sent
     return body
+
+
+def content_parts(images: Sequence[EngineImage]) -> list[dict[str, str]]:
+    """The images as the generate route's ``content_parts``: each a data URL of the
+    client's original bytes (the replica loads it as its chat API loads one, with
+    ``ImageMediaIO``: upright, RGB) under the gateway's identifier as its ``uuid``.  vLLM
+    takes an item's uuid as its identifier when no processor kwargs are set
+    (``ProcessorInputs.get_mm_hashes``), so the replica's ``("mm", identifier, offset)``
+    block keys carry the gateway's identifier by construction: the bytes' blake3 the
+    gateway computed, or the client's own uuid."""
+    return [
+        {
+            "type": "image_url",
+            "url": f"data:{i.media_type};base64,{base64.b64encode(i.data).decode('ascii')}",
+            "uuid": i.identifier,
+        }
+        for i in images
+    ]
+
+
+def expansion(data: dict[str, Any]) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """The prompt ids and image placeholder ranges (offset, length) a replica reports in an
+    image request's first chunk or whole answer; None where the chunk carries none."""
+    ids = data.get("prompt_token_ids")
+    if ids is None:
+        return None
+    ranges = (data.get("mm_placeholders") or {}).get("image") or []
+    return [int(t) for t in ids], [(int(r["offset"]), int(r["length"])) for r in ranges]
+
+
+def expansion_differs(
+    request: GenerateRequest, ids: Sequence[int], ranges: Sequence[tuple[int, int]]
+) -> str | None:
+    """How the replica's expansion of ``request``'s images differs from the gateway's (its
+    ``prompt_token_ids`` and the images' spans), or None when it is the same."""
+    if list(ids) != list(request.prompt_token_ids):
+        mine = request.prompt_token_ids
+        at = next((i for i, (a, b) in enumerate(zip(ids, mine, strict=False)) if a != b), None)
+        at = min(len(ids), len(mine)) if at is None else at
+        return f"{len(ids)} prompt tokens against the gateway's {len(mine)}, first apart at {at}"
+    spans = [(i.offset, i.length) for i in request.images]
+    if list(ranges) != spans:
+        return f"image placeholders {list(ranges)} against the gateway's {spans}"
+    return None
 
 
 def choice_chunk(api: RemoteApi, c: dict[str, Any], num_prompt: int) -> GenerateChunk:

@@ -66,10 +66,13 @@ def build_adapters(settings: Settings, replicas: ReplicaSet) -> Adapters:
 
 
 def _vision_model(settings: Settings) -> str | None:
-    """The configured model when it is a vision-language model served by embedded
-    replicas only (a remote replica takes no images); else None."""
+    """The configured model when it is a vision-language model and every replica takes
+    images (a remote replica configured for vLLM's completions route takes none); else
+    None."""
     model = settings.model
-    if not model or not settings.has_local or settings.remote_replicas:
+    if not model or not settings.has_local:
+        return None
+    if any(r.api == "completions" for r in settings.remote_replicas):
         return None
     return model if is_vision_model(model) else None
 
