@@ -84,7 +84,11 @@ def _part(p: pb.ContentPart, where: str) -> dict[str, Any]:
         if bool(img.data) == bool(img.url):
             raise InvalidRequest(f"{where}.image: give data or url, one of them", param=where)
         url = img.url or _data_url(img.data, img.media_type)
-        return {"type": "image_url", "image_url": {"url": url, "detail": img.detail or None}}
+        image_url = {"url": url, "detail": img.detail or None}
+        part: dict[str, Any] = {"type": "image_url", "image_url": image_url}
+        if img.uuid:
+            part["uuid"] = img.uuid
+        return part
     if kind == "document":
         doc = p.document
         file = {"file_data": _data_url(doc.data, doc.media_type), "filename": doc.filename or None}

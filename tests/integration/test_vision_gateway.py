@@ -22,12 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import grpc
 import httpx
 import openai
 import pytest
 from PIL import Image
 
 from engines.vllm.demo_vision import ensure_demo_vision_model
+from gateway.grpc.api import gateway_pb2 as pb
+from gateway.grpc.api import gateway_pb2_grpc as pb_grpc
 from gateway.local.vision_prompt import (
     IMAGES_PER_PROMPT,
     PromptImage,
@@ -46,6 +49,7 @@ SYSTEM = "You are a careful visual assistant. " * 12
 @dataclass(frozen=True)
 class Vision:
     url: str
+    grpc_port: int
     renderer: VisionRenderer
     tokenizer: Any
 
@@ -83,6 +87,7 @@ def vision(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tmp = tmp_path_factory.mktemp("vision")
     path = str(ensure_demo_vision_model(data_dir))
     port = _port()
+    grpc_port = _port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
     env["VCACHE_SESSION_LOG__PATH"] = str(tmp / "sessions.db")
     # every image request rebuilt from the log and its stored images before it is sent
@@ -98,7 +103,7 @@ def vision(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "--port",
         str(port),
         "--grpc-port",
-        "0",
+        str(grpc_port),
         "--data-dir",
         str(data_dir),
         "--enforce-eager",
@@ -113,7 +118,7 @@ def vision(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     renderer = VisionRenderer.load(path, path, IMAGES_PER_PROMPT)
     assert renderer is not None
     with running(cmd, env, f"{url}/readyz", tmp / "gateway.log", "gateway"):
-        yield Vision(url, renderer, AutoTokenizer.from_pretrained(path))
+        yield Vision(url, grpc_port, renderer, AutoTokenizer.from_pretrained(path))
 
 
 def _image(size: tuple[int, int], fmt: str, color: tuple[int, int, int]) -> PromptImage:
@@ -554,4 +559,37 @@ def test_two_images_under_one_client_uuid_share_their_blocks(vision: Vision) -> 
         ],
     }
     predicted, cached, _ = _chat(vision, [system, plain])
+    assert predicted == cached <= span.offset
+
+
+def test_grpc_images_under_one_uuid_share_their_blocks(vision: Vision) -> None:
+    """The gRPC API's ``Image.uuid`` is the image's identity as chat's ``uuid`` is: two
+    images sent under one uuid share their KV blocks, predicted exactly; without it the
+    second image is its own."""
+    system = pb.ChatMessage(role="system", content=SYSTEM + "Over gRPC. ")
+    red = _image((320, 240), "PNG", (200, 30, 30))
+    blue = _image((320, 240), "PNG", (30, 30, 200))
+
+    def ask(img: PromptImage, uuid: str, text: str) -> tuple[int, int]:
+        image = pb.Image(data=img.data, media_type="image/png", uuid=uuid)
+        parts = [pb.ContentPart(image=image), pb.ContentPart(text=text)]
+        request = pb.ChatCompletionRequest(
+            model=MODEL,
+            messages=[system, pb.ChatMessage(role="user", parts=parts)],
+            sampling=pb.SamplingParams(max_tokens=1),
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{vision.grpc_port}") as channel:
+            r = pb_grpc.GatewayStub(channel).ChatCompletion(
+                request, metadata=(("authorization", f"Bearer {ADMIN_KEY}"),), timeout=120
+            )
+        assert r.usage.HasField("predicted_cached_tokens")
+        return r.usage.predicted_cached_tokens, r.usage.cached_tokens
+
+    templated = {"role": "system", "content": SYSTEM + "Over gRPC. "}
+    span = vision.prompt([templated, _templated(True, "Colour?")], [blue]).spans[0]
+    predicted, cached = ask(red, "grpc-shot-1", "Colour?")
+    assert predicted == cached <= span.offset  # nothing of the image yet
+    predicted, cached = ask(blue, "grpc-shot-1", "Colour?")
+    assert predicted == cached >= (span.offset + span.length) // BLOCK * BLOCK > span.offset
+    predicted, cached = ask(blue, "", "Colour!")  # no uuid: the blue bytes are a new image
     assert predicted == cached <= span.offset
