@@ -48,6 +48,7 @@ from manifest.hashing import BlockHash, MMSpan
 from manifest.index import LocationId
 
 AFFINITY_TOKENS = 256  # a new prefix family is placed by its first tokens
+MAX_REJOINS = 3  # prefills routed while a request held that it waits for, at most
 
 
 def hash_tokens(tokens: Sequence[int]) -> int:
@@ -260,17 +261,51 @@ class Dispatcher:
                 greq, hashes, predicted, replica.id, pending[replica.id]
             )
         exact = self.kv is not None and self.kv.is_exact(replica.id)
-        p = predicted.get(replica.id) if predicted is not None and exact else None
+        p: int | None = None
         hold: Hold | None = None
         approximate = ""
-        if p is not None:
-            p, hold, approximate = await self._hold(greq, replica, hashes, p)
-            if running:
-                approximate = "prefill_in_flight"
+        if predicted is not None and exact and replica.id in predicted:
+            p, hold, approximate = await self._predict(greq, replica, hashes, predicted, running)
         # registered now, with no await before the caller holds it: a sibling routed next
         # waits for this prefill
         prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)], hold)
         return Dispatch(replica, replica.id, p, hashes, prefill, approximate)
+
+    async def _predict(
+        self,
+        greq: GenerateRequest,
+        replica: Replica,
+        hashes: Sequence[BlockHash],
+        predicted: Mapping[LocationId, int],
+        running: bool,
+    ) -> tuple[int, Hold | None, str]:
+        """``greq``'s prediction on ``replica`` from the facts vLLM will schedule it on: the
+        leading blocks its engine holds for it (:meth:`_hold`), and the prefills routed
+        there before it, which vLLM schedules first.  One of those that stores more of its
+        blocks than are held (routed while this request's hold was on its way, or one
+        :meth:`route` did not wait for because the index listed as many blocks as it would
+        store) would be read too: the hold is given back, the request waits for that
+        prefill's first token and is predicted and held again.  With no await between
+        the last look at the running prefills and the caller's registration, a sibling
+        routed after it finds it registered.  (prediction, hold, why approximate or "")."""
+        assert self.kv is not None
+        bs = self.kv.block_size
+        blocks = hashes[: self._cap(greq)]
+        joins = 0
+        while True:
+            p = predicted.get(replica.id, 0)
+            p, hold, approximate = await self._hold(greq, replica, hashes, p)
+            if running:
+                return p, hold, "prefill_in_flight"
+            later = self.prefills.overlap(blocks).get(replica.id)
+            if later is None or later[0] * bs <= p:
+                return p, hold, approximate
+            if joins == MAX_REJOINS:
+                return p, hold, "prefill_in_flight"
+            joins += 1
+            if hold is not None:
+                hold.give()
+            predicted, running = await self._join(greq, hashes, {replica.id: p}, replica.id, later)
 
     async def _hold(
         self, greq: GenerateRequest, replica: Replica, hashes: Sequence[BlockHash], predicted: int

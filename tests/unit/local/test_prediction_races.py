@@ -45,10 +45,18 @@ class SimEngine:
 
     ready = True
 
-    def __init__(self, resident: Sequence[bytes], num_blocks: int = 64, fail: bool = False) -> None:
+    def __init__(
+        self,
+        resident: Sequence[bytes],
+        num_blocks: int = 64,
+        fail: bool = False,
+        round_trip: bool = False,
+    ) -> None:
         self.resident = {bytes(h) for h in resident}
         self.num_blocks = num_blocks
         self.fail = fail  # an engine that cannot hold (an older plugin, a dead core)
+        # a hold answered between two engine steps: other requests route meanwhile
+        self.round_trip = round_trip
         self.held: dict[bytes, int] = {}
         self.holds: dict[str, list[bytes]] = {}
         self.capabilities = SimpleNamespace(max_model_len=2048, block_size=BS)
@@ -60,6 +68,8 @@ class SimEngine:
             raise RuntimeError(f"no {method} here")
         if method == "vcache_hold":
             hold_id, hashes, max_share, _reserve, _ttl = args
+            if self.round_trip:
+                await asyncio.sleep(0)
             prefix: list[bytes] = []
             for h in hashes:
                 if h not in self.resident:
@@ -185,6 +195,65 @@ def test_a_sibling_joined_is_predicted_with_its_blocks_and_holds_them(tmp_path: 
         await kv.close()
         assert (b.predicted_cached_tokens, served) == (3 * BS, 3 * BS)
         assert _claimed_exact(b)
+
+    asyncio.run(main())
+
+
+def test_siblings_routed_together_meet_on_one_prefill(tmp_path: Path) -> None:
+    """A and B share three blocks, two resident; both are routed at once, each holding
+    while the other routes (a hold is a round trip to the engine core).  Neither was
+    registered when the other looked, yet A will store the third block before vLLM
+    schedules B: B, seeing A registered once its hold is answered, waits for A's
+    prefill and is predicted (and held) with all three.  Before, both went with two
+    blocks predicted exact, and B was served three (missed: stored_since)."""
+
+    async def main() -> None:
+        engine = SimEngine(SHARED[:2], round_trip=True)
+        d, kv = _dispatcher(engine, tmp_path)
+        routing_a = asyncio.create_task(d.route(_greq("a", A_PROMPT), None))
+        routing_b = asyncio.create_task(d.route(_greq("b", B_PROMPT), None))
+        a = await routing_a
+        for _ in range(5):
+            await asyncio.sleep(0)
+        served_a = engine.schedule(A_PROMPT)  # A's prefill stores the third block
+        kv.index.apply_stored(R, block_hashes(list(A_PROMPT), BS, "0"))  # its KV events
+        d.release(a)  # A's first token
+        b = await routing_b
+        served_b = engine.schedule(B_PROMPT)
+        d.release(b)
+        await kv.close()
+        assert (a.predicted_cached_tokens, served_a) == (2 * BS, 2 * BS)
+        assert _honest(a, served_a) and _honest(b, served_b), (b.headers(), served_b)
+        assert (b.predicted_cached_tokens, served_b) == (3 * BS, 3 * BS)
+        assert _claimed_exact(b)
+
+    asyncio.run(main())
+
+
+def test_a_prefill_the_index_covers_but_the_engine_does_not(tmp_path: Path) -> None:
+    """The index still lists the third shared block, which the engine has evicted (its
+    event not folded yet).  A, routed, holds two and will compute the third.  B routed
+    next sees A's prefill, but no more blocks in it than the index lists, so it did not
+    wait; its hold finds two.  A stores the third before vLLM schedules B: B must wait
+    for A (the engine's count, not the index's, decides), and is predicted three."""
+
+    async def main() -> None:
+        engine = SimEngine(SHARED[:2])
+        d, kv = _dispatcher(engine, tmp_path)
+        kv.index.apply_stored(R, SHARED)  # stale: the third is gone from the engine
+        a = await d.route(_greq("a", A_PROMPT), None)
+        routing_b = asyncio.create_task(d.route(_greq("b", B_PROMPT), None))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        served_a = engine.schedule(A_PROMPT)
+        d.release(a)
+        b = await routing_b
+        served_b = engine.schedule(B_PROMPT)
+        d.release(b)
+        await kv.close()
+        assert a.predicted_cached_tokens == served_a == 2 * BS
+        assert _honest(b, served_b), (b.headers(), served_b)
+        assert (b.predicted_cached_tokens, served_b) == (3 * BS, 3 * BS)
 
     asyncio.run(main())
 
