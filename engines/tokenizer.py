@@ -11,6 +11,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
+from engines.token_segments import Segments
+
 
 class _HFTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
@@ -24,6 +26,9 @@ class ChatTokenizer:
     def __init__(self, hf_tokenizer: _HFTokenizer, name: str) -> None:
         self._tok = hf_tokenizer
         self.name = name
+        # a prompt's pieces between added tokens, the long ones tokenized once (False:
+        # not built yet; None: this tokenizer cannot be cut so)
+        self._segments: Segments | bool | None = False
 
     @classmethod
     def from_pretrained(cls, path_or_id: str) -> ChatTokenizer:
@@ -77,19 +82,27 @@ class ChatTokenizer:
             extra["tools"] = list(tools)
         if chat_template is not None:
             extra["chat_template"] = chat_template
-        out = self._tok.apply_chat_template(
+        text = self._tok.apply_chat_template(
             list(messages),
             add_generation_prompt=generation_prompt,
             continue_final_message=continue_final,
-            tokenize=not add_special_tokens,
-            return_dict=False,
+            tokenize=False,
             **extra,
         )
         if add_special_tokens:  # as HF's own tokenize=True, but with the special tokens
-            return self.encode(str(out), add_special_tokens=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding on some versions
-            out = out["input_ids"]
-        return [int(t) for t in out]
+            return self.encode(str(text), add_special_tokens=True)
+        return self.encode_rendered(str(text))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered prompt's ids, as HF's ``apply_chat_template(tokenize=True)`` gives
+        them (no special tokens added): cut at the added tokens, the pieces a prompt
+        repeats (a system prompt, tools) tokenized once
+        (:class:`~engines.token_segments.Segments`) where the tokenizer allows it."""
+        if self._segments is False:
+            self._segments = Segments.of(self._tok)
+        if isinstance(self._segments, Segments):
+            return self._segments.encode(text)
+        return self.encode(text)
 
 
 class ThreadCopies:

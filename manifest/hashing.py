@@ -99,14 +99,52 @@ def hash_block(
     return BlockHash(sha256_cbor((parent, tuple(tokens), extra)))
 
 
+BlockKey = tuple[BlockHash, tuple[int, ...], tuple[ExtraKey | MMKey, ...] | None]
+
+
+class HashMemo:
+    """Block hashes computed already, by what a block's hash is computed from (its
+    parent, its tokens, its extra keys): the prompts of one application share their
+    system prompt's blocks, each hashed once rather than once a request.  At most
+    ``capacity`` blocks, the least recently used forgotten first.  Not thread-safe:
+    one owner."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self._known: dict[BlockKey, BlockHash] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def hash(self, key: BlockKey) -> BlockHash:
+        """The hash of the block ``key`` names (vLLM's ``hash_block_tokens``)."""
+        known = self._known
+        h = known.pop(key, None)
+        if h is None:
+            self.misses += 1
+            h = BlockHash(sha256_cbor(key))
+            if len(known) >= self.capacity:
+                del known[next(iter(known))]  # the least recently used (dicts keep order)
+        else:
+            self.hits += 1
+        known[key] = h  # the most recently used last
+        return h
+
+
 def block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     seed: str,
     keys: HashKeys | None = None,
+    memo: HashMemo | None = None,
 ) -> list[BlockHash]:
-    """The hash of every full block of ``token_ids``, as vLLM computes them."""
-    chain = BlockChain(block_size=block_size, seed=seed, keys=keys or HashKeys())
+    """The hash of every full block of ``token_ids``, as vLLM computes them (``memo``:
+    the blocks hashed already, taken from it and added to it)."""
+    chain = BlockChain(block_size=block_size, seed=seed, keys=keys or HashKeys(), memo=memo)
     chain.extend(token_ids)
     return list(chain.hashes)
 
@@ -123,6 +161,7 @@ class BlockChain:
     seed: str
     keys: HashKeys = field(default_factory=HashKeys)
     hashes: list[BlockHash] = field(default_factory=list)
+    memo: HashMemo | None = field(default=None, repr=False, compare=False)
     _pending: list[int] = field(default_factory=list, repr=False)
     _root: BlockHash = field(init=False, repr=False)
 
@@ -144,10 +183,15 @@ class BlockChain:
         new: list[BlockHash] = []
         parent = self.hashes[-1] if self.hashes else self._root
         first = len(self.hashes)
+        memo, plain = self.memo, not self.keys.lora_name and not self.keys.mm
         for i in range(full):
-            parent = hash_block(
-                parent, pending[i * bs : (i + 1) * bs], self.keys.for_block(first + i, bs)
-            )
+            tokens = pending[i * bs : (i + 1) * bs]
+            # no lora, no images: only the first block has extra keys (the salt)
+            extra = self.keys.for_block(first + i, bs) if i + first == 0 or not plain else None
+            if memo is not None:
+                parent = memo.hash((parent, tuple(tokens), extra))
+            else:
+                parent = hash_block(parent, tokens, extra)
             new.append(parent)
         del pending[: full * bs]
         self.hashes.extend(new)

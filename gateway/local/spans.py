@@ -34,7 +34,7 @@ from gateway.local.kv_holds import SpanHolds
 from gateway.local.kv_pins import PinResult, SpanPins
 from gateway.local.kv_sync import Agreement, CoreControlled, KVSync, ReplicaCacheState
 from gateway.local.leases import LeaseBook
-from manifest.hashing import BlockHash, HashKeys, MMSpan, block_hashes
+from manifest.hashing import BlockHash, HashKeys, HashMemo, MMSpan, block_hashes
 from manifest.index import LocationId, PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class KVSpans:
         )
         self.holds = SpanHolds(self.events, holder or "gateway", clock)
         self._clock = clock
+        self._memo = HashMemo()  # the blocks prompts share (a system prompt's), hashed once
         self._reaper: asyncio.Task[None] | None = None
         self._releaser: asyncio.Task[None] | None = None
 
@@ -148,7 +149,7 @@ class KVSpans:
             lora_path=lora.path if lora is not None else None,
             mm=tuple(sorted(mm, key=lambda s: s.offset)),
         )
-        return block_hashes(prompt, self.block_size, self.hash_seed, keys)
+        return block_hashes(prompt, self.block_size, self.hash_seed, keys, self._memo)
 
     def predict(self, hashes: Sequence[BlockHash], prompt_len: int) -> dict[LocationId, int]:
         """Tokens each replica will serve from cache: whole blocks, never the last token."""

@@ -10,6 +10,7 @@ from manifest.hashing import (
     BlockChain,
     BlockHash,
     HashKeys,
+    HashMemo,
     block_hashes,
     event_hash,
     from_hex,
@@ -85,6 +86,30 @@ def test_block_hashes_equal_vllm(
         )
         assert len(ours) == len(tokens) // block_size
         assert ours == theirs
+        # remembered: a memo shared with every other case's prompts gives the same hashes
+        assert block_hashes(tokens, block_size, seed, keys, MEMO) == theirs
+        assert block_hashes(tokens, block_size, seed, keys, MEMO) == theirs  # from memory
+
+
+MEMO = HashMemo()  # one for every case above: salts, adapters, seeds, block sizes mixed
+
+
+def test_a_memo_hashes_a_shared_prefix_once_and_keeps_its_capacity() -> None:
+    system = list(range(160))  # 10 blocks every prompt shares
+    memo = HashMemo(capacity=21)
+    first = block_hashes(system + [1] * 16, 16, "0", memo=memo)
+    assert (memo.hits, memo.misses) == (0, 11)
+    second = block_hashes(system + [2] * 16, 16, "0", memo=memo)
+    assert (memo.hits, memo.misses) == (10, 12)  # only the question's block is new
+    assert first[:10] == second[:10] and first[10] != second[10]
+    assert second == block_hashes(system + [2] * 16, 16, "0")  # as without the memo
+    salted = block_hashes(system, 16, "0", HashKeys(cache_salt="t"), memo)
+    assert not set(salted) & set(first)  # another salt: other blocks, not remembered ones
+    assert len(memo) == 21  # the least recently used went: the first question's block
+    block_hashes(system + [2] * 16, 16, "0", memo=memo)
+    assert memo.hits == 21
+    block_hashes(system + [1] * 16, 16, "0", memo=memo)
+    assert memo.hits == 31 and memo.misses == 23
 
 
 def test_root_is_vllm_none_hash(monkeypatch: pytest.MonkeyPatch) -> None:
