@@ -129,6 +129,8 @@ def _usage(u: Usage | None, served: Served) -> pb.Usage:
         out.cached_tokens = u.prompt_tokens_details.cached_tokens
     if d is not None and d.predicted_cached_tokens is not None:
         out.predicted_cached_tokens = d.predicted_cached_tokens
+        out.prediction = "approximate" if d.approximate else "exact"
+        out.prediction_cause = d.approximate
     return out
 
 

@@ -65,6 +65,8 @@ def test_unary_chat_and_repeated_prefix_reports_cached_tokens(stub: pb_grpc.Gate
     assert second.usage.replica == first.usage.replica  # kv routing followed the prefix
     assert second.usage.HasField("predicted_cached_tokens")
     assert second.usage.predicted_cached_tokens == second.usage.cached_tokens
+    # one request at a time: its blocks held from routing to scheduling, said exact
+    assert (second.usage.prediction, second.usage.prediction_cause) == ("exact", "")
 
 
 def test_streamed_chat_ends_with_usage(stub: pb_grpc.GatewayStub) -> None:
