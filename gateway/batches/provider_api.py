@@ -22,17 +22,18 @@ error is that item's error.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from engines.providers.base import Answer, Rendered
-from engines.providers.transport import AiohttpTransport, Transport
+from engines.providers.transport import AiohttpTransport, Transport, TransportError
 from gateway.batches.send import CHAT, Outcome, error_of, usage_of
 from gateway.core.errors import APIError, BadGateway, InvalidRequest, invalid_request_from
 from gateway.core.pieces import Piece, ToolCallDelta
@@ -49,6 +50,13 @@ log = logging.getLogger(__name__)
 
 SUPPORTED = ("openai", "anthropic")
 TERMINAL = {"completed", "failed", "expired", "cancelled", "ended"}
+SUBMIT_ATTEMPTS = 5  # tries of each call that makes a submission, then its items fail
+SUBMIT_BACKOFF_S = 1.0  # before the second try, doubling, at most SUBMIT_BACKOFF_CAP_S
+SUBMIT_BACKOFF_CAP_S = 30.0
+SUBMIT_FAILED = "provider_batch_submit_failed"  # the items' error code when it never took
+
+# an item's result from a provider's batch: (status code, body), or never run
+Result = tuple[int, Any] | Literal["canceled", "expired"]
 
 
 @dataclass(frozen=True)
@@ -60,17 +68,48 @@ class Endpoint:
     headers: Mapping[str, str]
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A provider's batch that has ended: its status there, custom_id → result, and what
+    an item the results leave out is (``rest``; None: an item the provider lost)."""
+
+    status: str
+    results: dict[str, Result]
+    rest: Result | None = None
+
+    def of(self, custom_id: str) -> Result | None:
+        return self.results.get(custom_id, self.rest)
+
+
 class BatchAPIError(Exception):
-    """The provider's batch API refused or failed the submission."""
+    """The provider's batch API refused or failed the submission (``transient``: a 429,
+    a 5xx or no answer, worth another try)."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class BatchAPIClient:
-    def __init__(self, transport: Transport | None = None, poll_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        transport: Transport | None = None,
+        poll_s: float = 30.0,
+        *,
+        attempts: int = SUBMIT_ATTEMPTS,
+        backoff_s: float = SUBMIT_BACKOFF_S,
+        call_timeout_s: float = 120.0,
+    ) -> None:
         """``transport``: how requests reach the providers (None: an aiohttp session of its
-        own, closed by :meth:`aclose`); ``poll_s``: between two reads of a running batch."""
+        own, closed by :meth:`aclose`); ``poll_s``: between two reads of a running batch;
+        ``attempts``, ``backoff_s``: how often and how far apart a call that makes a
+        submission is tried (a 429, 5xx or timeout); ``call_timeout_s``: one call's bound."""
         self._own = transport is None
         self._transport: Transport = transport or AiohttpTransport()
         self._poll_s = poll_s
+        self._attempts = max(1, attempts)
+        self._backoff_s = backoff_s
+        self._call_timeout_s = call_timeout_s
 
     async def aclose(self) -> None:
         if self._own:
@@ -79,38 +118,106 @@ class BatchAPIClient:
     async def _call(
         self, e: Endpoint, method: str, url: str, body: bytes | None = None, ctype: str = ""
     ) -> tuple[int, bytes]:
+        """Status and body; :class:`BatchAPIError` (transient) when no answer came."""
         headers = dict(e.headers)
         if ctype:
             headers["content-type"] = ctype
         full = url if url.startswith("http") else e.base_url.rstrip("/") + url
-        async with self._transport.request(method, full, headers, body) as r:
-            return r.status, await r.read()
+        try:
+            async with asyncio.timeout(self._call_timeout_s):
+                async with self._transport.request(method, full, headers, body) as r:
+                    data = await r.read()
+                    return r.status, data
+        except (TransportError, TimeoutError) as exc:
+            raise BatchAPIError(f"{e.provider} {method} {url}: no answer ({exc!r})", True) from exc
 
     async def _json(
         self, e: Endpoint, method: str, url: str, body: bytes | None = None, ctype: str = ""
     ) -> Any:
         status, data = await self._call(e, method, url, body, ctype)
         if status >= 400:
-            raise BatchAPIError(f"{e.provider} {method} {url}: HTTP {status}: {data[:300]!r}")
+            raise BatchAPIError(
+                f"{e.provider} {method} {url}: HTTP {status}: {data[:300]!r}",
+                status == 429 or status >= 500,
+            )
         return json.loads(data)
 
-    async def run(self, e: Endpoint, items: Sequence[tuple[str, Rendered]]) -> dict[str, Any]:
-        """Submit ``items`` (custom_id, rendered request) as one batch, wait for its end;
-        custom_id → (status code, body) for every item answered."""
+    async def _tried(
+        self,
+        e: Endpoint,
+        what: str,
+        call: Callable[[], Awaitable[Any]],
+        made: Callable[[], Awaitable[Any]] | None = None,
+    ) -> Any:
+        """``call()``, tried again after a transient failure (backoff doubling from
+        ``backoff_s``), at most ``attempts`` times; before another try, ``made()`` looks
+        for what a call whose answer was lost may have made (not None: that, no retry).
+        :class:`BatchAPIError` naming the last failure when every try failed."""
+        for attempt in range(self._attempts):
+            try:
+                return await call()
+            except BatchAPIError as exc:
+                if not exc.transient or attempt + 1 == self._attempts:
+                    raise BatchAPIError(f"{what} failed after {attempt + 1} tries: {exc}") from exc
+                log.warning("%s: try %d failed (%s), trying again", what, attempt + 1, exc)
+                await asyncio.sleep(min(SUBMIT_BACKOFF_CAP_S, self._backoff_s * 2.0**attempt))
+                if made is not None:
+                    found = await made()
+                    if found is not None:
+                        return found
+        raise AssertionError("unreachable")
+
+    async def submit(self, e: Endpoint, items: Sequence[tuple[str, Rendered]], token: str) -> str:
+        """Submit ``items`` (custom_id, rendered request) as one batch: its id at the
+        provider.  ``token`` names the submission: a create whose answer was lost is
+        looked for by it before it is tried again, so a batch is never made twice."""
         if e.provider == "openai":
-            return await self._openai(e, items)
+            return await self._openai_submit(e, items, token)
         if e.provider == "anthropic":
-            return await self._anthropic(e, items)
+            return await self._anthropic_submit(e, items)
         raise BatchAPIError(f"{e.provider} has no batch API here")
 
-    async def _wait(self, e: Endpoint, url: str, status_key: str) -> Any:
+    async def wait(
+        self, e: Endpoint, run_id: str, cancelled: Callable[[], Awaitable[bool]]
+    ) -> Finished:
+        """Poll the provider's batch until it ends, then its results.  Once
+        ``cancelled()`` is true the provider's batch is cancelled (once); the results
+        then hold what it finished before it stopped, the rest canceled.  A poll
+        that fails for a while (429, 5xx, no answer) is tried again at the next poll;
+        a refusal (another 4xx: the batch is gone) is :class:`BatchAPIError`."""
+        url = f"/batches/{run_id}" if e.provider == "openai" else f"/messages/batches/{run_id}"
+        key = "status" if e.provider == "openai" else "processing_status"
+        asked = False
         while True:
-            row = await self._json(e, "GET", url)
-            if row.get(status_key) in TERMINAL:
-                return row
+            try:
+                row = await self._json(e, "GET", url)
+            except BatchAPIError as exc:
+                if not exc.transient:
+                    raise
+                log.warning("polling %s's batch %s failed (%s)", e.provider, run_id, exc)
+                row = {}
+            if row.get(key) in TERMINAL:
+                break
+            if not asked and await cancelled():
+                await self._tried(
+                    e, f"cancelling {run_id}", lambda: self._json(e, "POST", url + "/cancel")
+                )
+                asked = True
+                continue
             await asyncio.sleep(self._poll_s)
+        if e.provider == "openai":
+            results = await self._openai_results(e, row)
+        else:
+            results = await self._anthropic_results(e, row)
+        status = str(row[key])
+        rest: Result | None = None  # an item the results leave out: not answered
+        if status in ("cancelled", "expired") or asked:
+            rest = "expired" if status == "expired" else "canceled"
+        return Finished(status, results, rest)
 
-    async def _openai(self, e: Endpoint, items: Sequence[tuple[str, Rendered]]) -> dict[str, Any]:
+    async def _openai_submit(
+        self, e: Endpoint, items: Sequence[tuple[str, Rendered]], token: str
+    ) -> str:
         lines = b"".join(
             b'{"custom_id":'
             + json.dumps(cid).encode()
@@ -131,41 +238,114 @@ class BatchAPIClient:
             + lines
             + f"\r\n--{boundary}--\r\n".encode()
         )
-        f = await self._json(e, "POST", "/files", form, f"multipart/form-data; boundary={boundary}")
+        ctype = f"multipart/form-data; boundary={boundary}"
+        f = await self._tried(
+            e, "uploading the batch file", lambda: self._json(e, "POST", "/files", form, ctype)
+        )
         endpoint = "/v1" + items[0][1].path
-        spec = {"input_file_id": f["id"], "endpoint": endpoint, "completion_window": "24h"}
-        b = await self._json(e, "POST", "/batches", json.dumps(spec).encode(), "application/json")
-        row = await self._wait(e, f"/batches/{b['id']}", "status")
+        spec = {
+            "input_file_id": f["id"],
+            "endpoint": endpoint,
+            "completion_window": "24h",
+            "metadata": {"vcache_submission": token},
+        }
+        body = json.dumps(spec).encode()
+
+        async def made() -> Any:
+            return await self._openai_made(e, token)
+
+        b = await self._tried(
+            e,
+            "creating the batch",
+            lambda: self._json(e, "POST", "/batches", body, "application/json"),
+            made,
+        )
+        return str(b["id"])
+
+    async def _openai_made(self, e: Endpoint, token: str) -> Any:
+        """The batch a lost create made, found by its token among the newest (None: none,
+        or the list could not be read: then it is tried again)."""
+        try:
+            page = await self._json(e, "GET", "/batches?limit=100")
+        except BatchAPIError:
+            return None
+        for b in page.get("data") or []:
+            if (b.get("metadata") or {}).get("vcache_submission") == token:
+                return b
+        return None
+
+    async def _openai_results(self, e: Endpoint, row: Any) -> dict[str, Result]:
         if row["status"] == "failed":
-            raise BatchAPIError(f"openai batch {b['id']} failed: {row.get('errors')}")
-        out: dict[str, Any] = {}
+            raise BatchAPIError(f"openai batch {row['id']} failed: {row.get('errors')}")
+        out: dict[str, Result] = {}
         for key in ("output_file_id", "error_file_id"):
-            if row.get(key):
-                status, data = await self._call(e, "GET", f"/files/{row[key]}/content")
-                if status >= 400:
-                    raise BatchAPIError(f"openai file {row[key]}: HTTP {status}")
-                for ln in data.splitlines():
-                    if ln.strip():
-                        x = json.loads(ln)
-                        resp = x.get("response")
-                        if resp is not None:
-                            out[x["custom_id"]] = (int(resp["status_code"]), resp["body"])
+            if not row.get(key):
+                continue
+            url = f"/files/{row[key]}/content"
+            data = await self._tried(e, f"reading {url}", functools.partial(self._bytes, e, url))
+            for ln in data.splitlines():
+                if not ln.strip():
+                    continue
+                x = json.loads(ln)
+                resp = x.get("response")
+                if resp is not None:
+                    out[x["custom_id"]] = (int(resp["status_code"]), resp["body"])
+                else:
+                    code = (x.get("error") or {}).get("code")
+                    out[x["custom_id"]] = "expired" if code == "batch_expired" else "canceled"
         return out
 
-    async def _anthropic(
-        self, e: Endpoint, items: Sequence[tuple[str, Rendered]]
-    ) -> dict[str, Any]:
+    async def _bytes(self, e: Endpoint, url: str) -> bytes:
+        status, data = await self._call(e, "GET", url)
+        if status >= 400:
+            raise BatchAPIError(
+                f"{e.provider} GET {url}: HTTP {status}", status == 429 or status >= 500
+            )
+        return data
+
+    async def _anthropic_submit(self, e: Endpoint, items: Sequence[tuple[str, Rendered]]) -> str:
         reqs = b",".join(
             b'{"custom_id":' + json.dumps(cid).encode() + b',"params":' + r.body + b"}"
             for cid, r in items
         )
         body = b'{"requests":[' + reqs + b"]}"
-        b = await self._json(e, "POST", "/messages/batches", body, "application/json")
-        row = await self._wait(e, f"/messages/batches/{b['id']}", "processing_status")
-        status, data = await self._call(e, "GET", str(row["results_url"]))
-        if status >= 400:
-            raise BatchAPIError(f"anthropic results of {b['id']}: HTTP {status}")
-        out: dict[str, Any] = {}
+        ids = {cid for cid, _ in items}
+        before = {str(b["id"]) for b in await self._anthropic_page(e)}
+
+        async def made() -> Any:
+            return await self._anthropic_made(e, before, len(ids))
+
+        b = await self._tried(
+            e,
+            "creating the message batch",
+            lambda: self._json(e, "POST", "/messages/batches", body, "application/json"),
+            made,
+        )
+        return str(b["id"])
+
+    async def _anthropic_page(self, e: Endpoint) -> list[Any]:
+        try:
+            page = await self._json(e, "GET", "/messages/batches?limit=100")
+        except BatchAPIError:
+            return []
+        return list(page.get("data") or [])
+
+    async def _anthropic_made(self, e: Endpoint, before: set[str], n: int) -> Any:
+        """The batch a lost create made: Message Batches carry no metadata, so the one
+        batch of ``n`` requests that was not there before the first try (None: none, or
+        not exactly one)."""
+        new = [
+            b
+            for b in await self._anthropic_page(e)
+            if str(b["id"]) not in before
+            and sum(int(v) for v in (b.get("request_counts") or {}).values()) == n
+        ]
+        return new[0] if len(new) == 1 else None
+
+    async def _anthropic_results(self, e: Endpoint, row: Any) -> dict[str, Result]:
+        url = str(row["results_url"])
+        data = await self._tried(e, f"reading {url}", lambda: self._bytes(e, url))
+        out: dict[str, Result] = {}
         for ln in data.splitlines():
             if not ln.strip():
                 continue
@@ -177,6 +357,8 @@ class BatchAPIClient:
                 err = result.get("error") or {}
                 kind = (err.get("error") or {}).get("type")
                 out[x["custom_id"]] = (500 if kind == "api_error" else 400, err)
+            elif result["type"] in ("canceled", "expired"):
+                out[x["custom_id"]] = result["type"]
         return out
 
 
@@ -198,6 +380,32 @@ class _Item:
     req: ChatCompletionRequest
     prepared: ProviderPrepared
     op: Any  # the session log's Open (None without a log)
+    request_id: str
+    resumed: bool = False  # planned again after a restart: sent before it, not settled
+
+
+Settled = Outcome | Literal["canceled", "expired"]
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A vcache batch's items for one submission to ``target``'s batch API: those ready
+    (planned, rendered, journaled) and those refused before anything was sent."""
+
+    target: str
+    items: list[_Item]
+    refused: dict[int, Outcome]
+
+    def journal(self) -> dict[int, dict[str, str | None]]:
+        """What the store keeps per item: the request id and session the log recorded
+        the request sent under (a restart journals the answer there)."""
+        return {
+            it.idx: {
+                "request_id": it.request_id,
+                "session_id": getattr(it.op, "session_id", None),
+            }
+            for it in self.items
+        }
 
 
 class ProviderBatches:
@@ -230,54 +438,103 @@ class ProviderBatches:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def run(
-        self, target: str, items: Sequence[tuple[int, dict[str, Any]]], who: Principal
-    ) -> dict[int, Outcome]:
-        """Every item's outcome (an item refused before the submission is its own error;
-        a submission that fails is every submitted item's 502)."""
-        svc, chat = self._svc, self._svc.providers
+    def _endpoint(self, target: str) -> Endpoint:
         endpoint = self._endpoint_of(target)
-        if chat is None or endpoint is None:
+        if self._svc.providers is None or endpoint is None:
             raise ValueError(f"{target} has no batch API here")
+        return endpoint
+
+    async def prepare(
+        self, target: str, items: Sequence[tuple[int, dict[str, Any]]], who: Principal
+    ) -> Submission:
+        """Each item validated as the route would, planned and rendered for ``target``
+        and journaled (an item refused is its own error, nothing sent)."""
+        self._endpoint(target)
+        return await self._planned(target, [(i, b, None) for i, b in items], who)
+
+    async def reopen(
+        self,
+        target: str,
+        items: Sequence[tuple[int, dict[str, Any], dict[str, str | None]]],
+        who: Principal,
+    ) -> Submission:
+        """The items of a submission made before a restart (each with what the store
+        kept of its journal), planned again to read their answers: nothing journaled as
+        sent again, each answer journaled in the session its request was recorded in."""
+        self._endpoint(target)
+        return await self._planned(target, items, who)
+
+    async def _planned(
+        self,
+        target: str,
+        items: Sequence[tuple[int, dict[str, Any], dict[str, str | None] | None]],
+        who: Principal,
+    ) -> Submission:
+        svc, chat = self._svc, self._svc.providers
+        assert chat is not None
         journal = svc.loop.journal
-        out: dict[int, Outcome] = {}
+        refused: dict[int, Outcome] = {}
         ready: list[_Item] = []
-        for idx, body in items:
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
+        for idx, body, kept in items:
+            rid = (kept or {}).get("request_id") or f"chatcmpl-{uuid.uuid4().hex}"
             try:
                 req = svc.named(ChatCompletionRequest.model_validate({**body, "stream": False}))
                 if req.model != target and target not in svc.resolve(req.model):
                     raise InvalidRequest(f"'{req.model}' is not served by {target}", param="model")
-                call = Call(req, who, rid)
-                p = await chat.prepare(target, call)
+                p = await chat.prepare(target, Call(req, who, rid))
                 op = journal.open(who.tenant, p.header, p.turns, None)
-                s = p.sent
-                await journal.sent(op, s.request_id, s.target, s.render, s.directives, s.body)
+                if kept is None:
+                    s = p.sent
+                    await journal.sent(op, s.request_id, s.target, s.render, s.directives, s.body)
+                elif op is not None:  # its dispatch is in the log already
+                    op.session_id = kept.get("session_id")
             except ValidationError as exc:
                 err = invalid_request_from(exc.errors())
-                out[idx] = Outcome(err.status, rid, error=error_of(err))
+                refused[idx] = Outcome(err.status, rid, error=error_of(err))
                 continue
             except APIError as exc:
-                out[idx] = Outcome(exc.status, rid, error=error_of(exc))
+                refused[idx] = Outcome(exc.status, rid, error=error_of(exc))
                 continue
-            ready.append(_Item(idx, req, p, op))
-        if not ready:
-            return out
-        lines = [(f"i{it.idx}", it.prepared.planned.rendered) for it in ready]
+            ready.append(_Item(idx, req, p, op, p.request_id, kept is not None))
+        return Submission(target, ready, refused)
+
+    async def submit(self, sub: Submission) -> str:
+        """Send the ready items as one batch (tried again after a 429, 5xx or timeout,
+        bounded): its id at the provider.  :class:`BatchAPIError` when it never took."""
+        lines = [(f"i{it.idx}", it.prepared.planned.rendered) for it in sub.items]
+        token = f"vcache-{uuid.uuid4().hex}"
+        return await self._client.submit(self._endpoint(sub.target), lines, token)
+
+    def failed(self, sub: Submission, exc: BatchAPIError) -> dict[int, Outcome]:
+        """Every ready item's error when the submission never took (named
+        ``provider_batch_submit_failed``)."""
+        log.warning("batch to %s's batch API failed: %s", sub.target, exc)
+        bad = BadGateway(f"the provider's batch API failed: {exc}", code=SUBMIT_FAILED)
+        return {it.idx: Outcome(502, it.request_id, error=error_of(bad)) for it in sub.items}
+
+    async def finish(
+        self, sub: Submission, run_id: str, cancelled: Callable[[], Awaitable[bool]]
+    ) -> dict[int, Settled]:
+        """Wait for the provider's batch ``run_id`` (cancelled there once ``cancelled()``),
+        then each item's outcome: answered, its error, or never run (canceled, expired)."""
         try:
-            results = await self._client.run(endpoint, lines)
+            done = await self._client.wait(self._endpoint(sub.target), run_id, cancelled)
         except BatchAPIError as exc:
-            log.warning("batch to %s's batch API failed: %s", target, exc)
-            bad = BadGateway(f"the provider's batch API failed: {exc}")
-            for it in ready:
-                out[it.idx] = Outcome(502, it.prepared.request_id, error=error_of(bad))
-            return out
-        for it in ready:
-            out[it.idx] = await self._answered(it, results.get(f"i{it.idx}"), journal)
+            log.warning("batch %s on %s's batch API failed: %s", run_id, sub.target, exc)
+            bad = BadGateway(f"the provider's batch failed: {exc}")
+            return {it.idx: Outcome(502, it.request_id, error=error_of(bad)) for it in sub.items}
+        journal = self._svc.loop.journal
+        out: dict[int, Settled] = {}
+        for it in sub.items:
+            result = done.of(f"i{it.idx}")
+            if result == "canceled" or result == "expired":
+                out[it.idx] = result
+            else:
+                out[it.idx] = await self._answered(it, result, journal)
         return out
 
     async def _answered(self, it: _Item, result: Any, journal: Any) -> Outcome:
-        p, rid = it.prepared, it.prepared.request_id
+        p, rid = it.prepared, it.request_id
         if result is None:
             bad = BadGateway("the provider's batch did not answer this item")
             return Outcome(502, rid, error=error_of(bad))
@@ -294,6 +551,7 @@ class ProviderBatches:
             rid, it.req.model, _pieces(answer, usage), chat_shape(it.req)
         )
         await journal.answered(it.op, rid, answer.text, usage)
-        self._svc.providers.settle(p, usage)  # type: ignore[union-attr]
+        if not it.resumed:  # planned again after a restart: not the call that was sent
+            self._svc.providers.settle(p, usage)  # type: ignore[union-attr]
         out = shaped.model_dump(mode="json")
         return Outcome(200, rid, body=out, usage=usage_of(out))

@@ -43,14 +43,15 @@ import json
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 from gateway.batches.cost import bought, measured
 from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import leads_first, units
+from gateway.batches.provider_api import BatchAPIError
 from gateway.batches.recall import Gate, decide, warm_body
 from gateway.batches.send import CHAT, Outcome, Sender, batch_caller
 from gateway.batches.store import BatchRow, BatchStore
@@ -64,6 +65,20 @@ log = logging.getLogger(__name__)
 RETRY_CAP_S = 30.0
 
 
+class Submission(Protocol):
+    """Items ready for one submission to a provider's batch API, and those refused."""
+
+    @property
+    def target(self) -> str: ...
+
+    @property
+    def refused(self) -> dict[int, Outcome]: ...
+
+    def journal(self) -> dict[int, dict[str, str | None]]:
+        """Per ready item, what the store keeps to journal its answer after a restart."""
+        ...
+
+
 class ProviderRoute(Protocol):
     """A batch sent to its provider's own batch API (:mod:`gateway.batches.provider_api`)."""
 
@@ -73,10 +88,33 @@ class ProviderRoute(Protocol):
         """The hosted target whose batch API the provider plan chooses (None: online)."""
         ...
 
-    async def run(
-        self, target: str, items: Sequence[tuple[int, dict[str, object]]], who: Principal
-    ) -> dict[int, Outcome]:
-        """Every item's outcome, by index."""
+    async def prepare(
+        self, target: str, items: Sequence[tuple[int, dict[str, Any]]], who: Principal
+    ) -> Submission:
+        """The items validated, rendered and journaled for one submission."""
+        ...
+
+    async def reopen(
+        self,
+        target: str,
+        items: Sequence[tuple[int, dict[str, Any], dict[str, str | None]]],
+        who: Principal,
+    ) -> Submission:
+        """The items of a submission made before a restart, to read their answers."""
+        ...
+
+    async def submit(self, sub: Any) -> str:
+        """The provider's id of the batch made of ``sub`` (BatchAPIError: it never took)."""
+        ...
+
+    def failed(self, sub: Any, exc: Any) -> dict[int, Outcome]:
+        """Every ready item's error when the submission never took."""
+        ...
+
+    async def finish(
+        self, sub: Any, run_id: str, cancelled: Callable[[], Awaitable[bool]]
+    ) -> dict[int, Outcome | Literal["canceled", "expired"]]:
+        """Wait for the provider's batch, then every item's outcome (or never run)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -219,6 +257,8 @@ class BatchRunner:
                 if self._provider is not None:
                     named = model if isinstance(model, str) else None
                     target = self._provider.choose(batch.endpoint, named, us, steps)
+                if self._provider is not None:  # submissions made before a restart
+                    open_ -= await self._provider_resume(bid, steps, open_, bodies, us, who)
                 if target is not None:  # the provider plan: its own batch API is cheaper
                     await self._provider_walk(bid, target, steps, open_, bodies, us, who)
                 else:
@@ -273,24 +313,66 @@ class BatchRunner:
         if self._provider is not None:
             await self._provider.aclose()
 
+    async def _provider_resume(
+        self,
+        bid: str,
+        steps: list[Step],
+        open_: set[int],
+        bodies: dict[int, dict[str, Any]],
+        us: list[Unit],
+        who: Principal,
+    ) -> set[int]:
+        """Resume the batch's submissions still running on a provider (made before a
+        restart): their items claimed again once their leases ran out, the provider's
+        batch polled, never submitted again.  The items those submissions carry (not to
+        be sent any other way)."""
+        assert self._provider is not None
+        store = self._store
+        plan = {int(st.unit): st for st in steps}
+        carried: set[int] = set()
+        for run in await asyncio.to_thread(store.provider_runs, bid):
+            carried |= set(run.items)
+            mine = []
+            for idx in sorted(run.items):
+                if idx in open_ and await asyncio.to_thread(
+                    store.claim, bid, idx, self.owner, self._lease_s
+                ):
+                    mine.append(idx)
+            if not mine:
+                continue  # settled, or another gateway polls it
+            self.provider_batches.append(
+                {"batch": bid, "target": run.target, "items": len(mine), "resumed": run.id}
+            )
+            log.info("batch %s: resuming %s on %s (%d items)", bid, run.id, run.target, len(mine))
+            async with self._slots:
+                sub = await self._provider.reopen(
+                    run.target, [(i, bodies[i], run.items[i]) for i in mine], who
+                )
+                await self._settle_all(bid, sub.refused, plan, us)
+                await self._provider_results(bid, sub, run.id, plan, us)
+        return carried
+
     async def _provider_walk(
         self,
         bid: str,
         target: str,
         steps: list[Step],
         open_: set[int],
-        bodies: dict[int, dict[str, object]],
+        bodies: dict[int, dict[str, Any]],
         us: list[Unit],
         who: Principal,
     ) -> None:
         """Claim the open items and send them, leads first (:func:`leads_first`), as one
-        batch to ``target``'s own batch API; write each result as it came back."""
+        batch to ``target``'s own batch API, its id kept in the store before it is
+        polled; write each result as it came back."""
         assert self._provider is not None
+        store = self._store
+        plan = {int(st.unit): st for st in steps}
         claimed: list[Step] = []
         for st in leads_first(steps):
             idx = int(st.unit)
             if idx in open_ and await asyncio.to_thread(
-                self._store.claim, bid, idx, self.owner, self._lease_s
+                store.claim, bid, idx, self.owner, self._lease_s
             ):
                 claimed.append(st)
         if not claimed:
@@ -298,13 +380,49 @@ class BatchRunner:
         self.provider_batches.append({"batch": bid, "target": target, "items": len(claimed)})
         log.info("batch %s: %d items to %s's batch API", bid, len(claimed), target)
         async with self._slots:
-            outcomes = await self._provider.run(
+            sub = await self._provider.prepare(
                 target, [(int(st.unit), bodies[int(st.unit)]) for st in claimed], who
             )
-        for st in claimed:
-            idx = int(st.unit)
-            out = outcomes[idx]
-            usage = replace(out.usage, bought=bought(out.usage, st.shared_tokens, us[idx].size))
+            await self._settle_all(bid, sub.refused, plan, us)
+            if not sub.journal():
+                return
+            try:
+                run_id = await self._provider.submit(sub)
+            except BatchAPIError as exc:  # never took: every item's named error
+                await self._settle_all(bid, self._provider.failed(sub, exc), plan, us)
+                return
+            await asyncio.to_thread(store.add_provider_run, run_id, bid, target, sub.journal())
+            await self._provider_results(bid, sub, run_id, plan, us)
+
+    async def _provider_results(
+        self, bid: str, sub: Submission, run_id: str, plan: dict[int, Step], us: list[Unit]
+    ) -> None:
+        """Wait for the provider's batch ``run_id`` (cancelled there when this batch is),
+        write each item's result, then mark the submission ended."""
+        assert self._provider is not None
+
+        async def cancelled() -> bool:
+            return await asyncio.to_thread(self._store.status, bid) != "in_progress"
+
+        outcomes = await self._provider.finish(sub, run_id, cancelled)
+        await self._settle_all(bid, outcomes, plan, us)
+        await asyncio.to_thread(self._store.end_provider_run, run_id)
+
+    async def _settle_all(
+        self,
+        bid: str,
+        outcomes: Mapping[int, Outcome | Literal["canceled", "expired"]],
+        plan: dict[int, Step],
+        us: list[Unit],
+    ) -> None:
+        for idx, out in outcomes.items():
+            if out == "canceled" or out == "expired":
+                if await asyncio.to_thread(self._store.drop, bid, idx, self.owner, out):
+                    self._item_counted(CHAT, "dropped")
+                continue
+            assert isinstance(out, Outcome)
+            shared = plan[idx].shared_tokens if idx in plan else 0
+            usage = replace(out.usage, bought=bought(out.usage, shared, us[idx].size))
             result = out.result()
             if out.ok:
                 result["cost"] = measured(usage)

@@ -26,7 +26,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +57,13 @@ CREATE TABLE IF NOT EXISTS batch_items(
   bought_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(batch_id, idx));
 CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches(tenant, api, created);
 CREATE INDEX IF NOT EXISTS batch_items_by_state ON batch_items(batch_id, state);
+CREATE TABLE IF NOT EXISTS batch_provider_runs(
+  id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, target TEXT NOT NULL, items TEXT NOT NULL,
+  state TEXT NOT NULL, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS batch_provider_runs_by_batch ON batch_provider_runs(batch_id, state);
+CREATE TABLE IF NOT EXISTS batch_hit_shares(
+  target TEXT NOT NULL, kind TEXT NOT NULL, hits REAL NOT NULL, reads REAL NOT NULL,
+  PRIMARY KEY(target, kind));
 """
 
 
@@ -137,6 +144,19 @@ class ItemRow:
     state: ItemState
     status_code: int | None = None
     result: dict[str, Any] | None = None  # see :class:`gateway.batches.send.Outcome`
+
+
+@dataclass(frozen=True)
+class ProviderRun:
+    """A submission to a provider's own batch API: its id there (``id``), the vcache batch
+    and target, and the items it carries (index → what the session log recorded of the
+    request sent for it: ``request_id``, ``session_id``)."""
+
+    id: str
+    batch_id: str
+    target: str
+    items: dict[int, dict[str, str | None]]
+    state: str  # running, ended
 
 
 @dataclass(frozen=True)
@@ -531,17 +551,99 @@ class BatchStore:
             ).rowcount
         return n == 1
 
-    def drop(self, batch_id: str, idx: int, owner: str) -> bool:
-        """Settle a claimed item as canceled without a result (its batch was cancelled
-        while it waited to be sent again), if ``owner`` still holds it."""
+    def drop(
+        self,
+        batch_id: str,
+        idx: int,
+        owner: str,
+        state: Literal["canceled", "expired"] = "canceled",
+    ) -> bool:
+        """Settle a claimed item without a result, if ``owner`` still holds it: canceled
+        (its batch was cancelled while it waited to be sent again, or the provider's
+        batch carrying it was cancelled first) or expired (the provider's batch window
+        ran out first)."""
         with self._tx() as db:
             n = db.execute(
-                "UPDATE batch_items SET state = 'canceled', finished = ?, owner = NULL, "
+                "UPDATE batch_items SET state = ?, finished = ?, owner = NULL, "
                 "lease_until = NULL WHERE batch_id = ? AND idx = ? AND owner = ? "
                 "AND state = 'running'",
-                (self.now(), batch_id, idx, owner),
+                (state, self.now(), batch_id, idx, owner),
             ).rowcount
         return n == 1
+
+    # ----------------------------------------------------- provider batch runs
+
+    def add_provider_run(
+        self,
+        run_id: str,
+        batch_id: str,
+        target: str,
+        items: Mapping[int, Mapping[str, str | None]],
+    ) -> None:
+        """Keep a submission to ``target``'s batch API (its id there) and the items it
+        carries, before it is polled: a restart resumes it rather than submit again."""
+        carried = json.dumps({str(k): dict(v) for k, v in items.items()})
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO batch_provider_runs(id, batch_id, target, items, state, created) "
+                "VALUES (?, ?, ?, ?, 'running', ?)",
+                (run_id, batch_id, target, carried, self.now()),
+            )
+
+    def provider_runs(self, batch_id: str) -> list[ProviderRun]:
+        """The batch's submissions still running on their provider, oldest first."""
+        rows = self._all(
+            "SELECT id, batch_id, target, items, state FROM batch_provider_runs "
+            "WHERE batch_id = ? AND state = 'running' ORDER BY created, id",
+            (batch_id,),
+        )
+        return [
+            ProviderRun(r[0], r[1], r[2], {int(k): v for k, v in json.loads(r[3]).items()}, r[4])
+            for r in rows
+        ]
+
+    def end_provider_run(self, run_id: str) -> bool:
+        """Mark the submission ended if every item it carries has settled (a restart that
+        took over only some of them leaves it running for the rest).  Whether it ended."""
+        with self._tx() as db:
+            r = db.execute(
+                "SELECT batch_id, items FROM batch_provider_runs WHERE id = ?", (run_id,)
+            ).fetchone()
+            if r is None:
+                return False
+            carried = {int(k) for k in json.loads(r[1])}
+            open_ = {
+                int(x[0])
+                for x in db.execute(
+                    "SELECT idx FROM batch_items WHERE batch_id = ? "
+                    "AND state IN ('pending', 'running')",
+                    (r[0],),
+                ).fetchall()
+            }
+            if carried & open_:
+                return False
+            db.execute("UPDATE batch_provider_runs SET state = 'ended' WHERE id = ?", (run_id,))
+        return True
+
+    def add_hit_share(self, target: str, kind: str, hits: float, reads: float) -> None:
+        """Add a finished provider batch's measure to ``target``'s: of ``reads`` items that
+        could read their anchor, ``hits`` did (each counted by the share it read)."""
+        with self._tx() as db:
+            n = db.execute(
+                "UPDATE batch_hit_shares SET hits = hits + ?, reads = reads + ? "
+                "WHERE target = ? AND kind = ?",
+                (hits, reads, target, kind),
+            ).rowcount
+            if n == 0:
+                db.execute(
+                    "INSERT INTO batch_hit_shares(target, kind, hits, reads) VALUES (?, ?, ?, ?)",
+                    (target, kind, hits, reads),
+                )
+
+    def hit_shares(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """Every (target, kind)'s measure so far: (hits, reads)."""
+        rows = self._all("SELECT target, kind, hits, reads FROM batch_hit_shares", ())
+        return {(str(r[0]), str(r[1])): (float(r[2]), float(r[3])) for r in rows}
 
     # --------------------------------------------------------------- finalize
 

@@ -6,11 +6,13 @@ every request the gateway sent for it rebuilds from the session log to the bytes
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -18,6 +20,7 @@ import openai
 import pytest
 
 from engines.tokenizer import ChatTokenizer
+from gateway.batches.store import BatchStore
 from tests.providers.conftest import KEY, MANUAL, MODELS, Emulator, Gw, make_gateway
 
 ITEMS = 6
@@ -211,3 +214,48 @@ def test_the_plan_keeps_a_shared_anthropic_batch_online_and_sends_a_flat_one(
     bill = via_api.emulator.admin_get("billing")
     assert bill["anthropic-batch"]["requests"] == ITEMS
     assert _rebuilt(via_api, target) == 2 * ITEMS
+
+
+def test_a_restart_resumes_the_providers_batch_without_submitting_again(
+    emulator: Emulator, tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    """A gateway that stops while OpenAI's batch API runs its batch: the next one over the
+    same data (its leases run out) polls that provider batch rather than submit the items
+    again; every item is answered once, billed once, and rebuilds from the log."""
+    emulator.admin("reset")
+    emulator.admin("batch-rules", delay_s=3600, parallel=4)  # not run before the restart
+    target = f"openai/{MODELS['openai']}"
+    log = {"path": str(tmp_path / "sessions.db"), "verify_reconstruction": True}
+    batches = {"provider_api": True, "provider_poll_s": 0.05, "poll_s": 0.05, "lease_s": 0.5}
+    gateway = contextlib.contextmanager(make_gateway)
+    first = contextlib.ExitStack()
+    gw = first.enter_context(gateway(emulator, tokenizer, batches=batches, session_log=log))
+    client = gw.client()
+    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in _lines(target, lambda i: MANUAL))
+    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    seen = BatchStore(tmp_path / "batches.db")  # the gateway's, beside its session log
+    try:
+        _until(lambda: seen.provider_runs(batch.id), "the submission kept")
+    finally:
+        seen.close()
+    first.close()  # the gateway stops; the provider's batch runs on
+    emulator.admin("batch-rules", delay_s=0, parallel=4)
+    with gateway(emulator, tokenizer, batches=batches, session_log=log) as gw:
+        client = gw.client()
+        done = _until(
+            lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+            "the batch's end",
+        )
+        assert done.request_counts is not None and done.request_counts.completed == ITEMS
+        assert done.output_file_id is not None
+        out = [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+        assert sorted(x["custom_id"] for x in out) == [f"item-{i}" for i in range(ITEMS)]
+        sent = [r for r in emulator.received() if r["path"] == "/v1/batches"]
+        assert len(sent) == 1  # submitted once, over both gateways
+        assert emulator.admin_get("billing")["openai-batch"]["requests"] == ITEMS
+        assert _rebuilt(gw, target) == ITEMS
+        answered = {r.request_id for r in gw.log().store.requests() if r.target == target}
+        assert {x["response"]["body"]["id"] for x in out} == answered

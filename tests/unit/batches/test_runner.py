@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from gateway.batches.provider_api import BatchAPIError
 from gateway.batches.runner import BatchRunner, retry_delay
 from gateway.batches.send import Outcome
 from gateway.batches.store import BatchStore, BatchUsage, NewItem
@@ -382,24 +384,76 @@ def test_the_runner_exports_its_items_by_state_as_metrics(store: BatchStore) -> 
     assert b"vcache_batch_items_total" in metrics.render()
 
 
-class Route:
-    """A provider route that takes every batch to ``target``'s batch API."""
+@dataclass
+class Sub:
+    target: str
+    tags: dict[int, str]
+    refused: dict[int, Outcome] = field(default_factory=dict)
 
-    def __init__(self, target: str | None) -> None:
+    def journal(self) -> dict[int, dict[str, str | None]]:
+        return {i: {"request_id": f"req-{t}", "session_id": None} for i, t in self.tags.items()}
+
+
+class Route:
+    """A provider route that takes every batch to ``target``'s batch API: ``submits``
+    the submissions made, ``reopened`` those resumed by id; ``hold``: its batches do not
+    end until set; ``fail``: every submission fails; ``cancel_keeps``: the tags a
+    cancelled provider batch had finished when the cancel reached it."""
+
+    def __init__(
+        self,
+        target: str | None,
+        hold: asyncio.Event | None = None,
+        fail: bool = False,
+        cancel_keeps: tuple[str, ...] | None = None,
+    ) -> None:
         self.target = target
         self.runs: list[tuple[str, list[str]]] = []
+        self.reopened: list[tuple[str, list[str]]] = []
+        self.cancels = 0
+        self.hold = hold
+        self.fail = fail
+        self.cancel_keeps = cancel_keeps
 
     def choose(self, endpoint: str, model: str | None, units: Any, steps: Any) -> str | None:
         return self.target
 
-    async def run(self, target: str, items: Any, who: Principal) -> dict[int, Outcome]:
-        tags = [str(body["messages"][-1]["content"]) for _, body in items]
-        self.runs.append((target, tags))
-        usage = BatchUsage(100, 60, 2)
+    async def prepare(self, target: str, items: Any, who: Principal) -> Sub:
+        return Sub(target, {idx: str(b["messages"][-1]["content"]) for idx, b in items})
+
+    async def reopen(self, target: str, items: Any, who: Principal) -> Sub:
+        sub = Sub(target, {idx: str(b["messages"][-1]["content"]) for idx, b, _ in items})
+        self.reopened.append((target, list(sub.tags.values())))
+        return sub
+
+    async def submit(self, sub: Sub) -> str:
+        if self.fail:
+            raise BatchAPIError("HTTP 503 five times")
+        self.runs.append((sub.target, list(sub.tags.values())))
+        return f"run-{len(self.runs)}"
+
+    def failed(self, sub: Sub, exc: BatchAPIError) -> dict[int, Outcome]:
+        err = {"status": 502, "type": "upstream_error", "code": "provider_batch_submit_failed"}
         return {
-            idx: Outcome(200, f"req-{tag}", body={"tag": tag}, usage=usage)
-            for (idx, _), tag in zip(items, tags, strict=True)
+            i: Outcome(502, f"req-{t}", error={**err, "message": str(exc)})
+            for i, t in sub.tags.items()
         }
+
+    async def finish(self, sub: Sub, run_id: str, cancelled: Any) -> dict[int, Any]:
+        if self.cancel_keeps is not None:
+            while not await cancelled():  # noqa: ASYNC110 - the provider polls it so
+                await asyncio.sleep(0.01)
+            self.cancels += 1
+        if self.hold is not None:
+            await self.hold.wait()
+        usage = BatchUsage(100, 60, 2)
+        out: dict[int, Any] = {}
+        for idx, tag in sub.tags.items():
+            if self.cancel_keeps is not None and tag not in self.cancel_keeps:
+                out[idx] = "canceled"
+            else:
+                out[idx] = Outcome(200, f"req-{tag}", body={"tag": tag}, usage=usage)
+        return out
 
     async def aclose(self) -> None:
         return None
@@ -427,3 +481,103 @@ def test_a_batch_the_plan_sends_to_a_providers_batch_api_is_one_submission(
     row = store.batch(bid)
     assert row is not None and row.status == "completed" and row.counts.done == 5
     assert row.totals.cached == 5 * 60
+
+
+def test_a_restart_resumes_the_providers_batch_and_never_submits_again(
+    open_store: OpenStore,
+) -> None:
+    """The provider's batch id is kept before it is polled: a gateway that dies while the
+    provider runs the batch leaves it there; the next one (a new runner over the same
+    store) claims the items once their leases run out and polls that batch: no second
+    submission, every item answered once."""
+    store = open_store()
+    bid = _create(store)
+    first = Route("openai/gpt-5", hold=asyncio.Event())  # never ends for this gateway
+
+    async def before() -> None:
+        runner = BatchRunner(store, Sender(), poll_s=0.01, lease_s=0.3, provider=first)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: bool(store.provider_runs(bid)), "the submission was kept")
+        task.cancel()  # the gateway dies
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(before())
+    assert len(first.runs) == 1
+    [run] = store.provider_runs(bid)
+    assert (
+        run.id == "run-1" and run.target == "openai/gpt-5" and sorted(run.items) == [0, 1, 2, 3, 4]
+    )
+    assert run.items[0] == {"request_id": "req-a1", "session_id": None}
+    again = Route("openai/gpt-5")
+
+    async def after() -> None:
+        runner = BatchRunner(open_store(), Sender(), poll_s=0.01, lease_s=0.3, provider=again)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert runner.provider_batches == [
+            {"batch": bid, "target": "openai/gpt-5", "items": 5, "resumed": "run-1"}
+        ]
+
+    asyncio.run(after())
+    assert again.runs == []  # nothing submitted again
+    assert again.reopened == [("openai/gpt-5", ["a1", "b1", "a2", "b2", "a3"])]
+    row = store.batch(bid)
+    assert row is not None and row.status == "completed" and row.counts.done == 5
+    assert store.provider_runs(bid) == []
+
+
+def test_a_cancel_reaches_the_providers_batch_and_keeps_what_it_finished(
+    store: BatchStore,
+) -> None:
+    """Cancel of a batch running on a provider's batch API is passed on; the items the
+    provider finished before it stopped keep their results, the rest are canceled."""
+    bid = _create(store)
+    route = Route("openai/gpt-5", cancel_keeps=("a1", "b1"))
+
+    async def main() -> None:
+        runner = BatchRunner(store, Sender(), poll_s=0.01, provider=route)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: bool(store.provider_runs(bid)), "the submission was made")
+        store.cancel(bid, "one", "openai")
+        runner.wake()
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert route.cancels == 1
+    row = store.batch(bid)
+    assert row is not None and row.status == "cancelled"
+    assert (row.counts.done, row.counts.canceled) == (2, 3)
+    states = {i.custom_id: i.state for i in store.items(bid)}
+    assert states == {
+        "a1": "done",
+        "b1": "done",
+        "a2": "canceled",
+        "b2": "canceled",
+        "a3": "canceled",
+    }
+
+
+def test_a_submission_that_never_takes_fails_each_item_by_name(store: BatchStore) -> None:
+    """The provider's batch API failing every try: each item's error names it (none lost,
+    nothing sent online instead)."""
+    bid = _create(store)
+    sender, route = Sender(), Route("openai/gpt-5", fail=True)
+
+    async def main() -> None:
+        runner = BatchRunner(store, sender, poll_s=0.01, provider=route)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert sender.sent == []
+    row = store.batch(bid)
+    assert row is not None and row.status == "completed" and row.counts.error == 5
+    codes = {(i.result or {})["error"]["code"] for i in store.items(bid)}
+    assert codes == {"provider_batch_submit_failed"}
+    assert store.provider_runs(bid) == []

@@ -4,6 +4,7 @@ apart, pages newest first."""
 
 from __future__ import annotations
 
+import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -159,3 +160,54 @@ def test_beside_puts_the_file_next_to_the_session_log(tmp_path: Path) -> None:
     s = BatchStore.beside(tmp_path / "x.db", "normal", f"sqlite:///{tmp_path}/elsewhere/s.db")
     s.close()
     assert (tmp_path / "elsewhere" / "batches.db").exists()
+
+
+def test_a_provider_run_is_kept_until_every_item_it_carries_has_settled(
+    store: BatchStore,
+) -> None:
+    """A submission to a provider's batch API, with what the log recorded per item; it
+    stays running while one of its items is open (a restart that took over only some of
+    them), and ends once all have settled."""
+    bid = _batch(store, 3)
+    for i in range(3):
+        assert store.claim(bid, i, "a", 30)
+    kept = {i: {"request_id": f"r{i}", "session_id": f"s{i}"} for i in range(2)}
+    store.add_provider_run("prov-1", bid, "openai/gpt-5", kept)
+    [run] = store.provider_runs(bid)
+    assert (run.id, run.target, run.items) == ("prov-1", "openai/gpt-5", kept)
+    store.finish(bid, 0, "a", True, 200, {}, BatchUsage())
+    assert not store.end_provider_run("prov-1")  # item 1 is still running
+    assert [r.id for r in store.provider_runs(bid)] == ["prov-1"]
+    assert store.drop(bid, 1, "a", "expired")
+    assert store.end_provider_run("prov-1")  # item 2 is open but not carried by it
+    assert store.provider_runs(bid) == []
+    assert [i.state for i in store.items(bid)] == ["done", "expired", "running"]
+
+
+def test_hit_shares_add_up_per_target_and_kind(store: BatchStore) -> None:
+    store.add_hit_share("openai/gpt-5", "implicit", 8.5, 10)
+    store.add_hit_share("openai/gpt-5", "implicit", 1.0, 2)
+    store.add_hit_share("anthropic/claude", "1h", 3.0, 4)
+    assert store.hit_shares() == {
+        ("openai/gpt-5", "implicit"): (9.5, 12.0),
+        ("anthropic/claude", "1h"): (3.0, 4.0),
+    }
+
+
+def test_a_store_made_before_provider_runs_opens_with_their_tables(tmp_path: Path) -> None:
+    """The tables are made on open (``CREATE TABLE IF NOT EXISTS``): a store file from
+    before them takes a provider run."""
+
+    path = tmp_path / "old.db"
+    old = BatchStore(path)
+    bid = _batch(old)
+    old.close()
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE batch_provider_runs")
+        db.execute("DROP TABLE batch_hit_shares")
+    store = BatchStore(path)
+    try:
+        store.add_provider_run("prov-1", bid, "openai/gpt-5", {0: {"request_id": "r0"}})
+        assert [r.id for r in store.provider_runs(bid)] == ["prov-1"]
+    finally:
+        store.close()
