@@ -42,11 +42,16 @@ PATHS: dict[RemoteApi, str] = {
 }
 
 
+def streamed(request: GenerateRequest) -> bool:
+    """Whether ``request``'s answer is asked for as a stream: not where vLLM gives prompt
+    logprobs only to a whole answer."""
+    return request.sampling.prompt_logprobs is None
+
+
 def request_body(api: RemoteApi, request: GenerateRequest, model: str) -> dict[str, Any]:
-    """The JSON body of ``request`` for ``api``; ``stream`` is false where vLLM gives
-    prompt logprobs only to a whole answer."""
+    """The JSON body of ``request`` for ``api`` (``stream``: :func:`streamed`)."""
     s = request.sampling
-    stream = s.prompt_logprobs is None
+    stream = streamed(request)
     body: dict[str, Any] = {"model": model, "request_id": request.request_id, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}

@@ -120,6 +120,8 @@ async def _replica(
         return web.json_response({"paths": {p: {} for p in offered}})
 
     async def generate(request: web.Request) -> web.StreamResponse:
+        if request.content_type != "application/json":  # as vLLM's server needs it
+            return web.json_response({"error": {"message": "not JSON"}}, status=415)
         body = await request.json()
         seen.append(body)
         choice = {"index": 0, "text": "ok", "token_ids": [5], "finish_reason": "stop"}
