@@ -213,19 +213,20 @@ def test_siblings_routed_together_meet_on_one_prefill(tmp_path: Path) -> None:
         routing_a = asyncio.create_task(d.route(_greq("a", A_PROMPT), None))
         routing_b = asyncio.create_task(d.route(_greq("b", B_PROMPT), None))
         a = await routing_a
-        for _ in range(5):
+        for _ in range(5):  # B's hold is answered: it finds A registered, and waits for it
             await asyncio.sleep(0)
+        waited = not routing_b.done()
         served_a = engine.schedule(A_PROMPT)  # A's prefill stores the third block
         kv.index.apply_stored(R, block_hashes(list(A_PROMPT), BS, "0"))  # its KV events
         d.release(a)  # A's first token
         b = await routing_b
         served_b = engine.schedule(B_PROMPT)
         d.release(b)
-        await kv.close()
+        await kv.close()  # before any assert: its sockets would keep the interpreter alive
         assert (a.predicted_cached_tokens, served_a) == (2 * BS, 2 * BS)
         assert _honest(a, served_a) and _honest(b, served_b), (b.headers(), served_b)
         assert (b.predicted_cached_tokens, served_b) == (3 * BS, 3 * BS)
-        assert _claimed_exact(b)
+        assert _claimed_exact(b) and waited
 
     asyncio.run(main())
 
@@ -243,8 +244,9 @@ def test_a_prefill_the_index_covers_but_the_engine_does_not(tmp_path: Path) -> N
         kv.index.apply_stored(R, SHARED)  # stale: the third is gone from the engine
         a = await d.route(_greq("a", A_PROMPT), None)
         routing_b = asyncio.create_task(d.route(_greq("b", B_PROMPT), None))
-        for _ in range(5):
+        for _ in range(5):  # B holds two, finds A storing three, and waits for it
             await asyncio.sleep(0)
+        waited = not routing_b.done()
         served_a = engine.schedule(A_PROMPT)
         d.release(a)
         b = await routing_b
@@ -254,6 +256,7 @@ def test_a_prefill_the_index_covers_but_the_engine_does_not(tmp_path: Path) -> N
         assert a.predicted_cached_tokens == served_a == 2 * BS
         assert _honest(b, served_b), (b.headers(), served_b)
         assert (b.predicted_cached_tokens, served_b) == (3 * BS, 3 * BS)
+        assert waited
 
     asyncio.run(main())
 
