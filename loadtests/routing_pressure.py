@@ -21,9 +21,9 @@ p50/p90, and for vcache the prediction error (the ``predicted`` header
 against what the engine reported), the gateway's own count of exact,
 approximate and missed predictions with their causes, and what the holds
 cost (``/metrics`` before and after the arm: holds by outcome, blocks per
-hold, hold time p99 from the histogram's buckets).  Prints a table, writes JSON, exits 1 on a
-missed target (kv at least 1.8x round_robin, at least 95 % of the oracle,
-ahead of vllm-router).
+hold, mean hold time, hold time p99 as its histogram bucket's bound).
+Prints a table, writes JSON, exits 1 on a missed target (kv at least 1.8x
+round_robin, at least 95 % of the oracle, ahead of vllm-router).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def table(rows: list[Any]) -> str:
     lines = [
         f"{'arm':<14}{'req':>5}{'err':>5}{'hit':>8}{'ttft p50':>10}{'p90':>8}"
         f"{'predicted exact':>17}{'mean |err| tok':>16}{'said approx':>13}{'blk/hold':>10}"
-        f"{'hold p99 s':>12}"
+        f"{'hold ms':>9}{'hold p99 s':>12}"
     ]
     for r in rows:
         t, p = r["ttft_ms"], r["prediction"]
@@ -203,11 +203,12 @@ def table(rows: list[Any]) -> str:
         said = sum(n for k, n in h.get("results", {}).items() if k.startswith("approximate"))
         approx = f"{said}" if h else "-"
         per = "-" if h.get("blocks_per_hold") is None else f"{h['blocks_per_hold']:.1f}"
+        mean = "-" if h.get("hold_mean_s") is None else f"{h['hold_mean_s'] * 1000:.0f}"
         p99 = "-" if h.get("hold_p99_s_at_most") is None else f"<={h['hold_p99_s_at_most']:g}"
         lines.append(
             f"{r['arm']:<14}{r['requests']:>5}{r['errors']:>5}{r['hit_rate']:>8.3f}"
             f"{t['p50'] or 0:>10.0f}{t['p90'] or 0:>8.0f}{exact:>17}{err:>16}{approx:>13}"
-            f"{per:>10}{p99:>12}"
+            f"{per:>10}{mean:>9}{p99:>12}"
         )
     return "\n".join(lines)
 
