@@ -28,6 +28,7 @@ from engines.base import Engine
 from engines.providers.specs import adapter_for
 from engines.providers.transport import Transport
 from engines.tokenizer import ChatTokenizer, ThreadCopies
+from gateway.batches.hit_share import HitShares
 from gateway.batches.pins import CachePins
 from gateway.batches.provider_api import BatchAPIClient, ProviderBatches
 from gateway.batches.recall import default_gate
@@ -488,6 +489,7 @@ def create_app(
         service.targets.resolve,
         providers.target if providers is not None else None,
         settings.providers,
+        HitShares(batch_store),  # measured on finished provider batches, kept in the store
     )
     provider_batches = None
     if runs.provider_api and providers is not None:  # where the plan finds it cheaper
@@ -496,6 +498,7 @@ def create_app(
             BatchAPIClient(provider_transport, runs.provider_poll_s),
             batch_targets.endpoint,
             batch_targets.batch_api,
+            batch_targets.learn,
         )
     batch_runner = BatchRunner(
         batch_store,

@@ -34,7 +34,11 @@ cache write ``w``: Anthropic r 0.1, 5m write 1.25; OpenAI r 0.5, writes free, as
 ``manifest.planner``'s profiles have them); output tokens, one per request, are left
 out.  Beside each measured cost, the provider plan's prediction
 (:mod:`gateway.batches.provider_plan`) of the dag arm and of its batch option (DAG
-order, the breakpoint TTL it picks, its stated hit share), and each arm's read share.
+order, the breakpoint TTL it picks, its stated hit share), and each arm's read share;
+and the plan's batch estimate before and after calibration: the hit share the
+leads-first batch measured (:func:`gateway.batches.hit_share.measure`, of the kind that
+arm ran under: ``--batch-ttl`` on Anthropic, implicit on OpenAI) moving the prior as a
+gateway's store would after that batch, against that arm's measured cost.
 Top-7 coverage is measured (the share of units under the 7 most used anchors) against
 H(7,s)/H(V,s).
 
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -55,9 +60,12 @@ from typing import Any
 
 import httpx
 
+from gateway.batches.hit_share import belief, measure
 from gateway.batches.plan import leads_first
 from gateway.batches.plan import units as plan_units
 from gateway.batches.provider_plan import ProviderOption, compare
+from gateway.batches.send import usage_of
+from gateway.batches.store import BatchUsage
 from gateway.batches.targets import profile_option
 from loadtests.emulator.app import create_app
 from loadtests.emulator.batch_book import BATCH_DISCOUNT, BatchBook, BatchRules
@@ -156,8 +164,9 @@ async def online(
 
 async def batch_api(
     provider: str, bodies: list[dict[str, Any]], parallel: int, wave_s: float
-) -> dict[str, Any]:
-    """The bodies, in arrival order, through the provider's batch API; the bill."""
+) -> tuple[dict[str, Any], list[BatchUsage]]:
+    """The bodies, in the order given, through the provider's batch API; the bill and each
+    item's usage as answered (in that order)."""
     rules = BatchRules(delay_s=0.0, parallel=parallel, wave_s=wave_s)
     state = EmulatorState(api_key=KEY, answer_words=1, batch_book=BatchBook(rules))
     app = create_app(state)
@@ -171,6 +180,11 @@ async def batch_api(
             r.raise_for_status()
             done = await http.get(f"/v1/messages/batches/{r.json()['id']}", headers=h)
             assert done.json()["processing_status"] == "ended", done.text
+            got = await http.get(done.json()["results_url"], headers=h)
+            answers = {
+                x["custom_id"]: x["result"].get("message") or {}
+                for x in map(json.loads, got.text.splitlines())
+            }
         else:
             lines = [
                 {"custom_id": f"u{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}
@@ -193,7 +207,13 @@ async def batch_api(
             r.raise_for_status()
             done = await http.get(f"/v1/batches/{r.json()['id']}", headers=h)
             assert done.json()["status"] == "completed", done.text
-    return state.bill(f"{provider}-batch").view()
+            got = await http.get(f"/v1/files/{done.json()['output_file_id']}/content", headers=h)
+            answers = {
+                x["custom_id"]: x["response"]["body"]
+                for x in map(json.loads, got.text.splitlines())
+            }
+    usage = [usage_of(answers.get(f"u{i}") or {}) for i in range(len(bodies))]
+    return state.bill(f"{provider}-batch").view(), usage
 
 
 def read_share(bill: dict[str, Any]) -> float:
@@ -234,16 +254,17 @@ async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
         arrival = list(range(len(bodies)))
         gap = pace(args.rpm, args.tpm, bodies)
         t0 = time.perf_counter()
+        leads_bill, leads_usage = await batch_api(
+            provider, [sent[i] for i in leads], args.parallel, args.wave_s
+        )
         bills = {
             "dag": await online(provider, bodies, order, gap),
             "arrival": await online(provider, bodies, arrival, gap),
-            "batch_api": await batch_api(provider, sent, args.parallel, args.wave_s),
-            "batch_api_dag": await batch_api(
-                provider, [sent[i] for i in order], args.parallel, args.wave_s
-            ),
-            "batch_api_leads": await batch_api(
-                provider, [sent[i] for i in leads], args.parallel, args.wave_s
-            ),
+            "batch_api": (await batch_api(provider, sent, args.parallel, args.wave_s))[0],
+            "batch_api_dag": (
+                await batch_api(provider, [sent[i] for i in order], args.parallel, args.wave_s)
+            )[0],
+            "batch_api_leads": leads_bill,
         }
         costs = {
             "dag": cost(provider, bills["dag"]),
@@ -254,6 +275,18 @@ async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
         }
         option: ProviderOption = profile_option(f"{provider}/{MODELS[provider]}")
         plan = compare(option, us, steps)
+        # calibrated: the hit share the leads-first batch (what vcache submits) measured,
+        # moving the prior of the kind that arm ran under, as a gateway would after it
+        kind = "implicit" if provider == "openai" else args.batch_ttl
+        by_unit = {int(st.unit): st for st in steps}
+        samples = [
+            (by_unit[i].shared_tokens if by_unit[i].after is not None else 0, us[i].size, u)
+            for i, u in zip(leads, leads_usage, strict=True)
+        ]
+        hits, reads = measure(option, samples)
+        shares = dict(option.hit_share)
+        shares[kind] = belief(shares[kind], hits, reads)
+        calibrated = compare(dataclasses.replace(option, hit_share=shares), us, steps)
         out["providers"][provider] = {
             "pace_s": round(gap, 3),
             "measured_s": round(dag.concentration() or 0.0, 3),
@@ -265,6 +298,20 @@ async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
                 "batch_api": plan["batch_api"]["cost"],
                 "arrival": plan["arrival_order"],
                 "choice": plan["choice"],
+                "ttl": plan["batch_api"]["ttl"],
+                "hit_share": plan["batch_api"]["hit_share"],
+            },
+            "measured_hit_share": {
+                "kind": kind,
+                "hits": round(hits, 1),
+                "reads": reads,
+                "share": round(hits / reads, 4) if reads else None,
+            },
+            "calibrated": {
+                "batch_api": calibrated["batch_api"]["cost"],
+                "choice": calibrated["choice"],
+                "ttl": calibrated["batch_api"]["ttl"],
+                "hit_share": calibrated["batch_api"]["hit_share"],
             },
             "wall_s": round(time.perf_counter() - t0, 1),
         }
@@ -287,6 +334,24 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{c['batch_api_leads']:>12,.0f}"
                 f"{c['dag'] / c['arrival']:>8.3f}{pr['dag']:>12,.0f}{pr['batch_api']:>12,.0f}"
                 f"  {r['top7_coverage']:>6.1%}{r['top7_coverage_zipf']:>14.1%}"
+            )
+    lines += [
+        "",
+        "the plan's batch-API estimate: prior hit share against calibrated on the leads-first"
+        " batch (measured), beside that arm's measured cost",
+        f"{'s':>5} {'provider':<10}{'h prior':>8}{'pred':>12}{'choice':>10}{'h meas':>8}"
+        f"{'h cal':>8}{'pred cal':>12}{'choice':>10}{'measured':>12}{'pred/meas':>10}"
+        f"{'cal/meas':>9}",
+    ]
+    for r in results:
+        for p, v in r["providers"].items():
+            pr, cal, m = v["predicted"], v["calibrated"], v["measured_hit_share"]
+            meas = v["cost"]["batch_api_leads"]
+            lines.append(
+                f"{r['s']:>5} {p:<10}{pr['hit_share']:>8.3f}{pr['batch_api']:>12,.0f}"
+                f"{pr['choice']:>10}{(m['share'] or 0):>8.3f}{cal['hit_share']:>8.3f}"
+                f"{cal['batch_api']:>12,.0f}{cal['choice']:>10}{meas:>12,.0f}"
+                f"{pr['batch_api'] / meas:>10.2f}{cal['batch_api'] / meas:>9.2f}"
             )
     lines += ["", "read share (cache reads / prompt tokens) per arm"]
     for r in results:

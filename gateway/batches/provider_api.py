@@ -22,11 +22,12 @@ error is that item's error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,7 +35,9 @@ from pydantic import ValidationError
 
 from engines.providers.base import Answer, Rendered
 from engines.providers.transport import AiohttpTransport, Transport, TransportError
+from gateway.batches.provider_plan import Choice
 from gateway.batches.send import CHAT, Outcome, error_of, usage_of
+from gateway.batches.store import BatchUsage
 from gateway.core.errors import APIError, BadGateway, InvalidRequest, invalid_request_from
 from gateway.core.pieces import Piece, ToolCallDelta
 from gateway.core.schemas import ChatCompletionRequest
@@ -362,6 +365,18 @@ class BatchAPIClient:
         return out
 
 
+def _long_tier(p: ProviderPrepared) -> ProviderPrepared:
+    """``p`` with every breakpoint the planner placed at the long TTL (rendered again; the
+    log records these directives, so it rebuilds to these bytes)."""
+    planned = p.planned
+    if not planned.marked or planned.placed_by == "client":
+        return p
+    directives = dataclasses.replace(planned.directives, long_ttl=planned.marked)
+    rendered = planned.target.client.adapter.render(planned.call, directives)
+    long = dataclasses.replace(planned, directives=directives, rendered=rendered)
+    return dataclasses.replace(p, planned=long)
+
+
 async def _pieces(a: Answer, usage: Any) -> AsyncGenerator[Piece, None]:
     parts = tuple(ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(a.tool_calls))
     yield Piece(
@@ -416,24 +431,33 @@ class ProviderBatches:
         svc: GatewayService,
         client: BatchAPIClient,
         endpoint_of: Callable[[str], Endpoint | None],
-        choose: Callable[[str, Sequence[Unit], Sequence[Step]], str | None],
+        choose: Callable[[str, Sequence[Unit], Sequence[Step]], Choice | None],
+        learn: Callable[[str, str, Iterable[tuple[int, int, BatchUsage]]], object] | None = None,
     ) -> None:
         """``endpoint_of(target name)``: the target's :class:`Endpoint` (None: not one
         whose batch API is served); ``choose(model, units, steps)``: the target whose
-        batch API the provider plan chooses (None: online)."""
+        batch API the provider plan chooses, with its TTL (None: online); ``learn(target,
+        kind, samples)``: a finished batch's measured hit share, to the plan."""
         self._svc = svc
         self._client = client
         self._endpoint_of = endpoint_of
         self._choose = choose
+        self._learn = learn
 
     def choose(
         self, endpoint: str, model: str | None, units: Sequence[Unit], steps: Sequence[Step]
-    ) -> str | None:
+    ) -> Choice | None:
         """The hosted target to send a batch to through its own batch API (chat
         completions only), or None: the items go online."""
         if endpoint != CHAT or model is None:
             return None
         return self._choose(model, units, steps)
+
+    def learn(self, target: str, kind: str, samples: Iterable[tuple[int, int, BatchUsage]]) -> None:
+        """A finished provider batch's items (planned shared tokens and size, usage as
+        billed): the hit share they measured, added to what the plan assumes."""
+        if self._learn is not None:
+            self._learn(target, kind, samples)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -445,12 +469,18 @@ class ProviderBatches:
         return endpoint
 
     async def prepare(
-        self, target: str, items: Sequence[tuple[int, dict[str, Any]]], who: Principal
+        self,
+        target: str,
+        items: Sequence[tuple[int, dict[str, Any]]],
+        who: Principal,
+        ttl: str | None = None,
     ) -> Submission:
         """Each item validated as the route would, planned and rendered for ``target``
-        and journaled (an item refused is its own error, nothing sent)."""
+        and journaled (an item refused is its own error, nothing sent); ``ttl`` "1h": the
+        plan's breakpoint TTL, every breakpoint the planner placed takes the long tier
+        (Anthropic's ``cache_control`` ``ttl: "1h"``; a client's own marks stand)."""
         self._endpoint(target)
-        return await self._planned(target, [(i, b, None) for i, b in items], who)
+        return await self._planned(target, [(i, b, None) for i, b in items], who, ttl)
 
     async def reopen(
         self,
@@ -469,6 +499,7 @@ class ProviderBatches:
         target: str,
         items: Sequence[tuple[int, dict[str, Any], dict[str, str | None] | None]],
         who: Principal,
+        ttl: str | None = None,
     ) -> Submission:
         svc, chat = self._svc, self._svc.providers
         assert chat is not None
@@ -482,6 +513,8 @@ class ProviderBatches:
                 if req.model != target and target not in svc.resolve(req.model):
                     raise InvalidRequest(f"'{req.model}' is not served by {target}", param="model")
                 p = await chat.prepare(target, Call(req, who, rid))
+                if ttl == "1h" and kept is None:
+                    p = _long_tier(p)
                 op = journal.open(who.tenant, p.header, p.turns, None)
                 if kept is None:
                     s = p.sent

@@ -15,7 +15,9 @@ steps; ``r`` is the read multiplier, ``w`` the write multiplier (shared/seeds/00
   with ``P̄`` the mean prompt; it is feasible when that fits the completion window.
 - **the batch API**: the items submitted leads first, billed at ``discount`` (half) of
   the online price, but a batch's caching is best effort: an item reads its anchor with
-  probability ``h`` (:data:`HIT_SHARE`).  On an explicit provider each anchor gets the
+  probability ``h``: the option's ``hit_share`` (:data:`HIT_SHARE` as the prior, moved
+  by what finished provider batches of the target measured,
+  :mod:`gateway.batches.hit_share`).  On an explicit provider each anchor gets the
   breakpoint TTL that pays (§5.4): none, 5 minutes or 1 hour, whichever has the lowest
   expected cost per item, ``h·r + (1 - h)·w`` (a miss writes) against 1 without a
   breakpoint; a batch's items run spread over minutes to hours, so the 1-hour TTL's
@@ -29,8 +31,8 @@ Pure: numbers in, a dict out.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from manifest.prefix_dag import Step, Unit
@@ -38,9 +40,10 @@ from manifest.prefix_dag import Step, Unit
 BATCH_DISCOUNT = 0.5  # OpenAI's Batch API and Anthropic's Message Batches: half price
 WINDOW_MIN = 24 * 60.0  # the completion window both offer
 # an item's chance of reading its anchor inside a provider's batch (caching is best
-# effort there): Anthropic documents 30% to 98% for batches; the low end for the 5-minute
-# TTL (items spread over longer than it), the range's middle for the 1-hour TTL, the
-# middle for an implicit provider's automatic caching
+# effort there), the prior before any batch of the target was measured: Anthropic
+# documents 30% to 98% for batches; the low end for the 5-minute TTL (items spread over
+# longer than it), the range's middle for the 1-hour TTL, the middle for an implicit
+# provider's automatic caching
 HIT_SHARE = {"5m": 0.3, "1h": 0.64, "implicit": 0.64}
 
 
@@ -65,6 +68,28 @@ class ProviderOption:
     min_prefix: int
     step: int  # the cache step (OpenAI 128; 1 for breakpoints)
     headroom: Headroom | None = None
+    # an item's chance of reading its anchor inside the provider's batch, per kind ("5m",
+    # "1h": the breakpoint TTL; "implicit": automatic caching)
+    hit_share: Mapping[str, float] = field(default_factory=lambda: dict(HIT_SHARE))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A batch sent to ``target``'s own batch API: the breakpoint TTL its items take
+    (``ttl``: "5m", "1h", or None: none or automatic caching) and the hit-share ``kind``
+    it measures ("5m", "1h", "implicit")."""
+
+    target: str
+    ttl: str | None
+    kind: str
+
+
+def kind_of(o: ProviderOption) -> str:
+    """The hit-share kind a batch on ``o``'s batch API runs under (the TTL the plan picks
+    on an explicit provider, "implicit" otherwise; "5m" where no breakpoint pays)."""
+    if not o.explicit:
+        return "implicit"
+    return breakpoint_ttl(o)[0] or "5m"
 
 
 def cacheable(tokens: int, o: ProviderOption) -> int:
@@ -104,12 +129,12 @@ def online(
     }
 
 
-def _ttl(o: ProviderOption) -> tuple[str | None, float]:
+def breakpoint_ttl(o: ProviderOption) -> tuple[str | None, float]:
     """The breakpoint TTL with the lowest expected cost per item inside a batch, and that
     cost per cached token (1.0: no breakpoint)."""
     best: tuple[str | None, float] = (None, 1.0)
     for ttl, w in (("5m", o.write_mult), ("1h", o.long_write_mult)):
-        h = HIT_SHARE[ttl]
+        h = o.hit_share[ttl]
         per = h * o.read_mult + (1 - h) * w
         if per < best[1]:
             best = (ttl, per)
@@ -126,12 +151,12 @@ def batch_api(
     size = sum(u.size for u in units)
     anchors = _anchors(steps)
     if o.explicit:
-        ttl, per = _ttl(o)
+        ttl, per = breakpoint_ttl(o)
         if ttl is None:
             read = written = 0
             cost = float(size)
         else:
-            h = HIT_SHARE[ttl]
+            h = o.hit_share[ttl]
             w = o.write_mult if ttl == "5m" else o.long_write_mult
             lead = sum(cacheable(s, o) for (_, s) in anchors)
             siblings = sum(cacheable(s, o) * k for (_, s), k in anchors.items())
@@ -140,7 +165,7 @@ def batch_api(
             cost = size - siblings + siblings * per + lead * (w - 1)
     else:
         ttl = None
-        h = HIT_SHARE["implicit"]
+        h = o.hit_share["implicit"]
         read = round(h * sum(cacheable(st.shared_tokens, o) for st in steps))
         written = 0
         cost = size - read * (1 - o.read_mult)
@@ -150,7 +175,9 @@ def batch_api(
         "read_tokens": read,
         "write_tokens": written,
         "ttl": ttl,
-        "hit_share": HIT_SHARE[ttl] if ttl else 0.0 if o.explicit else HIT_SHARE["implicit"],
+        "hit_share": round(
+            o.hit_share[ttl] if ttl else 0.0 if o.explicit else o.hit_share["implicit"], 4
+        ),
     }
 
 

@@ -43,7 +43,7 @@ import json
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
@@ -52,9 +52,10 @@ from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import leads_first, units
 from gateway.batches.provider_api import BatchAPIError
+from gateway.batches.provider_plan import Choice
 from gateway.batches.recall import Gate, decide, warm_body
 from gateway.batches.send import CHAT, Outcome, Sender, batch_caller
-from gateway.batches.store import BatchRow, BatchStore
+from gateway.batches.store import BatchRow, BatchStore, BatchUsage
 from gateway.core.metrics import Metrics
 from gateway.core.types import Principal
 from manifest.prefix_dag import PrefixDag, Step, Unit
@@ -84,14 +85,24 @@ class ProviderRoute(Protocol):
 
     def choose(
         self, endpoint: str, model: str | None, units: Sequence[Unit], steps: Sequence[Step]
-    ) -> str | None:
-        """The hosted target whose batch API the provider plan chooses (None: online)."""
+    ) -> Choice | None:
+        """The hosted target whose batch API the provider plan chooses, with the TTL its
+        items take (None: online)."""
         ...
 
     async def prepare(
-        self, target: str, items: Sequence[tuple[int, dict[str, Any]]], who: Principal
+        self,
+        target: str,
+        items: Sequence[tuple[int, dict[str, Any]]],
+        who: Principal,
+        ttl: str | None = None,
     ) -> Submission:
-        """The items validated, rendered and journaled for one submission."""
+        """The items validated, rendered (their breakpoints at ``ttl``) and journaled for
+        one submission."""
+        ...
+
+    def learn(self, target: str, kind: str, samples: Iterable[tuple[int, int, BatchUsage]]) -> None:
+        """A finished provider batch's measured hit share, to the plan."""
         ...
 
     async def reopen(
@@ -253,14 +264,14 @@ class BatchRunner:
                 }
                 left.update(anchor[i] for i in open_ if i in anchor)
                 model = bodies[items[0].idx].get("model")
-                target = None
+                choice = None
                 if self._provider is not None:
                     named = model if isinstance(model, str) else None
-                    target = self._provider.choose(batch.endpoint, named, us, steps)
+                    choice = self._provider.choose(batch.endpoint, named, us, steps)
                 if self._provider is not None:  # submissions made before a restart
                     open_ -= await self._provider_resume(bid, steps, open_, bodies, us, who)
-                if target is not None:  # the provider plan: its own batch API is cheaper
-                    await self._provider_walk(bid, target, steps, open_, bodies, us, who)
+                if choice is not None:  # the provider plan: its own batch API is cheaper
+                    await self._provider_walk(bid, choice, steps, open_, bodies, us, who)
                 else:
                     if self._recall is not None:
                         await self._recall_chains(us, dag, {str(i) for i in open_}, bodies, batch)
@@ -349,13 +360,13 @@ class BatchRunner:
                     run.target, [(i, bodies[i], run.items[i]) for i in mine], who
                 )
                 await self._settle_all(bid, sub.refused, plan, us)
-                await self._provider_results(bid, sub, run.id, plan, us)
+                await self._provider_results(bid, sub, run.id, plan, us, run.target, run.kind)
         return carried
 
     async def _provider_walk(
         self,
         bid: str,
-        target: str,
+        choice: Choice,
         steps: list[Step],
         open_: set[int],
         bodies: dict[int, dict[str, Any]],
@@ -363,10 +374,11 @@ class BatchRunner:
         who: Principal,
     ) -> None:
         """Claim the open items and send them, leads first (:func:`leads_first`), as one
-        batch to ``target``'s own batch API, its id kept in the store before it is
-        polled; write each result as it came back."""
+        batch to the chosen target's own batch API (breakpoints at the plan's TTL), its
+        id kept in the store before it is polled; write each result as it came back."""
         assert self._provider is not None
         store = self._store
+        target = choice.target
         plan = {int(st.unit): st for st in steps}
         claimed: list[Step] = []
         for st in leads_first(steps):
@@ -377,11 +389,13 @@ class BatchRunner:
                 claimed.append(st)
         if not claimed:
             return
-        self.provider_batches.append({"batch": bid, "target": target, "items": len(claimed)})
+        self.provider_batches.append(
+            {"batch": bid, "target": target, "items": len(claimed), "ttl": choice.ttl}
+        )
         log.info("batch %s: %d items to %s's batch API", bid, len(claimed), target)
         async with self._slots:
             sub = await self._provider.prepare(
-                target, [(int(st.unit), bodies[int(st.unit)]) for st in claimed], who
+                target, [(int(st.unit), bodies[int(st.unit)]) for st in claimed], who, choice.ttl
             )
             await self._settle_all(bid, sub.refused, plan, us)
             if not sub.journal():
@@ -391,14 +405,24 @@ class BatchRunner:
             except BatchAPIError as exc:  # never took: every item's named error
                 await self._settle_all(bid, self._provider.failed(sub, exc), plan, us)
                 return
-            await asyncio.to_thread(store.add_provider_run, run_id, bid, target, sub.journal())
-            await self._provider_results(bid, sub, run_id, plan, us)
+            await asyncio.to_thread(
+                store.add_provider_run, run_id, bid, target, sub.journal(), choice.kind
+            )
+            await self._provider_results(bid, sub, run_id, plan, us, target, choice.kind)
 
     async def _provider_results(
-        self, bid: str, sub: Submission, run_id: str, plan: dict[int, Step], us: list[Unit]
+        self,
+        bid: str,
+        sub: Submission,
+        run_id: str,
+        plan: dict[int, Step],
+        us: list[Unit],
+        target: str,
+        kind: str | None,
     ) -> None:
         """Wait for the provider's batch ``run_id`` (cancelled there when this batch is),
-        write each item's result, then mark the submission ended."""
+        write each item's result, give the hit share its answers measured (``kind``) to
+        the plan, then mark the submission ended."""
         assert self._provider is not None
 
         async def cancelled() -> bool:
@@ -406,6 +430,16 @@ class BatchRunner:
 
         outcomes = await self._provider.finish(sub, run_id, cancelled)
         await self._settle_all(bid, outcomes, plan, us)
+        if kind is not None:
+            samples = [
+                (plan[i].shared_tokens, us[i].size, out.usage)
+                for i, out in outcomes.items()
+                if isinstance(out, Outcome) and out.ok and i in plan
+            ]
+            try:
+                self._provider.learn(target, kind, samples)
+            except Exception:  # the plan keeps what it had
+                log.exception("batch %s: learning the hit share of %s failed", bid, run_id)
         await asyncio.to_thread(self._store.end_provider_run, run_id)
 
     async def _settle_all(

@@ -59,7 +59,7 @@ CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches(tenant, api, created);
 CREATE INDEX IF NOT EXISTS batch_items_by_state ON batch_items(batch_id, state);
 CREATE TABLE IF NOT EXISTS batch_provider_runs(
   id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, target TEXT NOT NULL, items TEXT NOT NULL,
-  state TEXT NOT NULL, created REAL NOT NULL);
+  state TEXT NOT NULL, created REAL NOT NULL, kind TEXT);
 CREATE INDEX IF NOT EXISTS batch_provider_runs_by_batch ON batch_provider_runs(batch_id, state);
 CREATE TABLE IF NOT EXISTS batch_hit_shares(
   target TEXT NOT NULL, kind TEXT NOT NULL, hits REAL NOT NULL, reads REAL NOT NULL,
@@ -157,6 +157,7 @@ class ProviderRun:
     target: str
     items: dict[int, dict[str, str | None]]
     state: str  # running, ended
+    kind: str | None = None  # the hit-share kind it measures ("5m", "1h", "implicit")
 
 
 @dataclass(frozen=True)
@@ -579,21 +580,22 @@ class BatchStore:
         batch_id: str,
         target: str,
         items: Mapping[int, Mapping[str, str | None]],
+        kind: str | None = None,
     ) -> None:
         """Keep a submission to ``target``'s batch API (its id there) and the items it
         carries, before it is polled: a restart resumes it rather than submit again."""
         carried = json.dumps({str(k): dict(v) for k, v in items.items()})
         with self._tx() as db:
             db.execute(
-                "INSERT INTO batch_provider_runs(id, batch_id, target, items, state, created) "
-                "VALUES (?, ?, ?, ?, 'running', ?)",
-                (run_id, batch_id, target, carried, self.now()),
+                "INSERT INTO batch_provider_runs(id, batch_id, target, items, state, created, "
+                "kind) VALUES (?, ?, ?, ?, 'running', ?, ?)",
+                (run_id, batch_id, target, carried, self.now(), kind),
             )
 
     def provider_runs(self, batch_id: str) -> list[ProviderRun]:
         """The batch's submissions still running on their provider, oldest first."""
         rows = self._all(
-            "SELECT id, batch_id, target, items, state FROM batch_provider_runs "
+            "SELECT id, batch_id, target, items, state, kind FROM batch_provider_runs "
             "WHERE batch_id = ? AND state = 'running' ORDER BY created, id",
             (batch_id,),
         )

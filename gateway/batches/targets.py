@@ -9,13 +9,16 @@ capability profile (``vcache plan --batch-file --target``, no gateway).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from engines.providers.ratelimits import RateLimits
 from engines.providers.specs import PROVIDERS
+from gateway.batches.hit_share import HitShares, measure
 from gateway.batches.provider_api import SUPPORTED, Endpoint
-from gateway.batches.provider_plan import Headroom, ProviderOption, compare
+from gateway.batches.provider_plan import Choice, Headroom, ProviderOption, compare, kind_of
+from gateway.batches.store import BatchUsage
 from gateway.core.errors import APIError
 from gateway.core.provider_settings import ProviderConfig
 from manifest.planner import CapabilityProfile, Regime
@@ -84,11 +87,14 @@ class BatchTargets:
         resolve: Callable[[str], list[str]],
         target: Callable[[str], HostedTarget] | None,
         providers: Mapping[str, ProviderConfig] | None = None,
+        hit_shares: HitShares | None = None,
     ) -> None:
-        """``providers``: the configured providers, where their batch APIs live."""
+        """``providers``: the configured providers, where their batch APIs live;
+        ``hit_shares``: the in-batch hit shares measured so far (None: the prior)."""
         self._resolve = resolve
         self._target = target
         self._providers = dict(providers or {})
+        self._hit_shares = hit_shares
 
     def endpoint(self, target: str) -> Endpoint | None:
         """Where ``provider/model``'s batch API lives (None: a provider without one here)."""
@@ -102,10 +108,11 @@ class BatchTargets:
         headers = PROVIDERS[provider].adapter().auth_headers(key)
         return Endpoint(provider, cfg.resolved_base_url(provider), headers)
 
-    def batch_api(self, model: str, units: Sequence[Unit], steps: Sequence[Step]) -> str | None:
+    def batch_api(self, model: str, units: Sequence[Unit], steps: Sequence[Step]) -> Choice | None:
         """The hosted target whose own batch API the provider plan chooses for a batch of
-        ``model``: its first target, when that is hosted, has a batch API here and the
-        plan finds it cheaper than online in DAG order (None: run online)."""
+        ``model``, with the breakpoint TTL its items take: its first target, when that is
+        hosted, has a batch API here and the plan finds it cheaper than online in DAG
+        order (None: run online)."""
         options = self.options(model)
         try:
             first = self._resolve(model)[0]
@@ -113,7 +120,26 @@ class BatchTargets:
             return None
         if not options or options[0].target != first or self.endpoint(first) is None:
             return None
-        return first if compare(options[0], units, steps)["choice"] == "batch_api" else None
+        plan = compare(options[0], units, steps)
+        if plan["choice"] != "batch_api":
+            return None
+        return Choice(first, plan["batch_api"]["ttl"], kind_of(options[0]))
+
+    def learn(
+        self, target: str, kind: str, samples: Iterable[tuple[int, int, BatchUsage]]
+    ) -> tuple[float, int] | None:
+        """Add a finished provider batch's measured hit share to ``target``'s (its
+        answered items' planned shared tokens and size, and their usage); the measure
+        (None: nothing kept, no hit shares here or not a target)."""
+        if self._hit_shares is None or self._target is None:
+            return None
+        try:
+            t = self._target(target)
+        except (APIError, ValueError, KeyError):
+            return None
+        hits, reads = measure(option_of(t.name, t.profile), samples)
+        self._hit_shares.learn(target, kind, hits, reads)
+        return hits, reads
 
     def options(self, model: str) -> list[ProviderOption]:
         """The hosted targets of ``model``, in its alias's order (none: local only)."""
@@ -131,5 +157,8 @@ class BatchTargets:
                 t = self._target(name)
             except (APIError, ValueError, KeyError):
                 continue
-            out.append(option_of(t.name, t.profile, headroom_of(t.client.limits)))
+            o = option_of(t.name, t.profile, headroom_of(t.client.limits))
+            if self._hit_shares is not None:
+                o = dataclasses.replace(o, hit_share=self._hit_shares.of(t.name))
+            out.append(o)
         return out

@@ -259,3 +259,40 @@ def test_a_restart_resumes_the_providers_batch_without_submitting_again(
         assert _rebuilt(gw, target) == ITEMS
         answered = {r.request_id for r in gw.log().store.requests() if r.target == target}
         assert {x["response"]["body"]["id"] for x in out} == answered
+
+
+def test_the_plans_1h_ttl_is_on_the_submitted_items_breakpoints(via_api: Gw) -> None:
+    """A flat Anthropic batch goes to the Message Batches API with the breakpoint TTL the
+    plan picks there (1 hour at the prior hit share): each item's breakpoint carries
+    ``ttl: "1h"``, the provider bills the writes at the long tier, and each journaled
+    request rebuilds to those bytes."""
+    target = f"anthropic/{MODELS['anthropic']}"
+    out = _openai_batch(via_api, _lines(target, lambda i: f"Manual {i}. " + MANUAL))
+    assert all(x["response"]["status_code"] == 200 for x in out)
+    sent = via_api.emulator.last_body()  # the create: nothing is logged after it
+    marks = [
+        block["cache_control"]
+        for r in sent["requests"]
+        for block in r["params"]["system"]
+        if "cache_control" in block
+    ]
+    assert len(sent["requests"]) == ITEMS and len(marks) == ITEMS
+    assert all(m == {"type": "ephemeral", "ttl": "1h"} for m in marks)
+    bill = via_api.emulator.admin_get("billing")["anthropic-batch"]
+    assert bill["write_long"] > 0 and bill["write"] == 0
+    assert _rebuilt(via_api, target) == ITEMS
+
+
+def test_a_finished_provider_batch_calibrates_the_plans_hit_share(via_api: Gw) -> None:
+    """OpenAI's batch API answers six items under one manual in waves of four (leads
+    first): the first wave reads nothing, the second's two siblings read the manual.
+    The five siblings' measure is kept in the batch store and moves the plan's hit share
+    off its prior."""
+    target = f"openai/{MODELS['openai']}"
+    _openai_batch(via_api, _lines(target, lambda i: MANUAL))
+    store: BatchStore = via_api.http.app.state.batches  # type: ignore[attr-defined]
+    hits, reads = store.hit_shares()[(target, "implicit")]
+    assert reads == ITEMS - 1 and 1.5 < hits <= 2.0
+    targets = via_api.http.app.state.batch_targets  # type: ignore[attr-defined]
+    [option] = targets.options(target)
+    assert option.hit_share["implicit"] == pytest.approx((0.64 * 20 + hits) / (20 + reads))

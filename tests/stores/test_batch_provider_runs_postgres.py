@@ -1,7 +1,8 @@
 """Batches on a provider's batch API over a PostgreSQL store: the provider's batch id and
 the items it carries kept before it is polled, so a restart (a new runner over the same
 database) resumes that batch and never submits again; a cancel passed on; a submission
-that never takes failing its items by name.  The hermetic tests, run again here."""
+that never takes failing its items by name; the measured in-batch hit shares kept per
+target and kind.  The hermetic tests, run again here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import pytest
 
 from gateway.batches.store import BatchStore
 from tests.unit.batches.conftest import OpenStore
+from tests.unit.batches.test_hit_share import (
+    test_a_measured_hit_share_turns_the_plan_to_the_batch_api,
+    test_measures_are_kept_per_target_and_kind,
+)
 from tests.unit.batches.test_runner import (
     test_a_cancel_reaches_the_providers_batch_and_keeps_what_it_finished,
     test_a_restart_resumes_the_providers_batch_and_never_submits_again,
@@ -23,10 +28,12 @@ pytestmark = pytest.mark.stores
 
 __all__ = [
     "test_a_cancel_reaches_the_providers_batch_and_keeps_what_it_finished",
+    "test_a_measured_hit_share_turns_the_plan_to_the_batch_api",
     "test_a_provider_run_is_kept_until_every_item_it_carries_has_settled",
     "test_a_restart_resumes_the_providers_batch_and_never_submits_again",
     "test_a_submission_that_never_takes_fails_each_item_by_name",
     "test_hit_shares_add_up_per_target_and_kind",
+    "test_measures_are_kept_per_target_and_kind",
 ]
 
 

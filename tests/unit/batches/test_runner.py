@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gateway.batches.provider_api import BatchAPIError
+from gateway.batches.provider_plan import Choice
 from gateway.batches.runner import BatchRunner, retry_delay
 from gateway.batches.send import Outcome
 from gateway.batches.store import BatchStore, BatchUsage, NewItem
@@ -411,15 +412,19 @@ class Route:
         self.runs: list[tuple[str, list[str]]] = []
         self.reopened: list[tuple[str, list[str]]] = []
         self.cancels = 0
+        self.learned: list[tuple[str, str, list[Any]]] = []
         self.hold = hold
         self.fail = fail
         self.cancel_keeps = cancel_keeps
 
-    def choose(self, endpoint: str, model: str | None, units: Any, steps: Any) -> str | None:
-        return self.target
+    def choose(self, endpoint: str, model: str | None, units: Any, steps: Any) -> Choice | None:
+        return None if self.target is None else Choice(self.target, None, "implicit")
 
-    async def prepare(self, target: str, items: Any, who: Principal) -> Sub:
+    async def prepare(self, target: str, items: Any, who: Principal, ttl: Any = None) -> Sub:
         return Sub(target, {idx: str(b["messages"][-1]["content"]) for idx, b in items})
+
+    def learn(self, target: str, kind: str, samples: Any) -> None:
+        self.learned.append((target, kind, list(samples)))
 
     async def reopen(self, target: str, items: Any, who: Principal) -> Sub:
         sub = Sub(target, {idx: str(b["messages"][-1]["content"]) for idx, b, _ in items})
@@ -473,11 +478,19 @@ def test_a_batch_the_plan_sends_to_a_providers_batch_api_is_one_submission(
         await until(lambda: _ended(store, bid), "the batch ended")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        assert runner.provider_batches == [{"batch": bid, "target": "openai/gpt-5", "items": 5}]
+        assert runner.provider_batches == [
+            {"batch": bid, "target": "openai/gpt-5", "items": 5, "ttl": None}
+        ]
 
     asyncio.run(main())
     assert sender.sent == []
     assert route.runs == [("openai/gpt-5", ["a1", "b1", "a2", "a3", "b2"])]
+    # the answers' usage goes to the plan's hit share: every answered item with its planned
+    # shared tokens (the leads a1, b1 none) and size
+    [(target, kind, samples)] = route.learned
+    assert (target, kind, len(samples)) == ("openai/gpt-5", "implicit", 5)
+    assert sorted(sh > 0 for sh, _, _ in samples) == [False, False, True, True, True]
+    assert all(size > 0 and u == BatchUsage(100, 60, 2, u.bought) for _, size, u in samples)
     row = store.batch(bid)
     assert row is not None and row.status == "completed" and row.counts.done == 5
     assert row.totals.cached == 5 * 60
