@@ -31,20 +31,23 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mappi
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from engines.providers.base import Answer, Rendered
 from engines.providers.transport import AiohttpTransport, Transport, TransportError
 from gateway.batches.provider_plan import Choice
-from gateway.batches.send import CHAT, Outcome, error_of, usage_of
+from gateway.batches.send import CHAT, MESSAGES, Outcome, error_of, usage_of
 from gateway.batches.store import BatchUsage
 from gateway.core.errors import APIError, BadGateway, InvalidRequest, invalid_request_from
+from gateway.core.messages_wire import MessagesRequest
 from gateway.core.pieces import Piece, ToolCallDelta
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import chat_completion
 from gateway.core.target import Call
 from gateway.core.types import Principal
 from gateway.service.chat import GatewayService, chat_shape
+from gateway.service.message_answers import whole_message
+from gateway.service.messages_api import mapped, message_id
 from gateway.service.provider_chat import ProviderPrepared
 from gateway.service.provider_chat import usage_of as provider_usage
 from manifest.prefix_dag import Step, Unit
@@ -397,6 +400,8 @@ class _Item:
     op: Any  # the session log's Open (None without a log)
     request_id: str
     resumed: bool = False  # planned again after a restart: sent before it, not settled
+    endpoint: str = CHAT  # the vcache batch's: its answer is shaped as that API's
+    model: str = ""  # as the client named it (a Messages answer's ``model``)
 
 
 Settled = Outcome | Literal["canceled", "expired"]
@@ -449,7 +454,7 @@ class ProviderBatches:
     ) -> Choice | None:
         """The hosted target to send a batch to through its own batch API (chat
         completions only), or None: the items go online."""
-        if endpoint != CHAT or model is None:
+        if endpoint not in (CHAT, MESSAGES) or model is None:
             return None
         return self._choose(model, units, steps)
 
@@ -474,25 +479,29 @@ class ProviderBatches:
         items: Sequence[tuple[int, dict[str, Any]]],
         who: Principal,
         ttl: str | None = None,
+        endpoint: str = CHAT,
     ) -> Submission:
-        """Each item validated as the route would, planned and rendered for ``target``
-        and journaled (an item refused is its own error, nothing sent); ``ttl`` "1h": the
-        plan's breakpoint TTL, every breakpoint the planner placed takes the long tier
-        (Anthropic's ``cache_control`` ``ttl: "1h"``; a client's own marks stand)."""
+        """Each item (a request of ``endpoint``: chat completions or Messages) validated
+        as the route would, planned and rendered for ``target`` and journaled (an item
+        refused is its own error, nothing sent); ``ttl`` "1h": the plan's breakpoint TTL,
+        every breakpoint the planner placed takes the long tier (Anthropic's
+        ``cache_control`` ``ttl: "1h"``; a client's own marks stand)."""
         self._endpoint(target)
-        return await self._planned(target, [(i, b, None) for i, b in items], who, ttl)
+        batch = [(i, b, None) for i, b in items]
+        return await self._planned(target, batch, who, ttl, endpoint)
 
     async def reopen(
         self,
         target: str,
         items: Sequence[tuple[int, dict[str, Any], dict[str, str | None]]],
         who: Principal,
+        endpoint: str = CHAT,
     ) -> Submission:
         """The items of a submission made before a restart (each with what the store
         kept of its journal), planned again to read their answers: nothing journaled as
         sent again, each answer journaled in the session its request was recorded in."""
         self._endpoint(target)
-        return await self._planned(target, items, who)
+        return await self._planned(target, items, who, None, endpoint)
 
     async def _planned(
         self,
@@ -500,6 +509,7 @@ class ProviderBatches:
         items: Sequence[tuple[int, dict[str, Any], dict[str, str | None] | None]],
         who: Principal,
         ttl: str | None = None,
+        endpoint: str = CHAT,
     ) -> Submission:
         svc, chat = self._svc, self._svc.providers
         assert chat is not None
@@ -509,7 +519,11 @@ class ProviderBatches:
         for idx, body, kept in items:
             rid = (kept or {}).get("request_id") or f"chatcmpl-{uuid.uuid4().hex}"
             try:
-                req = svc.named(ChatCompletionRequest.model_validate({**body, "stream": False}))
+                if endpoint == MESSAGES:  # served as the chat request it maps to
+                    msg = MessagesRequest.model_validate({**body, "stream": False})
+                    req = mapped(msg)[0].model_copy(update={"stream": False})
+                else:
+                    req = svc.named(ChatCompletionRequest.model_validate({**body, "stream": False}))
                 if req.model != target and target not in svc.resolve(req.model):
                     raise InvalidRequest(f"'{req.model}' is not served by {target}", param="model")
                 p = await chat.prepare(target, Call(req, who, rid))
@@ -528,7 +542,8 @@ class ProviderBatches:
             except APIError as exc:
                 refused[idx] = Outcome(exc.status, rid, error=error_of(exc))
                 continue
-            ready.append(_Item(idx, req, p, op, p.request_id, kept is not None))
+            resumed = kept is not None
+            ready.append(_Item(idx, req, p, op, p.request_id, resumed, endpoint, req.model))
         return Submission(target, ready, refused)
 
     async def submit(self, sub: Submission) -> str:
@@ -580,9 +595,13 @@ class ProviderBatches:
         adapter = p.planned.target.client.adapter
         answer = adapter.parse(body)
         usage = provider_usage(answer.usage)
-        shaped = await chat_completion(
-            rid, it.req.model, _pieces(answer, usage), chat_shape(it.req)
-        )
+        shaped: BaseModel
+        if it.endpoint == MESSAGES:
+            shaped = await whole_message(message_id(), it.model, _pieces(answer, usage))
+        else:
+            shaped = await chat_completion(
+                rid, it.req.model, _pieces(answer, usage), chat_shape(it.req)
+            )
         await journal.answered(it.op, rid, answer.text, usage)
         if not it.resumed:  # planned again after a restart: not the call that was sent
             self._svc.providers.settle(p, usage)  # type: ignore[union-attr]

@@ -96,9 +96,10 @@ class ProviderRoute(Protocol):
         items: Sequence[tuple[int, dict[str, Any]]],
         who: Principal,
         ttl: str | None = None,
+        endpoint: str = CHAT,
     ) -> Submission:
-        """The items validated, rendered (their breakpoints at ``ttl``) and journaled for
-        one submission."""
+        """The items (requests of ``endpoint``) validated, rendered (their breakpoints at
+        ``ttl``) and journaled for one submission."""
         ...
 
     def learn(self, target: str, kind: str, samples: Iterable[tuple[int, int, BatchUsage]]) -> None:
@@ -110,6 +111,7 @@ class ProviderRoute(Protocol):
         target: str,
         items: Sequence[tuple[int, dict[str, Any], dict[str, str | None]]],
         who: Principal,
+        endpoint: str = CHAT,
     ) -> Submission:
         """The items of a submission made before a restart, to read their answers."""
         ...
@@ -269,9 +271,13 @@ class BatchRunner:
                     named = model if isinstance(model, str) else None
                     choice = self._provider.choose(batch.endpoint, named, us, steps)
                 if self._provider is not None:  # submissions made before a restart
-                    open_ -= await self._provider_resume(bid, steps, open_, bodies, us, who)
+                    open_ -= await self._provider_resume(
+                        bid, batch.endpoint, steps, open_, bodies, us, who
+                    )
                 if choice is not None:  # the provider plan: its own batch API is cheaper
-                    await self._provider_walk(bid, choice, steps, open_, bodies, us, who)
+                    await self._provider_walk(
+                        bid, batch.endpoint, choice, steps, open_, bodies, us, who
+                    )
                 else:
                     if self._recall is not None:
                         await self._recall_chains(us, dag, {str(i) for i in open_}, bodies, batch)
@@ -327,6 +333,7 @@ class BatchRunner:
     async def _provider_resume(
         self,
         bid: str,
+        endpoint: str,
         steps: list[Step],
         open_: set[int],
         bodies: dict[int, dict[str, Any]],
@@ -356,16 +363,18 @@ class BatchRunner:
             )
             log.info("batch %s: resuming %s on %s (%d items)", bid, run.id, run.target, len(mine))
             async with self._slots:
-                sub = await self._provider.reopen(
-                    run.target, [(i, bodies[i], run.items[i]) for i in mine], who
+                kept = [(i, bodies[i], run.items[i]) for i in mine]
+                sub = await self._provider.reopen(run.target, kept, who, endpoint)
+                await self._settle_all(bid, endpoint, sub.refused, plan, us)
+                await self._provider_results(
+                    bid, endpoint, sub, run.id, plan, us, run.target, run.kind
                 )
-                await self._settle_all(bid, sub.refused, plan, us)
-                await self._provider_results(bid, sub, run.id, plan, us, run.target, run.kind)
         return carried
 
     async def _provider_walk(
         self,
         bid: str,
+        endpoint: str,
         choice: Choice,
         steps: list[Step],
         open_: set[int],
@@ -394,25 +403,25 @@ class BatchRunner:
         )
         log.info("batch %s: %d items to %s's batch API", bid, len(claimed), target)
         async with self._slots:
-            sub = await self._provider.prepare(
-                target, [(int(st.unit), bodies[int(st.unit)]) for st in claimed], who, choice.ttl
-            )
-            await self._settle_all(bid, sub.refused, plan, us)
+            batch = [(int(st.unit), bodies[int(st.unit)]) for st in claimed]
+            sub = await self._provider.prepare(target, batch, who, choice.ttl, endpoint)
+            await self._settle_all(bid, endpoint, sub.refused, plan, us)
             if not sub.journal():
                 return
             try:
                 run_id = await self._provider.submit(sub)
             except BatchAPIError as exc:  # never took: every item's named error
-                await self._settle_all(bid, self._provider.failed(sub, exc), plan, us)
+                await self._settle_all(bid, endpoint, self._provider.failed(sub, exc), plan, us)
                 return
             await asyncio.to_thread(
                 store.add_provider_run, run_id, bid, target, sub.journal(), choice.kind
             )
-            await self._provider_results(bid, sub, run_id, plan, us, target, choice.kind)
+            await self._provider_results(bid, endpoint, sub, run_id, plan, us, target, choice.kind)
 
     async def _provider_results(
         self,
         bid: str,
+        endpoint: str,
         sub: Submission,
         run_id: str,
         plan: dict[int, Step],
@@ -429,7 +438,7 @@ class BatchRunner:
             return await asyncio.to_thread(self._store.status, bid) != "in_progress"
 
         outcomes = await self._provider.finish(sub, run_id, cancelled)
-        await self._settle_all(bid, outcomes, plan, us)
+        await self._settle_all(bid, endpoint, outcomes, plan, us)
         if kind is not None:
             samples = [
                 (plan[i].shared_tokens, us[i].size, out.usage)
@@ -445,6 +454,7 @@ class BatchRunner:
     async def _settle_all(
         self,
         bid: str,
+        endpoint: str,
         outcomes: Mapping[int, Outcome | Literal["canceled", "expired"]],
         plan: dict[int, Step],
         us: list[Unit],
@@ -452,7 +462,7 @@ class BatchRunner:
         for idx, out in outcomes.items():
             if out == "canceled" or out == "expired":
                 if await asyncio.to_thread(self._store.drop, bid, idx, self.owner, out):
-                    self._item_counted(CHAT, "dropped")
+                    self._item_counted(endpoint, "dropped")
                 continue
             assert isinstance(out, Outcome)
             shared = plan[idx].shared_tokens if idx in plan else 0
@@ -464,7 +474,7 @@ class BatchRunner:
                 self._store.finish, bid, idx, self.owner, out.ok, out.status_code, result, usage
             )
             if kept:
-                self._item_counted(CHAT, "completed" if out.ok else "failed")
+                self._item_counted(endpoint, "completed" if out.ok else "failed")
 
     async def _recall_chains(
         self,

@@ -296,3 +296,48 @@ def test_a_finished_provider_batch_calibrates_the_plans_hit_share(via_api: Gw) -
     targets = via_api.http.app.state.batch_targets  # type: ignore[attr-defined]
     [option] = targets.options(target)
     assert option.hit_share["implicit"] == pytest.approx((0.64 * 20 + hits) / (20 + reads))
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+def test_a_message_batch_the_plan_sends_to_a_providers_batch_api(
+    via_api: Gw, provider: str
+) -> None:
+    """Messages items (the Message Batches API, through the anthropic SDK) with nothing
+    shared go to the target's own batch API, each served as the chat request it maps to
+    and rendered for its provider (Anthropic's Message Batches, OpenAI's Batch API of
+    chat completions): one submission, every result a Message matched by custom_id,
+    each journaled request rebuilt to the bytes in the provider's batch."""
+    target = f"{provider}/{MODELS[provider]}"
+    client = anthropic.Anthropic(
+        base_url="http://testserver", api_key=KEY, http_client=via_api.http, max_retries=0
+    )
+    requests: Any = [
+        {
+            "custom_id": f"m-{i}",
+            "params": {
+                "model": target,
+                "max_tokens": 4,
+                "system": f"Manual {i}. " + MANUAL,
+                "messages": [{"role": "user", "content": f"what is section {i} about?"}],
+            },
+        }
+        for i in range(ITEMS)
+    ]
+    batch = client.messages.batches.create(requests=requests)
+    _until(
+        lambda: client.messages.batches.retrieve(batch.id).processing_status == "ended",
+        "the batch's end",
+    )
+    results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+    assert sorted(results) == [f"m-{i}" for i in range(ITEMS)]
+    for r in results.values():
+        assert r.type == "succeeded"
+        assert r.message.type == "message" and r.message.model == target
+        u = r.message.usage
+        prompt = u.input_tokens + (u.cache_creation_input_tokens or 0)
+        assert prompt + (u.cache_read_input_tokens or 0) > 1000  # the manual, as billed
+    bill = via_api.emulator.admin_get("billing")
+    assert bill[f"{provider}-batch"]["requests"] == ITEMS and provider not in bill
+    creates = ("/v1/batches", "/v1/messages/batches")
+    assert len([r for r in via_api.emulator.received() if r["path"] in creates]) == 1
+    assert _rebuilt(via_api, target) == ITEMS

@@ -420,13 +420,15 @@ class Route:
     def choose(self, endpoint: str, model: str | None, units: Any, steps: Any) -> Choice | None:
         return None if self.target is None else Choice(self.target, None, "implicit")
 
-    async def prepare(self, target: str, items: Any, who: Principal, ttl: Any = None) -> Sub:
+    async def prepare(
+        self, target: str, items: Any, who: Principal, ttl: Any = None, endpoint: str = CHAT
+    ) -> Sub:
         return Sub(target, {idx: str(b["messages"][-1]["content"]) for idx, b in items})
 
     def learn(self, target: str, kind: str, samples: Any) -> None:
         self.learned.append((target, kind, list(samples)))
 
-    async def reopen(self, target: str, items: Any, who: Principal) -> Sub:
+    async def reopen(self, target: str, items: Any, who: Principal, endpoint: str = CHAT) -> Sub:
         sub = Sub(target, {idx: str(b["messages"][-1]["content"]) for idx, b, _ in items})
         self.reopened.append((target, list(sub.tags.values())))
         return sub
