@@ -21,7 +21,7 @@ import pytest
 
 from engines.tokenizer import ChatTokenizer
 from gateway.batches.store import BatchStore
-from tests.providers.conftest import KEY, MANUAL, MODELS, Emulator, Gw, make_gateway
+from tests.providers.conftest import KEY, MANUAL, MODELS, PROVIDER_KEY, Emulator, Gw, make_gateway
 
 ITEMS = 6
 
@@ -341,3 +341,42 @@ def test_a_message_batch_the_plan_sends_to_a_providers_batch_api(
     creates = ("/v1/batches", "/v1/messages/batches")
     assert len([r for r in via_api.emulator.received() if r["path"] in creates]) == 1
     assert _rebuilt(via_api, target) == ITEMS
+
+
+def test_a_cancel_reaches_the_providers_batch(
+    emulator: Emulator, tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    """A batch running on OpenAI's batch API, cancelled through the SDK: the cancel is
+    passed on to the provider's batch, and the vcache batch ends cancelled with every
+    item the provider had not run in the error file as batch_cancelled."""
+    emulator.admin("reset")
+    emulator.admin("batch-rules", delay_s=3600, parallel=4)  # it would not run for an hour
+    target = f"openai/{MODELS['openai']}"
+    log = {"path": str(tmp_path / "sessions.db"), "verify_reconstruction": True}
+    batches = {"provider_api": True, "provider_poll_s": 0.05, "poll_s": 0.05}
+    gateway = contextlib.contextmanager(make_gateway)
+    with gateway(emulator, tokenizer, batches=batches, session_log=log) as gw:
+        client = gw.client()
+        lines = _lines(target, lambda i: MANUAL)
+        data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
+        f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        store: BatchStore = gw.http.app.state.batches  # type: ignore[attr-defined]
+        [run] = _until(lambda: store.provider_runs(batch.id), "the submission kept")
+        client.batches.cancel(batch.id)
+        done = _until(
+            lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b,
+            "the batch's end",
+        )
+        assert done.output_file_id is None and done.error_file_id is not None
+        errors = [
+            json.loads(x) for x in client.files.content(done.error_file_id).read().splitlines()
+        ]
+        assert sorted(x["custom_id"] for x in errors) == [f"item-{i}" for i in range(ITEMS)]
+        assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
+        headers = {"authorization": f"Bearer {PROVIDER_KEY}"}
+        there = emulator.http.get(f"{emulator.url}/v1/batches/{run.id}", headers=headers)
+        assert there.json()["status"] == "cancelled"  # the provider's batch was cancelled
+        assert store.provider_runs(batch.id) == []
