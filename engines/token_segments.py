@@ -33,7 +33,8 @@ Encode = Callable[[str], list[int]]
 # long ones (system prompts, tools, earlier turns) are remembered
 SHORT_CHARS = 32
 MIN_CHARS = 256
-BUDGET_CHARS = 4_000_000  # the remembered pieces' characters (and 64 an entry), at most
+# the remembered pieces' characters (and 64 an entry), at most: ~0.5M tokens, ~22 MB
+BUDGET_CHARS = 2_000_000
 ENTRY_CHARS = 64
 
 
