@@ -57,6 +57,11 @@ class Placement(Protocol):
     @property
     def predicted_cached_tokens(self) -> int | None: ...
 
+    @property
+    def approximate(self) -> str:
+        """Why the prediction may be wrong ("": exact)."""
+        ...
+
     def headers(self) -> dict[str, str]: ...
 
 
