@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -268,6 +269,68 @@ def test_one_image_too_many_is_a_400_before_anything_is_sent(remote: RemoteVisio
     assert err.value.status_code == 400
     assert f"messages[0].content[{IMAGES_PER_PROMPT}]" in str(err.value)
     assert remote.vllm.routes(GENERATE) == sent
+
+
+def test_an_image_conversation_through_the_messages_api_predicted_exactly(
+    remote: RemoteVision,
+) -> None:
+    shot = _image((320, 240), (90, 160, 30))
+    image = {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": base64.b64encode(shot.data).decode(),
+        },
+    }
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": [image, {"type": "text", "text": "What do you see?"}]}
+    ]
+    client = anthropic.Anthropic(base_url=remote.url, api_key=ADMIN_KEY, max_retries=0)
+    reads = []
+    for turn in range(3):
+        raw = client.messages.with_raw_response.create(
+            model=MODEL,
+            max_tokens=4,
+            system=SYSTEM + "Messages. ",
+            messages=history,  # type: ignore[arg-type]
+        )
+        assert raw.headers["x-vcache-replica"] == "remote-0"
+        m = raw.parse()
+        read = m.usage.cache_read_input_tokens or 0
+        assert int(raw.headers["x-vcache-predicted-cached-tokens"]) == read, (turn, m.usage)
+        reads.append(read)
+        text = "".join(b.text for b in m.content if b.type == "text") or "..."
+        history += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"And then, turn {turn}?"},
+        ]
+    system = {"role": "system", "content": SYSTEM + "Messages. "}
+    offset = remote.prompt([system, _templated("What do you see?")], [shot]).spans[0].offset
+    assert all(r > offset for r in reads[1:]), reads  # each later turn reads through the image
+
+
+def test_prompt_logprobs_of_an_image_prompt_come_whole(remote: RemoteVision) -> None:
+    """Prompt logprobs are asked of the replica as a whole answer (not a stream): an image
+    request takes that path too, one logprob entry per token of the prompt as the gateway
+    expanded it.  (vLLM reads no cache for a request with prompt logprobs:
+    ``SamplingParams.skip_reading_prefix_cache``.)"""
+    shot = _image((200, 900), (70, 70, 160))
+    system = {"role": "system", "content": SYSTEM + "Whole. "}
+    expected = remote.prompt([system, _templated("Tall?")], [shot])
+    raw = remote.openai().chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[system, _user(shot, "Tall?")],  # type: ignore[list-item]
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 1},
+    )
+    assert raw.headers["x-vcache-replica"] == "remote-0"
+    out = raw.parse()
+    assert out.usage is not None and out.usage.prompt_tokens == len(expected.token_ids)
+    steps = (out.model_extra or {}).get("prompt_logprobs")
+    assert steps is not None and len(steps) == len(expected.token_ids)
+    assert out.usage.prompt_tokens_details is not None
+    assert not out.usage.prompt_tokens_details.cached_tokens
 
 
 def test_the_replica_expands_the_wires_images_to_the_gateways_ids(remote: RemoteVision) -> None:
