@@ -205,9 +205,12 @@ class BatchAPIClient:
             if row.get(key) in TERMINAL:
                 break
             if not asked and await cancelled():
-                await self._tried(
-                    e, f"cancelling {run_id}", lambda: self._json(e, "POST", url + "/cancel")
-                )
+                try:
+                    await self._tried(
+                        e, f"cancelling {run_id}", lambda: self._json(e, "POST", url + "/cancel")
+                    )
+                except BatchAPIError as exc:  # it ended first (409), or the provider is down:
+                    log.warning("%s", exc)  # its results are read as they are
                 asked = True
                 continue
             await asyncio.sleep(self._poll_s)
@@ -269,12 +272,11 @@ class BatchAPIClient:
         return str(b["id"])
 
     async def _openai_made(self, e: Endpoint, token: str) -> Any:
-        """The batch a lost create made, found by its token among the newest (None: none,
-        or the list could not be read: then it is tried again)."""
-        try:
-            page = await self._json(e, "GET", "/batches?limit=100")
-        except BatchAPIError:
-            return None
+        """The batch a failed create made, found by its token among the newest (None:
+        none; a list that cannot be read ends the tries rather than risk a second batch)."""
+        page = await self._tried(
+            e, "listing batches", lambda: self._json(e, "GET", "/batches?limit=100")
+        )
         for b in page.get("data") or []:
             if (b.get("metadata") or {}).get("vcache_submission") == token:
                 return b
@@ -316,7 +318,7 @@ class BatchAPIClient:
         )
         body = b'{"requests":[' + reqs + b"]}"
         ids = {cid for cid, _ in items}
-        before = {str(b["id"]) for b in await self._anthropic_page(e)}
+        before = {str(b["id"]) for b in await self._anthropic_page(e)}  # to tell ours apart
 
         async def made() -> Any:
             return await self._anthropic_made(e, before, len(ids))
@@ -330,10 +332,13 @@ class BatchAPIClient:
         return str(b["id"])
 
     async def _anthropic_page(self, e: Endpoint) -> list[Any]:
-        try:
-            page = await self._json(e, "GET", "/messages/batches?limit=100")
-        except BatchAPIError:
-            return []
+        """The newest message batches (tried as a submission's calls are; one that cannot
+        be read ends the submission's tries rather than risk a second batch)."""
+        page = await self._tried(
+            e,
+            "listing message batches",
+            lambda: self._json(e, "GET", "/messages/batches?limit=100"),
+        )
         return list(page.get("data") or [])
 
     async def _anthropic_made(self, e: Endpoint, before: set[str], n: int) -> Any:

@@ -157,3 +157,25 @@ def test_a_cancel_is_passed_on_and_the_unfinished_items_read_as_canceled(
         assert b["status"] == "cancelled"
     else:
         assert b["processing_status"] == "ended" and b["request_counts"]["canceled"] == N
+
+
+def test_a_cancel_that_comes_after_the_end_reads_the_results(emu: Emulator) -> None:
+    """The provider's batch ends between a poll and the cancel (OpenAI answers the cancel
+    409): the cancel is given up and the results are read as they are, all answered."""
+    emu.admin("batch-rules", delay_s=1, parallel=4)  # runs once the emulator's clock moves
+    assert emu.transport is not None
+    client = _client(emu.transport)
+    e = _endpoint(emu, "openai")
+
+    async def cancelled() -> bool:
+        emu.admin("clock/advance", seconds=5)  # it runs (and ends) before the cancel
+        return True
+
+    async def main() -> Any:
+        run_id = await client.submit(e, _items("openai"), "tok-late")
+        return await client.wait(e, run_id, cancelled)
+
+    done = asyncio.run(main())
+    assert done.status == "completed"
+    assert sorted(done.results) == [f"i{i}" for i in range(N)]
+    assert all(done.results[f"i{i}"][0] == 200 for i in range(N))
