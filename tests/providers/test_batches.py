@@ -222,10 +222,21 @@ def test_a_restart_resumes_the_providers_batch_without_submitting_again(
     """A gateway that stops while OpenAI's batch API runs its batch: the next one over the
     same data (its leases run out) polls that provider batch rather than submit the items
     again; every item is answered once, billed once, and rebuilds from the log."""
+    log = {"path": str(tmp_path / "sessions.db"), "verify_reconstruction": True}
+    restart_resumes(emulator, tokenizer, log, lambda: BatchStore(tmp_path / "batches.db"))
+
+
+def restart_resumes(
+    emulator: Emulator,
+    tokenizer: ChatTokenizer,
+    log: dict[str, Any],
+    open_store: Callable[[], BatchStore],
+) -> None:
+    """The restart test over a session log ``log`` whose batch store ``open_store``
+    opens (SQLite beside it here; PostgreSQL in the stores tier)."""
     emulator.admin("reset")
     emulator.admin("batch-rules", delay_s=3600, parallel=4)  # not run before the restart
     target = f"openai/{MODELS['openai']}"
-    log = {"path": str(tmp_path / "sessions.db"), "verify_reconstruction": True}
     batches = {"provider_api": True, "provider_poll_s": 0.05, "poll_s": 0.05, "lease_s": 0.5}
     gateway = contextlib.contextmanager(make_gateway)
     first = contextlib.ExitStack()
@@ -236,7 +247,7 @@ def test_a_restart_resumes_the_providers_batch_without_submitting_again(
     batch = client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    seen = BatchStore(tmp_path / "batches.db")  # the gateway's, beside its session log
+    seen = open_store()  # the gateway's batch store
     try:
         _until(lambda: seen.provider_runs(batch.id), "the submission kept")
     finally:

@@ -6,9 +6,14 @@ target and kind.  The hermetic tests, run again here."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from engines.tokenizer import ChatTokenizer
 from gateway.batches.store import BatchStore
+from tests.providers.conftest import Emulator, emulator, tokenizer
+from tests.providers.test_batches import restart_resumes
 from tests.unit.batches.conftest import OpenStore
 from tests.unit.batches.test_hit_share import (
     test_a_measured_hit_share_turns_the_plan_to_the_batch_api,
@@ -27,6 +32,7 @@ from tests.unit.batches.test_store import (
 pytestmark = pytest.mark.stores
 
 __all__ = [
+    "emulator",
     "test_a_cancel_reaches_the_providers_batch_and_keeps_what_it_finished",
     "test_a_measured_hit_share_turns_the_plan_to_the_batch_api",
     "test_a_provider_run_is_kept_until_every_item_it_carries_has_settled",
@@ -34,9 +40,22 @@ __all__ = [
     "test_a_submission_that_never_takes_fails_each_item_by_name",
     "test_hit_shares_add_up_per_target_and_kind",
     "test_measures_are_kept_per_target_and_kind",
+    "tokenizer",
 ]
 
 
 @pytest.fixture
 def store(open_store: OpenStore) -> BatchStore:
     return open_store()
+
+
+def test_a_gateway_restart_resumes_the_providers_batch_on_postgresql(
+    emulator: Emulator, tokenizer: ChatTokenizer, tmp_path: Path, postgres_url: str
+) -> None:
+    """The gateways over the emulator and one PostgreSQL session log (its batch tables
+    there): the second polls the provider batch the first submitted, never submits again."""
+    log = {"url": postgres_url, "verify_reconstruction": True}
+    restart_resumes(
+        emulator, tokenizer, log, lambda: BatchStore(tmp_path / "unused.db", url=postgres_url)
+    )
+    assert not (tmp_path / "unused.db").exists()
