@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -95,6 +96,29 @@ from gateway.state.redis_bus import RedisBus
 from manifest.index import LocationId
 
 log = logging.getLogger(__name__)
+
+
+async def _cancel(tasks: Sequence[asyncio.Task[None] | None]) -> None:
+    """Cancel each task and wait for it to end."""
+    for task in tasks:
+        if task is not None and not task.done():
+            task.cancel()
+    for task in tasks:
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _stop_each(steps: Sequence[tuple[str, Callable[[], Awaitable[None] | None]]]) -> None:
+    """Run every step of a shutdown in order: one that raises is logged and the rest still
+    run (a replica that fails to stop must not leave the session log's writer unflushed)."""
+    for name, step in steps:
+        try:
+            result = step()
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            log.exception("stopping the %s failed; stopping the rest", name)
 
 
 def _session_log(
@@ -351,32 +375,39 @@ def lifespan(g: Gateway) -> Callable[[FastAPI], contextlib.AbstractAsyncContextM
                 _retain_forever(settings, g.session_log), name="session-retention"
             )
         batch_runner = asyncio.create_task(g.batches.run(), name="batch-runner")
-        try:
-            yield
-        finally:
-            for task in (retention, batch_runner, *steering):
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+
+        async def stop_grpc() -> None:
             if grpc_server is not None:
                 g.grpc.remove(grpc_server)
                 await grpc_server.stop(grace_s=5)
-            if not starting.done():
-                starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-            await supervisor.close()
-            service.close()
-            await g.bus.close()
-            watch.stop()
+
+        async def close_providers() -> None:
             if g.providers is not None:
                 await g.providers.close()
+
+        def close_session_log() -> None:
             if g.session_log is not None:
-                g.session_log.close()
-            g.batches.store.close()
-            await g.batches.aclose()
-            g.tracing.shutdown()
+                g.session_log.close()  # its writer commits what it was handed first
+
+        try:
+            yield
+        finally:
+            tasks = (retention, batch_runner, *steering, starting)
+            await _stop_each(
+                [
+                    ("tasks", functools.partial(_cancel, tasks)),
+                    ("grpc", stop_grpc),
+                    ("replicas", supervisor.close),
+                    ("service", service.close),
+                    ("state bus", g.bus.close),
+                    ("loop watch", watch.stop),
+                    ("providers", close_providers),
+                    ("session log", close_session_log),
+                    ("batch store", g.batches.store.close),
+                    ("batch runner", g.batches.aclose),
+                    ("tracing", g.tracing.shutdown),
+                ]
+            )
 
     return span
 

@@ -25,8 +25,10 @@ def _data_dir() -> Path:
 
 
 def gateway_settings(**values: Any) -> Settings:
-    """``Settings(**values)`` with a fresh ``data_dir`` and the log verified, where not
-    given."""
+    """``Settings(**values)`` with a fresh ``data_dir``, the log verified and no gRPC
+    server (a test that wants one passes ``grpc_port=0``: a free port; the default
+    50051 may be another process's), where not given."""
+    values.setdefault("grpc_port", None)
     if "data_dir" not in values:
         values["data_dir"] = _data_dir()
     log = values.get("session_log") or {}

@@ -46,32 +46,35 @@ def test_each_request_keeps_how_it_found_its_session(make_store: MakeStore) -> N
     """The log names the session kind of every request: named (by the client), new, or
     found again by its prefix digests (a stateless client's next turn)."""
     log = _log(make_store())
-    u1, a1, u2 = (
-        MessageEvent("user", "q1"),
-        MessageEvent("assistant", "r1"),
-        MessageEvent("user", "q2"),
-    )
+    try:
+        u1, a1, u2 = (
+            MessageEvent("user", "q1"),
+            MessageEvent("assistant", "r1"),
+            MessageEvent("user", "q2"),
+        )
 
-    async def turn(turns: list[MessageEvent], rid: str, session: str | None) -> str:
-        op = log.open("t", HEADER, tuple(turns), session)
-        await log.dispatch(op, rid, "local", "vllm", {}, rid.encode())
-        await log.respond(op, rid, "r1", {"prompt_tokens": 1})
-        assert op.session_id is not None
-        return op.session_id
+        async def turn(turns: list[MessageEvent], rid: str, session: str | None) -> str:
+            op = log.open("t", HEADER, tuple(turns), session)
+            await log.dispatch(op, rid, "local", "vllm", {}, rid.encode())
+            await log.respond(op, rid, "r1", {"prompt_tokens": 1})
+            assert op.session_id is not None
+            return op.session_id
 
-    async def main() -> tuple[str, str]:
-        implicit = await turn([u1], "req-1", None)
-        assert await turn([u1, a1, u2], "req-2", None) == implicit
-        return implicit, await turn([u1], "req-3", "mine")
+        async def main() -> tuple[str, str]:
+            implicit = await turn([u1], "req-1", None)
+            assert await turn([u1, a1, u2], "req-2", None) == implicit
+            return implicit, await turn([u1], "req-3", "mine")
 
-    implicit, named = asyncio.run(main())
-    kinds = {
-        e.request_id: e.session_kind
-        for sid in (implicit, named)
-        for _, e in log.store.events(sid)
-        if isinstance(e, DispatchEvent)
-    }
-    assert kinds == {"req-1": "new", "req-2": "found", "req-3": "named"}
+        implicit, named = asyncio.run(main())
+        kinds = {
+            e.request_id: e.session_kind
+            for sid in (implicit, named)
+            for _, e in log.store.events(sid)
+            if isinstance(e, DispatchEvent)
+        }
+        assert kinds == {"req-1": "new", "req-2": "found", "req-3": "named"}
+    finally:
+        log.close()
 
 
 def test_two_gateways_continue_one_conversation(make_store: MakeStore) -> None:
