@@ -36,7 +36,7 @@ out.  Beside each measured cost, the provider plan's prediction
 (:mod:`gateway.batches.provider_plan`) of the dag arm and of its batch option (DAG
 order, the breakpoint TTL it picks, its stated hit share), and each arm's read share;
 and the plan's batch estimate before and after calibration: the hit share the
-leads-first batch measured (:func:`gateway.batches.hit_share.measure`, of the kind that
+leads-first batch measured (:func:`gateway.batches.provider_plan.measure`, of the kind that
 arm ran under: ``--batch-ttl`` on Anthropic, implicit on OpenAI) moving the prior as a
 gateway's store would after that batch, against that arm's measured cost.
 Top-7 coverage is measured (the share of units under the 7 most used anchors) against
@@ -60,12 +60,9 @@ from typing import Any
 
 import httpx
 
-from gateway.batches.hit_share import belief, measure
 from gateway.batches.plan import leads_first
 from gateway.batches.plan import units as plan_units
-from gateway.batches.provider_plan import ProviderOption, compare
-from gateway.batches.send import usage_of
-from gateway.batches.store import BatchUsage
+from gateway.batches.provider_plan import ProviderOption, belief, compare, measure
 from gateway.batches.targets import profile_option
 from loadtests.emulator.app import create_app
 from loadtests.emulator.batch_book import BATCH_DISCOUNT, BatchBook, BatchRules
@@ -164,9 +161,9 @@ async def online(
 
 async def batch_api(
     provider: str, bodies: list[dict[str, Any]], parallel: int, wave_s: float
-) -> tuple[dict[str, Any], list[BatchUsage]]:
+) -> tuple[dict[str, Any], list[tuple[int, int]]]:
     """The bodies, in the order given, through the provider's batch API; the bill and each
-    item's usage as answered (in that order)."""
+    item's prompt and cached tokens as answered (in that order)."""
     rules = BatchRules(delay_s=0.0, parallel=parallel, wave_s=wave_s)
     state = EmulatorState(api_key=KEY, answer_words=1, batch_book=BatchBook(rules))
     app = create_app(state)
@@ -212,8 +209,19 @@ async def batch_api(
                 x["custom_id"]: x["response"]["body"]
                 for x in map(json.loads, got.text.splitlines())
             }
-    usage = [usage_of(answers.get(f"u{i}") or {}) for i in range(len(bodies))]
+    usage = [prompt_tokens(answers.get(f"u{i}") or {}) for i in range(len(bodies))]
     return state.bill(f"{provider}-batch").view(), usage
+
+
+def prompt_tokens(answer: dict[str, Any]) -> tuple[int, int]:
+    """An answer's prompt tokens (cached included) and cached tokens, in its API's terms."""
+    u = answer.get("usage") or {}
+    if "prompt_tokens" in u:  # a chat completion
+        cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        return int(u["prompt_tokens"]), cached
+    read = int(u.get("cache_read_input_tokens") or 0)  # a Message
+    written = int(u.get("cache_creation_input_tokens") or 0)
+    return int(u.get("input_tokens") or 0) + read + written, read
 
 
 def read_share(bill: dict[str, Any]) -> float:
@@ -280,7 +288,7 @@ async def run_s(args: argparse.Namespace, s: float) -> dict[str, Any]:
         kind = "implicit" if provider == "openai" else args.batch_ttl
         by_unit = {int(st.unit): st for st in steps}
         samples = [
-            (by_unit[i].shared_tokens if by_unit[i].after is not None else 0, us[i].size, u)
+            (by_unit[i].shared_tokens if by_unit[i].after is not None else 0, us[i].size, *u)
             for i, u in zip(leads, leads_usage, strict=True)
         ]
         hits, reads = measure(option, samples)

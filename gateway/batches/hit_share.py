@@ -9,23 +9,20 @@ each measured item as one,
 
     h = (prior · weight + hits) / (weight + reads)
 
-:func:`measure` reads a finished batch: each item that could read an anchor (its step
-has a lead and a cacheable shared prefix) counts as one read, and as a hit by the share
-of that prefix it read (its cached tokens over the cacheable prefix, scaled from the
-plan's estimate to the tokens the provider counted, at most 1).  The sums are kept in
-the batch store (:meth:`BatchStore.add_hit_share`), so a restart and every gateway over
-one PostgreSQL store plan with them.
+:func:`~gateway.batches.provider_plan.measure` reads a finished batch: each item
+that could read an anchor (its step has a lead and a cacheable shared prefix) counts as
+one read, and as a hit by the share of that prefix it read (its cached tokens over the
+cacheable prefix, scaled from the plan's estimate to the tokens billed, at most 1).  The
+sums are kept in the batch store (:meth:`BatchStore.add_hit_share`), so a restart and
+every gateway over one PostgreSQL store plan with them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
-from gateway.batches.provider_plan import HIT_SHARE, ProviderOption, cacheable
-from gateway.batches.store import BatchUsage
-
-PRIOR_WEIGHT = 20.0  # the prior counts as this many measured items
+from gateway.batches.provider_plan import HIT_SHARE, PRIOR_WEIGHT, belief
 
 
 class Kept(Protocol):
@@ -34,26 +31,6 @@ class Kept(Protocol):
     def add_hit_share(self, target: str, kind: str, hits: float, reads: float) -> None: ...
 
     def hit_shares(self) -> dict[tuple[str, str], tuple[float, float]]: ...
-
-
-def measure(o: ProviderOption, samples: Iterable[tuple[int, int, BatchUsage]]) -> tuple[float, int]:
-    """(hits, reads) of a finished batch on ``o``'s batch API; ``samples``: each answered
-    item's (shared tokens, size) as the plan estimated them and its usage as billed."""
-    hits, reads = 0.0, 0
-    for shared, size, usage in samples:
-        if shared <= 0 or size <= 0 or usage.input <= 0:
-            continue
-        expect = cacheable(round(usage.input * min(1.0, shared / size)), o)
-        if expect <= 0:
-            continue
-        reads += 1
-        hits += min(1.0, usage.cached / expect)
-    return hits, reads
-
-
-def belief(prior: float, hits: float, reads: float, weight: float = PRIOR_WEIGHT) -> float:
-    """The prior moved by ``reads`` measured items of which ``hits`` read (see the module)."""
-    return (prior * weight + hits) / (weight + reads)
 
 
 class HitShares:

@@ -35,9 +35,8 @@ from pydantic import BaseModel, ValidationError
 
 from engines.providers.base import Answer, Rendered
 from engines.providers.transport import AiohttpTransport, Transport, TransportError
-from gateway.batches.provider_plan import Choice
+from gateway.batches.provider_plan import Choice, Sample
 from gateway.batches.send import CHAT, MESSAGES, Outcome, error_of, usage_of
-from gateway.batches.store import BatchUsage
 from gateway.core.errors import APIError, BadGateway, InvalidRequest, invalid_request_from
 from gateway.core.messages_wire import MessagesRequest
 from gateway.core.pieces import Piece, ToolCallDelta
@@ -442,7 +441,7 @@ class ProviderBatches:
         client: BatchAPIClient,
         endpoint_of: Callable[[str], Endpoint | None],
         choose: Callable[[str, Sequence[Unit], Sequence[Step]], Choice | None],
-        learn: Callable[[str, str, Iterable[tuple[int, int, BatchUsage]]], object] | None = None,
+        learn: Callable[[str, str, Iterable[Sample]], object] | None = None,
     ) -> None:
         """``endpoint_of(target name)``: the target's :class:`Endpoint` (None: not one
         whose batch API is served); ``choose(model, units, steps)``: the target whose
@@ -463,7 +462,7 @@ class ProviderBatches:
             return None
         return self._choose(model, units, steps)
 
-    def learn(self, target: str, kind: str, samples: Iterable[tuple[int, int, BatchUsage]]) -> None:
+    def learn(self, target: str, kind: str, samples: Iterable[Sample]) -> None:
         """A finished provider batch's items (planned shared tokens and size, usage as
         billed): the hit share they measured, added to what the plan assumes."""
         if self._learn is not None:

@@ -31,7 +31,7 @@ Pure: numbers in, a dict out.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,10 @@ WINDOW_MIN = 24 * 60.0  # the completion window both offer
 # longer than it), the range's middle for the 1-hour TTL, the middle for an implicit
 # provider's automatic caching
 HIT_SHARE = {"5m": 0.3, "1h": 0.64, "implicit": 0.64}
+PRIOR_WEIGHT = 20.0  # the prior counts as this many measured items
+# an answered item of a provider batch: its shared tokens and size as the plan estimated
+# them, its prompt (cached included) and cached tokens as billed
+Sample = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -199,3 +203,26 @@ def compare(
         "batch_api": off,
         "choice": choice,
     }
+
+
+def measure(o: ProviderOption, samples: Iterable[Sample]) -> tuple[float, int]:
+    """(hits, reads) of a finished batch on ``o``'s batch API: each item that could read
+    an anchor (a shared prefix, cacheable once scaled from the plan's estimate to the
+    tokens billed) counts as one read, and as a hit by the share of it that it read (its
+    cached tokens over that cacheable prefix, at most 1)."""
+    hits, reads = 0.0, 0
+    for shared, size, prompt, cached in samples:
+        if shared <= 0 or size <= 0 or prompt <= 0:
+            continue
+        expect = cacheable(round(prompt * min(1.0, shared / size)), o)
+        if expect <= 0:
+            continue
+        reads += 1
+        hits += min(1.0, cached / expect)
+    return hits, reads
+
+
+def belief(prior: float, hits: float, reads: float, weight: float = PRIOR_WEIGHT) -> float:
+    """The prior hit share moved by ``reads`` measured items of which ``hits`` read, the
+    prior counting as ``weight`` items: ``(prior·weight + hits) / (weight + reads)``."""
+    return (prior * weight + hits) / (weight + reads)

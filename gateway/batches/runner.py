@@ -52,10 +52,10 @@ from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import leads_first, units
 from gateway.batches.provider_api import BatchAPIError
-from gateway.batches.provider_plan import Choice
+from gateway.batches.provider_plan import Choice, Sample
 from gateway.batches.recall import Gate, decide, warm_body
 from gateway.batches.send import CHAT, Outcome, Sender, batch_caller
-from gateway.batches.store import BatchRow, BatchStore, BatchUsage
+from gateway.batches.store import BatchRow, BatchStore
 from gateway.core.metrics import Metrics
 from gateway.core.types import Principal
 from manifest.prefix_dag import PrefixDag, Step, Unit
@@ -102,7 +102,7 @@ class ProviderRoute(Protocol):
         ``ttl``) and journaled for one submission."""
         ...
 
-    def learn(self, target: str, kind: str, samples: Iterable[tuple[int, int, BatchUsage]]) -> None:
+    def learn(self, target: str, kind: str, samples: Iterable[Sample]) -> None:
         """A finished provider batch's measured hit share, to the plan."""
         ...
 
@@ -441,7 +441,7 @@ class BatchRunner:
         await self._settle_all(bid, endpoint, outcomes, plan, us)
         if kind is not None:
             samples = [
-                (plan[i].shared_tokens, us[i].size, out.usage)
+                (plan[i].shared_tokens, us[i].size, out.usage.input, out.usage.cached)
                 for i, out in outcomes.items()
                 if isinstance(out, Outcome) and out.ok and i in plan
             ]

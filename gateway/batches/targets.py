@@ -15,10 +15,17 @@ from typing import Protocol
 
 from engines.providers.ratelimits import RateLimits
 from engines.providers.specs import PROVIDERS
-from gateway.batches.hit_share import HitShares, measure
+from gateway.batches.hit_share import HitShares
 from gateway.batches.provider_api import SUPPORTED, Endpoint
-from gateway.batches.provider_plan import Choice, Headroom, ProviderOption, compare, kind_of
-from gateway.batches.store import BatchUsage
+from gateway.batches.provider_plan import (
+    Choice,
+    Headroom,
+    ProviderOption,
+    Sample,
+    compare,
+    kind_of,
+    measure,
+)
 from gateway.core.errors import APIError
 from gateway.core.provider_settings import ProviderConfig
 from manifest.planner import CapabilityProfile, Regime
@@ -125,9 +132,7 @@ class BatchTargets:
             return None
         return Choice(first, plan["batch_api"]["ttl"], kind_of(options[0]))
 
-    def learn(
-        self, target: str, kind: str, samples: Iterable[tuple[int, int, BatchUsage]]
-    ) -> tuple[float, int] | None:
+    def learn(self, target: str, kind: str, samples: Iterable[Sample]) -> tuple[float, int] | None:
         """Add a finished provider batch's measured hit share to ``target``'s (its
         answered items' planned shared tokens and size, and their usage); the measure
         (None: nothing kept, no hit shares here or not a target)."""

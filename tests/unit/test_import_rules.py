@@ -143,18 +143,6 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
         {"loadtests.batch_workload"},
         "the provider plan's option for each provider, from its documented profile",
     ),
-    "gateway.batches.hit_share": (
-        {"loadtests.batch_workload"},
-        "the in-batch hit share measured and believed as the runner calibrates its plan",
-    ),
-    "gateway.batches.send": (
-        {"loadtests.batch_workload"},
-        "each answer's usage read as the runner reads it (usage_of)",
-    ),
-    "gateway.batches.store": (
-        {"loadtests.batch_workload"},
-        "the usage record (BatchUsage) the runner keeps for each item",
-    ),
     "manifest.prefix_dag": ({"loadtests.batch_workload"}, "the batch's DAG order, in process"),
     "manifest.economics": ({"loadtests.batch_workload"}, "H(7,s)/H(V,s) beside the measured"),
 }

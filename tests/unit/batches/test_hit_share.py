@@ -9,9 +9,15 @@ import dataclasses
 
 import pytest
 
-from gateway.batches.hit_share import PRIOR_WEIGHT, HitShares, belief, measure
-from gateway.batches.provider_plan import HIT_SHARE, compare, kind_of
-from gateway.batches.store import BatchUsage
+from gateway.batches.hit_share import HitShares
+from gateway.batches.provider_plan import (
+    HIT_SHARE,
+    PRIOR_WEIGHT,
+    belief,
+    compare,
+    kind_of,
+    measure,
+)
 from gateway.batches.targets import profile_option
 from manifest.prefix_dag import PrefixDag, Unit
 from tests.unit.batches.conftest import OpenStore
@@ -24,11 +30,11 @@ def star(siblings: int, prefix: int, own: int) -> list[Unit]:
 def test_each_sibling_counts_by_the_share_of_its_cacheable_prefix_it_read() -> None:
     o = profile_option("openai/gpt-5")  # min 1024, steps of 128
     samples = [
-        (0, 2020, BatchUsage(2048, 0)),  # a lead: nothing to read
-        (2000, 2020, BatchUsage(2048, 1024)),  # 2028 expected → 1920 cacheable: 1024/1920
-        (2000, 2020, BatchUsage(2048, 1920)),  # all of it
-        (500, 2020, BatchUsage(2048, 0)),  # below the minimum: cannot read
-        (2000, 2020, BatchUsage(0, 0)),  # no usage (an error): not counted
+        (0, 2020, 2048, 0),  # a lead: nothing to read
+        (2000, 2020, 2048, 1024),  # 2028 expected → 1920 cacheable: 1024/1920
+        (2000, 2020, 2048, 1920),  # all of it
+        (500, 2020, 2048, 0),  # below the minimum: cannot read
+        (2000, 2020, 0, 0),  # no usage (an error): not counted
     ]
     hits, reads = measure(o, samples)
     assert reads == 2 and hits == pytest.approx(1024 / 1920 + 1.0)

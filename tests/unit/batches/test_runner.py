@@ -491,8 +491,8 @@ def test_a_batch_the_plan_sends_to_a_providers_batch_api_is_one_submission(
     # shared tokens (the leads a1, b1 none) and size
     [(target, kind, samples)] = route.learned
     assert (target, kind, len(samples)) == ("openai/gpt-5", "implicit", 5)
-    assert sorted(sh > 0 for sh, _, _ in samples) == [False, False, True, True, True]
-    assert all(size > 0 and u == BatchUsage(100, 60, 2, u.bought) for _, size, u in samples)
+    assert sorted(sh > 0 for sh, _, _, _ in samples) == [False, False, True, True, True]
+    assert all(size > 0 and (prompt, cached) == (100, 60) for _, size, prompt, cached in samples)
     row = store.batch(bid)
     assert row is not None and row.status == "completed" and row.counts.done == 5
     assert row.totals.cached == 5 * 60
