@@ -5,13 +5,15 @@ bytes under its own identifier as the uuid (``engines/vllm/remote_wire.py``): th
 tokens vLLM reports equal the gateway's prediction through the image's blocks, a client
 uuid is honoured as the embedded engine honours it, the replica expands every image to
 the gateway's ids (as it reports them back), and an image the gateway refuses is a 400
-naming its part before anything reaches the replica.
+naming its part before anything reaches the replica; a replica whose model reads text
+only refuses an image by name.
 
 Each prompt is also rendered here as vLLM renders it (``VisionRenderer`` over the model's
 own tokenizer) to know where the image's placeholders sit."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -29,7 +31,9 @@ import pytest
 from PIL import Image
 
 from engines.base import EngineImage, GenerateRequest, SamplingOptions
+from engines.errors import EngineInputError
 from engines.vllm.demo_vision import ensure_demo_vision_model
+from engines.vllm.remote import RemoteVllmConfig, RemoteVllmEngine
 from engines.vllm.remote_wire import expansion, expansion_differs, request_body
 from gateway.local.vision_prompt import (
     IMAGES_PER_PROMPT,
@@ -367,3 +371,35 @@ def test_the_replica_expands_the_wires_images_to_the_gateways_ids(remote: Remote
     assert found == (list(vp.token_ids), [(s.offset, s.length) for s in vp.spans])
     assert expansion_differs(req, *found) is None
     assert "otherwise than the gateway" not in remote.gateway_log.read_text(errors="replace")
+
+
+def test_a_replica_whose_model_reads_text_only_refuses_an_image_by_name(
+    remote_vllm: RemoteVllm, demo_model: Path
+) -> None:
+    """The session's text-model replica (vLLM's server on the text demo, with the generate
+    route) handed an image request by a remote engine: vLLM's 400 naming the model, an
+    input error (the gateway's 400), not an engine failure."""
+    shot = _image((64, 64), (3, 2, 1))
+    request = GenerateRequest(
+        request_id="h50-text-only",
+        prompt_token_ids=(1, 5, 5, 2),
+        sampling=SamplingOptions(max_tokens=1),
+        images=(EngineImage(shot.data, "image/png", "x", None, 1, 2),),
+        template_token_ids=(1, 5, 2),
+    )
+
+    async def main() -> None:
+        config = RemoteVllmConfig(
+            url=remote_vllm.url, tokenizer=str(demo_model), control_secret=SECRET
+        )
+        engine = RemoteVllmEngine(config)
+        try:
+            await engine.start()
+            assert engine.api == "generate"
+            async for _ in engine.generate(request):
+                pass
+        finally:
+            await engine.close()
+
+    with pytest.raises(EngineInputError, match="is not a multimodal model"):
+        asyncio.run(main())
