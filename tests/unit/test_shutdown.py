@@ -37,14 +37,14 @@ def test_a_failing_step_does_not_skip_closing_the_session_log(
     db = tmp_path / "sessions.db"
     settings = gateway_settings(session_log={"path": db})
     before = _writers()
-    with caplog.at_level(logging.ERROR, logger="gateway.app"):
-        with TestClient(create_app(settings, [engine])) as client:
-            r = client.post(
-                "/v1/chat/completions",
-                json={"model": "vcache-demo", "messages": [{"role": "user", "content": "hi"}]},
-            )
-            assert r.status_code == 200, r.text
-            assert _writers() - before  # this app's writer runs
+    app = create_app(settings, [engine])
+    with caplog.at_level(logging.ERROR, logger="gateway.app"), TestClient(app) as client:
+        r = client.post(
+            "/v1/chat/completions",
+            json={"model": "vcache-demo", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert r.status_code == 200, r.text
+        assert _writers() - before  # this app's writer runs
     assert not _writers() - before  # and ended with the lifespan
     assert any("stopping the replicas failed" in m for m in caplog.messages)
     with sqlite3.connect(db) as con:
