@@ -23,7 +23,7 @@ from typing import Any
 
 from engines.base import GenerateRequest, SamplingOptions
 from gateway.core.metrics import Metrics
-from gateway.local.dispatch import Dispatch, Dispatcher, prediction_result
+from gateway.local.dispatch import MAX_REJOINS, Dispatch, Dispatcher, prediction_result
 from gateway.local.replicas import Replica
 from gateway.local.routing import Router
 from gateway.local.spans import KVSpans
@@ -257,6 +257,36 @@ def test_a_prefill_the_index_covers_but_the_engine_does_not(tmp_path: Path) -> N
         assert _honest(b, served_b), (b.headers(), served_b)
         assert (b.predicted_cached_tokens, served_b) == (3 * BS, 3 * BS)
         assert waited
+
+    asyncio.run(main())
+
+
+def test_waits_for_prefills_routed_meanwhile_are_bounded(tmp_path: Path) -> None:
+    """B waits for a running prefill of its blocks; each time it is answered, another
+    like it is running.  B waits for MAX_REJOINS of those after the first, then goes,
+    held, its prediction approximate (what it reads depends on vLLM's order)."""
+
+    async def main() -> None:
+        engine = SimEngine(SHARED[:2])
+        d, kv = _dispatcher(engine, tmp_path)
+        blocks = block_hashes(list(A_PROMPT), BS, "0")[: (len(A_PROMPT) - 1) // BS]
+        running = d.prefills.start(R, blocks)
+        routing = asyncio.create_task(d.route(_greq("b", B_PROMPT), None))
+        for _ in range(MAX_REJOINS + 1):
+            for _ in range(5):  # B is waiting for the one running
+                await asyncio.sleep(0)
+            later = d.prefills.start(R, blocks)  # routed while B waited
+            d.prefills.finish(running)  # its first token: B holds again, finds ``later``
+            running = later
+        b = await routing
+        d.release(b)
+        d.prefills.finish(running)
+        await kv.close()
+        get = d._metrics.registry.get_sample_value
+        assert get("vcache_prefill_waits_total", {"outcome": "joined"}) == MAX_REJOINS + 1
+        assert not get("vcache_prefill_waits_total", {"outcome": "timeout"})  # it went at once
+        assert b.approximate == "prefill_in_flight"
+        assert b.predicted_cached_tokens == 2 * BS
 
     asyncio.run(main())
 
