@@ -256,6 +256,7 @@ def local_chat(
         governor,
         tool_parser=e.tool_parser,
         trust_chat_template=e.trust_request_chat_template,
+        render_inline_chars=e.render_inline_chars,
         input_price=settings.routing.local_input_price,
         max_output_tokens=e.max_output_tokens,
         ceiling_finish=e.max_output_tokens_finish,

@@ -34,8 +34,8 @@ REMEMBERED = 1024
 
 class PrefixLengths:
     """How many leading tokens of a prompt a prefix of its conversation renders to
-    (``render``: the render thread's, :mod:`gateway.service.render_thread`, the one
-    thread that asks)."""
+    (``render``: the render thread's, :mod:`gateway.service.render_thread`; one job
+    asks at a time, on that thread or on the loop)."""
 
     def __init__(self) -> None:
         self._seen: OrderedDict[tuple[SystemPrompts, bytes, Turns], int] = OrderedDict()
@@ -61,6 +61,27 @@ class PrefixLengths:
         if len(self._seen) > REMEMBERED:
             self._seen.popitem(last=False)
         return n
+
+    def renders(
+        self,
+        anchor: bool,
+        marks: Sequence[Breakpoint],
+        system: SystemPrompts,
+        turns: Turns,
+        tools: list[dict[str, Any]],
+    ) -> int:
+        """How many renders finding the anchor (``anchor``) and ``marks``' ends would make:
+        the prefixes not remembered (asked before a job, with no job running)."""
+        listed = canonical_json(tools) if tools else b""
+        heads: set[tuple[SystemPrompts, bytes, Turns]] = set()
+        if anchor:
+            heads.add((system, listed, ()))
+        for bp in marks:
+            if bp.segment in ("tools", "system"):
+                heads.add((system, listed, ()))
+            elif (i := int(bp.segment.partition(":")[2])) < len(turns) - 1:
+                heads.add((system, listed, turns[: i + 1]))
+        return sum(key not in self._seen for key in heads)
 
     def ends(
         self,

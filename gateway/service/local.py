@@ -65,6 +65,7 @@ from gateway.service.engine_request import (
 )
 from gateway.service.json_text import JsonText, json_answer
 from gateway.service.prompts import Prompts
+from gateway.service.render_thread import INLINE_CHARS
 from gateway.service.tools import ToolPlan
 from gateway.service.vision_request import engine_images, expanded_prompt
 from gateway.sessions.render import (
@@ -130,13 +131,15 @@ class LocalChat:
         ceiling_finish: str = "length",
         adapters: Adapters | None = None,
         vision: VisionRenderer | None = None,
+        render_inline_chars: int = INLINE_CHARS,
     ) -> None:
         """``turns``: agent sessions (the replica of the last turn, KV leased across
         tool-call pauses; the dispatcher makes room with the same one); ``leases``: the KV
         blocks through clients' breakpoints; ``governor``: pins anchors worth holding;
         ``adapters``: the LoRA adapters served as models (None: none); ``vision``: the
         image prompts' renderer when the model is a vision-language model (None: it
-        reads text only)."""
+        reads text only); ``render_inline_chars``: a render that tokenizes at most this
+        many characters afresh runs on the loop (the render thread idle)."""
         self.dispatcher = dispatcher
         self.vision = vision
         self.adapters = adapters
@@ -150,7 +153,8 @@ class LocalChat:
         self.trust_chat_template = trust_chat_template  # a request's own chat_template
         self.tool_parser = tool_parser  # vLLM's parser for the model's tool-call format
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
-        self._prompts = Prompts()  # templates and tokenizers run off the event loop
+        # templates and tokenizers run off the event loop, a short render on it
+        self._prompts = Prompts(render_inline_chars)
 
     @property
     def engine(self) -> Engine:
