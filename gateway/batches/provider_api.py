@@ -172,15 +172,47 @@ class BatchAPIClient:
                         return found
         raise AssertionError("unreachable")
 
-    async def submit(self, e: Endpoint, items: Sequence[tuple[str, Rendered]], token: str) -> str:
+    async def lookup(self, e: Endpoint) -> dict[str, Any]:
+        """What finds a submission besides its token, read before it is made (and kept
+        with it): OpenAI's batches carry the token as metadata, nothing more; Anthropic's
+        Message Batches carry none, so the ids of the newest batches already there
+        (``before``): the one new batch of the submission's size is it."""
+        if e.provider == "anthropic":
+            return {"before": sorted(str(b["id"]) for b in await self._anthropic_page(e))}
+        return {}
+
+    async def submit(
+        self,
+        e: Endpoint,
+        items: Sequence[tuple[str, Rendered]],
+        token: str,
+        lookup: Mapping[str, Any] | None = None,
+    ) -> str:
         """Submit ``items`` (custom_id, rendered request) as one batch: its id at the
-        provider.  ``token`` names the submission: a create whose answer was lost is
-        looked for by it before it is tried again, so a batch is never made twice."""
+        provider.  ``token`` and ``lookup`` (:meth:`lookup`; read now when None) name the
+        submission: a create whose answer was lost is looked for by them before it is
+        tried again, so a batch is never made twice."""
         if e.provider == "openai":
             return await self._openai_submit(e, items, token)
         if e.provider == "anthropic":
-            return await self._anthropic_submit(e, items)
+            found = lookup if lookup is not None else await self.lookup(e)
+            return await self._anthropic_submit(e, items, set(found.get("before") or ()))
         raise BatchAPIError(f"{e.provider} has no batch API here")
+
+    async def made(self, e: Endpoint, token: str, lookup: Mapping[str, Any], n: int) -> str | None:
+        """The id of the batch a submission of ``n`` items named ``token`` (and
+        ``lookup``) made, if the provider has it (None: it was never made).  OpenAI: the
+        batch whose metadata carries the token; Anthropic: the one batch of ``n`` requests
+        not among ``before`` (weaker: another client's batch of that size made since is
+        taken for it, and two such make it None).  :class:`BatchAPIError` when the
+        provider's list cannot be read."""
+        if e.provider == "openai":
+            b = await self._openai_made(e, token)
+        elif e.provider == "anthropic":
+            b = await self._anthropic_made(e, set(lookup.get("before") or ()), n)
+        else:
+            raise BatchAPIError(f"{e.provider} has no batch API here")
+        return None if b is None else str(b["id"])
 
     async def wait(
         self, e: Endpoint, run_id: str, cancelled: Callable[[], Awaitable[bool]]
@@ -310,14 +342,15 @@ class BatchAPIClient:
             )
         return data
 
-    async def _anthropic_submit(self, e: Endpoint, items: Sequence[tuple[str, Rendered]]) -> str:
+    async def _anthropic_submit(
+        self, e: Endpoint, items: Sequence[tuple[str, Rendered]], before: set[str]
+    ) -> str:
         reqs = b",".join(
             b'{"custom_id":' + json.dumps(cid).encode() + b',"params":' + r.body + b"}"
             for cid, r in items
         )
         body = b'{"requests":[' + reqs + b"]}"
         ids = {cid for cid, _ in items}
-        before = {str(b["id"]) for b in await self._anthropic_page(e)}  # to tell ours apart
 
         async def made() -> Any:
             return await self._anthropic_made(e, before, len(ids))
@@ -409,6 +442,15 @@ class _Item:
 
 
 Settled = Outcome | Literal["canceled", "expired"]
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A submission's names before it is made: ``token`` (sent with it where the provider
+    keeps metadata) and ``lookup`` (what else finds it, see :meth:`BatchAPIClient.lookup`)."""
+
+    token: str
+    lookup: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -550,12 +592,28 @@ class ProviderBatches:
             ready.append(_Item(idx, req, p, op, p.request_id, resumed, endpoint, req.model))
         return Submission(target, ready, refused)
 
-    async def submit(self, sub: Submission) -> str:
-        """Send the ready items as one batch (tried again after a 429, 5xx or timeout,
-        bounded): its id at the provider.  :class:`BatchAPIError` when it never took."""
+    async def ticket(self, sub: Submission) -> Ticket:
+        """What names ``sub``'s submission before it is made (kept in the store first, so
+        a restart finds the batch a lost create made): a fresh token (OpenAI: sent as the
+        batch's metadata) and what else the provider finds it by (Anthropic: the batches
+        there before it).  :class:`BatchAPIError` when the provider cannot be read."""
+        lookup = await self._client.lookup(self._endpoint(sub.target))
+        return Ticket(f"vcache-{uuid.uuid4().hex}", lookup)
+
+    async def submit(self, sub: Submission, ticket: Ticket) -> str:
+        """Send the ready items as one batch named by ``ticket`` (tried again after a 429,
+        5xx or timeout, bounded): its id at the provider.  :class:`BatchAPIError` when it
+        never took."""
         lines = [(f"i{it.idx}", it.prepared.planned.rendered) for it in sub.items]
-        token = f"vcache-{uuid.uuid4().hex}"
-        return await self._client.submit(self._endpoint(sub.target), lines, token)
+        endpoint = self._endpoint(sub.target)
+        return await self._client.submit(endpoint, lines, ticket.token, ticket.lookup)
+
+    async def made(self, target: str, ticket: Ticket, n: int) -> str | None:
+        """The provider's id of the batch of ``n`` items a submission named by ``ticket``
+        made (one kept before its create whose answer was never written: the gateway
+        stopped), or None: the provider never made it.  :class:`BatchAPIError` when the
+        provider cannot be read."""
+        return await self._client.made(self._endpoint(target), ticket.token, ticket.lookup, n)
 
     def failed(self, sub: Submission, exc: BatchAPIError) -> dict[int, Outcome]:
         """Every ready item's error when the submission never took (named

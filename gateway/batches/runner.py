@@ -51,7 +51,7 @@ from gateway.batches.cost import bought, measured
 from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import leads_first, units
-from gateway.batches.provider_api import BatchAPIError
+from gateway.batches.provider_api import BatchAPIError, Ticket
 from gateway.batches.provider_plan import Choice, Sample
 from gateway.batches.recall import Gate, decide, warm_body
 from gateway.batches.send import CHAT, Outcome, Sender, batch_caller
@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 
 
 RETRY_CAP_S = 30.0
+NEVER, UNREAD = "", "?"  # a kept submission the provider never made; one not looked up
 
 
 class Submission(Protocol):
@@ -116,8 +117,18 @@ class ProviderRoute(Protocol):
         """The items of a submission made before a restart, to read their answers."""
         ...
 
-    async def submit(self, sub: Any) -> str:
+    async def ticket(self, sub: Any) -> Ticket:
+        """What names ``sub``'s submission before it is made (BatchAPIError: the provider
+        cannot be read)."""
+        ...
+
+    async def submit(self, sub: Any, ticket: Ticket) -> str:
         """The provider's id of the batch made of ``sub`` (BatchAPIError: it never took)."""
+        ...
+
+    async def made(self, target: str, ticket: Ticket, n: int) -> str | None:
+        """The provider's id of the batch of ``n`` items a kept submission made, or None:
+        never made (BatchAPIError: the provider cannot be read)."""
         ...
 
     def failed(self, sub: Any, exc: Any) -> dict[int, Outcome]:
@@ -340,10 +351,13 @@ class BatchRunner:
         us: list[Unit],
         who: Principal,
     ) -> set[int]:
-        """Resume the batch's submissions still running on a provider (made before a
-        restart): their items claimed again once their leases ran out, the provider's
-        batch polled, never submitted again.  The items those submissions carry (not to
-        be sent any other way)."""
+        """Resume the batch's submissions kept before a restart: their items claimed again
+        once their leases ran out, the provider's batch polled, never submitted again.
+        One kept before its create whose id was never written is looked for at the
+        provider (its token; Anthropic: the new batch of its size) once all its open
+        items are claimed, and polled if found; if not, it is forgotten and its items
+        released to be sent like any open item (together: one submission again).
+        The items the submissions carry (not to be sent any other way)."""
         assert self._provider is not None
         store = self._store
         plan = {int(st.unit): st for st in steps}
@@ -358,18 +372,59 @@ class BatchRunner:
                     mine.append(idx)
             if not mine:
                 continue  # settled, or another gateway polls it
+            run_id = run.id
+            if run.submitting:
+                if set(mine) != set(run.items) & open_:  # the rest not yet free: all at once
+                    await asyncio.to_thread(store.release, bid, mine, self.owner)
+                    continue
+                found = await self._adopted(bid, run.id, run.target, run.lookup, run.items, mine)
+                if found == NEVER:
+                    carried -= set(run.items)  # sent like any open item
+                if found in (NEVER, UNREAD):
+                    continue
+                run_id = found
             self.provider_batches.append(
-                {"batch": bid, "target": run.target, "items": len(mine), "resumed": run.id}
+                {"batch": bid, "target": run.target, "items": len(mine), "resumed": run_id}
             )
-            log.info("batch %s: resuming %s on %s (%d items)", bid, run.id, run.target, len(mine))
+            log.info("batch %s: resuming %s on %s (%d items)", bid, run_id, run.target, len(mine))
             async with self._slots:
                 kept = [(i, bodies[i], run.items[i]) for i in mine]
                 sub = await self._provider.reopen(run.target, kept, who, endpoint)
                 await self._settle_all(bid, endpoint, sub.refused, plan, us)
                 await self._provider_results(
-                    bid, endpoint, sub, run.id, plan, us, run.target, run.kind
+                    bid, endpoint, sub, run_id, plan, us, run.target, run.kind
                 )
         return carried
+
+    async def _adopted(
+        self,
+        bid: str,
+        token: str,
+        target: str,
+        lookup: Mapping[str, Any],
+        items: Mapping[int, object],
+        mine: list[int],
+    ) -> str:
+        """The provider's id of the batch the submission kept as ``token`` made (its id
+        now written), or with ``mine`` released: :data:`NEVER` (not made: the submission
+        forgotten) or :data:`UNREAD` (the provider could not be read: kept, looked for
+        again at the next pass)."""
+        assert self._provider is not None
+        store = self._store
+        try:
+            found = await self._provider.made(target, Ticket(token, lookup), len(items))
+        except BatchAPIError as exc:
+            log.warning("batch %s: looking for submission %s failed: %s", bid, token, exc)
+            await asyncio.to_thread(store.release, bid, mine, self.owner)
+            return UNREAD
+        if found is None:
+            log.info("batch %s: submission %s never reached %s", bid, token, target)
+            await asyncio.to_thread(store.forget_provider_run, token)
+            await asyncio.to_thread(store.release, bid, mine, self.owner)
+            return NEVER
+        log.info("batch %s: submission %s found on %s as %s", bid, token, target, found)
+        await asyncio.to_thread(store.submitted, token, found)
+        return found
 
     async def _provider_walk(
         self,
@@ -409,13 +464,28 @@ class BatchRunner:
             if not sub.journal():
                 return
             try:
-                run_id = await self._provider.submit(sub)
-            except BatchAPIError as exc:  # never took: every item's named error
+                ticket = await self._provider.ticket(sub)
+            except BatchAPIError as exc:  # the provider cannot be read: nothing sent
                 await self._settle_all(bid, endpoint, self._provider.failed(sub, exc), plan, us)
                 return
+            # kept before the create: a gateway stopped before its answer is written
+            # finds the batch by the ticket after the restart, never makes a second
             await asyncio.to_thread(
-                store.add_provider_run, run_id, bid, target, sub.journal(), choice.kind
+                store.add_provider_run,
+                ticket.token,
+                bid,
+                target,
+                sub.journal(),
+                choice.kind,
+                ticket.lookup,
             )
+            try:
+                run_id = await self._provider.submit(sub, ticket)
+            except BatchAPIError as exc:  # never took: every item's named error
+                await self._settle_all(bid, endpoint, self._provider.failed(sub, exc), plan, us)
+                await asyncio.to_thread(store.end_provider_run, ticket.token)
+                return
+            await asyncio.to_thread(store.submitted, ticket.token, run_id)
             await self._provider_results(bid, endpoint, sub, run_id, plan, us, target, choice.kind)
 
     async def _provider_results(

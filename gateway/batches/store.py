@@ -59,7 +59,7 @@ CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches(tenant, api, created);
 CREATE INDEX IF NOT EXISTS batch_items_by_state ON batch_items(batch_id, state);
 CREATE TABLE IF NOT EXISTS batch_provider_runs(
   id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, target TEXT NOT NULL, items TEXT NOT NULL,
-  state TEXT NOT NULL, created REAL NOT NULL, kind TEXT);
+  state TEXT NOT NULL, created REAL NOT NULL, kind TEXT, lookup TEXT);
 CREATE INDEX IF NOT EXISTS batch_provider_runs_by_batch ON batch_provider_runs(batch_id, state);
 CREATE TABLE IF NOT EXISTS batch_hit_shares(
   target TEXT NOT NULL, kind TEXT NOT NULL, hits REAL NOT NULL, reads REAL NOT NULL,
@@ -148,16 +148,23 @@ class ItemRow:
 
 @dataclass(frozen=True)
 class ProviderRun:
-    """A submission to a provider's own batch API: its id there (``id``), the vcache batch
-    and target, and the items it carries (index → what the session log recorded of the
-    request sent for it: ``request_id``, ``session_id``)."""
+    """A submission to a provider's own batch API: its id there (``id``; while ``state``
+    is ``submitting``, the token it is looked up by: the create may not have answered),
+    the vcache batch and target, and the items it carries (index → what the session log
+    recorded of the request sent for it: ``request_id``, ``session_id``)."""
 
     id: str
     batch_id: str
     target: str
     items: dict[int, dict[str, str | None]]
-    state: str  # running, ended
+    state: str  # submitting, running, ended
     kind: str | None = None  # the hit-share kind it measures ("5m", "1h", "implicit")
+    lookup: dict[str, Any] = field(default_factory=dict)  # how a lost create is found
+
+    @property
+    def submitting(self) -> bool:
+        """Kept before its create: whether the provider made the batch is not known."""
+        return self.state == "submitting"
 
 
 @dataclass(frozen=True)
@@ -195,21 +202,17 @@ class BatchStore:
         with self._lock:
             for stmt in _schema(self._sql.name):
                 self._sql.execute(stmt)
-            self._add_bought_column()
+            self._add_column("batch_items", "bought_tokens", "INTEGER NOT NULL DEFAULT 0")
+            self._add_column("batch_provider_runs", "lookup", "TEXT")
 
-    def _add_bought_column(self) -> None:
-        """A store made before ``bought_tokens`` was: the column added (default 0)."""
+    def _add_column(self, table: str, column: str, decl: str) -> None:
+        """A store made before ``table.column`` was: the column added."""
         if self._sql.name == "postgres":
-            self._sql.execute(
-                "ALTER TABLE batch_items ADD COLUMN IF NOT EXISTS "
-                "bought_tokens INTEGER NOT NULL DEFAULT 0"
-            )
+            self._sql.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {decl}")
             return
-        cols = {r[1] for r in self._sql.execute("PRAGMA table_info(batch_items)").fetchall()}
-        if "bought_tokens" not in cols:
-            self._sql.execute(
-                "ALTER TABLE batch_items ADD COLUMN bought_tokens INTEGER NOT NULL DEFAULT 0"
-            )
+        cols = {r[1] for r in self._sql.execute(f"PRAGMA table_info({table})").fetchall()}
+        if column not in cols:
+            self._sql.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     @classmethod
     def beside(cls, log_path: Path, fsync: FsyncPolicy, url: str | None) -> BatchStore:
@@ -572,6 +575,22 @@ class BatchStore:
             ).rowcount
         return n == 1
 
+    def release(self, batch_id: str, idxs: Sequence[int], owner: str) -> int:
+        """Give claimed items back (pending again, for any runner to take) where ``owner``
+        still holds them; how many."""
+        with self._tx() as db:
+            return sum(
+                int(
+                    db.execute(
+                        "UPDATE batch_items SET state = 'pending', owner = NULL, "
+                        "lease_until = NULL WHERE batch_id = ? AND idx = ? AND owner = ? "
+                        "AND state = 'running'",
+                        (batch_id, idx, owner),
+                    ).rowcount
+                )
+                for idx in idxs
+            )
+
     # ----------------------------------------------------- provider batch runs
 
     def add_provider_run(
@@ -581,26 +600,57 @@ class BatchStore:
         target: str,
         items: Mapping[int, Mapping[str, str | None]],
         kind: str | None = None,
+        lookup: Mapping[str, Any] | None = None,
     ) -> None:
-        """Keep a submission to ``target``'s batch API (its id there) and the items it
-        carries, before it is polled: a restart resumes it rather than submit again."""
+        """Keep a submission to ``target``'s batch API and the items it carries before it
+        is made: ``run_id`` the token it is looked up by, ``lookup`` what else finds it
+        (state ``submitting`` until :meth:`submitted` names its id at the provider), so a
+        restart finds or makes it rather than submit it twice."""
         carried = json.dumps({str(k): dict(v) for k, v in items.items()})
         with self._tx() as db:
             db.execute(
                 "INSERT INTO batch_provider_runs(id, batch_id, target, items, state, created, "
-                "kind) VALUES (?, ?, ?, ?, 'running', ?, ?)",
-                (run_id, batch_id, target, carried, self.now(), kind),
+                "kind, lookup) VALUES (?, ?, ?, ?, 'submitting', ?, ?, ?)",
+                (run_id, batch_id, target, carried, self.now(), kind, json.dumps(lookup or {})),
             )
 
+    def submitted(self, token: str, run_id: str) -> bool:
+        """The submission kept as ``token`` is the provider's batch ``run_id``: running
+        there, polled under that id.  False: no such submission waits for its id."""
+        with self._tx() as db:
+            n = db.execute(
+                "UPDATE batch_provider_runs SET id = ?, state = 'running' "
+                "WHERE id = ? AND state = 'submitting'",
+                (run_id, token),
+            ).rowcount
+        return n == 1
+
+    def forget_provider_run(self, token: str) -> bool:
+        """Remove a submission the provider never made (still ``submitting``): its items
+        are sent again like any open item."""
+        with self._tx() as db:
+            n = db.execute(
+                "DELETE FROM batch_provider_runs WHERE id = ? AND state = 'submitting'", (token,)
+            ).rowcount
+        return n == 1
+
     def provider_runs(self, batch_id: str) -> list[ProviderRun]:
-        """The batch's submissions still running on their provider, oldest first."""
+        """The batch's submissions not ended (submitting or running), oldest first."""
         rows = self._all(
-            "SELECT id, batch_id, target, items, state, kind FROM batch_provider_runs "
-            "WHERE batch_id = ? AND state = 'running' ORDER BY created, id",
+            "SELECT id, batch_id, target, items, state, kind, lookup FROM batch_provider_runs "
+            "WHERE batch_id = ? AND state IN ('submitting', 'running') ORDER BY created, id",
             (batch_id,),
         )
         return [
-            ProviderRun(r[0], r[1], r[2], {int(k): v for k, v in json.loads(r[3]).items()}, r[4])
+            ProviderRun(
+                r[0],
+                r[1],
+                r[2],
+                {int(k): v for k, v in json.loads(r[3]).items()},
+                r[4],
+                r[5],
+                json.loads(r[6]) if r[6] else {},
+            )
             for r in rows
         ]
 

@@ -6,12 +6,15 @@ every request the gateway sent for it rebuilds from the session log to the bytes
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,8 @@ import anthropic
 import openai
 import pytest
 
+from engines.providers.specs import PROVIDERS
+from engines.providers.transport import Response, Transport
 from engines.tokenizer import ChatTokenizer
 from gateway.batches.store import BatchStore
 from tests.providers.conftest import KEY, MANUAL, MODELS, PROVIDER_KEY, Emulator, Gw, make_gateway
@@ -249,7 +254,10 @@ def restart_resumes(
     )
     seen = open_store()  # the gateway's batch store
     try:
-        _until(lambda: seen.provider_runs(batch.id), "the submission kept")
+        _until(
+            lambda: any(not r.submitting for r in seen.provider_runs(batch.id)),
+            "the submission kept with its id",
+        )
     finally:
         seen.close()
     first.close()  # the gateway stops; the provider's batch runs on
@@ -270,6 +278,108 @@ def restart_resumes(
         assert _rebuilt(gw, target) == ITEMS
         answered = {r.request_id for r in gw.log().store.requests() if r.target == target}
         assert {x["response"]["body"]["id"] for x in out} == answered
+
+
+class DiesAfterCreate:
+    """The emulator's transport, but the gateway dies once the provider has answered a
+    batch create: the answer never reaches it (the call waits until the gateway stops),
+    so nothing after the create is written."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.created = threading.Event()
+
+    @contextlib.asynccontextmanager
+    async def request(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None = None
+    ) -> AsyncIterator[Response]:
+        async with self.inner.request(method, url, headers, body) as r:
+            if method == "POST" and url.endswith(("/v1/batches", "/messages/batches")):
+                await r.read()
+                self.created.set()
+                await asyncio.Event().wait()  # cancelled as the gateway stops
+            yield r
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _provider_batches(emulator: Emulator, provider: str) -> list[dict[str, Any]]:
+    """The batches the emulator holds for ``provider``."""
+    url = "/v1/batches" if provider == "openai" else "/v1/messages/batches"
+    headers = PROVIDERS[provider].adapter().auth_headers(PROVIDER_KEY)
+    r = emulator.http.get(f"{emulator.url}{url}?limit=100", headers=headers)
+    r.raise_for_status()
+    return list(r.json()["data"])
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_gateway_killed_between_the_create_and_the_store_write_makes_one_batch(
+    emulator: Emulator, tokenizer: ChatTokenizer, tmp_path: Path, provider: str
+) -> None:
+    """The gateway dies after the provider made the batch but before its id is written:
+    the next gateway finds that batch (OpenAI: by the token in its metadata; Anthropic:
+    the one new batch of its size) and polls it.  Exactly one provider batch, every item
+    answered once, billed once, rebuilt from the log."""
+    log = {"path": str(tmp_path / "sessions.db"), "verify_reconstruction": True}
+    killed_after_create(
+        emulator, tokenizer, log, lambda: BatchStore(tmp_path / "batches.db"), provider
+    )
+
+
+def killed_after_create(
+    emulator: Emulator,
+    tokenizer: ChatTokenizer,
+    log: dict[str, Any],
+    open_store: Callable[[], BatchStore],
+    provider: str,
+) -> None:
+    """The kill test over a session log ``log`` whose batch store ``open_store`` opens."""
+    emulator.admin("reset")
+    emulator.admin("batch-rules", delay_s=0, parallel=4)
+    target = f"{provider}/{MODELS[provider]}"
+    batches = {"provider_api": True, "provider_poll_s": 0.05, "poll_s": 0.05, "lease_s": 0.5}
+    gateway = contextlib.contextmanager(make_gateway)
+    dies = DiesAfterCreate(emulator.transport)  # type: ignore[arg-type]
+    first = contextlib.ExitStack()
+    gw = first.enter_context(
+        gateway(
+            dataclasses.replace(emulator, transport=dies),
+            tokenizer,
+            batches=batches,
+            session_log=log,
+        )
+    )
+    client = gw.client()
+    lines = _lines(target, lambda i: f"Manual {i}. " + MANUAL)  # the batch API's, on both
+    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
+    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert dies.created.wait(30), "the provider never got the create"
+    first.close()  # killed: the create answered, its id never written
+    seen = open_store()
+    try:
+        [run] = seen.provider_runs(batch.id)
+        assert run.submitting and sorted(run.items) == list(range(ITEMS))
+    finally:
+        seen.close()
+    assert len(_provider_batches(emulator, provider)) == 1
+    with gateway(emulator, tokenizer, batches=batches, session_log=log) as gw:
+        client = gw.client()
+        done = _until(
+            lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+            "the batch's end",
+        )
+        assert done.request_counts is not None and done.request_counts.completed == ITEMS
+        assert done.output_file_id is not None
+        out = [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+        assert sorted(x["custom_id"] for x in out) == [f"item-{i}" for i in range(ITEMS)]
+        assert all(x["response"]["status_code"] == 200 for x in out)
+        assert len(_provider_batches(emulator, provider)) == 1  # found, not made again
+        assert emulator.admin_get("billing")[f"{provider}-batch"]["requests"] == ITEMS
+        assert _rebuilt(gw, target) == ITEMS
 
 
 def test_the_plans_1h_ttl_is_on_the_submitted_items_breakpoints(via_api: Gw) -> None:

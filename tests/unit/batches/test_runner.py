@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.batches.provider_api import BatchAPIError
+from gateway.batches.provider_api import BatchAPIError, Ticket
 from gateway.batches.provider_plan import Choice
 from gateway.batches.runner import BatchRunner, retry_delay
 from gateway.batches.send import Outcome
@@ -399,7 +399,9 @@ class Route:
     """A provider route that takes every batch to ``target``'s batch API: ``submits``
     the submissions made, ``reopened`` those resumed by id; ``hold``: its batches do not
     end until set; ``fail``: every submission fails; ``cancel_keeps``: the tags a
-    cancelled provider batch had finished when the cancel reached it."""
+    cancelled provider batch had finished when the cancel reached it; ``made``: the
+    provider's batches by the token they were made under (shared by two routes: one
+    provider seen by two gateways); ``stall``: a create never answers."""
 
     def __init__(
         self,
@@ -407,8 +409,13 @@ class Route:
         hold: asyncio.Event | None = None,
         fail: bool = False,
         cancel_keeps: tuple[str, ...] | None = None,
+        made: dict[str, str] | None = None,
+        stall: bool = False,
     ) -> None:
         self.target = target
+        self.made_by = made if made is not None else {}
+        self.stall = stall
+        self.lookups: list[str] = []
         self.runs: list[tuple[str, list[str]]] = []
         self.reopened: list[tuple[str, list[str]]] = []
         self.cancels = 0
@@ -433,11 +440,23 @@ class Route:
         self.reopened.append((target, list(sub.tags.values())))
         return sub
 
-    async def submit(self, sub: Sub) -> str:
+    async def ticket(self, sub: Sub) -> Ticket:
+        return Ticket(f"token-{len(self.made_by) + len(self.runs)}", {"n": len(sub.tags)})
+
+    async def submit(self, sub: Sub, ticket: Ticket) -> str:
         if self.fail:
             raise BatchAPIError("HTTP 503 five times")
+        if self.stall:
+            await asyncio.Event().wait()  # the gateway dies before the create is sent
+        assert ticket.token not in self.made_by
         self.runs.append((sub.target, list(sub.tags.values())))
-        return f"run-{len(self.runs)}"
+        self.made_by[ticket.token] = f"run-{len(self.made_by) + 1}"
+        return self.made_by[ticket.token]
+
+    async def made(self, target: str, ticket: Ticket, n: int) -> str | None:
+        assert ticket.lookup == {"n": n}
+        self.lookups.append(ticket.token)
+        return self.made_by.get(ticket.token)
 
     def failed(self, sub: Sub, exc: BatchAPIError) -> dict[int, Outcome]:
         err = {"status": 502, "type": "upstream_error", "code": "provider_batch_submit_failed"}
@@ -512,7 +531,7 @@ def test_a_restart_resumes_the_providers_batch_and_never_submits_again(
     async def before() -> None:
         runner = BatchRunner(store, Sender(), poll_s=0.01, lease_s=0.3, provider=first)
         task = asyncio.create_task(runner.run())
-        await until(lambda: bool(store.provider_runs(bid)), "the submission was kept")
+        await until(lambda: _made(store, bid), "the submission was kept with its id")
         task.cancel()  # the gateway dies
         await asyncio.gather(task, return_exceptions=True)
 
@@ -547,6 +566,93 @@ def test_a_restart_resumes_the_providers_batch_and_never_submits_again(
     assert store.provider_runs(bid) == []
 
 
+def _made(store: BatchStore, bid: str) -> bool:
+    """A submission of the batch is kept with its id at the provider."""
+    return any(not r.submitting for r in store.provider_runs(bid))
+
+
+def _died(store: BatchStore, first: Route, dies: Any) -> None:
+    """A gateway (a runner over ``store``) that sends the batch through ``first`` and
+    stops once ``dies()`` holds."""
+
+    async def main() -> None:
+        runner = BatchRunner(store, Sender(), poll_s=0.01, lease_s=0.3, provider=first)
+        task = asyncio.create_task(runner.run())
+        await until(dies, "the point the gateway dies at")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def _restarted(store: BatchStore, again: Route, bid: str) -> BatchRunner:
+    runner = BatchRunner(store, Sender(), poll_s=0.01, lease_s=0.3, provider=again)
+
+    async def main() -> None:
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    return runner
+
+
+def test_a_create_answered_before_the_gateway_died_is_found_not_made_again(
+    open_store: OpenStore,
+) -> None:
+    """The submission is kept (with its token) before the create: a gateway killed after
+    the provider made the batch but before its id was written leaves a submission with
+    no id; the next one finds the provider's batch by the token and polls it.  Exactly
+    one provider batch, every item answered once."""
+    store = open_store()
+    bid = _create(store)
+    provider: dict[str, str] = {}
+    first = Route("openai/gpt-5", made=provider)
+
+    def killed(token: str, run_id: str) -> bool:
+        raise RuntimeError("killed between the create and the store write")
+
+    store.submitted = killed  # type: ignore[method-assign]
+    _died(store, first, lambda: bool(first.runs))
+    [run] = open_store().provider_runs(bid)
+    assert run.submitting and run.id == "token-0" and sorted(run.items) == [0, 1, 2, 3, 4]
+    again = Route("openai/gpt-5", made=provider)
+    store = open_store()
+    runner = _restarted(store, again, bid)
+    assert again.lookups[:1] == ["token-0"]
+    assert len(first.runs) == 1 and again.runs == []  # one provider batch over both
+    assert {str(r["resumed"]) for r in runner.provider_batches} == {"run-1"}
+    tags = sorted(t for _, part in again.reopened for t in part)
+    assert tags == ["a1", "a2", "a3", "b1", "b2"]
+    row = store.batch(bid)
+    assert row is not None and row.status == "completed" and row.counts.done == 5
+    assert [i.state for i in store.items(bid)] == ["done"] * 5
+    assert store.provider_runs(bid) == []
+
+
+def test_a_submission_kept_but_never_made_is_made_after_the_restart(
+    open_store: OpenStore,
+) -> None:
+    """A gateway killed after keeping the submission but before the provider made it:
+    the next one looks for it, finds none, and submits the items once."""
+    store = open_store()
+    bid = _create(store)
+    provider: dict[str, str] = {}
+    first = Route("openai/gpt-5", made=provider, stall=True)
+    _died(store, first, lambda: bool(store.provider_runs(bid)))
+    assert first.runs == [] and provider == {}
+    again = Route("openai/gpt-5", made=provider)
+    runner = _restarted(open_store(), again, bid)
+    assert again.lookups[:1] == ["token-0"]
+    assert len(again.runs) == 1 and sorted(again.runs[0][1]) == ["a1", "a2", "a3", "b1", "b2"]
+    assert again.reopened == []
+    assert [r.get("resumed") for r in runner.provider_batches] == [None]
+    row = store.batch(bid)
+    assert row is not None and row.status == "completed" and row.counts.done == 5
+    assert store.provider_runs(bid) == []
+
+
 def test_a_cancel_reaches_the_providers_batch_and_keeps_what_it_finished(
     store: BatchStore,
 ) -> None:
@@ -558,7 +664,7 @@ def test_a_cancel_reaches_the_providers_batch_and_keeps_what_it_finished(
     async def main() -> None:
         runner = BatchRunner(store, Sender(), poll_s=0.01, provider=route)
         task = asyncio.create_task(runner.run())
-        await until(lambda: bool(store.provider_runs(bid)), "the submission was made")
+        await until(lambda: _made(store, bid), "the submission was made")
         store.cancel(bid, "one", "openai")
         runner.wake()
         await until(lambda: _ended(store, bid), "the batch ended")
