@@ -19,8 +19,9 @@ worst).  Arms, each from a cold prefix set (a new run id):
 Per arm: token-weighted hit rate (the engines' ``cached_tokens``), TTFT
 p50/p90, and for vcache the prediction error (the ``predicted`` header
 against what the engine reported), the gateway's own count of exact,
-approximate and missed predictions with their causes, and what the holds
-cost (``/metrics`` before and after the arm: holds by outcome, blocks per
+approximate and missed predictions with their causes, the waits for a
+running prefill of a request's blocks (JSON: ``prefill_waits``), and what
+the holds cost (``/metrics`` before and after the arm: holds by outcome, blocks per
 hold, mean hold time, hold time p99 as its histogram bucket's bound).
 Prints a table, writes JSON, exits 1 on a missed target (kv at least 1.8x
 round_robin, at least 95 % of the oracle, ahead of vllm-router).
@@ -66,6 +67,7 @@ def prediction(rows: list[dict[str, str]]) -> dict[str, Any]:
 
 HOLD_SERIES = (
     "vcache_prediction_results_total",
+    "vcache_prefill_waits_total",
     "vcache_kv_holds_total",
     "vcache_kv_hold_blocks_total",
     "vcache_kv_hold_seconds_bucket",
@@ -95,12 +97,15 @@ def hold_cost(before: dict[str, float], after: dict[str, float]) -> dict[str, An
     diff = {k: v - before.get(k, 0.0) for k, v in after.items()}
     results: dict[str, int] = {}
     holds: dict[str, int] = {}
+    waits: dict[str, int] = {}  # routed requests that waited for a prefill of their blocks
     buckets: list[tuple[float, float]] = []
     blocks = 0.0
     for key, v in diff.items():
         labels = dict(_LABEL.findall(key))
         if key.startswith("vcache_prediction_results_total") and v:
             results[f"{labels['result']}:{labels['cause']}".rstrip(":")] = int(v)
+        elif key.startswith("vcache_prefill_waits_total") and v:
+            waits[labels["outcome"]] = int(v)
         elif key.startswith("vcache_kv_holds_total") and v:
             holds[labels["outcome"]] = holds.get(labels["outcome"], 0) + int(v)
         elif key.startswith("vcache_kv_hold_blocks_total"):
@@ -117,6 +122,7 @@ def hold_cost(before: dict[str, float], after: dict[str, float]) -> dict[str, An
     return {
         "results": results,
         "holds": holds,
+        "prefill_waits": waits,
         "blocks_held": int(blocks),
         "blocks_per_hold": blocks / held if held else None,
         "hold_mean_s": diff.get("vcache_kv_hold_seconds_sum", 0.0) / count if count else None,

@@ -21,11 +21,13 @@ def test_an_arms_results_holds_and_hold_time() -> None:
         m.kv_hold_blocks.labels("replica-0").inc(12)
         m.kv_hold_seconds.observe(0.03)
     m.kv_holds.labels("replica-1", "budget").inc(2)
+    m.prefill_waits.labels("joined").inc(3)
     m.kv_hold_seconds.observe(2.0)
     m.kv_hold_seconds.observe(3.0)
     out = hold_cost(before, series(generate_latest(m.registry).decode()))
     assert out["results"] == {"exact": 97, "approximate:hold_budget": 2, "missed:evicted": 1}
     assert out["holds"] == {"held": 98, "budget": 2}
+    assert out["prefill_waits"] == {"joined": 3}
     assert out["blocks_held"] == 98 * 12 and out["blocks_per_hold"] == 12
     assert out["hold_p99_s_at_most"] == 2.5  # 99 of 100 within the 2.5 s bucket
     assert abs(out["hold_mean_s"] - (98 * 0.03 + 5) / 100) < 1e-9
