@@ -8,15 +8,19 @@ read).  Each item's line carries the exact bytes the gateway rendered for it (th
 JSON body the online request would have sent), so what the provider receives is what
 the session log recorded.
 
-:class:`ProviderBatches` runs a vcache batch of chat completions that way: each item is
-validated as the route would, planned and rendered for the target
+:class:`ProviderBatches` runs a vcache batch of chat completions that way (Messages and
+Responses items as the chat requests they map to): each item is validated as the route
+would, planned and rendered for the target
 (:meth:`ProviderChat.prepare`: the belief, the breakpoints, the byte-stable prefix) and
 journaled (opened and recorded, verified when verification is on) before anything is
 sent; the whole batch goes in one submission in the prefix DAG's order; each result is
 mapped back by ``custom_id``, parsed by the provider's adapter, journaled as the
 answer, settled into the belief (verify, then account) and shaped into the chat
-completion the endpoint would have answered.  An item the provider answered with an
-error is that item's error.
+completion, Message or Response the endpoint would have answered.  An item the provider
+answered with an error is that item's error.  A submission is kept in the store before
+its create (:meth:`ProviderBatches.ticket`), so a gateway stopped before the create's
+answer was written finds the batch it made after the restart
+(:meth:`ProviderBatches.made`) rather than make a second.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from pydantic import BaseModel, ValidationError
 from engines.providers.base import Answer, Rendered
 from engines.providers.transport import AiohttpTransport, Transport, TransportError
 from gateway.batches.provider_plan import Choice, Sample
-from gateway.batches.send import CHAT, MESSAGES, Outcome, error_of, usage_of
+from gateway.batches.send import CHAT, MESSAGES, RESPONSES, Outcome, error_of, usage_of
 from gateway.core.errors import APIError, BadGateway, InvalidRequest, invalid_request_from
 from gateway.core.messages_wire import MessagesRequest
 from gateway.core.pieces import Piece, ToolCallDelta
+from gateway.core.responses_wire import ResponsesRequest
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import chat_completion
 from gateway.core.target import Call
@@ -49,6 +54,8 @@ from gateway.service.message_answers import whole_message
 from gateway.service.messages_api import mapped, message_id
 from gateway.service.provider_chat import ProviderPrepared
 from gateway.service.provider_chat import usage_of as provider_usage
+from gateway.service.response_tools import ResponseTools, response_tools
+from gateway.service.responses_api import chat_request, response_of
 from manifest.prefix_dag import Step, Unit
 
 log = logging.getLogger(__name__)
@@ -439,6 +446,7 @@ class _Item:
     resumed: bool = False  # planned again after a restart: sent before it, not settled
     endpoint: str = CHAT  # the vcache batch's: its answer is shaped as that API's
     model: str = ""  # as the client named it (a Messages answer's ``model``)
+    asked: tuple[ResponsesRequest, ResponseTools] | None = None  # a Responses item's
 
 
 Settled = Outcome | Literal["canceled", "expired"]
@@ -499,8 +507,8 @@ class ProviderBatches:
         self, endpoint: str, model: str | None, units: Sequence[Unit], steps: Sequence[Step]
     ) -> Choice | None:
         """The hosted target to send a batch to through its own batch API (chat
-        completions only), or None: the items go online."""
-        if endpoint not in (CHAT, MESSAGES) or model is None:
+        completions, Messages or Responses), or None: the items go online."""
+        if endpoint not in (CHAT, MESSAGES, RESPONSES) or model is None:
             return None
         return self._choose(model, units, steps)
 
@@ -527,8 +535,9 @@ class ProviderBatches:
         ttl: str | None = None,
         endpoint: str = CHAT,
     ) -> Submission:
-        """Each item (a request of ``endpoint``: chat completions or Messages) validated
-        as the route would, planned and rendered for ``target`` and journaled (an item
+        """Each item (a request of ``endpoint``: chat completions, Messages or Responses,
+        the last two served as the chat request they map to) validated as the route
+        would, planned and rendered for ``target`` and journaled (an item
         refused is its own error, nothing sent); ``ttl`` "1h": the plan's breakpoint TTL,
         every breakpoint the planner placed takes the long tier (Anthropic's
         ``cache_control`` ``ttl: "1h"``; a client's own marks stand)."""
@@ -564,10 +573,20 @@ class ProviderBatches:
         ready: list[_Item] = []
         for idx, body, kept in items:
             rid = (kept or {}).get("request_id") or f"chatcmpl-{uuid.uuid4().hex}"
+            asked: tuple[ResponsesRequest, ResponseTools] | None = None
             try:
                 if endpoint == MESSAGES:  # served as the chat request it maps to
                     msg = MessagesRequest.model_validate({**body, "stream": False})
                     req = mapped(msg)[0].model_copy(update={"stream": False})
+                elif endpoint == RESPONSES:  # likewise
+                    resp = ResponsesRequest.model_validate({**body, "stream": False})
+                    if resp.previous_response_id is not None:  # the runner keeps such online
+                        raise InvalidRequest(
+                            "previous_response_id is not served on a provider's batch API",
+                            param="previous_response_id",
+                        )
+                    asked = (resp, response_tools(resp.all_tools()))
+                    req = svc.named(chat_request(*asked)[0])
                 else:
                     req = svc.named(ChatCompletionRequest.model_validate({**body, "stream": False}))
                 if req.model != target and target not in svc.resolve(req.model):
@@ -589,7 +608,7 @@ class ProviderBatches:
                 refused[idx] = Outcome(exc.status, rid, error=error_of(exc))
                 continue
             resumed = kept is not None
-            ready.append(_Item(idx, req, p, op, p.request_id, resumed, endpoint, req.model))
+            ready.append(_Item(idx, req, p, op, p.request_id, resumed, endpoint, req.model, asked))
         return Submission(target, ready, refused)
 
     async def ticket(self, sub: Submission) -> Ticket:
@@ -664,6 +683,8 @@ class ProviderBatches:
             shaped = await chat_completion(
                 rid, it.req.model, _pieces(answer, usage), chat_shape(it.req)
             )
+            if it.asked is not None:  # a Responses item: its chat answer as the Response
+                shaped = response_of(*it.asked, shaped)
         await journal.answered(it.op, rid, answer.text, usage)
         if not it.resumed:  # planned again after a restart: not the call that was sent
             self._svc.providers.settle(p, usage)  # type: ignore[union-attr]

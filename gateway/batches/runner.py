@@ -278,7 +278,8 @@ class BatchRunner:
                 left.update(anchor[i] for i in open_ if i in anchor)
                 model = bodies[items[0].idx].get("model")
                 choice = None
-                if self._provider is not None:
+                chained = any(b.get("previous_response_id") for b in bodies.values())
+                if self._provider is not None and not chained:  # a chain reads the log
                     named = model if isinstance(model, str) else None
                     choice = self._provider.choose(batch.endpoint, named, us, steps)
                 if self._provider is not None:  # submissions made before a restart

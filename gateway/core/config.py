@@ -126,10 +126,10 @@ class BatchSettings(BaseModel):
     # recall (M4): replay a done item's prompt chain so the items extending it read it from
     # cache, where the cost gate passes (manifest.economics.recall_pays); off: prefill fresh
     recall: bool = False
-    # a batch of chat completions or Messages requests on a hosted target goes to the
-    # provider's own batch API (OpenAI's, Anthropic's) where the provider plan finds it
-    # cheaper than online requests in DAG order (its id kept in the batch store: a restart
-    # resumes it); off: every item online
+    # a batch of chat completions, Messages or Responses requests on a hosted target goes
+    # to the provider's own batch API (OpenAI's, Anthropic's) where the provider plan finds
+    # it cheaper than online requests in DAG order (its id kept in the batch store: a
+    # restart resumes it); off: every item online
     provider_api: bool = False
     # between two reads of a batch running on a provider's batch API
     provider_poll_s: float = Field(30.0, gt=0)

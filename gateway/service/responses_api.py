@@ -209,6 +209,48 @@ def edge_hints(req: ResponsesRequest, tools: ResponseTools) -> EdgeHints:
     return EdgeHints(omitted_tools=tools.omitted, effort=effort)
 
 
+def chat_request(
+    req: ResponsesRequest, tools: ResponseTools, history: Sequence[ChatMessage] = ()
+) -> tuple[ChatCompletionRequest, dict[str, str]]:
+    """``req`` as the chat request it is served as: ``instructions`` as the system turn,
+    ``history`` (the previous response's turns), then its input items; its tools
+    (``tools``), choice and format in chat's terms.  With the client's name of each chat
+    part of its input."""
+    messages: list[ChatMessage] = []
+    if req.instructions:
+        messages.append(ChatMessage(role="system", content=req.instructions))
+    messages += history
+    turns, by_turn = named_turns(req.items(), tools)
+    names = chat_names(len(messages), by_turn)
+    messages += turns
+    fields = {
+        "model": req.model,
+        "messages": messages,
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stream": req.stream,
+        "stream_options": {"include_usage": True} if req.stream else None,
+        "ignore_eos": req.ignore_eos,
+        "user": req.safety_identifier or req.user,
+        **chat_fields(req, tools),
+    }
+    try:
+        chat = ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    return chat.with_hints(edge_hints(req, tools)), names
+
+
+def response_of(
+    req: ResponsesRequest, tools: ResponseTools, done: ChatCompletion
+) -> ResponseObject:
+    """A whole chat answer to ``req``'s chat request shaped as the Response it answers."""
+    output = output_items(done, tools, req.max_tool_calls)
+    finish = done.choices[0].finish_reason
+    return response_object(new_id("resp"), req, int(time.time()), output, finish, done.usage)
+
+
 def _invalid(exc: ValidationError) -> InvalidRequest:
     """A chat-level rule the request breaks (a tool_choice naming no tool...), in its terms."""
     err = exc.errors()[0]
@@ -244,36 +286,16 @@ class Responses:
         """The chat request and its session: the previous response's, else ``session``
         (a header's or ``prompt_cache_key``), else None (found by the log's prefix
         digests); and the client's name of each chat part of its input."""
-        messages: list[ChatMessage] = []
-        if req.instructions:
-            messages.append(ChatMessage(role="system", content=req.instructions))
+        history: list[ChatMessage] = []
         if req.previous_response_id is not None:
             row = await self._stored(req.previous_response_id, who, "previous_response_id")
             session = session_name(row.session_id)  # the name the chat path scopes again
             events = await asyncio.to_thread(self._store.events, row.session_id, row.seq)
             logged = fold(e for _, e in events).messages
             get = self._store.attachments.get  # read off the event loop, with the events
-            messages += await asyncio.to_thread(lambda: [logged_turn(m, get) for m in logged])
-        turns, by_turn = named_turns(req.items(), tools)
-        names = chat_names(len(messages), by_turn)
-        messages += turns
-        fields = {
-            "model": req.model,
-            "messages": messages,
-            "max_tokens": req.max_output_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "stream": req.stream,
-            "stream_options": {"include_usage": True} if req.stream else None,
-            "ignore_eos": req.ignore_eos,
-            "user": req.safety_identifier or req.user,
-            **chat_fields(req, tools),
-        }
-        try:
-            chat = ChatCompletionRequest.model_validate(fields)
-        except ValidationError as exc:
-            raise _invalid(exc) from None
-        return chat.with_hints(edge_hints(req, tools)), session, names
+            history = await asyncio.to_thread(lambda: [logged_turn(m, get) for m in logged])
+        chat, names = chat_request(req, tools, history)
+        return chat, session, names
 
     async def _save(self, served: Served, body: ResponseObject, who: Principal) -> None:
         if (
@@ -304,10 +326,7 @@ class Responses:
             if named is exc:
                 raise
             raise named from exc
-        c = done.body
-        output = output_items(c, tools, req.max_tool_calls)
-        finish = c.choices[0].finish_reason
-        body = response_object(new_id("resp"), req, int(time.time()), output, finish, c.usage)
+        body = response_of(req, tools, done.body)
         await self._save(done.served, body, who)
         return Routed(body, done.served)
 

@@ -464,6 +464,105 @@ def test_a_message_batch_the_plan_sends_to_a_providers_batch_api(
     assert _rebuilt(via_api, target) == ITEMS
 
 
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_responses_batch_the_plan_sends_to_a_providers_batch_api(
+    via_api: Gw, provider: str
+) -> None:
+    """Responses items (an OpenAI batch on ``/v1/responses``, through the openai SDK) with
+    nothing shared go to the target's own batch API, each served as the chat request it
+    maps to: one submission, every result a Response matched by
+    custom_id, each journaled request rebuilt to the bytes in the provider's batch."""
+    target = f"{provider}/{MODELS[provider]}"
+    client = via_api.client()
+    lines = [
+        {
+            "custom_id": f"r-{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {
+                "model": target,
+                "max_output_tokens": 16,
+                "instructions": f"Manual {i}. " + MANUAL,
+                "input": f"what is section {i} about?",
+            },
+        }
+        for i in range(ITEMS)
+    ]
+    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
+    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/responses", completion_window="24h"
+    )
+    done = _until(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+        "the batch's end",
+    )
+    assert done.request_counts is not None and done.request_counts.completed == ITEMS
+    assert done.output_file_id is not None
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+    assert sorted(x["custom_id"] for x in out) == [f"r-{i}" for i in range(ITEMS)]
+    for x in out:
+        assert x["response"]["status_code"] == 200
+        r = x["response"]["body"]
+        assert (r["object"], r["status"], r["model"]) == ("response", "completed", target)
+        [msg] = r["output"]
+        assert msg["type"] == "message" and msg["content"][0]["type"] == "output_text"
+        assert msg["content"][0]["text"]
+        assert r["usage"]["input_tokens"] > 1000  # the manual, as billed
+    bill = via_api.emulator.admin_get("billing")
+    assert bill[f"{provider}-batch"]["requests"] == ITEMS and provider not in bill
+    assert len(_provider_batches(via_api.emulator, provider)) == 1
+    assert _rebuilt(via_api, target) == ITEMS
+
+
+def test_a_responses_batch_chained_by_previous_response_id_stays_online(via_api: Gw) -> None:
+    """An item naming a ``previous_response_id`` reads its history from the session log:
+    the batch it is in goes online (no provider batch), every item answered, the chained
+    one sent with its history."""
+    target = f"openai/{MODELS['openai']}"
+    client = via_api.client()
+    first = client.responses.create(
+        model=target, instructions=MANUAL, input="what is section 1 about?", max_output_tokens=16
+    )
+    lines = [
+        {
+            "custom_id": f"r-{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {
+                "model": target,
+                "max_output_tokens": 16,
+                "input": f"and section {i}?",
+                **({"previous_response_id": first.id} if i == 0 else {"instructions": MANUAL}),
+            },
+        }
+        for i in range(2)
+    ]
+    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
+    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/responses", completion_window="24h"
+    )
+    done = _until(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+        "the batch's end",
+    )
+    assert done.request_counts is not None and done.request_counts.completed == 2
+    assert done.output_file_id is not None
+    out = {
+        x["custom_id"]: x["response"]["body"]
+        for x in map(json.loads, client.files.content(done.output_file_id).read().splitlines())
+    }
+    assert {r["object"] for r in out.values()} == {"response"}
+    log = via_api.log()
+    sent = [log.rebuild(r.session_id, r.seq)[1] for r in log.store.requests()]
+    [chained] = [x for x in sent if b"and section 0?" in x]
+    assert b"what is section 1 about?" in chained  # its history, from the log
+    bill = via_api.emulator.admin_get("billing")
+    assert "openai-batch" not in bill and bill["openai"]["requests"] == 3
+    assert _provider_batches(via_api.emulator, "openai") == []
+
+
 def test_a_cancel_reaches_the_providers_batch(
     emulator: Emulator, tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
