@@ -29,6 +29,7 @@ from tests.unit.batches.test_runner import (
 )
 from tests.unit.batches.test_store import (
     test_a_provider_run_is_kept_until_every_item_it_carries_has_settled,
+    test_a_submission_is_kept_before_its_create_and_named_by_its_id_after,
     test_hit_shares_add_up_per_target_and_kind,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "test_a_measured_hit_share_turns_the_plan_to_the_batch_api",
     "test_a_provider_run_is_kept_until_every_item_it_carries_has_settled",
     "test_a_restart_resumes_the_providers_batch_and_never_submits_again",
+    "test_a_submission_is_kept_before_its_create_and_named_by_its_id_after",
     "test_a_submission_kept_but_never_made_is_made_after_the_restart",
     "test_a_submission_that_never_takes_fails_each_item_by_name",
     "test_hit_shares_add_up_per_target_and_kind",

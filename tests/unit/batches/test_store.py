@@ -211,3 +211,47 @@ def test_a_store_made_before_provider_runs_opens_with_their_tables(tmp_path: Pat
         assert [r.id for r in store.provider_runs(bid)] == ["prov-1"]
     finally:
         store.close()
+
+
+def test_a_submission_is_kept_before_its_create_and_named_by_its_id_after(
+    store: BatchStore,
+) -> None:
+    """Kept as ``submitting`` under its token with its lookup and kind; the provider's
+    id written over the token once (then ``running``); only a submission still waiting
+    for its id can be forgotten; claimed items given back are pending for anyone."""
+    bid = _batch(store, 2)
+    assert store.claim(bid, 0, "a", 30) and store.claim(bid, 1, "a", 30)
+    kept = {i: {"request_id": f"r{i}", "session_id": None} for i in range(2)}
+    store.add_provider_run("tok-1", bid, "anthropic/c", kept, "1h", {"before": ["b0"]})
+    [run] = store.provider_runs(bid)
+    assert (run.id, run.state, run.submitting) == ("tok-1", "submitting", True)
+    assert (run.kind, run.lookup, run.items) == ("1h", {"before": ["b0"]}, kept)
+    assert store.submitted("tok-1", "msgbatch_1")
+    assert not store.submitted("tok-1", "msgbatch_2")  # no longer waiting for its id
+    [run] = store.provider_runs(bid)
+    assert (run.id, run.state, run.submitting) == ("msgbatch_1", "running", False)
+    assert not store.forget_provider_run("msgbatch_1")  # made: never forgotten
+    store.add_provider_run("tok-2", bid, "anthropic/c", kept)
+    assert store.forget_provider_run("tok-2")
+    assert [r.id for r in store.provider_runs(bid)] == ["msgbatch_1"]
+    assert store.release(bid, [0, 1], "b") == 0  # not b's
+    assert store.release(bid, [0], "a") == 1
+    assert [i.state for i in store.items(bid)] == ["pending", "running"]
+    assert store.claim(bid, 0, "b", 30)
+
+
+def test_a_store_made_before_the_lookup_column_opens_with_it(tmp_path: Path) -> None:
+    """A provider-runs table from before ``lookup``: the column added on open."""
+    path = tmp_path / "old.db"
+    old = BatchStore(path)
+    bid = _batch(old)
+    old.close()
+    with sqlite3.connect(path) as db:
+        db.execute("ALTER TABLE batch_provider_runs DROP COLUMN lookup")
+    store = BatchStore(path)
+    try:
+        store.add_provider_run("tok", bid, "openai/gpt-5", {0: {"request_id": "r0"}}, None, {})
+        [run] = store.provider_runs(bid)
+        assert run.lookup == {} and run.submitting
+    finally:
+        store.close()
