@@ -95,6 +95,13 @@ class SamplingOptions:
         if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
 
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether vLLM reads cached blocks for a request sampled so: not when it asks
+        for prompt logprobs (``SamplingParams.skip_reading_prefix_cache`` defaults to
+        that: a cached token has no logprob), though it still stores its blocks."""
+        return self.prompt_logprobs is None
+
 
 @dataclass(frozen=True)
 class EngineImage:

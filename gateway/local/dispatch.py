@@ -256,7 +256,8 @@ class Dispatcher:
                 ctx = await self._with_room(ctx, serving, max(lease_blocks, len(hashes)))
             replica = self.router.choose(serving, ctx, policy)
         running = False  # a prefill of its blocks still running when it goes
-        if predicted is not None and replica.id in pending:
+        reads = greq.sampling.reads_prefix_cache  # else vLLM reads none of them: 0, exact
+        if predicted is not None and reads and replica.id in pending:
             predicted, running = await self._join(
                 greq, hashes, predicted, replica.id, pending[replica.id]
             )
@@ -265,7 +266,12 @@ class Dispatcher:
         hold: Hold | None = None
         approximate = ""
         if predicted is not None and exact and replica.id in predicted:
-            p, hold, approximate = await self._predict(greq, replica, hashes, predicted, running)
+            if reads:
+                p, hold, approximate = await self._predict(
+                    greq, replica, hashes, predicted, running
+                )
+            else:
+                p = 0
         # registered now, with no await before the caller holds it: a sibling routed next
         # waits for this prefill
         prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)], hold)

@@ -322,19 +322,23 @@ def test_prompt_logprobs_of_an_image_prompt_come_whole(remote: RemoteVision) -> 
     shot = _image((200, 900), (70, 70, 160))
     system = {"role": "system", "content": SYSTEM + "Whole. "}
     expected = remote.prompt([system, _templated("Tall?")], [shot])
-    raw = remote.openai().chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=[system, _user(shot, "Tall?")],  # type: ignore[list-item]
-        max_tokens=1,
-        extra_body={"prompt_logprobs": 1},
-    )
-    assert raw.headers["x-vcache-replica"] == "remote-0"
-    out = raw.parse()
-    assert out.usage is not None and out.usage.prompt_tokens == len(expected.token_ids)
-    steps = (out.model_extra or {}).get("prompt_logprobs")
-    assert steps is not None and len(steps) == len(expected.token_ids)
-    assert out.usage.prompt_tokens_details is not None
-    assert not out.usage.prompt_tokens_details.cached_tokens
+    for _ in range(2):  # the second time its blocks (and the shared system's) are resident
+        raw = remote.openai().chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[system, _user(shot, "Tall?")],  # type: ignore[list-item]
+            max_tokens=1,
+            extra_body={"prompt_logprobs": 1},
+        )
+        assert raw.headers["x-vcache-replica"] == "remote-0"
+        out = raw.parse()
+        assert out.usage is not None and out.usage.prompt_tokens == len(expected.token_ids)
+        steps = (out.model_extra or {}).get("prompt_logprobs")
+        assert steps is not None and len(steps) == len(expected.token_ids)
+        assert out.usage.prompt_tokens_details is not None
+        assert not out.usage.prompt_tokens_details.cached_tokens
+        # and the gateway knows it: predicted 0, exact (it predicted 128, then 256)
+        assert raw.headers["x-vcache-predicted-cached-tokens"] == "0"
+        assert raw.headers["x-vcache-prediction"] == "exact"
 
 
 def test_the_replica_expands_the_wires_images_to_the_gateways_ids(remote: RemoteVision) -> None:
