@@ -212,6 +212,9 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # share of KV blocks in use, 0..1
     prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
     prefix_cache_hits: int = 0  # of those, found in the cache
+    # image requests a remote replica expanded to other token ids than the gateway's
+    # (their predictions may be wrong), cumulative
+    image_expansion_mismatches: int = 0
 
 
 class Engine(Protocol):

@@ -219,7 +219,10 @@ class RemoteVllmEngine:
         return api
 
     def stats(self) -> EngineStats:
-        return EngineStats(unfinished_requests=self._running)
+        return EngineStats(
+            unfinished_requests=self._running,
+            image_expansion_mismatches=self.expansion_mismatches,
+        )
 
     async def call_core(self, method: str, *args: Any) -> Any:
         """Run an engine-core plugin method through the replica's control endpoint."""

@@ -69,6 +69,10 @@ class _EngineCollector(Collector):
     _COUNTERS = (
         ("prefix_cache_queries", "Prompt tokens the engine looked up in its prefix cache"),
         ("prefix_cache_hits", "Prompt tokens the engine found in its prefix cache"),
+        (
+            "image_expansion_mismatches",
+            "Image requests a remote replica expanded to other token ids than the gateway's",
+        ),
     )
 
     def __init__(self, stats: Callable[[], Mapping[str, EngineStats]]) -> None:

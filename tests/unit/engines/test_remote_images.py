@@ -169,7 +169,7 @@ def _serve(
         try:
             await engine.start()
             chunks = [c async for c in engine.generate(request)]
-            return chunks, engine.expansion_mismatches, seen
+            return chunks, engine.stats().image_expansion_mismatches, seen
         finally:
             await engine.close()
             await runner.cleanup()
