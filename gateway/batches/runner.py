@@ -368,7 +368,7 @@ class BatchRunner:
             mine = []
             for idx in sorted(run.items):
                 if idx in open_ and await asyncio.to_thread(
-                    store.claim, bid, idx, self.owner, self._lease_s
+                    store.claim, bid, idx, self.owner, self._lease_s, True
                 ):
                     mine.append(idx)
             if not mine:

@@ -496,17 +496,23 @@ class BatchStore:
             for r in rows
         ]
 
-    def claim(self, batch_id: str, idx: int, owner: str, lease_s: float) -> bool:
+    def claim(
+        self, batch_id: str, idx: int, owner: str, lease_s: float, resume: bool = False
+    ) -> bool:
         """Take the item for ``lease_s`` seconds: a pending one, or a running one whose
-        lease has run out.  False: settled, or another owner holds it."""
+        lease has run out, of a batch in progress (``resume``: or cancelling, for an item
+        a provider's batch carries: its results are read and the cancel passed on).
+        False: settled, or another owner holds it."""
         now = self.now()
+        statuses = ACTIVE if resume else ("in_progress",)
+        marks = ", ".join("?" for _ in statuses)
         with self._tx() as db:
             n = db.execute(
                 "UPDATE batch_items SET state = 'running', owner = ?, lease_until = ? "
                 "WHERE batch_id = ? AND idx = ? AND (state = 'pending' OR "
                 "(state = 'running' AND lease_until < ?)) AND EXISTS (SELECT 1 FROM batches "
-                "WHERE id = ? AND status = 'in_progress')",
-                (owner, now + lease_s, batch_id, idx, now, batch_id),
+                f"WHERE id = ? AND status IN ({marks}))",
+                (owner, now + lease_s, batch_id, idx, now, batch_id, *statuses),
             ).rowcount
         return n == 1
 
@@ -576,16 +582,20 @@ class BatchStore:
         return n == 1
 
     def release(self, batch_id: str, idxs: Sequence[int], owner: str) -> int:
-        """Give claimed items back (pending again, for any runner to take) where ``owner``
-        still holds them; how many."""
+        """Give claimed items back where ``owner`` still holds them: pending again, for
+        any runner to take (canceled if the batch is no longer in progress); how many."""
+        now = self.now()
         with self._tx() as db:
+            r = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            going = r is not None and r[0] == "in_progress"
+            state, finished = ("pending", None) if going else ("canceled", now)
             return sum(
                 int(
                     db.execute(
-                        "UPDATE batch_items SET state = 'pending', owner = NULL, "
+                        "UPDATE batch_items SET state = ?, finished = ?, owner = NULL, "
                         "lease_until = NULL WHERE batch_id = ? AND idx = ? AND owner = ? "
                         "AND state = 'running'",
-                        (batch_id, idx, owner),
+                        (state, finished, batch_id, idx, owner),
                     ).rowcount
                 )
                 for idx in idxs

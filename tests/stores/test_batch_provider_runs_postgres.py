@@ -21,6 +21,7 @@ from tests.unit.batches.test_hit_share import (
     test_measures_are_kept_per_target_and_kind,
 )
 from tests.unit.batches.test_runner import (
+    test_a_batch_cancelled_while_its_gateway_was_down_cancels_the_providers_batch,
     test_a_cancel_reaches_the_providers_batch_and_keeps_what_it_finished,
     test_a_create_answered_before_the_gateway_died_is_found_not_made_again,
     test_a_restart_resumes_the_providers_batch_and_never_submits_again,
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.stores
 
 __all__ = [
     "emulator",
+    "test_a_batch_cancelled_while_its_gateway_was_down_cancels_the_providers_batch",
     "test_a_cancel_reaches_the_providers_batch_and_keeps_what_it_finished",
     "test_a_create_answered_before_the_gateway_died_is_found_not_made_again",
     "test_a_measured_hit_share_turns_the_plan_to_the_batch_api",

@@ -706,3 +706,22 @@ def test_a_submission_that_never_takes_fails_each_item_by_name(store: BatchStore
     codes = {(i.result or {})["error"]["code"] for i in store.items(bid)}
     assert codes == {"provider_batch_submit_failed"}
     assert store.provider_runs(bid) == []
+
+
+def test_a_batch_cancelled_while_its_gateway_was_down_cancels_the_providers_batch(
+    open_store: OpenStore,
+) -> None:
+    """The gateway dies while the provider runs the batch; the batch is cancelled before
+    the next one starts: that one still takes the submission over (its items' leases
+    run out), passes the cancel on and keeps what the provider finished."""
+    store = open_store()
+    bid = _create(store)
+    first = Route("openai/gpt-5", hold=asyncio.Event())
+    _died(store, first, lambda: _made(store, bid))
+    store.cancel(bid, "one", "openai")
+    again = Route("openai/gpt-5", cancel_keeps=("a1",))
+    _restarted(open_store(), again, bid)
+    assert again.cancels == 1 and again.runs == []
+    row = store.batch(bid)
+    assert row is not None and row.status == "cancelled"
+    assert (row.counts.done, row.counts.canceled) == (1, 4)

@@ -218,7 +218,8 @@ def test_a_submission_is_kept_before_its_create_and_named_by_its_id_after(
 ) -> None:
     """Kept as ``submitting`` under its token with its lookup and kind; the provider's
     id written over the token once (then ``running``); only a submission still waiting
-    for its id can be forgotten; claimed items given back are pending for anyone."""
+    for its id can be forgotten; claimed items given back are pending for anyone (canceled
+    once the batch is cancelled); a cancelling batch's item is taken only to resume."""
     bid = _batch(store, 2)
     assert store.claim(bid, 0, "a", 30) and store.claim(bid, 1, "a", 30)
     kept = {i: {"request_id": f"r{i}", "session_id": None} for i in range(2)}
@@ -238,6 +239,12 @@ def test_a_submission_is_kept_before_its_create_and_named_by_its_id_after(
     assert store.release(bid, [0], "a") == 1
     assert [i.state for i in store.items(bid)] == ["pending", "running"]
     assert store.claim(bid, 0, "b", 30)
+    store.cancel(bid, "one", "openai")  # cancelling: a provider's batch's items are
+    assert store.renew("a", -1) == 1  # taken over (a's lease ran out) only to be resumed
+    assert not store.claim(bid, 1, "c", 30)
+    assert store.claim(bid, 1, "c", 30, resume=True)
+    assert store.release(bid, [0], "b") == 1  # given back: canceled, nothing sends it
+    assert [i.state for i in store.items(bid)] == ["canceled", "running"]
 
 
 def test_a_store_made_before_the_lookup_column_opens_with_it(tmp_path: Path) -> None:
