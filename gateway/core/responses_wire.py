@@ -552,6 +552,9 @@ OutputItem = OutputMessage | OutputFunctionCall | OutputCustomToolCall
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # tokens written to the provider's cache (the openai SDK's ResponseUsage requires
+    # the field: 0 where nothing was billed as a write, the local replicas' included)
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):

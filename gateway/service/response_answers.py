@@ -59,7 +59,8 @@ def response_usage(u: Usage) -> ResponseUsage:
     return ResponseUsage(
         input_tokens=u.prompt_tokens,
         input_tokens_details=InputTokensDetails(
-            cached_tokens=u.prompt_tokens_details.cached_tokens
+            cached_tokens=u.prompt_tokens_details.cached_tokens,
+            cache_write_tokens=u.prompt_tokens_details.cache_write_tokens or 0,
         ),
         output_tokens=u.completion_tokens,
         total_tokens=u.total_tokens,

@@ -387,7 +387,7 @@ def response_object(model: str, text: str, prompt: int, cached: int, n: int) -> 
         ],
         "usage": {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": cached},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": n,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + n,

@@ -286,3 +286,25 @@ def test_an_agents_own_session_header_names_the_session(
     )
     assert bad.headers["x-vcache-session"] != "not a name!"  # ignored: found or started
     assert bad.headers["x-vcache-session-kind"] in ("found", "new")
+
+
+def test_a_response_and_its_stream_validate_as_the_openai_sdks_types(
+    tools_gw: tuple[FakeEngine, Any], tokenizer: ChatTokenizer
+) -> None:
+    """What the gateway answers is today's Response: the SDK's own model validates it
+    strictly (not only the lenient construct a ``create`` call does), the usage's
+    ``input_tokens_details.cache_write_tokens`` included, whole and as the stream's
+    ``response.completed``."""
+    from openai.types.responses import Response
+
+    _, sdk = tools_gw
+    body = {"model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER]}
+    n = _call_len(tokenizer)
+    raw = sdk.responses.with_raw_response.create(**body, max_output_tokens=n)
+    whole = Response.model_validate(json.loads(raw.text))
+    assert whole.usage is not None and whole.usage.input_tokens_details.cache_write_tokens == 0
+    with sdk.responses.stream(**body, max_output_tokens=n) as stream:
+        events = [e for e in stream if e.type == "response.completed"]
+    (done,) = events
+    streamed = Response.model_validate(done.response.model_dump(mode="json"))
+    assert streamed.usage is not None and streamed.usage.input_tokens == whole.usage.input_tokens
