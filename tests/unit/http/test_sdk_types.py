@@ -66,7 +66,8 @@ def test_chat_completions_whole_and_streamed(http: TestClient) -> None:
     assert r.status_code == 200, r.text
     whole = ChatCompletion.model_validate(r.json())
     assert whole.usage is not None and whole.choices[0].logprobs is not None
-    events = _events(http, "/v1/chat/completions", body | {"stream_options": {"include_usage": True}})
+    usage = {"stream_options": {"include_usage": True}}
+    events = _events(http, "/v1/chat/completions", body | usage)
     chunks = [ChatCompletionChunk.model_validate(e) for e in events]
     assert chunks[-1].usage is not None
 
@@ -115,5 +116,5 @@ def test_messages_whole_and_each_stream_event(http: TestClient) -> None:
     # ping is Anthropic's keep-alive, which the SDK skips before typing the events
     sent = [e for e in _events(http, "/v1/messages", body) if e["type"] != "ping"]
     events = [adapter.validate_python(e) for e in sent]
-    assert [e.type for e in events][0] == "message_start"
+    assert events[0].type == "message_start"
     assert events[-1].type == "message_stop"
