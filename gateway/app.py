@@ -45,7 +45,12 @@ from gateway.core.types import ENGINE_PRIORITY
 from gateway.core.version import version_info
 from gateway.grpc.server import GatewayServicer, GrpcServer
 from gateway.http.errors import install_error_handlers
-from gateway.http.middleware import BodyLimitMiddleware, RequestMetricsMiddleware, ServerLoad
+from gateway.http.middleware import (
+    UPLOAD_PATHS,
+    BodyLimitMiddleware,
+    RequestMetricsMiddleware,
+    ServerLoad,
+)
 from gateway.http.openapi import install_openapi
 from gateway.http.routes import (
     batches,
@@ -591,6 +596,7 @@ def create_app(
         limit=settings.max_request_body_bytes,
         metrics=metrics,
         chunk_timeout_s=settings.http.body_timeout_s,
+        path_limits=dict.fromkeys(UPLOAD_PATHS, settings.batches.max_upload_bytes),
     )
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, load=state.server_load)
     return app

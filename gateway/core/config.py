@@ -133,6 +133,10 @@ class BatchSettings(BaseModel):
     provider_api: bool = False
     # between two reads of a batch running on a provider's batch API
     provider_poll_s: float = Field(30.0, gt=0)
+    # the body limit of a batch's upload (POST /v1/files, POST /v1/messages/batches) in
+    # place of max_request_body_bytes: Anthropic's Message Batches take 256 MB, OpenAI's
+    # batch input files 200 MB
+    max_upload_bytes: int = Field(256 << 20, ge=1024)
 
 
 class AttachmentSettings(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from gateway.core.errors import APIError, PayloadTooLarge, RequestTimeout
@@ -47,17 +47,24 @@ class BodyLimitMiddleware:
     """
 
     def __init__(
-        self, app: ASGIApp, limit: int, metrics: Metrics, chunk_timeout_s: float = 30.0
+        self,
+        app: ASGIApp,
+        limit: int,
+        metrics: Metrics,
+        chunk_timeout_s: float = 30.0,
+        path_limits: Mapping[str, int] | None = None,
     ) -> None:
         self.app = app
         self.limit = limit
         self.metrics = metrics
         self.chunk_timeout_s = chunk_timeout_s
+        # a path's own limit in place of ``limit`` (a batch's upload)
+        self.path_limits = dict(path_limits or {})
 
-    def _too_large(self) -> PayloadTooLarge:
+    def _too_large(self, limit: int) -> PayloadTooLarge:
         self.metrics.errors.labels(PayloadTooLarge.type).inc()
         return PayloadTooLarge(
-            f"The request body exceeds the limit of {self.limit} bytes",
+            f"The request body exceeds the limit of {limit} bytes",
             code="request_too_large",
         )
 
@@ -65,9 +72,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.limit)
         for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await _send_error(send, self._too_large(), scope)
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await _send_error(send, self._too_large(limit), scope)
                 return
         chunks: list[bytes] = []
         size = 0
@@ -87,8 +95,8 @@ class BodyLimitMiddleware:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.limit:
-                await _send_error(send, self._too_large(), scope, close=True)
+            if size > limit:
+                await _send_error(send, self._too_large(limit), scope, close=True)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -104,6 +112,9 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+
+# a batch's upload: the batch's whole input in one body (batches.max_upload_bytes)
+UPLOAD_PATHS = ("/v1/files", "/v1/messages/batches")
 
 # the routes that put work on a model (vLLM's server load counts the same kind)
 GENERATION_PATHS = frozenset(

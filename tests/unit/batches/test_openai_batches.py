@@ -408,3 +408,38 @@ def test_siblings_reach_the_engine_while_their_lead_still_decodes(
         assert x["response"]["body"]["object"] == kind
         assert usage_of(x["response"]["body"]).output == 3
     assert all(usage_of(x["response"]["body"]).cached > 0 for x in out[1:])
+
+
+def test_a_batch_upload_takes_its_own_body_limit(tokenizer: ChatTokenizer) -> None:
+    """A batch's input is one body, larger than any request: ``POST /v1/files`` (and
+    Anthropic's batch create) take ``batches.max_upload_bytes`` in place of
+    ``max_request_body_bytes``, which still bounds every other route."""
+    cfg = gateway_settings(
+        grpc_port=None,
+        api_keys=keys(),
+        max_request_body_bytes=4096,
+        batches={"max_upload_bytes": 64 << 10},
+    )
+    lines = [line(f"r{i}", chat_body("A" * 200, f"review {i}")) for i in range(60)]
+    upload = jsonl(lines)
+    assert 4096 < len(upload) < 64 << 10
+    with TestClient(create_app(cfg, [FakeEngine(tokenizer, max_model_len=1024)])) as http:
+        client = sdk(http)
+        f = client.files.create(file=("big.jsonl", upload), purpose="batch")
+        assert f.bytes == len(upload)
+        with pytest.raises(openai.APIStatusError) as err:
+            client.files.create(file=("huge.jsonl", upload * 5), purpose="batch")
+        assert err.value.status_code == 413
+        assert "65536 bytes" in str(err.value)
+        big_chat = chat_body("A" * 5000, "too long for a request")
+        r = http.post(CHAT, json=big_chat, headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 413 and "4096 bytes" in r.text
+        params = {
+            "model": MODEL,
+            "max_tokens": 3,
+            "system": "A" * 5000,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        batch = {"requests": [{"custom_id": "m", "params": params}]}
+        r = http.post("/v1/messages/batches", json=batch, headers={"x-api-key": KEY})
+        assert r.status_code == 200 and r.json()["type"] == "message_batch", r.text
