@@ -107,10 +107,11 @@ class EngineSettings(BaseModel):
     # a chat or text prompt renders on the event loop, not the render thread, when the
     # characters it may tokenize afresh (its text, once a render its memories do not
     # answer) are at most this many and the thread is idle; a template of the request's
-    # own or an image's expansion always on the thread.  4,096: ~1.3 ms of work, half
-    # what the hop to the thread costs (docs/benchmarks.md).  0: every render on the
-    # thread
-    render_inline_chars: int = Field(4096, ge=0)
+    # own or an image's expansion always on the thread.  0 (the default): every render on
+    # the thread, as inline renders cost 5-10% more CPU a request in three bench runs for
+    # no TTFT difference a run resolved; 4,096 is ~1.3 ms of work, half what the hop to
+    # the thread costs at the median (docs/benchmarks.md)
+    render_inline_chars: int = Field(0, ge=0)
     # requests in each replica's engine at once (vLLM's max_num_seqs); the rest wait in
     # the gateway and go in fair order across tenants (gateway/local/fairness.py).
     # None: vLLM's default, no gateway queue.
