@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,10 +154,12 @@ class RemoteVllm:
         }
 
 
-@pytest.fixture(scope="session")
-def remote_vllm(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteVllm]:
-    """One remote replica for the session, shared by every gateway that needs one."""
-    tmp = tmp_path_factory.mktemp("remote-vllm")
+def remote_vllm_server(
+    model: str, served_name: str, tmp: Path, kv_cache_bytes: int, extra: Sequence[str] = ()
+) -> tuple[list[str], dict[str, str], RemoteVllm]:
+    """vLLM's own OpenAI server as a remote replica (the vcache plugins, exact hashes, KV
+    events over IPC under ``tmp``, the generate route): its command, its environment and
+    what a gateway is told of it."""
     port = _free_port()
     events, replay = f"ipc://{tmp}/events", f"ipc://{tmp}/replay"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
@@ -177,9 +179,9 @@ def remote_vllm(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(demo_model),
+        model,
         "--served-model-name",
-        "vcache-demo",
+        served_name,
         "--host",
         "127.0.0.1",
         "--port",
@@ -191,15 +193,23 @@ def remote_vllm(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "--kv-events-config",
         json.dumps(kv_events),
         "--kv-cache-memory-bytes",
-        str(32 << 20),
-        "--max-model-len",
-        "2048",
+        str(kv_cache_bytes),
         "--enforce-eager",
         "--enable-scale-out",  # the token-in/token-out route too (gateways use it on auto)
+        *extra,
     ]
     url = f"http://127.0.0.1:{port}"
-    with running(server, env, f"{url}/v1/models", tmp / "vllm.log", "vllm server"):
-        yield RemoteVllm(url, events, replay, tmp / "vllm.log")
+    return server, env, RemoteVllm(url, events, replay, tmp / "vllm.log")
+
+
+@pytest.fixture(scope="session")
+def remote_vllm(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteVllm]:
+    """One remote replica for the session, shared by every gateway that needs one."""
+    tmp = tmp_path_factory.mktemp("remote-vllm")
+    extra = ["--max-model-len", "2048"]
+    server, env, vllm = remote_vllm_server(str(demo_model), "vcache-demo", tmp, 32 << 20, extra)
+    with running(server, env, f"{vllm.url}/v1/models", vllm.log, "vllm server"):
+        yield vllm
 
 
 def rebuild_all(sessions_db: Path, model: Path, url: str | None = None) -> tuple[int, list[str]]:

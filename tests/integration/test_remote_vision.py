@@ -48,6 +48,7 @@ from tests.integration.conftest import (
     SECRET,
     RemoteVllm,
     _free_port,
+    remote_vllm_server,
     running,
 )
 
@@ -85,49 +86,10 @@ def remote(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
     tmp = tmp_path_factory.mktemp("remote-vision")
     path = str(ensure_demo_vision_model(data_dir))
-    port = _free_port()
-    events, replay = f"ipc://{tmp}/events", f"ipc://{tmp}/replay"
+    extra = ["--max-model-len", "4096", "--limit-mm-per-prompt"]
+    extra.append(json.dumps({"image": IMAGES_PER_PROMPT}))
+    server, vllm_env, vllm = remote_vllm_server(path, MODEL, tmp, 1 << 28, extra)
     base = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
-    vllm_env = base | {
-        "PYTHONHASHSEED": "0",
-        "VLLM_PLUGINS": "vcache,vcache-control",
-        "VCACHE_CONTROL_SECRET": SECRET,
-    }
-    kv_events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": events,
-        "replay_endpoint": replay,
-    }
-    server = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        path,
-        "--served-model-name",
-        MODEL,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enable-prefix-caching",
-        "--prefix-caching-hash-algo",
-        "sha256_cbor",
-        "--enable-prompt-tokens-details",
-        "--kv-events-config",
-        json.dumps(kv_events),
-        "--kv-cache-memory-bytes",
-        str(1 << 28),
-        "--max-model-len",
-        "4096",
-        "--limit-mm-per-prompt",
-        json.dumps({"image": IMAGES_PER_PROMPT}),
-        "--enforce-eager",
-        "--enable-scale-out",  # the generate route: the one that takes images with token ids
-    ]
-    vllm_url = f"http://127.0.0.1:{port}"
-    vllm = RemoteVllm(vllm_url, events, replay, tmp / "vllm.log")
     gw_port = _free_port()
     gw_env = base | {
         "VCACHE_REMOTE_REPLICAS": json.dumps([vllm.replica()]),
@@ -156,7 +118,7 @@ def remote(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     renderer = VisionRenderer.load(path, path, IMAGES_PER_PROMPT)
     assert renderer is not None
     with (
-        running(server, vllm_env, f"{vllm_url}/v1/models", tmp / "vllm.log", "vllm server"),
+        running(server, vllm_env, f"{vllm.url}/v1/models", vllm.log, "vllm server"),
         running(gateway, gw_env, f"{gw_url}/readyz", tmp / "gateway.log", "gateway"),
     ):
         yield RemoteVision(
