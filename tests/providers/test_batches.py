@@ -14,13 +14,15 @@ import io
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
 import pytest
+from anthropic.types.messages import MessageBatchResult
+from openai.types import Batch
 
 from engines.providers.specs import PROVIDERS
 from engines.providers.transport import Response, Transport
@@ -52,6 +54,38 @@ def _until(done: Any, what: str, timeout_s: float = 30.0) -> Any:
     raise AssertionError(f"{what} did not happen in {timeout_s} s")
 
 
+def _upload(client: openai.OpenAI, lines: Sequence[dict[str, Any]]) -> str:
+    """A batch input file of ``lines`` (JSON lines), uploaded: its id."""
+    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
+    return client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def _completed(client: openai.OpenAI, batch_id: str) -> Batch:
+    """The batch, polled as a client does until it has completed."""
+    done: Batch = _until(
+        lambda: (b := client.batches.retrieve(batch_id)).status == "completed" and b,
+        "the batch's end",
+    )
+    return done
+
+
+def _output(client: openai.OpenAI, done: Batch) -> list[dict[str, Any]]:
+    """The lines of a completed batch's output file."""
+    assert done.output_file_id is not None
+    return [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+
+
+def _message_results(client: anthropic.Anthropic, requests: Any) -> dict[str, MessageBatchResult]:
+    """A Message Batch of ``requests`` created and polled until it ended: each result by
+    its custom_id."""
+    batch = client.messages.batches.create(requests=requests)
+    _until(
+        lambda: client.messages.batches.retrieve(batch.id).processing_status == "ended",
+        "the batch's end",
+    )
+    return {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+
+
 @pytest.mark.parametrize("provider", ["openai", "anthropic", "deepseek", "gemini"])
 def test_the_openai_batch_api_on_a_hosted_target(gw: Gw, provider: str) -> None:
     target = f"{provider}/{MODELS[provider]}"
@@ -72,18 +106,14 @@ def test_the_openai_batch_api_on_a_hosted_target(gw: Gw, provider: str) -> None:
         }
         for i in range(ITEMS)
     ]
-    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
-    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    file_id = _upload(client, lines)
     batch = client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    done = _until(
-        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
-        "the batch's end",
-    )
+    done = _completed(client, batch.id)
     assert done.request_counts is not None and done.request_counts.completed == ITEMS
     assert done.output_file_id is not None and done.error_file_id is None
-    out = [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+    out = _output(client, done)
     assert sorted(x["custom_id"] for x in out) == [f"item-{i}" for i in range(ITEMS)]
     for x in out:
         body = x["response"]["body"]
@@ -109,12 +139,7 @@ def test_the_anthropic_message_batches_api_on_a_hosted_target(gw: Gw) -> None:
         }
         for i in range(ITEMS)
     ]
-    batch = client.messages.batches.create(requests=requests)
-    _until(
-        lambda: client.messages.batches.retrieve(batch.id).processing_status == "ended",
-        "the batch's end",
-    )
-    results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+    results = _message_results(client, requests)
     assert sorted(results) == [f"m-{i}" for i in range(ITEMS)]
     assert all(r.type == "succeeded" for r in results.values())
     reads = [r.message.usage.cache_read_input_tokens or 0 for r in results.values()]  # type: ignore[union-attr]
@@ -130,16 +155,11 @@ def test_an_openai_batch_on_an_unknown_hosted_model_fails_each_item(gw: Gw) -> N
         "url": "/v1/chat/completions",
         "body": {"model": "nowhere/none", "messages": [{"role": "user", "content": "hi"}]},
     }
-    f = client.files.create(
-        file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch"
-    )
+    file_id = _upload(client, [line])
     batch = client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    done = _until(
-        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
-        "the batch's end",
-    )
+    done = _completed(client, batch.id)
     assert done.request_counts is not None and done.request_counts.failed == 1
     assert done.error_file_id is not None
     [err] = [json.loads(x) for x in client.files.content(done.error_file_id).read().splitlines()]
@@ -157,18 +177,14 @@ def via_api(emulator: Emulator, tokenizer: ChatTokenizer) -> Iterator[Gw]:
 
 def _openai_batch(gw: Gw, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     client = gw.client()
-    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
-    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    file_id = _upload(client, lines)
     batch = client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    done = _until(
-        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
-        "the batch's end",
-    )
+    done = _completed(client, batch.id)
     assert done.request_counts is not None and done.request_counts.completed == len(lines)
     assert done.output_file_id is not None
-    return [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+    return _output(client, done)
 
 
 def _lines(target: str, system: Callable[[int], str]) -> list[dict[str, Any]]:
@@ -247,10 +263,9 @@ def restart_resumes(
     first = contextlib.ExitStack()
     gw = first.enter_context(gateway(emulator, tokenizer, batches=batches, session_log=log))
     client = gw.client()
-    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in _lines(target, lambda i: MANUAL))
-    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    file_id = _upload(client, _lines(target, lambda i: MANUAL))
     batch = client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     seen = open_store()  # the gateway's batch store
     try:
@@ -264,13 +279,10 @@ def restart_resumes(
     emulator.admin("batch-rules", delay_s=0, parallel=4)
     with gateway(emulator, tokenizer, batches=batches, session_log=log) as gw:
         client = gw.client()
-        done = _until(
-            lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
-            "the batch's end",
-        )
+        done = _completed(client, batch.id)
         assert done.request_counts is not None and done.request_counts.completed == ITEMS
         assert done.output_file_id is not None
-        out = [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+        out = _output(client, done)
         assert sorted(x["custom_id"] for x in out) == [f"item-{i}" for i in range(ITEMS)]
         sent = [r for r in emulator.received() if r["path"] == "/v1/batches"]
         assert len(sent) == 1  # submitted once, over both gateways
@@ -352,10 +364,9 @@ def killed_after_create(
     )
     client = gw.client()
     lines = _lines(target, lambda i: f"Manual {i}. " + MANUAL)  # the batch API's, on both
-    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
-    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    file_id = _upload(client, lines)
     batch = client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     assert dies.created.wait(30), "the provider never got the create"
     first.close()  # killed: the create answered, its id never written
@@ -368,13 +379,10 @@ def killed_after_create(
     assert len(_provider_batches(emulator, provider)) == 1
     with gateway(emulator, tokenizer, batches=batches, session_log=log) as gw:
         client = gw.client()
-        done = _until(
-            lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
-            "the batch's end",
-        )
+        done = _completed(client, batch.id)
         assert done.request_counts is not None and done.request_counts.completed == ITEMS
         assert done.output_file_id is not None
-        out = [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+        out = _output(client, done)
         assert sorted(x["custom_id"] for x in out) == [f"item-{i}" for i in range(ITEMS)]
         assert all(x["response"]["status_code"] == 200 for x in out)
         assert len(_provider_batches(emulator, provider)) == 1  # found, not made again
@@ -444,12 +452,7 @@ def test_a_message_batch_the_plan_sends_to_a_providers_batch_api(
         }
         for i in range(ITEMS)
     ]
-    batch = client.messages.batches.create(requests=requests)
-    _until(
-        lambda: client.messages.batches.retrieve(batch.id).processing_status == "ended",
-        "the batch's end",
-    )
-    results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+    results = _message_results(client, requests)
     assert sorted(results) == [f"m-{i}" for i in range(ITEMS)]
     for r in results.values():
         assert r.type == "succeeded"
@@ -488,18 +491,14 @@ def test_a_responses_batch_the_plan_sends_to_a_providers_batch_api(
         }
         for i in range(ITEMS)
     ]
-    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
-    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    file_id = _upload(client, lines)
     batch = client.batches.create(
-        input_file_id=f.id, endpoint="/v1/responses", completion_window="24h"
+        input_file_id=file_id, endpoint="/v1/responses", completion_window="24h"
     )
-    done = _until(
-        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
-        "the batch's end",
-    )
+    done = _completed(client, batch.id)
     assert done.request_counts is not None and done.request_counts.completed == ITEMS
     assert done.output_file_id is not None
-    out = [json.loads(x) for x in client.files.content(done.output_file_id).read().splitlines()]
+    out = _output(client, done)
     assert sorted(x["custom_id"] for x in out) == [f"r-{i}" for i in range(ITEMS)]
     for x in out:
         assert x["response"]["status_code"] == 200
@@ -538,15 +537,11 @@ def test_a_responses_batch_chained_by_previous_response_id_stays_online(via_api:
         }
         for i in range(2)
     ]
-    data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
-    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    file_id = _upload(client, lines)
     batch = client.batches.create(
-        input_file_id=f.id, endpoint="/v1/responses", completion_window="24h"
+        input_file_id=file_id, endpoint="/v1/responses", completion_window="24h"
     )
-    done = _until(
-        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
-        "the batch's end",
-    )
+    done = _completed(client, batch.id)
     assert done.request_counts is not None and done.request_counts.completed == 2
     assert done.output_file_id is not None
     out = {
@@ -578,10 +573,9 @@ def test_a_cancel_reaches_the_providers_batch(
     with gateway(emulator, tokenizer, batches=batches, session_log=log) as gw:
         client = gw.client()
         lines = _lines(target, lambda i: MANUAL)
-        data = b"".join(json.dumps(ln).encode() + b"\n" for ln in lines)
-        f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        file_id = _upload(client, lines)
         batch = client.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         store: BatchStore = gw.http.app.state.batches  # type: ignore[attr-defined]
         [run] = _until(lambda: store.provider_runs(batch.id), "the submission kept")
