@@ -65,7 +65,6 @@ from gateway.service.engine_request import (
 )
 from gateway.service.json_text import JsonText, json_answer
 from gateway.service.prompts import Prompts
-from gateway.service.render_thread import INLINE_CHARS
 from gateway.service.tools import ToolPlan
 from gateway.service.vision_request import engine_images, expanded_prompt
 from gateway.sessions.render import (
@@ -131,7 +130,7 @@ class LocalChat:
         ceiling_finish: str = "length",
         adapters: Adapters | None = None,
         vision: VisionRenderer | None = None,
-        render_inline_chars: int = INLINE_CHARS,
+        render_inline_chars: int = 0,
     ) -> None:
         """``turns``: agent sessions (the replica of the last turn, KV leased across
         tool-call pauses; the dispatcher makes room with the same one); ``leases``: the KV

@@ -26,7 +26,7 @@ from engines.tokenizer import ChatTokenizer
 from gateway.core.schemas import Breakpoint
 from gateway.local.vision_prompt import PromptImage, VisionPrompt, VisionRenderer
 from gateway.service.breakpoints import Ends, PrefixLengths, SystemPrompts, Turns
-from gateway.service.render_thread import INLINE_CHARS, RenderThread
+from gateway.service.render_thread import RenderThread
 from gateway.sessions.render import chat_prompt, local_messages, text_prompt
 from manifest.canonical import canonical_json
 from manifest.sessionlog import MessageEvent
@@ -49,8 +49,9 @@ class PromptIds:
 class Prompts:
     """Renders and tokenizes with a copy of the model's tokenizer, off the event loop."""
 
-    def __init__(self, inline_chars: int = INLINE_CHARS) -> None:
-        """``inline_chars``: the most characters a render on the loop may tokenize afresh."""
+    def __init__(self, inline_chars: int = 0) -> None:
+        """``inline_chars``: the most characters a render on the loop may tokenize afresh
+        (0: every render on the thread)."""
         self._thread = RenderThread(inline_chars)
         self._prefix = PrefixLengths()  # prefix token lengths, remembered
 

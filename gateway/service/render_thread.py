@@ -34,8 +34,9 @@ from engines.tokenizer import ChatTokenizer
 T = TypeVar("T")
 
 THREAD_NAME = "vcache-render"
-# the characters a job may tokenize afresh and still run on the loop: ~1.3 ms on this
-# host's demo tokenizer, half what the hop to the thread costs (docs/benchmarks.md)
+# a bound for the characters a job may tokenize afresh and still run on the loop where
+# that is set (engine.render_inline_chars; off by default): ~1.3 ms on this host's demo
+# tokenizer, half what the hop to the thread costs (docs/benchmarks.md)
 INLINE_CHARS = 4096
 
 Fresh = Callable[[], int | None]
@@ -45,7 +46,7 @@ class RenderThread:
     """Runs jobs that need the tokenizer on one thread of their own, one at a time, or on
     the loop when they are short and the thread idle."""
 
-    def __init__(self, inline_chars: int = INLINE_CHARS) -> None:
+    def __init__(self, inline_chars: int = 0) -> None:
         """``inline_chars``: the most characters a job run on the loop may tokenize afresh
         (0: every job that tokenizes anything on the thread)."""
         self._pool: ThreadPoolExecutor | None = None
