@@ -17,6 +17,7 @@ send (sizes, counts, pixels) is checked at intake.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import struct
 from dataclasses import dataclass, field
@@ -179,3 +180,9 @@ def _webp_size(data: bytes) -> tuple[int, int] | None:
         h = 1 + int.from_bytes(data[27:30], "little")
         return w, h
     return None
+
+
+def data_url(media_type: str, data: bytes) -> str:
+    """``data`` exactly as sent, as a ``data:`` URL of ``media_type`` (never decoded,
+    never re-encoded)."""
+    return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from engines.sse import ServerSentEvent
 from manifest.attachments import Attachment
+from manifest.attachments import data_url as url_of
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def base64_of(a: Attachment) -> str:
 
 def data_url(a: Attachment) -> str:
     """The attachment's exact bytes as a ``data:`` URL."""
-    return f"data:{a.ref.media_type};base64,{base64_of(a)}"
+    return url_of(a.ref.media_type, a.data)
 
 
 def document_text(a: Attachment) -> str:

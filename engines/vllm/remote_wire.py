@@ -28,12 +28,12 @@ placeholder ranges the replica expanded to (``return_token_ids``), which
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from engines.base import LOGPROB_FLOOR, EngineImage, GenerateChunk, GenerateRequest, TokenLogprob
 from engines.vllm.sampling import sampling_fields, stop_string
+from manifest.attachments import data_url
 
 RemoteApi = Literal["completions", "generate"]
 PATHS: dict[RemoteApi, str] = {
@@ -92,7 +92,7 @@ def content_parts(images: Sequence[EngineImage]) -> list[dict[str, str]]:
     return [
         {
             "type": "image_url",
-            "url": f"data:{i.media_type};base64,{base64.b64encode(i.data).decode('ascii')}",
+            "url": data_url(i.media_type, i.data),
             "uuid": i.identifier,
         }
         for i in images

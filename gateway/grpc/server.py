@@ -13,7 +13,6 @@ the handler, which aborts its engine request.
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -39,6 +38,7 @@ from gateway.service.auth import KeyRing
 from gateway.service.cache import CacheRequest, CacheService
 from gateway.service.chat import GatewayService
 from gateway.service.part_names import client_named
+from manifest.attachments import data_url
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,6 @@ def _sampling(s: pb.SamplingParams) -> dict[str, Any]:
     return out
 
 
-def _data_url(data: bytes, media_type: str) -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
-
-
 def _part(p: pb.ContentPart, where: str) -> dict[str, Any]:
     """One content part in chat's shape."""
     kind = p.WhichOneof("part")
@@ -83,7 +79,7 @@ def _part(p: pb.ContentPart, where: str) -> dict[str, Any]:
         img = p.image
         if bool(img.data) == bool(img.url):
             raise InvalidRequest(f"{where}.image: give data or url, one of them", param=where)
-        url = img.url or _data_url(img.data, img.media_type)
+        url = img.url or data_url(img.media_type, img.data)
         image_url = {"url": url, "detail": img.detail or None}
         part: dict[str, Any] = {"type": "image_url", "image_url": image_url}
         if img.uuid:
@@ -91,7 +87,7 @@ def _part(p: pb.ContentPart, where: str) -> dict[str, Any]:
         return part
     if kind == "document":
         doc = p.document
-        file = {"file_data": _data_url(doc.data, doc.media_type), "filename": doc.filename or None}
+        file = {"file_data": data_url(doc.media_type, doc.data), "filename": doc.filename or None}
         return {"type": "file", "file": file}
     raise InvalidRequest(f"{where}: an empty content part", param=where)
 

@@ -18,7 +18,6 @@ path (targets, fallback, caching, verify-before-dispatch).
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -72,7 +71,7 @@ from gateway.service.response_tools import (
     custom_arguments,
 )
 from gateway.sessions.store import ResponseRow, SessionStore
-from manifest.attachments import Attachment, AttachmentRef
+from manifest.attachments import Attachment, AttachmentRef, data_url
 from manifest.sessionlog import MessageEvent, PartRef, fold, parts_of, session_name
 
 Ask = Callable[[ChatCompletionRequest, Principal, None, str | None], Awaitable[Routed[Any]]]
@@ -149,7 +148,7 @@ def _logged_part(
     if isinstance(p, str):
         return TextPart(type="text", text=p)
     att = attachments(p.ref)
-    url = f"data:{p.ref.media_type};base64,{base64.b64encode(att.data).decode('ascii')}"
+    url = data_url(p.ref.media_type, att.data)
     part: ImageUrlPart | FilePart
     if p.ref.kind == "image":
         image = ImageUrl(url=url, detail=p.detail)

@@ -45,6 +45,7 @@ GENERATED = {"gateway.grpc.api.gateway_pb2", "gateway.grpc.api.gateway_pb2_grpc"
 
 PURE = {
     "__future__",
+    "base64",
     "bisect",
     "collections",
     "contextlib",
