@@ -31,7 +31,8 @@ from engines.providers.transport import Transport
 from engines.tokenizer import ChatTokenizer, ThreadCopies
 from gateway.batches.hit_share import HitShares
 from gateway.batches.pins import CachePins
-from gateway.batches.provider_api import BatchAPIClient, ProviderBatches
+from gateway.batches.provider_api import ProviderBatches
+from gateway.batches.provider_client import BatchAPIClient
 from gateway.batches.recall import default_gate
 from gateway.batches.runner import BatchRunner
 from gateway.batches.send import ServiceSender

@@ -51,7 +51,8 @@ from gateway.batches.cost import bought, measured
 from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import leads_first, units
-from gateway.batches.provider_api import BatchAPIError, Ticket
+from gateway.batches.provider_api import Ticket
+from gateway.batches.provider_client import BatchAPIError
 from gateway.batches.provider_plan import Choice, Sample
 from gateway.batches.recall import Gate, decide, warm_body
 from gateway.batches.send import CHAT, Outcome, Sender, batch_caller

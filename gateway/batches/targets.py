@@ -16,7 +16,7 @@ from typing import Protocol
 from engines.providers.ratelimits import RateLimits
 from engines.providers.specs import PROVIDERS
 from gateway.batches.hit_share import HitShares
-from gateway.batches.provider_api import SUPPORTED, Endpoint
+from gateway.batches.provider_client import SUPPORTED, Endpoint
 from gateway.batches.provider_plan import (
     Choice,
     Headroom,

@@ -16,7 +16,7 @@ import pytest
 from engines.providers.base import Rendered
 from engines.providers.specs import PROVIDERS
 from engines.providers.transport import Response, Transport, TransportError
-from gateway.batches.provider_api import BatchAPIClient, BatchAPIError, Endpoint
+from gateway.batches.provider_client import BatchAPIClient, BatchAPIError, Endpoint
 from tests.providers.conftest import MODELS, PROVIDER_KEY, Emulator
 
 N = 3

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from gateway.batches.provider_api import BatchAPIError, Ticket
+from gateway.batches.provider_api import Ticket
+from gateway.batches.provider_client import BatchAPIError
 from gateway.batches.provider_plan import Choice
 from gateway.batches.runner import BatchRunner, retry_delay
 from gateway.batches.send import Outcome
