@@ -5,13 +5,18 @@ through vcache, and against vLLM's own OpenAI server given them in arrival order
 
 ``python -m loadtests.batch_local [--units 240] [--anchors 24] [--s 1.0] [--out DIR]``
 
-The workload is :mod:`loadtests.batch_workload`'s at a smaller scale: ``units`` units
-of 8-40 words under ``anchors`` system prompts of 200-800 words (the demo model's
-tokens, counted by the engine), the anchor drawn from Zipf(s), in random arrival order;
-chat completions of one output token on the demo model.  Each arm runs on a fresh
-engine with the same KV cache size (``--kv-bytes``, small enough that not every anchor
-stays resident) and the same concurrency (``--concurrency``, the batch runner's
-default 8).  The hit rate is the engine's own count: the sum of ``cached_tokens`` over
+The held-out scale (issue 52): ``--units 10000 --anchors 1000 --s 0.8 1.0 1.74``.
+
+The workload is :mod:`loadtests.batch_workload`'s: ``units`` units of
+``--unit-tokens`` (10-50) under ``anchors`` system prompts of ``--anchor-tokens``
+(1,000-4,000), both in the demo model's tokens (the texts are drawn in the emulator's
+tokens and scaled by the demo tokenizer's ratio, measured on a sample; the engine
+counts the prompts it was sent), the anchor drawn from Zipf(s), in random arrival
+order; chat completions of one output token on the demo model.  Each arm runs on a
+fresh engine with the same KV cache size (``--kv-bytes``, a small share of the anchors'
+total, so not every anchor stays resident) and the same concurrency
+(``--concurrency``, the batch runner's default 8).  Each s's result is written as
+soon as it is measured.  The hit rate is the engine's own count: the sum of ``cached_tokens`` over
 the sum of ``prompt_tokens``.  Prints a table and writes JSON to ``--out``.
 """
 
@@ -21,9 +26,11 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +38,9 @@ import httpx
 
 from gateway.core.config import Settings
 from gateway.local.build import resolve_model
-from loadtests.batch_workload import workload
+from loadtests.batch_workload import filler, workload
 from loadtests.procs import free_port, get_ok, serving
+from manifest.economics import zipf_coverage
 
 MODEL = "vcache-demo"
 
@@ -49,6 +57,21 @@ def bodies(texts: list[str], which: list[int], own: list[str]) -> list[dict[str,
         }
         for i, a in enumerate(which)
     ]
+
+
+def token_ratio(model: str, seed: int) -> float:
+    """The demo model's tokens per emulator token of
+    :func:`~loadtests.batch_workload.filler`, on a sample."""
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    sample = filler(random.Random(seed), 4000)
+    return float(len(tok(sample)["input_ids"])) / 4000
+
+
+def scaled(span: tuple[int, int], ratio: float) -> tuple[int, int]:
+    return (max(1, round(span[0] / ratio)), max(1, round(span[1] / ratio)))
 
 
 def hit_rate(usages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -117,7 +140,7 @@ def gateway(out: Path, name: str, args: argparse.Namespace) -> Any:
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
     cmd += ["--grpc-port", str(free_port()), "--replicas", "1"]
-    cmd += ["--kv-cache-bytes", str(args.kv_bytes), "--max-model-len", "4096"]
+    cmd += ["--kv-cache-bytes", str(args.kv_bytes), "--max-model-len", str(args.max_model_len)]
     env = {**os.environ, "VCACHE_DATA_DIR": tempfile.mkdtemp(prefix=f"batch-{name}-")}
     host = f"http://127.0.0.1:{port}"
     return host, serving(cmd, lambda: get_ok(f"{host}/readyz"), out / f"{name}.log", env)
@@ -126,7 +149,8 @@ def gateway(out: Path, name: str, args: argparse.Namespace) -> Any:
 def vllm(out: Path, model: str, args: argparse.Namespace) -> Any:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    cmd += ["--served-model-name", MODEL, "--port", str(port), "--max-model-len", "4096"]
+    cmd += ["--served-model-name", MODEL, "--port", str(port)]
+    cmd += ["--max-model-len", str(args.max_model_len)]
     cmd += ["--kv-cache-memory-bytes", str(args.kv_bytes), "--enable-prefix-caching"]
     cmd += ["--enable-prompt-tokens-details"]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -134,9 +158,12 @@ def vllm(out: Path, model: str, args: argparse.Namespace) -> Any:
     return host, serving(cmd, lambda: get_ok(f"{host}/v1/models"), out / "vllm.log", env)
 
 
-def run_s(args: argparse.Namespace, s: float, model: str) -> dict[str, Any]:
-    texts, which, own = workload(args.units, args.anchors, s, args.seed, (200, 800), (8, 40))
+def run_s(args: argparse.Namespace, s: float, model: str, ratio: float) -> dict[str, Any]:
+    anchor, unit = scaled(args.anchor_tokens, ratio), scaled(args.unit_tokens, ratio)
+    texts, which, own = workload(args.units, args.anchors, s, args.seed, anchor, unit)
     items = bodies(texts, which, own)
+    counts = Counter(which)
+    top7 = sum(c for _, c in counts.most_common(7)) / len(which)
     arms: dict[str, Any] = {}
     host, ctx = gateway(args.out, f"vcache-batch-{s}", args)
     with ctx:
@@ -158,7 +185,17 @@ def run_s(args: argparse.Namespace, s: float, model: str) -> dict[str, Any]:
         arms["vllm_arrival"] = {**hit_rate(usages), "wall_s": round(time.perf_counter() - t0, 1)}
     for name, a in arms.items():
         print(f"s={s} {name}: hit {a['hit_rate']} in {a['wall_s']} s", flush=True)
-    return {"s": s, "units": args.units, "anchors": args.anchors, "arms": arms}
+    return {
+        "s": s,
+        "units": args.units,
+        "anchors": args.anchors,
+        "anchor_tokens": list(args.anchor_tokens),
+        "unit_tokens": list(args.unit_tokens),
+        "kv_bytes": args.kv_bytes,
+        "top7_coverage": round(top7, 4),
+        "top7_coverage_zipf": round(zipf_coverage(min(7, args.anchors), args.anchors, s), 4),
+        "arms": arms,
+    }
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -179,16 +216,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--units", type=int, default=240)
     p.add_argument("--anchors", type=int, default=24)
     p.add_argument("--s", type=float, nargs="+", default=[1.0])
-    p.add_argument("--kv-bytes", type=int, default=24 << 20, help="per engine")
+    p.add_argument("--anchor-tokens", type=int, nargs=2, default=(1000, 4000), metavar=("LO", "HI"))
+    p.add_argument("--unit-tokens", type=int, nargs=2, default=(10, 50), metavar=("LO", "HI"))
+    p.add_argument("--kv-bytes", type=int, default=256 << 20, help="per engine")
+    p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=52)
     p.add_argument("--out", type=Path, default=Path("reports") / "batch-local")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = resolve_model(Settings())
-    results = [run_s(args, s, model) for s in args.s]
+    ratio = token_ratio(model, args.seed)
+    print(f"demo tokens per emulator token: {ratio:.3f}", flush=True)
+    results: list[dict[str, Any]] = []
+    for s in args.s:
+        results.append(run_s(args, s, model, ratio))
+        (args.out / "batch_local.json").write_text(json.dumps(results, indent=1))
     print(table(results))
-    (args.out / "batch_local.json").write_text(json.dumps(results, indent=1))
     print(f"\nwritten: {args.out / 'batch_local.json'}")
     return 0
 

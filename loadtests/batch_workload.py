@@ -79,7 +79,7 @@ PRICES = {  # read, 5m write, 1h write (input-token equivalents)
 WORDS = "cache prefix token block warm anchor replica model stream byte ledger plan".split()
 
 
-def _text(rng: random.Random, tokens: int) -> str:
+def filler(rng: random.Random, tokens: int) -> str:
     """About ``tokens`` of the emulator's tokens (4 bytes each)."""
     out: list[str] = []
     size = 0
@@ -100,10 +100,10 @@ def workload(
 ) -> tuple[list[str], list[int], list[str]]:
     """The anchors' texts, each unit's anchor (arrival order) and each unit's own text."""
     rng = random.Random(seed)
-    texts = [f"anchor {j}: " + _text(rng, rng.randint(*anchor_tokens)) for j in range(anchors)]
+    texts = [f"anchor {j}: " + filler(rng, rng.randint(*anchor_tokens)) for j in range(anchors)]
     weights = [(j + 1) ** -s for j in range(anchors)]
     which = rng.choices(range(anchors), weights=weights, k=units)
-    own = [f"unit {i}: " + _text(rng, rng.randint(*unit_tokens)) for i in range(units)]
+    own = [f"unit {i}: " + filler(rng, rng.randint(*unit_tokens)) for i in range(units)]
     return texts, which, own
 
 

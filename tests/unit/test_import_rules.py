@@ -145,7 +145,10 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
         "the provider plan's option for each provider, from its documented profile",
     ),
     "manifest.prefix_dag": ({"loadtests.batch_workload"}, "the batch's DAG order, in process"),
-    "manifest.economics": ({"loadtests.batch_workload"}, "H(7,s)/H(V,s) beside the measured"),
+    "manifest.economics": (
+        {"loadtests.batch_workload", "loadtests.batch_local"},
+        "H(7,s)/H(V,s) beside the measured",
+    ),
 }
 
 
