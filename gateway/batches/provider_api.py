@@ -17,6 +17,7 @@ answer was written finds the batch it made after the restart
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -34,7 +35,8 @@ from gateway.batches.send import CHAT, MESSAGES, RESPONSES, Outcome, error_of, u
 from gateway.core.errors import APIError, BadGateway, InvalidRequest, invalid_request_from
 from gateway.core.messages_wire import MessagesRequest
 from gateway.core.pieces import Piece, ToolCallDelta
-from gateway.core.responses_wire import ResponsesRequest
+from gateway.core.responses_wire import ResponseObject, ResponsesRequest
+from gateway.core.samples import Sample as AnswerSample
 from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.shaping import chat_completion
 from gateway.core.target import Call
@@ -63,15 +65,20 @@ def _long_tier(p: ProviderPrepared) -> ProviderPrepared:
     return dataclasses.replace(p, planned=long)
 
 
-async def _pieces(a: Answer, usage: Any) -> AsyncGenerator[Piece, None]:
+def _piece(a: Answer) -> Piece:
+    """A provider's whole answer as the one piece that carries it."""
     parts = tuple(ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(a.tool_calls))
-    yield Piece(
+    return Piece(
         a.text,
         a.finish_reason,
         tool_calls=parts,
         thinking=a.thinking,
         stop_sequence=a.stop_sequence,
     )
+
+
+async def _pieces(whole: Piece, usage: Any) -> AsyncGenerator[Piece, None]:
+    yield whole
     yield Piece(usage=usage)
 
 
@@ -315,17 +322,35 @@ class ProviderBatches:
         adapter = p.planned.target.client.adapter
         answer = adapter.parse(body)
         usage = provider_usage(answer.usage)
+        whole = _piece(answer)
         shaped: BaseModel
         if it.endpoint == MESSAGES:
-            shaped = await whole_message(message_id(), it.model, _pieces(answer, usage))
+            shaped = await whole_message(message_id(), it.model, _pieces(whole, usage))
         else:
             shaped = await chat_completion(
-                rid, it.req.model, _pieces(answer, usage), chat_shape(it.req)
+                rid, it.req.model, _pieces(whole, usage), chat_shape(it.req)
             )
             if it.asked is not None:  # a Responses item: its chat answer as the Response
                 shaped = response_of(*it.asked, shaped)
-        await journal.answered(it.op, rid, answer.text, usage)
+        sample = AnswerSample()
+        sample.add(whole)
+        await journal.sampled(it.op, rid, sample, usage)  # with its tool calls, as online
+        if isinstance(shaped, ResponseObject):
+            await self._stored(it.op, shaped)
         if not it.resumed:  # planned again after a restart: not the call that was sent
             self._svc.providers.settle(p, usage)  # type: ignore[union-attr]
         out = shaped.model_dump(mode="json")
         return Outcome(200, rid, body=out, usage=usage_of(out))
+
+    async def _stored(self, op: Any, body: ResponseObject) -> None:
+        """Keep a Responses item's Response where ``GET /v1/responses/{id}`` and a later
+        ``previous_response_id`` find it, at its answer in the session log, as the
+        Responses API keeps an online one (nothing without a session log)."""
+        log = self._svc.log
+        if log is None or op is None or op.session_id is None or op.answer_seq is None:
+            return
+        add = log.store.add_response
+        body_json = body.model_dump_json()
+        await asyncio.to_thread(
+            add, body.id, op.session_id, op.answer_seq, op.tenant, body_json, body.store
+        )

@@ -17,8 +17,11 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from gateway.core.outputs import Usage
+from gateway.core.samples import Sample
+from gateway.core.schemas import tool_calls_json
 from gateway.sessions.log import Open, SessionLog
 from gateway.sessions.render import usage_record
+from manifest.canonical import canonical_json
 from manifest.sessionlog import Header, MessageEvent
 
 
@@ -64,3 +67,12 @@ class Journal:
             return
         record = usage_record(usage)
         await self.log.respond(op, request_id, text, record, tool_calls, thinking)
+
+    async def sampled(self, op: Open | None, request_id: str, answer: Sample, usage: Usage) -> None:
+        """Append the answer a conversation goes on with (sample 0): its text, the tools it
+        called and its thinking blocks."""
+        calls = answer.tool_calls()
+        called = tool_calls_json([c.model_dump() for c in calls]) if calls else None
+        blocks = answer.thinking_blocks()
+        thinking = canonical_json(blocks).decode() if blocks else None
+        await self.answered(op, request_id, "".join(answer.text), usage, called, thinking)

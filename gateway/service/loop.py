@@ -46,13 +46,12 @@ from gateway.core.metrics import Metrics
 from gateway.core.outputs import Usage
 from gateway.core.pieces import Answer, Pieces, primed
 from gateway.core.samples import Sample
-from gateway.core.schemas import ChatCompletionRequest, tool_calls_json
+from gateway.core.schemas import ChatCompletionRequest
 from gateway.core.target import Call, Prepared, Quote, Target
 from gateway.core.types import Routed, Served
 from gateway.service.attachment_intake import AttachmentIntake
 from gateway.service.journal import Journal
 from gateway.service.targets import by_cost, can_fall_back, seeing, sees
-from manifest.canonical import canonical_json
 
 log = logging.getLogger(__name__)
 
@@ -277,12 +276,7 @@ class ServiceLoop:
     ) -> None:
         """Journal the answer (sample 0, the one the conversation goes on with) before its
         usage goes out: its text and the tools it called."""
-        calls = answer.tool_calls()
-        called = tool_calls_json([c.model_dump() for c in calls]) if calls else None
-        blocks = answer.thinking_blocks()
-        thinking = canonical_json(blocks).decode() if blocks else None
-        text = "".join(answer.text)
-        await self.journal.answered(op, call.request_id, text, usage, called, thinking)
+        await self.journal.sampled(op, call.request_id, answer, usage)
 
 
 async def _drained(pieces: Pieces) -> Pieces:

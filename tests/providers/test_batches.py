@@ -514,6 +514,76 @@ def test_a_responses_batch_the_plan_sends_to_a_providers_batch_api(
     assert _rebuilt(via_api, target) == ITEMS
 
 
+LOOKUP: Any = {
+    "type": "function",
+    "name": "lookup_section",
+    "description": "The text of a section of the manual",
+    "parameters": {
+        "type": "object",
+        "properties": {"section": {"type": "string"}},
+        "required": ["section"],
+    },
+}
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_responses_item_a_providers_batch_answered_is_stored_and_goes_on(
+    via_api: Gw, provider: str
+) -> None:
+    """A Responses item answered through the provider's batch API is stored like an
+    online one: ``GET /v1/responses/{id}`` finds each result's Response, and a
+    conversation goes on from it by ``previous_response_id``: the tool call it made,
+    journaled with its answer, is what the next turn's ``function_call_output``
+    answers (Anthropic refuses a ``tool_result`` that answers no ``tool_use``)."""
+    target = f"{provider}/{MODELS[provider]}"
+    client = via_api.client()
+    lines = [
+        {
+            "custom_id": f"r-{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {
+                "model": target,
+                "max_output_tokens": 64,
+                "instructions": f"Manual {i}. " + MANUAL,
+                "input": f"what is section {i} about?",
+                "tools": [LOOKUP],
+                "tool_choice": "required",
+            },
+        }
+        for i in range(ITEMS)
+    ]
+    file_id = _upload(client, lines)
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/responses", completion_window="24h"
+    )
+    done = _completed(client, batch.id)
+    assert done.request_counts is not None and done.request_counts.completed == ITEMS
+    assert len(_provider_batches(via_api.emulator, provider)) == 1  # its batch API's
+    out = {x["custom_id"]: x["response"]["body"] for x in _output(client, done)}
+    auth = {"authorization": f"Bearer {KEY}"}
+    for body in out.values():
+        r = via_api.http.get(f"/v1/responses/{body['id']}", headers=auth)
+        assert r.status_code == 200, r.text
+        stored = r.json()
+        for key in ("id", "status", "model", "output", "usage", "tools", "tool_choice"):
+            assert stored[key] == body[key], key
+    first = out["r-0"]
+    [call] = [o for o in first["output"] if o["type"] == "function_call"]
+    assert call["name"] == "lookup_section"
+    nxt = client.responses.create(
+        model=target,
+        previous_response_id=first["id"],
+        input=[{"type": "function_call_output", "call_id": call["call_id"], "output": "caching"}],
+        tools=[LOOKUP],
+        max_output_tokens=16,
+    )
+    assert nxt.status == "completed" and nxt.previous_response_id == first["id"]
+    sent = json.dumps(via_api.emulator.last_body())
+    assert "what is section 0 about?" in sent and "caching" in sent  # its history, from the log
+    assert sent.count(call["call_id"]) == 2  # the call, and the output answering it
+
+
 def test_a_responses_batch_chained_by_previous_response_id_stays_online(via_api: Gw) -> None:
     """An item naming a ``previous_response_id`` reads its history from the session log:
     the batch it is in goes online (no provider batch), every item answered, the chained
