@@ -144,6 +144,16 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
         {"loadtests.batch_workload"},
         "the provider plan's option for each provider, from its documented profile",
     ),
+    "gateway.service.journal": (
+        {"loadtests.bench_session_log"},
+        "the session-log benchmark drives the journal in process, as the service loop does",
+    ),
+    "gateway.sessions.log": ({"loadtests.bench_session_log"}, "the log under the journal"),
+    "gateway.sessions.store": ({"loadtests.bench_session_log"}, "the log's SQLite store"),
+    "gateway.sessions.reconstruct": ({"loadtests.bench_session_log"}, "the log's rebuild"),
+    "gateway.sessions.render": ({"loadtests.bench_session_log"}, "the vLLM payload's bytes"),
+    "gateway.core.outputs": ({"loadtests.bench_session_log"}, "an answer's usage"),
+    "manifest.sessionlog": ({"loadtests.bench_session_log"}, "the requests' header and turns"),
     "manifest.prefix_dag": ({"loadtests.batch_workload"}, "the batch's DAG order, in process"),
     "manifest.economics": (
         {"loadtests.batch_workload", "loadtests.batch_local"},
