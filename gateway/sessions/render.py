@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
@@ -54,6 +55,9 @@ from manifest.sessionlog import Header, MessageEvent, PartRef, parts_json, parts
 
 # an attachment's bytes by its reference: verified, else AttachmentMismatch naming it
 Attachments = Callable[[AttachmentRef], Attachment]
+# writes a list of ints as json does (digits, ``true``/``false``), ~8x faster: built once,
+# it holds no state between calls
+_IDS = msgspec.json.Encoder()
 
 
 def message_parts(m: ChatMessage) -> str | None:
@@ -489,16 +493,34 @@ def vllm_payload(
     prompt order (and, when the client named any, each one's uuid or null), and the
     adapter it runs under (:func:`adapter_record`); a base-model, text-only payload is
     as it always was."""
-    out: dict[str, Any] = {
-        "prompt_token_ids": list(token_ids),
-        "cache_salt": cache_salt,
-        "sampling": sampling,
-    }
+    out: dict[str, Any] = {"cache_salt": cache_salt, "sampling": sampling}
     if images:
         out["images"] = list(images)
     if any(u is not None for u in image_uuids):
         out["image_uuids"] = list(image_uuids)
-    return canonical_json(out | adapter_record(lora))
+    return canonical_object(
+        out | adapter_record(lora), {"prompt_token_ids": token_ids_json(token_ids)}
+    )
+
+
+def token_ids_json(ids: Sequence[int]) -> bytes:
+    """``canonical_json(list(ids))``, the same bytes: a prompt's ids (a thousand and more)
+    are most of a vLLM payload, and json's encoder writes them ~8x slower."""
+    try:
+        return _IDS.encode(ids if isinstance(ids, list | tuple) else list(ids))
+    except TypeError:  # not all ints: json's own answer (its error, or its bytes)
+        return canonical_json(list(ids))
+
+
+def canonical_object(fields: Mapping[str, Any], encoded: Mapping[str, bytes]) -> bytes:
+    """``canonical_json`` of ``fields`` and ``encoded`` together, where each value of
+    ``encoded`` is already its canonical JSON: an object is its members sorted by key,
+    each ``key:value``, joined by commas."""
+    if fields.keys() & encoded.keys():
+        raise ValueError(f"a member twice: {sorted(fields.keys() & encoded.keys())}")
+    members = [(k, canonical_json(v)) for k, v in fields.items()] + list(encoded.items())
+    members.sort(key=lambda kv: kv[0])
+    return b"{" + b",".join(canonical_json(k) + b":" + v for k, v in members) + b"}"
 
 
 def usage_record(u: Usage) -> dict[str, Any]:
