@@ -2,8 +2,9 @@
 order through the service path.
 
 Each pass (every ``poll_s``, or at once when woken: a batch created or cancelled)
-expires what outlived its window, and takes every batch in progress that it is not
-already running.  For a batch it builds the prefix DAG of its items
+expires what outlived its window, cancels the items a dead gateway left running in a
+cancelled batch once their leases have run out, and takes every batch in progress
+(or cancelling) that it is not already running.  For a batch it builds the prefix DAG of its items
 (:mod:`gateway.batches.plan`) and walks :meth:`PrefixDag.order`: depth first, so an
 anchor's siblings go together, and each item waits until the item it is ``after``
 (the one that computes the deepest prefix it shares) has begun its answer (its
@@ -240,6 +241,7 @@ class BatchRunner:
         if not active:
             return  # idle: a read, no write transaction
         await asyncio.to_thread(store.expire)
+        await asyncio.to_thread(store.abandon)
         for bid in active:
             if bid not in self._walks:
                 task = asyncio.create_task(self._walk(bid), name=f"batch-{bid}")

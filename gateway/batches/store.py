@@ -475,6 +475,50 @@ class BatchStore:
                 )
         return ids
 
+    def abandon(self) -> int:
+        """Items a dead owner left running in a cancelled batch are canceled once their
+        lease has run out (no runner takes an item of a batch no longer in progress, so
+        the batch would never settle); an item a provider's batch carries is left to the
+        runner that reads that batch's results.  How many."""
+        now = self.now()
+        with self._tx() as db:
+            ids = [
+                str(r[0])
+                for r in db.execute(
+                    "SELECT id FROM batches WHERE status = 'cancelling' AND deleted = 0", ()
+                ).fetchall()
+            ]
+            n = 0
+            for bid in ids:
+                carried = {
+                    int(k)
+                    for r in db.execute(
+                        "SELECT items FROM batch_provider_runs WHERE batch_id = ? "
+                        "AND state IN ('submitting', 'running')",
+                        (bid,),
+                    ).fetchall()
+                    for k in json.loads(r[0])
+                }
+                stale = [
+                    int(r[0])
+                    for r in db.execute(
+                        "SELECT idx FROM batch_items WHERE batch_id = ? AND state = 'running' "
+                        "AND lease_until < ?",
+                        (bid, now),
+                    ).fetchall()
+                    if int(r[0]) not in carried
+                ]
+                for idx in stale:
+                    n += int(
+                        db.execute(
+                            "UPDATE batch_items SET state = 'canceled', finished = ?, "
+                            "owner = NULL, lease_until = NULL WHERE batch_id = ? AND idx = ? "
+                            "AND state = 'running' AND lease_until < ?",
+                            (now, bid, idx, now),
+                        ).rowcount
+                    )
+        return n
+
     # ------------------------------------------------------------------ items
 
     def items(self, batch_id: str) -> list[ItemRow]:

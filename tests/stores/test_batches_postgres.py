@@ -11,6 +11,7 @@ from gateway.batches.store import BatchStore
 from tests.unit.batches.conftest import OpenStore
 from tests.unit.batches.test_store import (
     Clock,
+    test_a_dead_owners_item_in_a_cancelled_batch_is_canceled_once_its_lease_runs_out,
     test_a_dead_owners_item_is_taken_again_once_its_lease_runs_out,
     test_a_second_store_over_the_same_database_sees_the_first_ones_state,
     test_an_item_is_claimed_once_and_done_only_by_its_owner,
@@ -23,6 +24,7 @@ from tests.unit.batches.test_store import (
 pytestmark = pytest.mark.stores
 
 __all__ = [
+    "test_a_dead_owners_item_in_a_cancelled_batch_is_canceled_once_its_lease_runs_out",
     "test_a_dead_owners_item_is_taken_again_once_its_lease_runs_out",
     "test_a_second_store_over_the_same_database_sees_the_first_ones_state",
     "test_an_item_is_claimed_once_and_done_only_by_its_owner",

@@ -262,3 +262,33 @@ def test_a_store_made_before_the_lookup_column_opens_with_it(tmp_path: Path) -> 
         assert run.lookup == {} and run.submitting
     finally:
         store.close()
+
+
+def test_a_dead_owners_item_in_a_cancelled_batch_is_canceled_once_its_lease_runs_out(
+    store: BatchStore, clock: Clock
+) -> None:
+    """No runner takes an item of a batch that is no longer in progress: what a dead
+    gateway left running would keep the batch cancelling for ever.  Once its lease has
+    run out it is canceled, unless a provider's batch carries it (its results are read
+    and the cancel passed on by the runner that resumes that batch)."""
+    bid = _batch(store, 4)
+    assert store.claim(bid, 0, "dead", lease_s=10)
+    assert store.claim(bid, 1, "dead", lease_s=10)
+    assert store.claim(bid, 2, "live", lease_s=10)
+    store.add_provider_run("prov-1", bid, "openai/gpt-5", {1: {"request_id": "r1"}})
+    row = store.cancel(bid, "one", "openai")
+    assert row is not None and (row.counts.running, row.counts.canceled) == (3, 1)
+    clock.t += 5
+    assert store.abandon() == 0  # every lease still runs
+    assert store.renew("live", lease_s=10) == 1
+    clock.t += 6  # the dead owner's leases have run out, the live one's not
+    assert store.abandon() == 1
+    assert [i.state for i in store.items(bid)] == ["canceled", "running", "running", "canceled"]
+    assert store.finish(bid, 2, "live", True, 200, {}, BatchUsage())  # a live owner finishes
+    assert not store.finalize(bid, _files)  # item 1: the provider's batch carries it
+    assert store.claim(bid, 1, "resumer", lease_s=10, resume=True)
+    assert store.drop(bid, 1, "resumer", "canceled")
+    assert store.finalize(bid, _files)
+    row = store.batch(bid)
+    assert row is not None and row.status == "cancelled"
+    assert (row.counts.done, row.counts.canceled) == (1, 3)
