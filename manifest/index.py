@@ -35,6 +35,8 @@ from manifest.packed import U64, PackedTable, from_digests, norm
 LocationId = NewType("LocationId", str)
 
 AnyHash = BlockHash | EventHash | bytes | int
+# one KV event's blocks: (True: stored, False: removed; their hashes)
+Change = tuple[bool, Sequence[AnyHash]]
 
 
 MAX_LOCATIONS = 64
@@ -107,22 +109,62 @@ class PrefixIndex:
 
     def apply_stored(self, location: LocationId, hashes: Iterable[AnyHash]) -> int:
         """Blocks now resident at ``location``; returns how many were new there."""
-        loc = self._loc(location)
-        added = len(self._table.add(_keys(hashes), loc.mask))
-        loc.resident += added
+        added = self._store(location, _keys(hashes))
         self._events.append(IndexEvent("stored", location, added))
         return added
 
     def apply_removed(self, location: LocationId, hashes: Iterable[AnyHash]) -> int:
         """Blocks evicted at ``location``; returns how many were resident there."""
-        loc = self._loc(location)
-        removed = self._table.remove(_keys(hashes), loc.mask)
-        lost = sum(1 for k in removed.tolist() if loc.pins.pop(k, 0))
-        loc.resident -= len(removed)
-        self._events.append(IndexEvent("removed", location, len(removed)))
+        removed, lost = self._remove(location, _keys(hashes))
+        self._events.append(IndexEvent("removed", location, removed))
         if lost:
             self._events.append(IndexEvent("pin_lost", location, lost))
-        return len(removed)
+        return removed
+
+    def apply_changes(self, location: LocationId, changes: Sequence[Change]) -> tuple[int, int]:
+        """Blocks stored and removed at ``location``, in order (one engine step's events):
+        the same table, counts, pins and event totals as :meth:`apply_stored` and
+        :meth:`apply_removed` one change at a time, with one ``stored`` and one
+        ``removed`` event for the lot.  When no block is both stored and removed among
+        them (a step's new blocks and the ones it evicted), every store is one
+        vectorized insert and every removal one removal; otherwise they are applied one
+        by one.  Returns (blocks new there, blocks no longer there)."""
+        stored = _keys(h for is_stored, hs in changes if is_stored for h in hs)
+        removed = _keys(h for is_stored, hs in changes if not is_stored for h in hs)
+        if len(stored) and len(removed) and len(np.intersect1d(stored, removed, True)):
+            added = gone = lost = 0
+            for is_stored, hs in changes:
+                if is_stored:
+                    added += self._store(location, _keys(hs))
+                else:
+                    n, pins = self._remove(location, _keys(hs))
+                    gone, lost = gone + n, lost + pins
+        else:
+            added = self._store(location, stored)
+            gone, lost = self._remove(location, removed)
+        if any(is_stored for is_stored, _ in changes):
+            self._events.append(IndexEvent("stored", location, added))
+        if not all(is_stored for is_stored, _ in changes):
+            self._events.append(IndexEvent("removed", location, gone))
+        if lost:
+            self._events.append(IndexEvent("pin_lost", location, lost))
+        return added, gone
+
+    def _store(self, location: LocationId, keys: U64) -> int:
+        loc = self._loc(location)
+        added = len(self._table.add(keys, loc.mask)) if len(keys) else 0
+        loc.resident += added
+        return added
+
+    def _remove(self, location: LocationId, keys: U64) -> tuple[int, int]:
+        """Remove ``keys``: (how many were resident, how many of them lost their pins)."""
+        loc = self._loc(location)
+        if not len(keys):
+            return 0, 0
+        removed = self._table.remove(keys, loc.mask)
+        lost = sum(1 for k in removed.tolist() if loc.pins.pop(k, 0)) if loc.pins else 0
+        loc.resident -= len(removed)
+        return len(removed), lost
 
     def apply_cleared(self, location: LocationId) -> int:
         """The location dropped its whole cache (reset or restart)."""

@@ -13,6 +13,10 @@ resident to its other bucket (a bounded chain of kicks), and when that fails
 the table doubles.  Batches are placed vectorized first; only collisions take
 the scalar path.  Key 0 marks an empty slot: a real key 0 is stored as
 ``2**64 - 1`` (:func:`norm`).
+
+A few keys at a time (one engine step's KV events, a short prompt's match:
+up to ``SMALL``) take a scalar path instead: numpy's fixed cost, ~20 µs a
+vectorized lookup however few the keys, is more than a Python loop's ~1 µs a key.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ _H1 = np.uint64(0x9E37_79B9_7F4A_7C15)
 _H2 = np.uint64(0xC2B2_AE3D_27D4_EB4F)
 _MAX_KICKS = 64
 _MAX_LOAD = 0.9
+SMALL = 16  # at most this many keys: the scalar path
+_M64 = (1 << 64) - 1
 
 
 def _position(hits: npt.NDArray[np.uint32]) -> npt.NDArray[np.intp]:
@@ -95,8 +101,25 @@ class PackedTable:
         hit = np.where(first, hit1, hit2)
         return np.where(hit != 0, bucket * SLOTS + _position(hit), -1)
 
+    def _pair(self, key: int) -> tuple[int, int]:
+        """``key``'s two buckets, as :meth:`_buckets` computes them."""
+        shift = 64 - self._bits
+        return ((key * int(_H1)) & _M64) >> shift, ((key * int(_H2)) & _M64) >> shift
+
+    def _slot(self, key: int) -> int:
+        """:meth:`slots` for one key."""
+        for b in self._pair(key):
+            row: list[int] = self._keys[b * SLOTS : (b + 1) * SLOTS].tolist()
+            if key in row:
+                return b * SLOTS + row.index(key)
+        return -1
+
     def masks(self, keys: U64) -> U64:
         """Each key's mask, 0 where it is absent."""
+        if len(keys) <= SMALL:
+            m = self._masks
+            few = [int(m[s]) if s >= 0 else 0 for s in map(self._slot, keys.tolist())]
+            return np.array(few, dtype=np.uint64)
         s = self.slots(keys)
         found: U64 = np.take(self._masks, s)  # -1 reads the last slot: masked below
         return np.where(s >= 0, found, np.uint64(0))
@@ -106,6 +129,8 @@ class PackedTable:
     def add(self, keys: U64, bit: np.uint64) -> U64:
         """Set ``bit`` on each (distinct) key, inserting absent ones; returns the keys
         whose bit was not set before."""
+        if len(keys) <= SMALL:
+            return self._add_few(keys.tolist(), int(bit))
         s = self.slots(keys)
         here = s >= 0
         had = np.zeros(len(keys), dtype=bool)
@@ -120,6 +145,8 @@ class PackedTable:
     def remove(self, keys: U64, bit: np.uint64) -> U64:
         """Clear ``bit`` on each (distinct) key; a key left with no bit is dropped.
         Returns the keys that had the bit."""
+        if len(keys) <= SMALL:
+            return self._remove_few(keys.tolist(), int(bit))
         s = self.slots(keys)
         here = s >= 0
         s_here = s[here]
@@ -131,6 +158,36 @@ class PackedTable:
         self._n -= len(emptied)
         removed: U64 = keys[here][hit]
         return removed
+
+    def _add_few(self, keys: list[int], bit: int) -> U64:
+        """:meth:`add`, one key at a time."""
+        newly = []
+        for k in keys:
+            s = self._slot(k)
+            if s < 0:
+                if self._n + 1 > _MAX_LOAD * self.capacity:
+                    self._grow(self._n + 1)
+                self._cuckoo(k, bit)
+            elif not int(self._masks[s]) & bit:
+                self._masks[s] = int(self._masks[s]) | bit
+            else:
+                continue
+            newly.append(k)
+        return np.array(newly, dtype=np.uint64)
+
+    def _remove_few(self, keys: list[int], bit: int) -> U64:
+        """:meth:`remove`, one key at a time."""
+        removed = []
+        for k in keys:
+            s = self._slot(k)
+            m = int(self._masks[s]) if s >= 0 else 0
+            if m & bit:
+                self._masks[s] = m ^ bit
+                if m == bit:
+                    self._keys[s] = 0
+                    self._n -= 1
+                removed.append(k)
+        return np.array(removed, dtype=np.uint64)
 
     def clear_bit(self, bit: np.uint64) -> U64:
         """Clear ``bit`` everywhere; returns the keys that had it."""
@@ -184,22 +241,25 @@ class PackedTable:
         return keys[left], masks[left]
 
     def _cuckoo(self, key: int, mask: int) -> None:
-        k, m = np.uint64(key), np.uint64(mask)
+        """One absent key: a free slot of its first bucket with one, else by kicks."""
+        k, m = key, mask
         for kick in range(_MAX_KICKS):
-            b1, b2 = self._buckets(np.array([k], dtype=np.uint64))
-            for b in (int(b1[0]), int(b2[0])):
-                row = self._keys[b * SLOTS : (b + 1) * SLOTS]
-                free = np.flatnonzero(row == 0)
-                if len(free):
-                    i = b * SLOTS + int(free[0])
+            b1, b2 = self._pair(k)
+            for b in (b1, b2):
+                row: list[int] = self._keys[b * SLOTS : (b + 1) * SLOTS].tolist()
+                if 0 in row:
+                    i = b * SLOTS + row.index(0)
                     self._keys[i], self._masks[i] = k, m
                     self._n += 1
                     return
-            b = int(b1[0]) if kick % 2 == 0 else int(b2[0])
+            b = b1 if kick % 2 == 0 else b2
             i = b * SLOTS + (kick * 3 + 1) % SLOTS
-            (k, self._keys[i]), (m, self._masks[i]) = (self._keys[i], k), (self._masks[i], m)
+            (k, self._keys[i]), (m, self._masks[i]) = (
+                (int(self._keys[i]), k),
+                (int(self._masks[i]), m),
+            )
         self._grow(self._n + 1)
-        self._cuckoo(int(k), int(m))
+        self._cuckoo(k, m)
 
     def _grow(self, need: int) -> None:
         live = np.flatnonzero(self._masks)

@@ -4,7 +4,9 @@ rules (sans-I/O, so they are tested by feeding messages, with no sleeps).
 vLLM publishes multipart messages ``(topic, seq: 8 bytes big-endian,
 payload)``; the payload is an array-like ``EventBatch`` ``[ts, events,
 dp_rank]`` whose events are maps tagged by ``type``.  We decode by field
-name and ignore fields we do not know, so newer vLLM versions keep working.
+name and ignore fields we do not know, so newer vLLM versions keep working;
+of an event we decode only what the index folds, its block hashes (a stored
+block's token ids, 128 a block, are skipped unread, not built as lists).
 
 :class:`EventSequence` checks every message's sequence number.  The next one
 is applied; a gap (dropped messages, a late join) asks for a repair from the
@@ -31,25 +33,22 @@ FULL_RESYNC = -1  # a repair no replay can make
 BlockKey = bytes | int
 
 
-class BlockStored(msgspec.Struct, tag=True):
-    block_hashes: list[BlockKey]
-    parent_block_hash: BlockKey | None = None
-    token_ids: list[int] = msgspec.field(default_factory=list)
-    block_size: int = 0
-
-
-class BlockRemoved(msgspec.Struct, tag=True):
+class BlockStored(msgspec.Struct, tag=True, gc=False):
     block_hashes: list[BlockKey]
 
 
-class AllBlocksCleared(msgspec.Struct, tag=True):
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
+    block_hashes: list[BlockKey]
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
     pass
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class EventBatch(msgspec.Struct, array_like=True):
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None = None

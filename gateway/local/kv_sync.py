@@ -23,7 +23,6 @@ from engines.base import GenerateRequest
 from engines.errors import EngineError
 from engines.vllm.kv_events import (
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     EventBatch,
     KVEventSubscriber,
@@ -31,7 +30,7 @@ from engines.vllm.kv_events import (
 from engines.vllm.span_control import SpanControl
 from gateway.local.leases import LeaseBook
 from manifest.hashing import BlockHash
-from manifest.index import LocationId, PrefixIndex
+from manifest.index import Change, LocationId, PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -169,14 +168,20 @@ class KVSync:
             self.index_events[(ev.location, ev.kind)] += ev.blocks
 
     def apply(self, replica: LocationId, batch: EventBatch) -> None:
+        """Fold one batch (an engine step's events): its stores and removals in one
+        :meth:`PrefixIndex.apply_changes` between any two cache clears."""
+        changes: list[Change] = []
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                self.index.apply_stored(replica, ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                self.index.apply_removed(replica, ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
+            if isinstance(ev, AllBlocksCleared):
+                if changes:
+                    self.index.apply_changes(replica, changes)
+                    changes = []
                 self.index.apply_cleared(replica)
                 self._drop_leases(replica)
+            else:
+                changes.append((isinstance(ev, BlockStored), ev.block_hashes))
+        if changes:
+            self.index.apply_changes(replica, changes)
         self.drain()
 
     async def resync(self, replica: LocationId) -> None:

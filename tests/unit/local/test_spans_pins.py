@@ -144,6 +144,40 @@ def test_the_index_queue_is_drained_into_counts(make: Callable[[int], Setup]) ->
     asyncio.run(main())
 
 
+def test_a_batch_folds_in_order_around_a_cleared_cache(make: Callable[[int], Setup]) -> None:
+    """One engine step's events at once: what comes before a cache clear is gone with it
+    (and the replica's leases), what comes after is resident; counted per kind."""
+    from engines.vllm.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        EventBatch,
+        KVEvent,
+    )
+
+    async def main() -> None:
+        kv, _, _, hashes = make(10)
+        await kv.pin(R, hashes[:2], "alice")
+        new = block_hashes(list(range(1000, 1064)), 16, "0")
+        events: list[KVEvent] = [
+            BlockStored(block_hashes=[bytes(new[0]), bytes(new[1])]),
+            BlockRemoved(block_hashes=[bytes(hashes[0])]),
+            AllBlocksCleared(),
+            BlockStored(block_hashes=[bytes(new[2])]),
+            BlockRemoved(block_hashes=[bytes(new[2])]),
+            BlockStored(block_hashes=[bytes(new[3])]),
+        ]
+        kv.events.apply(R, EventBatch(ts=1.0, events=events))
+        assert [kv.index.match([h])[R] for h in [*hashes[:3], *new]] == [0, 0, 0, 0, 0, 0, 1]
+        assert kv.pin_owners(R, hashes[1]) == [] and kv.index.counts(R).pinned == 0
+        assert kv.index_events[(R, "stored")] == 3 + 2 + 2  # the setup's 3, then 2 and 2
+        assert kv.index_events[(R, "removed")] == 1 + 1
+        assert kv.index_events[(R, "cleared")] == 4
+        kv.index.check_integrity()
+
+    asyncio.run(main())
+
+
 def test_a_detached_replica_forgets_its_blocks_and_pins(make: Callable[[int], Setup]) -> None:
     async def main() -> None:
         kv, _, _, hashes = make(10)

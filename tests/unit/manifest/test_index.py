@@ -131,3 +131,81 @@ def test_random_streams_keep_integrity_and_match_reference(
             len(ref[loc]), len(pins[loc]), len(ref[loc]) - len(pins[loc])
         )
     assert len(idx) == len(set().union(*ref.values()))
+
+
+changes = st.lists(
+    st.tuples(
+        st.booleans(),
+        st.lists(st.one_of(st.integers(0, 12), st.integers(0, 2**64 - 1)), max_size=20),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=changes, pinned=st.lists(st.integers(0, 12), max_size=6), batch=changes)
+def test_a_batch_of_changes_folds_as_its_changes_one_by_one(
+    before: list[tuple[bool, list[int]]],
+    pinned: list[int],
+    batch: list[tuple[bool, list[int]]],
+) -> None:
+    """``apply_changes`` (an engine step's events at once) leaves the table, the counts
+    and the pins as ``apply_stored``/``apply_removed`` one change at a time, and its
+    events total the same blocks: with and without a block both stored and removed."""
+    one, lot = PrefixIndex(), PrefixIndex()
+    for idx in (one, lot):
+        idx.apply_stored(B, [5, 6])  # another location's bit on shared keys
+        for is_stored, hs in before:
+            (idx.apply_stored if is_stored else idx.apply_removed)(A, hs)
+        idx.pin(A, pinned)
+        idx.take_events()
+    added = removed = 0
+    for is_stored, hs in batch:
+        if is_stored:
+            added += one.apply_stored(A, hs)
+        else:
+            removed += one.apply_removed(A, hs)
+    assert lot.apply_changes(A, batch) == (added, removed)
+    totals: dict[str, int] = {}
+    for ev in one.take_events():
+        totals[ev.kind] = totals.get(ev.kind, 0) + ev.blocks
+    got: dict[str, int] = {}
+    for ev in lot.take_events():
+        got[ev.kind] = got.get(ev.kind, 0) + ev.blocks
+    assert got == totals
+    probe = [*range(13), 2**40, 0]
+    for loc in (A, B):
+        assert lot.counts(loc) == one.counts(loc)
+        for h in probe:
+            assert lot.is_pinned(loc, h) == one.is_pinned(loc, h)
+    assert [lot.match([h]) for h in probe] == [one.match([h]) for h in probe]
+    assert len(lot) == len(one)
+    lot.check_integrity()
+
+
+def test_a_batch_in_one_insert_unless_a_block_is_stored_and_removed_in_it() -> None:
+    idx = PrefixIndex()
+    idx.apply_stored(A, [1, 2, 3])
+    idx.pin(A, [3])
+    idx.take_events()
+    # a step's new blocks and the ones it evicted: disjoint
+    assert idx.apply_changes(A, [(True, [4, 5]), (False, [1]), (False, [3]), (True, [6])]) == (
+        3,
+        2,
+    )
+    assert idx.take_events() == [
+        IndexEvent("stored", A, 3),
+        IndexEvent("removed", A, 2),
+        IndexEvent("pin_lost", A, 1),
+    ]
+    # evicted, then stored again in the same step: the order decides
+    assert idx.apply_changes(A, [(False, [4]), (True, [4]), (True, [7]), (False, [7])]) == (
+        2,
+        2,
+    )
+    assert idx.match([4]) == {A: 1} and idx.match([7]) == {A: 0}
+    assert idx.apply_changes(A, []) == (0, 0) and idx.take_events()[-2:] == [
+        IndexEvent("stored", A, 2),
+        IndexEvent("removed", A, 2),
+    ]
+    idx.check_integrity()
