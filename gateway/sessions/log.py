@@ -109,17 +109,66 @@ class Open:
     session_id: str | None = None  # set at dispatch
     dispatch_seq: int | None = None
     answer_seq: int | None = None  # set when the answer is appended
-    entries: list[bytes] = field(default_factory=list)
-    digests: list[str] = field(default_factory=list)  # chain(root, entries)
+    # chain(root, entries): the system prompts', then the messages' (:func:`_entry`)
+    digests: list[str] = field(default_factory=list)
     # how the request found its session (set at dispatch): "named" (a header, an agent's
     # id, a previous response), "found" (by its prefix digests), "new"
     kind: str | None = None
 
+    @property
+    def length(self) -> int:
+        """The conversation's entries (system prompts and messages)."""
+        return len(self.digests) - 1
 
-def _entries(header: Header, messages: tuple[MessageEvent, ...]) -> list[bytes]:
-    return [canonical_json(["system", s]) for s in header.system] + [
-        canonical_json(list(m.key())) for m in messages
-    ]
+
+Key = tuple[str | None, ...]
+
+
+def _keys(header: Header, messages: tuple[MessageEvent, ...]) -> list[Key]:
+    """The conversation's entries, as :func:`_entry` writes each: the system prompts,
+    then the messages."""
+    return [("system", s) for s in header.system] + [m.key() for m in messages]
+
+
+def _entry(key: Key) -> bytes:
+    return canonical_json(list(key))
+
+
+class Links:
+    """The rolling digests of the conversation entries seen lately: :func:`link` of a
+    digest and an entry, remembered (LRU, at most ``chars`` characters of entries held):
+    requests that share a system prompt, or extend a conversation, serialize and hash
+    what they repeat once.  An entry is looked up by its fields, never by a digest of
+    them: a hit is the same entry after the same digest."""
+
+    def __init__(self, chars: int = 8 << 20) -> None:
+        self._seen: OrderedDict[tuple[str, Key], str] = OrderedDict()
+        self._chars = chars
+        self._held = 0
+
+    def __call__(self, digest: str, key: Key) -> str:
+        at = (digest, key)
+        hit = self._seen.get(at)
+        if hit is not None:
+            self._seen.move_to_end(at)
+            return hit
+        out = self._seen[at] = link(digest, _entry(key))
+        self._held += _size(key)
+        while self._held > self._chars and len(self._seen) > 1:
+            (_, old), _ = self._seen.popitem(last=False)
+            self._held -= _size(old)
+        return out
+
+    def chain(self, root: bytes, keys: list[Key]) -> list[str]:
+        """:func:`manifest.sessionlog.chain` of the entries ``keys`` name."""
+        out = chain(root, [])
+        for key in keys:
+            out.append(self(out[-1], key))
+        return out
+
+
+def _size(key: Key) -> int:
+    return sum(len(v) for v in key if v is not None)
 
 
 class SessionLog:
@@ -136,6 +185,7 @@ class SessionLog:
         # shared log): a cached state behind the store's last event folds the rest in.
         self._states: OrderedDict[str, tuple[int, State]] = OrderedDict()
         self._cached = cached
+        self._links = Links()  # on the loop: open and respond
         self.verified = 0
         self.writer = Writer(store, on_abort=self._states.clear)
 
@@ -167,18 +217,18 @@ class SessionLog:
         root = f"{tenant}\0{header.model}".encode()
         sid = None if session_id is None else scoped_session(tenant, session_id)
         op = Open(tenant, header, messages, root, session_id is not None, sid)
-        op.entries = _entries(header, messages)
-        op.digests = chain(root, op.entries)
+        op.digests = self._links.chain(root, _keys(header, messages))
         return op
 
-    def _state(self, sid: str) -> State:
-        """The session folded through the store's last event (call it with the session
-        locked: inside the writer's transaction, after :meth:`SessionStore.lock_session`)."""
+    def _state(self, sid: str) -> tuple[int, State]:
+        """The session's last event and the session folded through it (call it with the
+        session locked: inside the writer's transaction, after
+        :meth:`SessionStore.lock_session`)."""
         last = self.store.last_seq(sid)
         cached = self._states.get(sid)
         if cached is not None and cached[0] == last:
             self._states.move_to_end(sid)
-            return cached[1]
+            return last, cached[1]
         if cached is not None and cached[0] < last:
             seq, state = cached
             rest = [e for _, e in self.store.events(sid, after_seq=seq)]
@@ -186,11 +236,11 @@ class SessionLog:
         else:
             state = fold(e for _, e in self.store.events(sid))
         self._remember(sid, last, state)
-        return state
+        return last, state
 
-    def _place(self, op: Open) -> tuple[str, list[Event], bool]:
-        """The session, the events that bring it to this request, and whether the session
-        is a new one still to be created (under the lock)."""
+    def _place(self, op: Open) -> tuple[str, list[Event], int | None]:
+        """The session, the events that bring it to this request, and the session's last
+        event as read under the lock (None: a new session, still to be created)."""
         if op.explicit and op.session_id is not None:
             tenant = self.store.tenant(op.session_id)
             if tenant is not None and tenant != op.tenant:  # unreachable for scoped ids
@@ -201,25 +251,25 @@ class SessionLog:
                 )
             sid = self.store.create(op.tenant, op.session_id)
             self.store.lock_session(sid)
-            return sid, self._events_for(sid, op, resume=sid not in self._states), False
+            return sid, *self._events_for(sid, op, resume=sid not in self._states)
         found = self.store.find_head(op.tenant, op.digests)
         if found is not None:
             sid = found[0]
             self.store.lock_session(sid)
             resume = sid not in self._states
-            events = self._events_for(sid, op, resume)
+            events, last = self._events_for(sid, op, resume)
             if not any(isinstance(e, ReplaceEvent | TruncateEvent) for e in events):
-                return sid, events, False
+                return sid, events, last
         # a new conversation, or a fork of one: a session of its own, created by the append
         sid = scoped_session(op.tenant, f"sess_{uuid.uuid4().hex}")
-        return sid, changes(State(), op.header, op.messages), True
+        return sid, changes(State(), op.header, op.messages), None
 
-    def _events_for(self, sid: str, op: Open, resume: bool) -> list[Event]:
-        state = self._state(sid)
+    def _events_for(self, sid: str, op: Open, resume: bool) -> tuple[list[Event], int]:
+        last, state = self._state(sid)
         events = changes(state, op.header, op.messages)
         if resume and state.header is not None and state.header == op.header:
             events.insert(0, HeaderEvent(op.header, Reason.RESUME))
-        return events
+        return events, last
 
     async def dispatch(
         self,
@@ -232,22 +282,27 @@ class SessionLog:
     ) -> None:
         """Log the request before it is sent; with ``verify``, rebuild it from the store
         and raise :class:`ReconstructionMismatch` when the bytes differ."""
-        digest = sha256(sent)
-        event = DispatchEvent(request_id, target, render, tuple(sorted(directives.items())), digest)
-        heads = [(op.tenant, op.digests[-1], len(op.entries))]
+        settings = tuple(sorted(directives.items()))
+        heads = [(op.tenant, op.digests[-1], op.length)]
 
-        def append() -> tuple[str, list[int]]:  # on the writer thread
-            sid, events, new = self._place(op)
+        def append() -> tuple[str, list[int], DispatchEvent]:  # on the writer thread
+            sid, events, last = self._place(op)
+            new = last is None
             op.kind = "named" if op.explicit else ("new" if new else "found")
-            events.append(dataclasses.replace(event, session_kind=op.kind))
+            digest = sha256(sent)  # here, not on the loop (a vLLM payload: ~8 KB)
+            kind = op.kind
+            event = DispatchEvent(request_id, target, render, settings, digest, session_kind=kind)
+            events.append(event)
             request = (request_id, target, digest)
-            seqs = self.store.append(sid, events, request, heads, op.tenant if new else None)
+            seqs = self.store.append(
+                sid, events, request, heads, op.tenant if new else None, last=last
+            )
             state = self._states.get(sid, (-1, State()))[1]
             self._remember(sid, seqs[-1], fold([_as_header(state), *state.messages, *events]))
-            return sid, seqs
+            return sid, seqs, event
 
         async with _store_boundary("recording the request"):
-            sid, seqs = await self.writer.run(append)
+            sid, seqs, event = await self.writer.run(append)
         op.session_id, op.dispatch_seq = sid, seqs[-1]
         if self.verify:
             async with _store_boundary("verifying the request"):
@@ -317,15 +372,19 @@ class SessionLog:
             return
         answer = MessageEvent("assistant", text, tool_calls=tool_calls, thinking=thinking)
         tail: list[Event] = [answer, ResponseEvent(request_id, tuple(sorted(usage.items())))]
-        head = link(op.digests[-1], canonical_json(list(answer.key())))
-        heads = [(op.tenant, head, len(op.entries) + 1)]
+        heads = [(op.tenant, self._links(op.digests[-1], answer.key()), op.length + 1)]
 
         def append() -> list[int]:  # on the writer thread
             self.store.lock_session(sid)
-            state = self._state(sid)
-            events = [*changes(state, op.header, op.messages), *tail]
-            seqs = self.store.append(sid, events, None, heads)
-            self._remember(sid, seqs[-1], fold([_as_header(state), *state.messages, *events]))
+            last, state = self._state(sid)
+            if last == op.dispatch_seq:  # the session ends at this request's dispatch
+                events = tail  # its header and messages are the state's: nothing to fold
+                folded = dataclasses.replace(state, messages=(*state.messages, answer))
+            else:
+                events = [*changes(state, op.header, op.messages), *tail]
+                folded = fold([_as_header(state), *state.messages, *events])
+            seqs = self.store.append(sid, events, None, heads, last=last)
+            self._remember(sid, seqs[-1], folded)
             return seqs
 
         async with _store_boundary("recording the answer"):

@@ -91,7 +91,7 @@ class SessionInfo:
     requests: int
     bytes: int  # event bytes plus the blobs and attachment objects it references
     created: float
-    updated: float
+    updated: float  # when its last request was recorded (its dispatch)
 
 
 class SessionStore:
@@ -189,14 +189,21 @@ class SessionStore:
         request: tuple[str, str, str] | None = None,
         heads: Sequence[tuple[str, str, int]] = (),
         new_for: str | None = None,
+        last: int | None = None,
     ) -> list[int]:
         """Append in one transaction; returns the events' sequence numbers.
 
-        ``request``: (request id, target, sha256) of the last event (a dispatch).
+        ``request``: (request id, target, sha256) of the last event (a dispatch); the
+        session's ``updated`` time moves with it (not with an answer: one statement and
+        one page of the commit fewer, and retention's age is counted in days).
         ``heads``: (tenant, digest, length) conversation heads of this session.
         ``new_for``: the session does not exist yet; it is created for this tenant in
         the same transaction, its events numbered from 0.
+        ``last``: the session's last event as the caller read it in this transaction,
+        with the session locked (:meth:`lock_session`, :meth:`last_seq`); not read again.
         """
+        if last is not None and not self._batch:
+            raise ValueError("a last event read in this transaction, outside a batch")
         now = self._clock()
         with self._lock:
             db = self._sql
@@ -209,6 +216,8 @@ class SessionStore:
                         "INSERT INTO sessions VALUES (?, ?, ?, ?)", (session_id, new_for, now, now)
                     )
                     first = 0
+                elif last is not None:
+                    first = last + 1
                 else:
                     db.lock_session(session_id)
                     first = self.last_seq(session_id) + 1
@@ -243,7 +252,7 @@ class SessionStore:
                         "INSERT OR REPLACE INTO heads VALUES (?, ?, ?, ?)",
                         [(tenant, digest, session_id, length) for tenant, digest, length in heads],
                     )
-                if new_for is None:
+                if new_for is None and request is not None:  # an answer leaves it as it was
                     db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (now, session_id))
                 if own:
                     db.execute("COMMIT")

@@ -4,7 +4,9 @@ Each request hands the writer a job (place the request in its session, append
 its events, update the folded state) and awaits it.  The writer runs jobs in
 arrival order; the jobs waiting when it picks one up run in the same
 transaction, each inside a savepoint, and the transaction commits once for all
-of them (a group commit).  A job's caller resumes only after that commit: an
+of them (a group commit).  A job found waiting alone (most of them, under
+ordinary load) needs no savepoint: its transaction is its own, and rolling
+it back is rolling back the job.  A job's caller resumes only after that commit: an
 acknowledged request is in the log, as durable as the ``fsync`` setting makes
 a commit.  Jobs that need a transaction of their own (retention) run alone.
 Being the only writer, the thread also orders the appends of one session.
@@ -45,6 +47,14 @@ class _Job:
 
 
 JobResult = tuple[Any, BaseException | None]
+
+
+class _JobFailed(Exception):
+    """A job's own failure, told apart from its transaction's (the commit)."""
+
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(exc)
+        self.exc = exc
 
 
 def _deliver(results: list[tuple[asyncio.Future[Any], JobResult]]) -> None:
@@ -122,8 +132,11 @@ class Writer:
     def _together(self, batch: list[_Job]) -> list[JobResult]:
         out: list[JobResult] = []
         try:
-            with self._store.batch() as item:
-                out = [self._attempt(job, item) for job in batch]
+            if len(batch) == 1:
+                out = [self._single(batch[0])]
+            else:
+                with self._store.batch() as item:
+                    out = [self._attempt(job, item) for job in batch]
         except Exception as exc:  # the commit failed: nothing of the batch is in the log
             log.exception("session log: a group commit of %d requests failed", len(batch))
             self._on_abort()
@@ -151,6 +164,24 @@ class Writer:
                 if attempt == _ATTEMPTS or not self._store.retryable(exc):
                     return (None, exc)
                 log.info("session log: job retried after %r", exc)
+        raise AssertionError("unreachable")
+
+    def _single(self, job: _Job) -> JobResult:
+        """One job in a transaction of its own, no savepoint (two statements fewer): its
+        failure rolls the transaction back, which is its writes only; again when it lost
+        a race with another process's transaction.  A failed commit raises."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                with self._store.batch():
+                    try:
+                        value = job.fn()
+                    except Exception as exc:
+                        raise _JobFailed(exc) from exc
+                return (value, None)
+            except _JobFailed as failed:
+                if attempt == _ATTEMPTS or not self._store.retryable(failed.exc):
+                    return (None, failed.exc)
+                log.info("session log: job retried after %r", failed.exc)
         raise AssertionError("unreachable")
 
     def _settle(self, batch: list[_Job], results: list[JobResult]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -159,3 +160,50 @@ def test_a_failure_nobody_waits_for_is_logged(
     ]
     writer.close()
     store.close()
+
+
+def test_a_job_alone_that_fails_leaves_nothing_of_its_writes(
+    make_store: Callable[..., SessionStore],
+) -> None:
+    """A job found waiting alone runs in a transaction of its own, without a savepoint:
+    its failure rolls that transaction back, which is its writes and nothing else."""
+    store = make_store()
+    writer = Writer(store)
+
+    def bad() -> None:
+        store.append(store.create("t", "bad"), [MessageEvent("user", "half")])
+        raise RuntimeError("boom")
+
+    async def main() -> list[int]:
+        with pytest.raises(RuntimeError, match="boom"):
+            await writer.run(bad)
+        return await writer.run(
+            lambda: store.append(store.create("t", "ok"), [MessageEvent("user", "x")])
+        )
+
+    assert asyncio.run(main()) == [0]
+    assert [s.id for s in store.sessions()] == ["ok"]
+    assert store.events("ok") == [(0, MessageEvent("user", "x"))]
+    assert writer.failing_since is None
+    writer.close()
+
+
+def test_a_job_alone_that_lost_a_race_runs_again_from_a_clean_transaction(
+    make_store: Callable[..., SessionStore],
+) -> None:
+    """Another process held the database (SQLite's "locked"): the job's first writes are
+    rolled back with its transaction and the job runs again, once in the log."""
+    store = make_store()
+    writer = Writer(store)
+    tries: list[int] = []
+
+    def racing() -> int:
+        tries.append(len(tries) + 1)
+        store.append(store.create("t", "raced"), [MessageEvent("user", f"try {tries[-1]}")])
+        if len(tries) == 1:
+            raise sqlite3.OperationalError("database is locked")
+        return tries[-1]
+
+    assert asyncio.run(writer.run(racing)) == 2
+    assert store.events("raced") == [(0, MessageEvent("user", "try 2"))]
+    writer.close()
