@@ -136,7 +136,8 @@ def _entry(key: Key) -> bytes:
 
 class Links:
     """The rolling digests of the conversation entries seen lately: :func:`link` of a
-    digest and an entry, remembered (LRU, at most ``chars`` characters of entries held):
+    digest and an entry, remembered (LRU, at most ``chars`` characters of entries held,
+    each counted with 128 of its own):
     requests that share a system prompt, or extend a conversation, serialize and hash
     what they repeat once.  An entry is looked up by its fields, never by a digest of
     them: a hit is the same entry after the same digest."""
@@ -167,8 +168,13 @@ class Links:
         return out
 
 
+_ENTRY_CHARS = 128  # what an entry holds besides its fields (its digests, the dict's slot)
+
+
 def _size(key: Key) -> int:
-    return sum(len(v) for v in key if v is not None)
+    """An entry's share of the budget: its fields' characters and its own overhead, so
+    that short entries are bounded in number too."""
+    return _ENTRY_CHARS + sum(len(v) for v in key if v is not None)
 
 
 class SessionLog:

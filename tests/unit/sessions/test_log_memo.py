@@ -64,11 +64,11 @@ def test_remembered_links_are_the_manifest_chain(
 
 
 def test_links_hold_at_most_their_budget() -> None:
-    links = Links(chars=100)
+    links = Links(chars=1000)
     digest = chain(b"t\0m", [])[0]
     for i in range(50):
-        links(digest, ("user", f"{i:08d}"))  # 12 characters each
-    assert links._held <= 100 and len(links._seen) == 100 // 12
+        links(digest, ("user", f"{i:08d}"))  # 12 characters each, and 128 of its own
+    assert links._held <= 1000 and len(links._seen) == 1000 // 140
 
 
 def test_an_open_requests_digests_are_the_manifest_chain(make_store: MakeStore) -> None:
