@@ -138,8 +138,9 @@ class KVEventSubscriber:
                 await self.repair()
 
     async def sync(self) -> None:
-        """Bring the index up to date with everything the replica has published so far."""
-        await asyncio.sleep(0)
+        """Bring the index up to date with everything this process has received of the
+        replica's stream so far (ZMQ's I/O thread holds it: it is read without a turn
+        of the event loop, which under load is a wait of milliseconds)."""
         self.read_available()
         if self.repair_pending:
             await self.repair()

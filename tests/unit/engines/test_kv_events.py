@@ -131,6 +131,24 @@ def test_decode_ignores_unknown_fields() -> None:
     assert b.events[0].block_hashes == [1, 2]  # type: ignore[union-attr]
 
 
+def test_a_sync_reads_without_a_turn_of_the_event_loop(tmp_path: Path) -> None:
+    """Routing syncs every replica's stream before each request: what ZMQ's I/O thread
+    has received is read at once, not after every callback already queued on a busy
+    loop (a sleep(0) did that: a wait of milliseconds under load, per replica)."""
+
+    async def main() -> None:
+        sink = Sink()
+        ev, rp = endpoints(tmp_path)
+        sub = KVEventSubscriber(ev, rp, sink.apply, sink.resync)
+        queued: list[int] = []
+        asyncio.get_running_loop().call_soon(queued.append, 1)
+        await sub.sync()
+        assert queued == []  # the callback queued before the sync has not run yet
+        sub.close()
+
+    asyncio.run(main())
+
+
 def test_in_order_stream_then_a_late_join_is_replayed(tmp_path: Path) -> None:
     async def main() -> None:
         ev, rp = endpoints(tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from engines.errors import EngineUnavailable
@@ -104,5 +105,39 @@ def test_refused_failed_and_nothing_resident_leave_no_receipt() -> None:
             ok.down = True  # the engine died: its holds run out there; nothing raises here
             await holds.flush()
             assert holds.pending() == 0
+
+    asyncio.run(main())
+
+
+def test_only_a_warm_prediction_costs_an_engine_round_trip(tmp_path: Path) -> None:
+    """The hold's answer is the prediction, but a request the index predicts cold has no
+    block to hold and no eviction can make 0 wrong: it is routed exact with no call to
+    the engine.  A warm one is held (one call)."""
+    from tests.unit.local.test_prediction_races import (
+        A_PROMPT,
+        SHARED,
+        SimEngine,
+        _dispatcher,
+        _greq,
+    )
+
+    class Counted(SimEngine):
+        calls: list[str]
+
+        async def call_core(self, method: str, *args: Any) -> Any:
+            self.calls.append(method)
+            return await super().call_core(method, *args)
+
+    async def main() -> None:
+        for resident, held in (([], False), (SHARED, True)):
+            engine = Counted(resident)
+            engine.calls = []
+            d, kv = _dispatcher(engine, tmp_path)
+            x = await d.route(_greq("a", A_PROMPT), None)
+            assert x.headers()["x-vcache-prediction"] == "exact"
+            assert x.predicted_cached_tokens == (48 if held else 0)
+            assert ("vcache_hold" in engine.calls) == held
+            d.release(x)
+            await kv.close()
 
     asyncio.run(main())
