@@ -6,6 +6,19 @@ read).  Each item's line carries the exact bytes the gateway rendered for it (th
 JSON body the online request would have sent), so what the provider receives is what
 the session log recorded.  The calls that make a submission are retried (429, 5xx, no
 answer: bounded), and a create whose answer was lost is looked for before a retry.
+
+A lost create is looked for in the provider's list of batches, newest first, page by
+page (``after`` / ``after_id``, 100 a page), back to the batches that were there before
+the submission (its lookup: the newest page, read before the create), at most
+``lookup_pages`` pages (:data:`LOOKUP_PAGES`: 2,000 batches made since).  Past that, or
+where Anthropic's list holds two new batches of the submission's size, whether the
+create made a batch cannot be told: :class:`Unreadable`, never a second batch.
+
+Errors::
+
+    BatchAPIError            the provider refused or failed (``transient``: worth a retry)
+    └── Unreadable           a submission this gateway cannot follow: whether it was made
+                             cannot be told, or its target's batch API is no longer here
 """
 
 from __future__ import annotations
@@ -30,6 +43,8 @@ SUBMIT_ATTEMPTS = 5  # tries of each call that makes a submission, then its item
 SUBMIT_BACKOFF_S = 1.0  # before the second try, doubling, at most SUBMIT_BACKOFF_CAP_S
 SUBMIT_BACKOFF_CAP_S = 30.0
 SUBMIT_FAILED = "provider_batch_submit_failed"  # the items' error code when it never took
+LOOKUP_PAGE = 100  # batches a page when a submission is looked for (OpenAI's most)
+LOOKUP_PAGES = 20  # pages read back to the batches before a submission, at most
 
 # an item's result from a provider's batch: (status code, body), or never run
 Result = tuple[int, Any] | Literal["canceled", "expired"]
@@ -66,6 +81,13 @@ class BatchAPIError(Exception):
         self.transient = transient
 
 
+class Unreadable(BatchAPIError):
+    """A submission this gateway cannot follow (never transient): whether its create made
+    a batch cannot be told (the provider's list read to its bound, or two candidates),
+    or its target's batch API is no longer configured.  Its items end with this error;
+    nothing is submitted again."""
+
+
 class BatchAPIClient:
     def __init__(
         self,
@@ -75,17 +97,20 @@ class BatchAPIClient:
         attempts: int = SUBMIT_ATTEMPTS,
         backoff_s: float = SUBMIT_BACKOFF_S,
         call_timeout_s: float = 120.0,
+        lookup_pages: int = LOOKUP_PAGES,
     ) -> None:
         """``transport``: how requests reach the providers (None: an aiohttp session of its
         own, closed by :meth:`aclose`); ``poll_s``: between two reads of a running batch;
         ``attempts``, ``backoff_s``: how often and how far apart a call that makes a
-        submission is tried (a 429, 5xx or timeout); ``call_timeout_s``: one call's bound."""
+        submission is tried (a 429, 5xx or timeout); ``call_timeout_s``: one call's bound;
+        ``lookup_pages``: pages of the provider's list read looking for a submission."""
         self._own = transport is None
         self._transport: Transport = transport or AiohttpTransport()
         self._poll_s = poll_s
         self._attempts = max(1, attempts)
         self._backoff_s = backoff_s
         self._call_timeout_s = call_timeout_s
+        self._lookup_pages = max(1, lookup_pages)
 
     async def aclose(self) -> None:
         if self._own:
@@ -145,12 +170,14 @@ class BatchAPIClient:
 
     async def lookup(self, e: Endpoint) -> dict[str, Any]:
         """What finds a submission besides its token, read before it is made (and kept
-        with it): OpenAI's batches carry the token as metadata, nothing more; Anthropic's
-        Message Batches carry none, so the ids of the newest batches already there
-        (``before``): the one new batch of the submission's size is it."""
-        if e.provider == "anthropic":
-            return {"before": sorted(str(b["id"]) for b in await self._anthropic_page(e))}
-        return {}
+        with it): the ids of the newest batches already there (``before``), where a look
+        for it stops (the list is newest first).  OpenAI's batches carry the token as
+        metadata; Anthropic's Message Batches carry none: the one batch of the
+        submission's size listed before those is it."""
+        if e.provider not in SUPPORTED:
+            return {}
+        page, _ = await self._page(e, None)
+        return {"before": sorted(str(b["id"]) for b in page)}
 
     async def submit(
         self,
@@ -163,24 +190,26 @@ class BatchAPIClient:
         provider.  ``token`` and ``lookup`` (:meth:`lookup`; read now when None) name the
         submission: a create whose answer was lost is looked for by them before it is
         tried again, so a batch is never made twice."""
+        if e.provider not in SUPPORTED:
+            raise BatchAPIError(f"{e.provider} has no batch API here")
+        found = lookup if lookup is not None else await self.lookup(e)
+        before = set(found.get("before") or ())
         if e.provider == "openai":
-            return await self._openai_submit(e, items, token)
-        if e.provider == "anthropic":
-            found = lookup if lookup is not None else await self.lookup(e)
-            return await self._anthropic_submit(e, items, set(found.get("before") or ()))
-        raise BatchAPIError(f"{e.provider} has no batch API here")
+            return await self._openai_submit(e, items, token, before)
+        return await self._anthropic_submit(e, items, token, before)
 
     async def made(self, e: Endpoint, token: str, lookup: Mapping[str, Any], n: int) -> str | None:
         """The id of the batch a submission of ``n`` items named ``token`` (and
         ``lookup``) made, if the provider has it (None: it was never made).  OpenAI: the
         batch whose metadata carries the token; Anthropic: the one batch of ``n`` requests
-        not among ``before`` (weaker: another client's batch of that size made since is
-        taken for it, and two such make it None).  :class:`BatchAPIError` when the
-        provider's list cannot be read."""
+        made since ``before`` (weaker: another client's batch of that size made since is
+        taken for it).  :class:`Unreadable` when it cannot be told (see the module);
+        :class:`BatchAPIError` when the provider's list cannot be read."""
+        before = set(lookup.get("before") or ())
         if e.provider == "openai":
-            b = await self._openai_made(e, token)
+            b = await self._openai_made(e, token, before)
         elif e.provider == "anthropic":
-            b = await self._anthropic_made(e, set(lookup.get("before") or ()), n)
+            b = await self._anthropic_made(e, token, before, n)
         else:
             raise BatchAPIError(f"{e.provider} has no batch API here")
         return None if b is None else str(b["id"])
@@ -227,7 +256,7 @@ class BatchAPIClient:
         return Finished(status, results, rest)
 
     async def _openai_submit(
-        self, e: Endpoint, items: Sequence[tuple[str, Rendered]], token: str
+        self, e: Endpoint, items: Sequence[tuple[str, Rendered]], token: str, before: set[str]
     ) -> str:
         lines = b"".join(
             b'{"custom_id":'
@@ -263,7 +292,7 @@ class BatchAPIClient:
         body = json.dumps(spec).encode()
 
         async def made() -> Any:
-            return await self._openai_made(e, token)
+            return await self._openai_made(e, token, before)
 
         b = await self._tried(
             e,
@@ -273,16 +302,56 @@ class BatchAPIClient:
         )
         return str(b["id"])
 
-    async def _openai_made(self, e: Endpoint, token: str) -> Any:
-        """The batch a failed create made, found by its token among the newest (None:
-        none; a list that cannot be read ends the tries rather than risk a second batch)."""
-        page = await self._tried(
-            e, "listing batches", lambda: self._json(e, "GET", "/batches?limit=100")
+    async def _page(self, e: Endpoint, after: str | None) -> tuple[list[Any], str | None]:
+        """One page of the provider's batches, newest first, after the batch ``after``
+        (None: the newest): the batches and the cursor of the next page (None: the last).
+        Tried as a submission's calls are: one that cannot be read ends the submission's
+        tries rather than risk a second batch."""
+        if e.provider == "openai":
+            url, cursor = f"/batches?limit={LOOKUP_PAGE}", "after"
+        else:
+            url, cursor = f"/messages/batches?limit={LOOKUP_PAGE}", "after_id"
+        if after is not None:
+            url += f"&{cursor}={after}"
+        page = await self._tried(e, f"listing {url}", lambda: self._json(e, "GET", url))
+        data = list(page.get("data") or [])
+        last = page.get("last_id") or (data[-1]["id"] if data else None)
+        return data, (str(last) if page.get("has_more") and last else None)
+
+    async def _since(
+        self, e: Endpoint, token: str, before: set[str], found: Callable[[Any], bool]
+    ) -> list[Any]:
+        """The batches made since ``before`` that ``found`` takes for the submission
+        ``token``, the list read newest first back to a batch of ``before`` (or its end);
+        OpenAI's (``before`` empty: a submission kept by an older gateway) stop at the
+        first found.  :class:`Unreadable` when ``lookup_pages`` pages hold neither."""
+        out: list[Any] = []
+        after: str | None = None
+        for _ in range(self._lookup_pages):
+            page, after = await self._page(e, after)
+            for b in page:
+                if str(b["id"]) in before:
+                    return out
+                if found(b):
+                    out.append(b)
+                    if e.provider == "openai":
+                        return out
+            if after is None:
+                return out
+        raise Unreadable(
+            f"could not tell whether submission {token} made a batch on {e.provider}: "
+            f"{self._lookup_pages * LOOKUP_PAGE} batches read without finding it "
+            "or the batches there before it"
         )
-        for b in page.get("data") or []:
-            if (b.get("metadata") or {}).get("vcache_submission") == token:
-                return b
-        return None
+
+    async def _openai_made(self, e: Endpoint, token: str, before: set[str]) -> Any:
+        """The batch a failed create made, found by its token (None: none)."""
+
+        def carries(b: Any) -> bool:
+            return (b.get("metadata") or {}).get("vcache_submission") == token
+
+        found = await self._since(e, token, before, carries)
+        return found[0] if found else None
 
     async def _openai_results(self, e: Endpoint, row: Any) -> dict[str, Result]:
         if row["status"] == "failed":
@@ -314,7 +383,7 @@ class BatchAPIClient:
         return data
 
     async def _anthropic_submit(
-        self, e: Endpoint, items: Sequence[tuple[str, Rendered]], before: set[str]
+        self, e: Endpoint, items: Sequence[tuple[str, Rendered]], token: str, before: set[str]
     ) -> str:
         reqs = b",".join(
             b'{"custom_id":' + json.dumps(cid).encode() + b',"params":' + r.body + b"}"
@@ -324,7 +393,7 @@ class BatchAPIClient:
         ids = {cid for cid, _ in items}
 
         async def made() -> Any:
-            return await self._anthropic_made(e, before, len(ids))
+            return await self._anthropic_made(e, token, before, len(ids))
 
         b = await self._tried(
             e,
@@ -334,27 +403,22 @@ class BatchAPIClient:
         )
         return str(b["id"])
 
-    async def _anthropic_page(self, e: Endpoint) -> list[Any]:
-        """The newest message batches (tried as a submission's calls are; one that cannot
-        be read ends the submission's tries rather than risk a second batch)."""
-        page = await self._tried(
-            e,
-            "listing message batches",
-            lambda: self._json(e, "GET", "/messages/batches?limit=100"),
-        )
-        return list(page.get("data") or [])
-
-    async def _anthropic_made(self, e: Endpoint, before: set[str], n: int) -> Any:
+    async def _anthropic_made(self, e: Endpoint, token: str, before: set[str], n: int) -> Any:
         """The batch a lost create made: Message Batches carry no metadata, so the one
-        batch of ``n`` requests that was not there before the first try (None: none, or
-        not exactly one)."""
-        new = [
-            b
-            for b in await self._anthropic_page(e)
-            if str(b["id"]) not in before
-            and sum(int(v) for v in (b.get("request_counts") or {}).values()) == n
-        ]
-        return new[0] if len(new) == 1 else None
+        batch of ``n`` requests made since ``before`` (None: none; two:
+        :class:`Unreadable`, either may be it)."""
+
+        def sized(b: Any) -> bool:
+            return sum(int(v) for v in (b.get("request_counts") or {}).values()) == n
+
+        new = await self._since(e, token, before, sized)
+        if len(new) > 1:
+            ids = ", ".join(str(b["id"]) for b in new)
+            raise Unreadable(
+                f"could not tell whether submission {token} made a batch on {e.provider}: "
+                f"{len(new)} batches of its {n} requests made since ({ids})"
+            )
+        return new[0] if new else None
 
     async def _anthropic_results(self, e: Endpoint, row: Any) -> dict[str, Result]:
         url = str(row["results_url"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ import pytest
 from engines.providers.base import Rendered
 from engines.providers.specs import PROVIDERS
 from engines.providers.transport import Response, Transport, TransportError
-from gateway.batches.provider_client import BatchAPIClient, BatchAPIError, Endpoint
+from gateway.batches.provider_client import BatchAPIClient, BatchAPIError, Endpoint, Unreadable
 from tests.providers.conftest import MODELS, PROVIDER_KEY, Emulator
 
 N = 3
@@ -41,22 +41,83 @@ def _items(provider: str) -> list[tuple[str, Rendered]]:
     return out
 
 
-def _batches(emulator: Emulator, provider: str) -> list[dict[str, Any]]:
-    """The batches the emulator holds for ``provider``."""
+def _batches(emulator: Emulator, provider: str, at_most: int = 100) -> list[dict[str, Any]]:
+    """The batches the emulator holds for ``provider``, newest first (``at_most``)."""
     url = "/v1/batches" if provider == "openai" else "/v1/messages/batches"
+    cursor = "after" if provider == "openai" else "after_id"
     headers = PROVIDERS[provider].adapter().auth_headers(PROVIDER_KEY)
-    r = emulator.http.get(f"{emulator.url}{url}?limit=100", headers=headers)
-    r.raise_for_status()
-    return list(r.json()["data"])
+    out: list[dict[str, Any]] = []
+    after = ""
+    while len(out) < at_most:
+        r = emulator.http.get(f"{emulator.url}{url}?limit=100{after}", headers=headers)
+        r.raise_for_status()
+        page = r.json()
+        out += page["data"]
+        if not page["has_more"]:
+            break
+        after = f"&{cursor}={page['last_id']}"
+    return out[:at_most]
+
+
+def _others(emulator: Emulator, provider: str, n: int) -> None:
+    """``n`` batches of one item each, made by another client of the same account."""
+    headers = PROVIDERS[provider].adapter().auth_headers(PROVIDER_KEY)
+    body = {
+        "model": MODELS[provider],
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    if provider == "openai":
+        line = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        f = emulator.http.post(
+            f"{emulator.url}/v1/files",
+            headers=headers,
+            files={"file": ("other.jsonl", json.dumps(line).encode())},
+            data={"purpose": "batch"},
+        )
+        f.raise_for_status()
+        spec = {
+            "input_file_id": f.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
+        url = f"{emulator.url}/v1/batches"
+    else:
+        spec = {"requests": [{"custom_id": "x", "params": body}]}
+        url = f"{emulator.url}/v1/messages/batches"
+    for _ in range(n):
+        emulator.http.post(url, headers=headers, json=spec).raise_for_status()
+
+
+class Counts:
+    """The emulator's transport, counting the reads of a list of batches."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.lists = 0
+
+    @contextlib.asynccontextmanager
+    async def request(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None = None
+    ) -> AsyncIterator[Response]:
+        if method == "GET" and url.split("?")[0].endswith("batches"):
+            self.lists += 1
+        async with self.inner.request(method, url, headers, body) as r:
+            yield r
+
+    async def aclose(self) -> None:
+        return None
 
 
 class LosesFirstCreate:
     """The emulator's transport, but the first batch create's answer is lost after the
-    emulator made the batch (a timeout on the way back)."""
+    emulator made the batch (a timeout on the way back); ``then`` runs once it is lost
+    (before the create is looked for)."""
 
-    def __init__(self, inner: Transport) -> None:
+    def __init__(self, inner: Transport, then: Callable[[], None] | None = None) -> None:
         self.inner = inner
         self.lost = 0
+        self.then = then
 
     @contextlib.asynccontextmanager
     async def request(
@@ -67,6 +128,8 @@ class LosesFirstCreate:
             if creates and not self.lost:
                 await r.read()
                 self.lost += 1
+                if self.then is not None:
+                    self.then()
                 raise TransportError("the answer was lost", timeout=True)
             yield r
 
@@ -116,6 +179,97 @@ def test_a_create_whose_answer_was_lost_is_found_not_made_again(
     assert [b["id"] for b in _batches(emu, provider)] == [run_id]  # made once
     creates = [r for r in emu.received() if r["path"] in ("/v1/batches", "/v1/messages/batches")]
     assert len(creates) == 1  # found by its token (OpenAI) or as the one new batch
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_lost_create_is_found_past_the_first_page_of_the_list(
+    emu: Emulator, provider: str
+) -> None:
+    """Another client makes 150 batches between the lost create and the look for it: the
+    one it made is on the second page of the provider's list (100 a page), found there
+    (OpenAI: by its token; Anthropic: the one new batch of its size), never made again."""
+    assert emu.transport is not None
+    lossy = LosesFirstCreate(emu.transport, lambda: _others(emu, provider, 150))
+    client = _client(lossy)
+    e = _endpoint(emu, provider)
+
+    async def main() -> str:
+        return await client.submit(e, _items(provider), "tok-paged", await client.lookup(e))
+
+    run_id = asyncio.run(main())
+    assert lossy.lost == 1
+    mine = [b for b in _batches(emu, provider, 200) if b["id"] == run_id]
+    assert len(mine) == 1 and len(_batches(emu, provider, 200)) == 151
+    creates = [r for r in emu.received() if r["path"] in ("/v1/batches", "/v1/messages/batches")]
+    assert len(creates) == 1 + 150  # its own: once
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_kept_submission_is_looked_for_back_to_the_batches_before_it(
+    emu: Emulator, provider: str
+) -> None:
+    """A submission kept before its create (a restart looks for it): with 150 batches of
+    others made since, the one it made is found on the list's second page; one never
+    made is told so once the list reaches the batches that were there before it (its
+    lookup), without reading the rest of the list."""
+    _others(emu, provider, 250)  # the account's older batches
+    assert emu.transport is not None
+    counts = Counts(emu.transport)
+    client = _client(counts)
+    e = _endpoint(emu, provider)
+
+    async def main() -> tuple[Any, ...]:
+        made_lookup = await client.lookup(e)
+        run_id = await client.submit(e, _items(provider), "tok-kept", made_lookup)
+        never_lookup = await client.lookup(e)
+        _others(emu, provider, 150)
+        lists = counts.lists
+        found = await client.made(e, "tok-kept", made_lookup, N)
+        never = await client.made(e, "tok-never", never_lookup, N)
+        return run_id, found, never, counts.lists - lists
+
+    run_id, found, never, reads = asyncio.run(main())
+    assert found == run_id
+    assert never is None
+    assert reads == 2 + 2  # two pages each: the 150 since, then the horizon; not the 250
+
+
+def test_two_new_message_batches_of_its_size_are_not_taken_for_never_made(emu: Emulator) -> None:
+    """Anthropic's batches carry no token: two batches of the submission's size made since
+    its lookup (another client's among them) cannot tell which is it, so the look says
+    so rather than take it for never made (a restart would then submit it again)."""
+    assert emu.transport is not None
+    client = _client(emu.transport)
+    e = _endpoint(emu, "anthropic")
+
+    async def main() -> None:
+        kept = await client.lookup(e)
+        await client.submit(e, _items("anthropic"), "tok-a", kept)
+        await client.submit(e, _items("anthropic"), "tok-b", kept)
+        await client.made(e, "tok-a", kept, N)
+
+    with pytest.raises(Unreadable, match="2 batches of its 3 requests"):
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_look_past_its_bound_says_it_cannot_tell_and_makes_no_second_batch(
+    emu: Emulator, provider: str
+) -> None:
+    """More batches made since the lost create than the look reads (here one page): the
+    submission gives up naming why, rather than take it for never made and make a
+    second batch."""
+    assert emu.transport is not None
+    lossy = LosesFirstCreate(emu.transport, lambda: _others(emu, provider, 150))
+    client = _client(lossy, lookup_pages=1)
+    e = _endpoint(emu, provider)
+
+    async def main() -> str:
+        return await client.submit(e, _items(provider), "tok-far", await client.lookup(e))
+
+    with pytest.raises(Unreadable, match="could not tell whether"):
+        asyncio.run(main())
+    assert len(_batches(emu, provider, 200)) == 151  # its own made once, never twice
 
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
