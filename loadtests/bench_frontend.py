@@ -493,8 +493,10 @@ def profile_text(
 
 def is_engine(name: str, cmdline: str) -> bool:
     """A vLLM engine process (``VLLM::EngineCore``, ``VLLM::Worker``, the DP coordinator)
-    or multiprocessing's resource tracker: not the frontend's."""
-    return name.startswith("VLLM") or "resource_tracker" in cmdline
+    or multiprocessing's resource tracker: not the frontend's.  ``VLLM::APIServer_N`` is
+    one of ``--api-server-count``'s frontends."""
+    vllm_engine = name.startswith("VLLM") and not name.startswith("VLLM::APIServer")
+    return vllm_engine or "resource_tracker" in cmdline
 
 
 def frontend_cpu(pid: int) -> dict[int, tuple[float, float]]:
@@ -608,7 +610,25 @@ def _vllm_cmd(model: Path, port: int, workers: int, kv_bytes: int) -> list[str]:
     ]
     if workers > 1:
         cmd += ["--data-parallel-size", str(workers), "--api-server-count", str(workers)]
+        # the deprecated api_server module runs one frontend whatever --api-server-count
+        # says; vllm serve runs that many (run_multi_api_server)
+        cmd[1:3] = ["-c", VLLM_SERVE]
     return cmd
+
+
+# ``vllm serve`` without its console script (vllm.entrypoints.cli.main reads the package's
+# metadata for --version, and a vLLM built from source into a venv may have none)
+VLLM_SERVE = """
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+cli_env_setup()
+args = make_arg_parser(FlexibleArgumentParser()).parse_args()
+validate_parsed_serve_args(args)
+ServeSubcommand.cmd(args)
+"""
 
 
 def _vcache_cmd(data_dir: Path, port: int, workers: int, kv_bytes: int) -> list[str]:

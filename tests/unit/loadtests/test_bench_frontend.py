@@ -4,6 +4,8 @@ are the issue's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gateway.core.config import Settings
@@ -14,6 +16,7 @@ from loadtests.bench_frontend import (
     Answer,
     Row,
     Slice,
+    _vllm_cmd,
     by_thread,
     is_engine,
     misses,
@@ -145,6 +148,18 @@ def test_engine_processes_are_not_the_frontends() -> None:
     assert is_engine("VLLM::DPCoordinator", "")
     assert is_engine("python", "python -c from multiprocessing.resource_tracker import main")
     assert not is_engine("python", "python -m gateway.cli serve --workers 2")
+    assert not is_engine("VLLM::APIServer_1", "VLLM::APIServer_1")  # vllm serve's frontends
+
+
+def test_vllm_with_workers_runs_as_many_frontends() -> None:
+    """``--workers 2``: vllm serve, whose --api-server-count starts two API servers (the
+    deprecated api_server module would run one over both engines)."""
+    one = _vllm_cmd(Path("/m"), 8000, 1, 1 << 30)
+    assert one[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    two = _vllm_cmd(Path("/m"), 8000, 2, 1 << 30)
+    assert two[1] == "-c" and "ServeSubcommand.cmd(args)" in two[2]
+    assert two[-4:] == ["--data-parallel-size", "2", "--api-server-count", "2"]
+    assert two[3:-4] == one[3:]
 
 
 def test_the_loads_and_prompts_are_the_issues() -> None:
