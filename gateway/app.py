@@ -529,15 +529,15 @@ def create_app(
         settings.providers,
         HitShares(batch_store),  # measured on finished provider batches, kept in the store
     )
-    provider_batches = None
-    if runs.provider_api and providers is not None:  # where the plan finds it cheaper
-        provider_batches = ProviderBatches(
-            service,
-            BatchAPIClient(provider_transport, runs.provider_poll_s),
-            batch_targets.endpoint,
-            batch_targets.batch_api,
-            batch_targets.learn,
-        )
+    # batches go to a provider's batch API where the plan finds it cheaper; submissions kept
+    # before a restart are followed (or their items ended by name) even with that off now
+    provider_batches = ProviderBatches(
+        service,
+        BatchAPIClient(provider_transport, runs.provider_poll_s),
+        batch_targets.endpoint,
+        batch_targets.batch_api if runs.provider_api and providers is not None else None,
+        batch_targets.learn,
+    )
     batch_runner = BatchRunner(
         batch_store,
         ServiceSender(service),

@@ -12,7 +12,10 @@ completion, Message or Response the endpoint would have answered.  An item the p
 answered with an error is that item's error.  A submission is kept in the store before
 its create (:meth:`ProviderBatches.ticket`), so a gateway stopped before the create's
 answer was written finds the batch it made after the restart
-(:meth:`ProviderBatches.made`) rather than make a second.
+(:meth:`ProviderBatches.made`) rather than make a second.  One that cannot be followed
+after a restart (its target's batch API no longer configured here, or whether it was
+made cannot be told: :class:`Unreadable`) ends each item it carries with a named error
+(:meth:`ProviderBatches.unreadable`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from engines.providers.base import Answer
-from gateway.batches.provider_client import SUBMIT_FAILED, BatchAPIClient, BatchAPIError, Endpoint
+from gateway.batches.provider_client import (
+    SUBMIT_FAILED,
+    BatchAPIClient,
+    BatchAPIError,
+    Endpoint,
+    Unreadable,
+)
 from gateway.batches.provider_plan import Choice, Sample
 from gateway.batches.send import CHAT, MESSAGES, RESPONSES, Outcome, error_of, usage_of
 from gateway.core.errors import APIError, BadGateway, InvalidRequest, invalid_request_from
@@ -51,6 +60,8 @@ from gateway.service.responses_api import chat_request, response_of
 from manifest.prefix_dag import Step, Unit
 
 log = logging.getLogger(__name__)
+
+UNREADABLE = "provider_batch_unreadable"  # an item of a submission that cannot be followed
 
 
 def _long_tier(p: ProviderPrepared) -> ProviderPrepared:
@@ -136,13 +147,15 @@ class ProviderBatches:
         svc: GatewayService,
         client: BatchAPIClient,
         endpoint_of: Callable[[str], Endpoint | None],
-        choose: Callable[[str, Sequence[Unit], Sequence[Step]], Choice | None],
+        choose: Callable[[str, Sequence[Unit], Sequence[Step]], Choice | None] | None,
         learn: Callable[[str, str, Iterable[Sample]], object] | None = None,
     ) -> None:
         """``endpoint_of(target name)``: the target's :class:`Endpoint` (None: not one
         whose batch API is served); ``choose(model, units, steps)``: the target whose
-        batch API the provider plan chooses, with its TTL (None: online); ``learn(target,
-        kind, samples)``: a finished batch's measured hit share, to the plan."""
+        batch API the provider plan chooses, with its TTL (None: online; ``choose``
+        None: every batch online, only the submissions kept before a restart followed);
+        ``learn(target, kind, samples)``: a finished batch's measured hit share, to the
+        plan."""
         self._svc = svc
         self._client = client
         self._endpoint_of = endpoint_of
@@ -154,7 +167,7 @@ class ProviderBatches:
     ) -> Choice | None:
         """The hosted target to send a batch to through its own batch API (chat
         completions, Messages or Responses), or None: the items go online."""
-        if endpoint not in (CHAT, MESSAGES, RESPONSES) or model is None:
+        if endpoint not in (CHAT, MESSAGES, RESPONSES) or model is None or self._choose is None:
             return None
         return self._choose(model, units, steps)
 
@@ -168,9 +181,11 @@ class ProviderBatches:
         await self._client.aclose()
 
     def _endpoint(self, target: str) -> Endpoint:
+        """``target``'s batch API; :class:`Unreadable` when it is not configured here
+        (its provider, or the provider's key, removed since a submission went to it)."""
         endpoint = self._endpoint_of(target)
         if self._svc.providers is None or endpoint is None:
-            raise ValueError(f"{target} has no batch API here")
+            raise Unreadable(f"{target}'s batch API is not configured here")
         return endpoint
 
     async def prepare(
@@ -200,7 +215,9 @@ class ProviderBatches:
     ) -> Submission:
         """The items of a submission made before a restart (each with what the store
         kept of its journal), planned again to read their answers: nothing journaled as
-        sent again, each answer journaled in the session its request was recorded in."""
+        sent again, each answer journaled in the session its request was recorded in; an
+        item is not refused for its model no longer routing to ``target`` (it was sent
+        there).  :class:`Unreadable` when ``target``'s batch API is not configured here."""
         self._endpoint(target)
         return await self._planned(target, items, who, None, endpoint)
 
@@ -235,7 +252,7 @@ class ProviderBatches:
                     req = svc.named(chat_request(*asked)[0])
                 else:
                     req = svc.named(ChatCompletionRequest.model_validate({**body, "stream": False}))
-                if req.model != target and target not in svc.resolve(req.model):
+                if kept is None and req.model != target and target not in svc.resolve(req.model):
                     raise InvalidRequest(f"'{req.model}' is not served by {target}", param="model")
                 p = await chat.prepare(target, Call(req, who, rid))
                 if ttl == "1h" and kept is None:
@@ -279,6 +296,28 @@ class ProviderBatches:
         stopped), or None: the provider never made it.  :class:`BatchAPIError` when the
         provider cannot be read."""
         return await self._client.made(self._endpoint(target), ticket.token, ticket.lookup, n)
+
+    def unreadable(
+        self,
+        target: str,
+        run_id: str,
+        items: Mapping[int, Mapping[str, str | None]],
+        exc: Unreadable,
+    ) -> dict[int, Outcome]:
+        """Every item of the submission to ``target`` kept as ``run_id`` (its id at the
+        provider, or the token it was made under) that this gateway cannot follow
+        (``exc``), with what the store kept of each: a 502 named
+        ``provider_batch_unreadable`` that says which batch to look for there."""
+        log.warning("submission %s to %s cannot be followed: %s", run_id, target, exc)
+        bad = BadGateway(
+            f"this item went to {target}'s batch API before a restart (batch {run_id}) "
+            f"and its answer cannot be read here: {exc}",
+            code=UNREADABLE,
+        )
+        return {
+            idx: Outcome(502, kept.get("request_id") or run_id, error=error_of(bad))
+            for idx, kept in items.items()
+        }
 
     def failed(self, sub: Submission, exc: BatchAPIError) -> dict[int, Outcome]:
         """Every ready item's error when the submission never took (named

@@ -53,7 +53,7 @@ from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import leads_first, units
 from gateway.batches.provider_api import Ticket
-from gateway.batches.provider_client import BatchAPIError
+from gateway.batches.provider_client import BatchAPIError, Unreadable
 from gateway.batches.provider_plan import Choice, Sample
 from gateway.batches.recall import Gate, decide, warm_body
 from gateway.batches.send import CHAT, Outcome, Sender, batch_caller
@@ -135,6 +135,16 @@ class ProviderRoute(Protocol):
 
     def failed(self, sub: Any, exc: Any) -> dict[int, Outcome]:
         """Every ready item's error when the submission never took."""
+        ...
+
+    def unreadable(
+        self,
+        target: str,
+        run_id: str,
+        items: Mapping[int, Mapping[str, str | None]],
+        exc: Unreadable,
+    ) -> dict[int, Outcome]:
+        """Every item's error for a kept submission that cannot be followed here."""
         ...
 
     async def finish(
@@ -361,6 +371,9 @@ class BatchRunner:
         provider (its token; Anthropic: the new batch of its size) once all its open
         items are claimed, and polled if found; if not, it is forgotten and its items
         released to be sent like any open item (together: one submission again).
+        One that cannot be followed here (:class:`Unreadable`: its target's batch API no
+        longer configured, or whether it was made cannot be told) ends each item it
+        carries with that error, and is marked ended.
         The items the submissions carry (not to be sent any other way)."""
         assert self._provider is not None
         store = self._store
@@ -377,27 +390,37 @@ class BatchRunner:
             if not mine:
                 continue  # settled, or another gateway polls it
             run_id = run.id
-            if run.submitting:
-                if set(mine) != set(run.items) & open_:  # the rest not yet free: all at once
-                    await asyncio.to_thread(store.release, bid, mine, self.owner)
-                    continue
-                found = await self._adopted(bid, run.id, run.target, run.lookup, run.items, mine)
-                if found == NEVER:
-                    carried -= set(run.items)  # sent like any open item
-                if found in (NEVER, UNREAD):
-                    continue
-                run_id = found
-            self.provider_batches.append(
-                {"batch": bid, "target": run.target, "items": len(mine), "resumed": run_id}
-            )
-            log.info("batch %s: resuming %s on %s (%d items)", bid, run_id, run.target, len(mine))
-            async with self._slots:
-                kept = [(i, bodies[i], run.items[i]) for i in mine]
-                sub = await self._provider.reopen(run.target, kept, who, endpoint)
-                await self._settle_all(bid, endpoint, sub.refused, plan, us)
-                await self._provider_results(
-                    bid, endpoint, sub, run_id, plan, us, run.target, run.kind
+            try:
+                if run.submitting:
+                    if set(mine) != set(run.items) & open_:  # the rest not yet free: all at once
+                        await asyncio.to_thread(store.release, bid, mine, self.owner)
+                        continue
+                    found = await self._adopted(
+                        bid, run.id, run.target, run.lookup, run.items, mine
+                    )
+                    if found == NEVER:
+                        carried -= set(run.items)  # sent like any open item
+                    if found in (NEVER, UNREAD):
+                        continue
+                    run_id = found
+                self.provider_batches.append(
+                    {"batch": bid, "target": run.target, "items": len(mine), "resumed": run_id}
                 )
+                log.info(
+                    "batch %s: resuming %s on %s (%d items)", bid, run_id, run.target, len(mine)
+                )
+                async with self._slots:
+                    kept = [(i, bodies[i], run.items[i]) for i in mine]
+                    sub = await self._provider.reopen(run.target, kept, who, endpoint)
+                    await self._settle_all(bid, endpoint, sub.refused, plan, us)
+                    await self._provider_results(
+                        bid, endpoint, sub, run_id, plan, us, run.target, run.kind
+                    )
+            except Unreadable as exc:  # each item its error, the submission ended
+                ended = {i: run.items[i] for i in mine}
+                outcomes = self._provider.unreadable(run.target, run_id, ended, exc)
+                await self._settle_all(bid, endpoint, outcomes, plan, us)
+                await asyncio.to_thread(store.end_provider_run, run_id)
         return carried
 
     async def _adopted(
@@ -417,6 +440,8 @@ class BatchRunner:
         store = self._store
         try:
             found = await self._provider.made(target, Ticket(token, lookup), len(items))
+        except Unreadable:
+            raise  # it cannot be told: its items end (the caller)
         except BatchAPIError as exc:
             log.warning("batch %s: looking for submission %s failed: %s", bid, token, exc)
             await asyncio.to_thread(store.release, bid, mine, self.owner)

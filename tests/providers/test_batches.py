@@ -390,6 +390,144 @@ def killed_after_create(
         assert _rebuilt(gw, target) == ITEMS
 
 
+def _stopped_with_a_kept_submission(
+    emulator: Emulator,
+    tokenizer: ChatTokenizer,
+    log: dict[str, Any],
+    model: str,
+    kept: str,
+    **cfg: Any,
+) -> str:
+    """A gateway (configured with ``cfg``) that stops while a batch of ``model`` is on
+    OpenAI's batch API, its submission kept ``running`` (its id written) or
+    ``submitting`` (it died once the create was made, before the id was written): the
+    vcache batch's id."""
+    emulator.admin("reset")
+    emulator.admin("batch-rules", delay_s=3600, parallel=4)  # not run before the restart
+    dies = DiesAfterCreate(emulator.transport)  # type: ignore[arg-type]
+    seen = emulator if kept == "running" else dataclasses.replace(emulator, transport=dies)
+    with contextlib.contextmanager(make_gateway)(seen, tokenizer, session_log=log, **cfg) as gw:
+        client = gw.client()
+        file_id = _upload(client, _lines(model, lambda i: f"Manual {i}. " + MANUAL))
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        store: BatchStore = gw.http.app.state.batches  # type: ignore[attr-defined]
+        if kept == "running":
+            _until(
+                lambda: any(not r.submitting for r in store.provider_runs(batch.id)),
+                "the submission kept with its id",
+            )
+        else:
+            assert dies.created.wait(30), "the provider never got the create"
+    assert len(_provider_batches(emulator, "openai")) == 1
+    return batch.id
+
+
+@pytest.mark.parametrize(
+    ("removed", "kept"), [("openai", "running"), ("openai", "submitting"), ("all", "running")]
+)
+def test_a_resumed_submission_whose_provider_was_removed_ends_each_item_by_name(
+    emulator: Emulator, tokenizer: ChatTokenizer, tmp_path: Path, removed: str, kept: str
+) -> None:
+    """The gateway restarts without the provider the batch's submission went to (its
+    configuration dropped OpenAI, or every provider): the submission cannot be followed,
+    so each item it
+    carries ends with a 502 ``provider_batch_unreadable`` naming the provider's batch
+    (or the token it was made under), the vcache batch ends, nothing is submitted or sent
+    online again, and the submission is marked ended rather than looked for forever."""
+    log = {"path": str(tmp_path / "sessions.db"), "verify_reconstruction": True}
+    target = f"openai/{MODELS['openai']}"
+    batches = {"provider_api": True, "provider_poll_s": 0.05, "poll_s": 0.05, "lease_s": 0.5}
+    bid = _stopped_with_a_kept_submission(emulator, tokenizer, log, target, kept, batches=batches)
+    emulator.admin("batch-rules", delay_s=0, parallel=4)
+    others = {
+        p: {"base_url": emulator.base_url(p), "api_key": PROVIDER_KEY}
+        for p in MODELS
+        if p != "openai" and removed != "all"
+    }
+    aliases: dict[str, list[str]] = {}  # none naming a provider no longer there
+    with contextlib.contextmanager(make_gateway)(
+        emulator, tokenizer, batches=batches, session_log=log, providers=others, aliases=aliases
+    ) as gw:
+        client = gw.client()
+        done = _until(
+            lambda: (b := client.batches.retrieve(bid)).status == "completed" and b,
+            "the batch's end",
+            timeout_s=20,
+        )
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (0, ITEMS)
+        assert done.output_file_id is None and done.error_file_id is not None
+        errors = [
+            json.loads(x) for x in client.files.content(done.error_file_id).read().splitlines()
+        ]
+        assert sorted(x["custom_id"] for x in errors) == [f"item-{i}" for i in range(ITEMS)]
+        for x in errors:
+            assert x["response"]["status_code"] == 502
+            err = x["response"]["body"]["error"]
+            assert err["code"] == "provider_batch_unreadable"
+            assert target in err["message"]
+        store: BatchStore = gw.http.app.state.batches  # type: ignore[attr-defined]
+        assert store.provider_runs(bid) == []  # ended, not looked for again
+    assert len(_provider_batches(emulator, "openai")) == 1  # never submitted again
+    assert "openai" not in emulator.admin_get("billing")  # nor sent online
+
+
+def test_a_resumed_submission_is_read_with_the_provider_api_turned_off(
+    emulator: Emulator, tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    """The gateway restarts with ``batches.provider_api`` off: new batches go online, but
+    the submission kept before the restart is still polled and its items answered from
+    it, never sent online a second time (billed twice)."""
+    log = {"path": str(tmp_path / "sessions.db"), "verify_reconstruction": True}
+    target = f"openai/{MODELS['openai']}"
+    batches = {"provider_api": True, "provider_poll_s": 0.05, "poll_s": 0.05, "lease_s": 0.5}
+    bid = _stopped_with_a_kept_submission(
+        emulator, tokenizer, log, target, "running", batches=batches
+    )
+    emulator.admin("batch-rules", delay_s=0, parallel=4)
+    off = {**batches, "provider_api": False}
+    with contextlib.contextmanager(make_gateway)(
+        emulator, tokenizer, batches=off, session_log=log
+    ) as gw:
+        client = gw.client()
+        done = _completed(client, bid)
+        assert done.request_counts is not None and done.request_counts.completed == ITEMS
+        assert all(x["response"]["status_code"] == 200 for x in _output(client, done))
+        bill = emulator.admin_get("billing")
+        assert bill["openai-batch"]["requests"] == ITEMS and "openai" not in bill
+        assert _rebuilt(gw, target) == ITEMS
+
+
+def test_a_resumed_submission_whose_target_left_its_alias_is_still_read(
+    emulator: Emulator, tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    """The gateway restarts with the batch's alias pointing elsewhere (its target removed
+    from it; the provider still configured): the submission made to that target is
+    still polled and every item answered from it, billed once, rebuilt from the log;
+    nothing is refused as no longer routed there (the answers would be lost)."""
+    log = {"path": str(tmp_path / "sessions.db"), "verify_reconstruction": True}
+    target = f"openai/{MODELS['openai']}"
+    batches = {"provider_api": True, "provider_poll_s": 0.05, "poll_s": 0.05, "lease_s": 0.5}
+    bid = _stopped_with_a_kept_submission(
+        emulator, tokenizer, log, "bulk", "running", batches=batches, aliases={"bulk": [target]}
+    )
+    emulator.admin("batch-rules", delay_s=0, parallel=4)
+    moved = {"bulk": [f"anthropic/{MODELS['anthropic']}"]}
+    with contextlib.contextmanager(make_gateway)(
+        emulator, tokenizer, batches=batches, session_log=log, aliases=moved
+    ) as gw:
+        client = gw.client()
+        done = _completed(client, bid)
+        assert done.request_counts is not None and done.request_counts.completed == ITEMS
+        out = _output(client, done)
+        assert all(x["response"]["status_code"] == 200 for x in out)
+        assert emulator.admin_get("billing")["openai-batch"]["requests"] == ITEMS
+        assert _rebuilt(gw, target) == ITEMS
+    assert len(_provider_batches(emulator, "openai")) == 1
+
+
 def test_the_plans_1h_ttl_is_on_the_submitted_items_breakpoints(via_api: Gw) -> None:
     """A flat Anthropic batch goes to the Message Batches API with the breakpoint TTL the
     plan picks there (1 hour at the prior hit share): each item's breakpoint carries

@@ -466,6 +466,10 @@ class Route:
             for i, t in sub.tags.items()
         }
 
+    def unreadable(self, target: str, run_id: str, items: Any, exc: Exception) -> dict[int, Any]:
+        err = {"status": 502, "type": "upstream_error", "code": "provider_batch_unreadable"}
+        return {i: Outcome(502, f"req-{i}", error={**err, "message": str(exc)}) for i in items}
+
     async def finish(self, sub: Sub, run_id: str, cancelled: Any) -> dict[int, Any]:
         if self.cancel_keeps is not None:
             while not await cancelled():  # noqa: ASYNC110 - the provider polls it so
