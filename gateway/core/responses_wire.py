@@ -324,7 +324,7 @@ ToolChoice = Annotated[
 class TextFormat(BaseModel):
     """``text.format``: plain text, any JSON object, or JSON valid against ``schema``."""
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = Field(default=None, min_length=1, max_length=64)

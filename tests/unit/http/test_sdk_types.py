@@ -95,6 +95,24 @@ def test_responses_whole_and_each_stream_event(http: TestClient) -> None:
     assert events[-1].response.usage is not None
 
 
+def test_a_response_echoes_its_json_schema_format_as_openai_names_it(http: TestClient) -> None:
+    """``text.format.schema`` (the wire's name), not the model's ``schema_``: the SDK's
+    type requires it, in the answer and in each stream event that carries the response."""
+    schema = {"type": "object", "properties": {"label": {"type": "string"}}}
+    fmt = {"type": "json_schema", "name": "label", "schema": schema, "strict": True}
+    body = {"model": MODEL, "input": "label it", "text": {"format": fmt}}
+    r = http.post("/v1/responses", json=body | {"max_output_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"]["format"]["schema"] == schema
+    assert "schema_" not in r.json()["text"]["format"]
+    echoed = Response.model_validate(r.json()).text
+    assert echoed is not None and echoed.format is not None
+    assert echoed.format.type == "json_schema" and echoed.format.schema_ == schema
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(e) for e in _events(http, "/v1/responses", body)]
+    assert events[-1].response.text.format.schema_ == schema
+
+
 def test_messages_whole_and_each_stream_event(http: TestClient) -> None:
     body = {
         "model": MODEL,
