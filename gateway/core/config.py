@@ -129,7 +129,8 @@ class BatchSettings(BaseModel):
     # a batch of chat completions, Messages or Responses requests on a hosted target goes
     # to the provider's own batch API (OpenAI's, Anthropic's) where the provider plan finds
     # it cheaper than online requests in DAG order (its id kept in the batch store: a
-    # restart resumes it); off: every item online
+    # restart resumes it); off: every item online (a submission kept before a restart is
+    # still followed)
     provider_api: bool = False
     # between two reads of a batch running on a provider's batch API
     provider_poll_s: float = Field(30.0, gt=0)
