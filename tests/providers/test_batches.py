@@ -605,6 +605,30 @@ def test_a_message_batch_the_plan_sends_to_a_providers_batch_api(
     assert _rebuilt(via_api, target) == ITEMS
 
 
+def _responses_batch(client: openai.OpenAI, target: str, extra: Mapping[str, Any]) -> Batch:
+    """A batch on ``/v1/responses`` of ``ITEMS`` questions, each under a manual of its own
+    (nothing shared), with ``extra`` in each body; the batch once completed."""
+    lines = [
+        {
+            "custom_id": f"r-{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {
+                "model": target,
+                "instructions": f"Manual {i}. " + MANUAL,
+                "input": f"what is section {i} about?",
+                **extra,
+            },
+        }
+        for i in range(ITEMS)
+    ]
+    file_id = _upload(client, lines)
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/responses", completion_window="24h"
+    )
+    return _completed(client, batch.id)
+
+
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_a_responses_batch_the_plan_sends_to_a_providers_batch_api(
     via_api: Gw, provider: str
@@ -615,25 +639,7 @@ def test_a_responses_batch_the_plan_sends_to_a_providers_batch_api(
     custom_id, each journaled request rebuilt to the bytes in the provider's batch."""
     target = f"{provider}/{MODELS[provider]}"
     client = via_api.client()
-    lines = [
-        {
-            "custom_id": f"r-{i}",
-            "method": "POST",
-            "url": "/v1/responses",
-            "body": {
-                "model": target,
-                "max_output_tokens": 16,
-                "instructions": f"Manual {i}. " + MANUAL,
-                "input": f"what is section {i} about?",
-            },
-        }
-        for i in range(ITEMS)
-    ]
-    file_id = _upload(client, lines)
-    batch = client.batches.create(
-        input_file_id=file_id, endpoint="/v1/responses", completion_window="24h"
-    )
-    done = _completed(client, batch.id)
+    done = _responses_batch(client, target, {"max_output_tokens": 16})
     assert done.request_counts is not None and done.request_counts.completed == ITEMS
     assert done.output_file_id is not None
     out = _output(client, done)
@@ -675,27 +681,8 @@ def test_a_responses_item_a_providers_batch_answered_is_stored_and_goes_on(
     answers (Anthropic refuses a ``tool_result`` that answers no ``tool_use``)."""
     target = f"{provider}/{MODELS[provider]}"
     client = via_api.client()
-    lines = [
-        {
-            "custom_id": f"r-{i}",
-            "method": "POST",
-            "url": "/v1/responses",
-            "body": {
-                "model": target,
-                "max_output_tokens": 64,
-                "instructions": f"Manual {i}. " + MANUAL,
-                "input": f"what is section {i} about?",
-                "tools": [LOOKUP],
-                "tool_choice": "required",
-            },
-        }
-        for i in range(ITEMS)
-    ]
-    file_id = _upload(client, lines)
-    batch = client.batches.create(
-        input_file_id=file_id, endpoint="/v1/responses", completion_window="24h"
-    )
-    done = _completed(client, batch.id)
+    extra = {"max_output_tokens": 64, "tools": [LOOKUP], "tool_choice": "required"}
+    done = _responses_batch(client, target, extra)
     assert done.request_counts is not None and done.request_counts.completed == ITEMS
     assert len(_provider_batches(via_api.emulator, provider)) == 1  # its batch API's
     out = {x["custom_id"]: x["response"]["body"] for x in _output(client, done)}
