@@ -44,10 +44,12 @@ class Decision:
     replay: bool
     replay_cost: float
     saving: float
+    children: tuple[str, ...] = ()  # the open units extending the parent
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "parent": self.parent,
+            "children": list(self.children),
             "siblings": self.siblings,
             "prefix_tokens": self.prefix_tokens,
             "unit_tokens": self.unit_tokens,
@@ -93,6 +95,7 @@ def decide(
                 gate(p, u, k),
                 round(p * read_mult, 1),
                 round(k * u * (1 - read_mult), 1),
+                tuple(sorted(kids)),
             )
         )
     return out

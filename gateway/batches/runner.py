@@ -48,7 +48,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
-from gateway.batches.cost import bought, measured
+from gateway.batches.cost import READ_MULT, bought, measured
 from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import leads_first, units
@@ -197,7 +197,8 @@ class BatchRunner:
         self.pins_counted: Counter[str] = Counter()  # taken, skipped, released
         self._recall = recall
         self.recall_counted: Counter[str] = Counter()  # replay, fresh
-        self.recall_decisions: list[dict[str, object]] = []  # each with its predicted cost
+        # each with its predicted cost, and once its batch's walk ends its measured one
+        self.recall_decisions: list[dict[str, Any]] = []
         self._metrics = metrics
         self._provider = provider
         self.provider_batches: list[dict[str, object]] = []  # sent to a provider's batch API
@@ -342,6 +343,8 @@ class BatchRunner:
                             )
                         )
             await asyncio.gather(*sent)
+            if self._recall is not None:
+                await self._recall_measured(bid)
         finally:
             for t in sent:
                 t.cancel()
@@ -590,7 +593,8 @@ class BatchRunner:
         for d in decide(us, dag.parents(), open_, self._recall):
             decision = "replay" if d.replay else "fresh"
             self.recall_counted[decision] += 1
-            self.recall_decisions.append({"batch": batch.id, **d.as_dict()})
+            entry: dict[str, Any] = {"batch": batch.id, **d.as_dict()}
+            self.recall_decisions.append(entry)
             if self._metrics is not None:
                 self._metrics.batch_recall.labels(decision).inc()
                 tokens = self._metrics.batch_recall_tokens
@@ -598,14 +602,39 @@ class BatchRunner:
                 tokens.labels(decision, "saving").inc(d.saving)
             if not d.replay:
                 continue
+            replayed = (0, 0)  # the replay's input and cached tokens
             for uid in d.chain:  # topological: each reads the one before from cache
                 async with self._slots:
                     out = await self._send(
                         batch.endpoint, warm_body(batch.endpoint, bodies[int(uid)]), who
                     )
+                replayed = (replayed[0] + out.usage.input, replayed[1] + out.usage.cached)
                 if not out.ok:  # a replay only helps: the siblings prefill what is missing
                     log.info("batch %s: replaying item %s failed (%s)", batch.id, uid, out.error)
                     break
+            entry["replayed"] = replayed
+
+    async def _recall_measured(self, bid: str) -> None:
+        """Each of the batch's recall decisions' measured cost, once its items have run:
+        the replay's input (uncached at the full price, cached at the read price) and the
+        saving its children read (their cached tokens at ``1 - r``: what they read, part of
+        which they may have read without the replay), in input-token equivalents like the
+        predicted ones."""
+        entries = [e for e in self.recall_decisions if e["batch"] == bid and "measured" not in e]
+        if not entries:
+            return
+        cached = await asyncio.to_thread(self._store.cached_tokens, bid)
+        for e in entries:
+            input_, read = e.pop("replayed", (0, 0))
+            replay_cost = (input_ - read) + read * READ_MULT
+            saving = sum(cached.get(int(c), 0) for c in e["children"]) * (1 - READ_MULT)
+            if e["decision"] == "fresh":
+                saving = 0.0  # nothing replayed: the children read what they read anyway
+            e["measured"] = {"replay_cost": round(replay_cost, 1), "saving": round(saving, 1)}
+            if self._metrics is not None:
+                tokens = self._metrics.batch_recall_tokens
+                tokens.labels(e["decision"], "replay_cost_measured").inc(replay_cost)
+                tokens.labels(e["decision"], "saving_measured").inc(saving)
 
     async def _pin(
         self, bid: str, endpoint: str, body: dict[str, object], key: tuple[int, int], who: Principal

@@ -475,6 +475,15 @@ class BatchStore:
                 )
         return ids
 
+    def cached_tokens(self, batch_id: str) -> dict[int, int]:
+        """Each settled item's cached prompt tokens, by index."""
+        rows = self._all(
+            "SELECT idx, cached_tokens FROM batch_items WHERE batch_id = ? "
+            "AND state IN ('done', 'error')",
+            (batch_id,),
+        )
+        return {int(r[0]): int(r[1]) for r in rows}
+
     def abandon(self) -> int:
         """Items a dead owner left running in a cancelled batch are canceled once their
         lease has run out (no runner takes an item of a batch no longer in progress, so

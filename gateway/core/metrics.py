@@ -326,8 +326,10 @@ class Metrics:
         )
         self.batch_recall_tokens = Counter(
             "vcache_batch_recall_tokens",
-            "Recall decisions' predicted cost (replay_cost: P*r) and saving (k*u*(1-r)), in "
-            "input-token equivalents",
+            "Recall decisions' predicted cost (replay_cost: P*r) and saving (k*u*(1-r)), and "
+            "once their batch's items ran the measured ones (replay_cost_measured: the replay's "
+            "uncached input plus its cached at r; saving_measured: the children's cached tokens "
+            "at 1-r), in input-token equivalents",
             ["decision", "kind"],
             registry=r,
         )

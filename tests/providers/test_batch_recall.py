@@ -61,6 +61,16 @@ def test_a_resumed_batchs_cold_parent_is_replayed_once_for_its_children(
     assert len(sent) == 4  # the replay, then the three children
     assert sent[0]["size"] < min(r["size"] for r in sent[1:])  # the parent's prompt first
     assert 'vcache_batch_recall_total{decision="replay"} 1.0' in metrics
+    # the measured cost: the replay bought the parent's prompt, the children read
+    measured = {
+        kind: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith('vcache_batch_recall_tokens_total{decision="replay"')
+        for kind in ("replay_cost", "saving", "replay_cost_measured", "saving_measured")
+        if f'kind="{kind}"' in line
+    }
+    print(f"\nrecall measured: {measured}")
+    assert measured["replay_cost_measured"] > 1000 and measured["saving_measured"] > 3000
     cached = {
         a["custom_id"]: a["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
         for a in answers

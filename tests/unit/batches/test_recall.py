@@ -121,6 +121,12 @@ def test_with_the_gate_forced_on_the_chain_is_replayed_first(
     assert (d["batch"], d["parent"], d["siblings"], d["decision"]) == (bid, "0", 2, "replay")
     row = store.batch(bid)
     assert row is not None and row.counts.done == 3  # the replay is no item's answer
+    # measured once the items ran: the replay's 10 uncached input tokens, the children
+    # read nothing (the recorder's usage)
+    assert d["children"] == ["1", "2"]
+    assert d["measured"] == {"replay_cost": 10.0, "saving": 0.0}
+    measured = {"decision": "replay", "kind": "replay_cost_measured"}
+    assert sample("vcache_batch_recall_tokens_total", measured) == 10.0
 
 
 def test_with_the_gate_refusing_the_children_prefill_fresh(
