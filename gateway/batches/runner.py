@@ -4,12 +4,12 @@ order through the service path.
 Each pass (every ``poll_s``, or at once when woken: a batch created or cancelled)
 expires what outlived its window, cancels the items a dead gateway left running in a
 cancelled batch once their leases have run out, and takes every batch in progress
-(or cancelling) that it is not already running.  For a batch it builds the prefix DAG of its items
-(:mod:`gateway.batches.plan`) and walks :meth:`PrefixDag.order`: depth first, so an
-anchor's siblings go together, and each item waits until the item it is ``after``
-(the one that computes the deepest prefix it shares) has begun its answer (its
-first token: a chat completion's lead is sent through the streaming path for that)
-or ended, before it is sent, so its siblings read that prefix from cache
+(or cancelling) that it is not already running.  For a batch it builds the prefix
+DAG of its items (:mod:`gateway.batches.plan`) and walks :meth:`PrefixDag.order`:
+depth first, so an anchor's siblings go together, and each item waits until the item
+it is ``after`` (the one that computes the deepest prefix it shares) has begun its
+answer (its first token: a chat completion's lead is sent through the streaming path
+for that) or ended, before it is sent, so its siblings read that prefix from cache
 (send-one-then-fan, shared/seeds/001 §8).  At most ``concurrency`` items run at once
 over all batches; each goes through the :class:`Sender` (the service path, at the
 ``batch`` priority); an item refused for load (429, 503: the queue full for batch
@@ -48,7 +48,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
-from gateway.batches.cost import READ_MULT, bought, measured
+from gateway.batches.cost import READ_MULT, billed, bought, measured
 from gateway.batches.output_files import output_files
 from gateway.batches.pins import AnchorPins, Receipt
 from gateway.batches.plan import leads_first, units
@@ -600,40 +600,43 @@ class BatchRunner:
                 tokens = self._metrics.batch_recall_tokens
                 tokens.labels(decision, "replay_cost").inc(d.replay_cost)
                 tokens.labels(decision, "saving").inc(d.saving)
-            if not d.replay:
-                continue
-            replayed = (0, 0)  # the replay's input and cached tokens
-            for uid in d.chain:  # topological: each reads the one before from cache
-                async with self._slots:
-                    out = await self._send(
-                        batch.endpoint, warm_body(batch.endpoint, bodies[int(uid)]), who
-                    )
-                replayed = (replayed[0] + out.usage.input, replayed[1] + out.usage.cached)
-                if not out.ok:  # a replay only helps: the siblings prefill what is missing
-                    log.info("batch %s: replaying item %s failed (%s)", batch.id, uid, out.error)
-                    break
-            entry["replayed"] = replayed
+            spent = 0.0  # the replay as billed
+            if d.replay:
+                for uid in d.chain:  # topological: each reads the one before from cache
+                    async with self._slots:
+                        out = await self._send(
+                            batch.endpoint, warm_body(batch.endpoint, bodies[int(uid)]), who
+                        )
+                    spent += billed(out.usage)
+                    if not out.ok:  # a replay only helps: the siblings prefill what is missing
+                        log.info(
+                            "batch %s: replaying item %s failed (%s)", batch.id, uid, out.error
+                        )
+                        break
+            entry["measured"] = {"replay_cost": round(spent, 1)}
+            if self._metrics is not None:
+                tokens = self._metrics.batch_recall_tokens
+                tokens.labels(decision, "replay_cost_measured").inc(spent)
 
     async def _recall_measured(self, bid: str) -> None:
-        """Each of the batch's recall decisions' measured cost, once its items have run:
-        the replay's input (uncached at the full price, cached at the read price) and the
-        saving its children read (their cached tokens at ``1 - r``: what they read, part of
-        which they may have read without the replay), in input-token equivalents like the
-        predicted ones."""
-        entries = [e for e in self.recall_decisions if e["batch"] == bid and "measured" not in e]
+        """The measured saving of each of the batch's recall decisions, once its items
+        have run: what the children of a replay read from cache (their cached tokens at
+        ``1 - r``, part of which they may have read without the replay; nothing for a
+        decision to prefill fresh), in input-token equivalents like the predicted one.
+        The replay's own measured cost is its usage as billed, kept as it is sent."""
+        entries = [
+            e for e in self.recall_decisions if e["batch"] == bid and "saving" not in e["measured"]
+        ]
         if not entries:
             return
         cached = await asyncio.to_thread(self._store.cached_tokens, bid)
         for e in entries:
-            input_, read = e.pop("replayed", (0, 0))
-            replay_cost = (input_ - read) + read * READ_MULT
-            saving = sum(cached.get(int(c), 0) for c in e["children"]) * (1 - READ_MULT)
-            if e["decision"] == "fresh":
-                saving = 0.0  # nothing replayed: the children read what they read anyway
-            e["measured"] = {"replay_cost": round(replay_cost, 1), "saving": round(saving, 1)}
+            replayed = e["decision"] == "replay"
+            read = sum(cached.get(int(c), 0) for c in e["children"]) if replayed else 0
+            saving = read * (1 - READ_MULT)
+            e["measured"]["saving"] = round(saving, 1)
             if self._metrics is not None:
                 tokens = self._metrics.batch_recall_tokens
-                tokens.labels(e["decision"], "replay_cost_measured").inc(replay_cost)
                 tokens.labels(e["decision"], "saving_measured").inc(saving)
 
     async def _pin(
