@@ -16,9 +16,9 @@ bench's prompts (6 system prompts of 1,000 tokens and a fresh 130-token question
 block size 128), the index holding 20,000 other blocks.
 
 CPU time (``time.process_time``) per event, batch and request; best of
-``--repeat`` runs.
+``--repeat`` runs.  Prints two tables and writes their rows as JSON to ``--out``.
 
-    .venv/bin/python -m scripts.bench_kv_events
+    .venv/bin/python -m loadtests.bench_kv_events [--out bench-kv-events.json]
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import random
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -89,7 +91,8 @@ def _payloads(
     return out, events
 
 
-def fold(per_step: int, new_blocks: int, removals: int, steps: int, repeat: int) -> str:
+def fold(per_step: int, new_blocks: int, removals: int, steps: int, repeat: int) -> dict[str, Any]:
+    """One folding shape's best-of-``repeat`` CPU: its row."""
     rng = random.Random(0)
     payloads, events = _payloads(rng, per_step, new_blocks, removals, steps)
     best = float("inf")
@@ -103,10 +106,15 @@ def fold(per_step: int, new_blocks: int, removals: int, steps: int, repeat: int)
         best = min(best, time.process_time() - t0)
         kv.index.check_integrity()
     requests = per_step * steps
-    return (
-        f"| {per_step} | {new_blocks} + 1 | {removals} | {events / requests:.0f} "
-        f"| {best / events * 1e6:.1f} | {best / steps * 1e6:.1f} | {best / requests * 1e6:.1f} |"
-    )
+    return {
+        "requests_a_step": per_step,
+        "blocks_stored_a_request": new_blocks + 1,
+        "removals_a_request": removals,
+        "events_a_request": events / requests,
+        "us_an_event": best / events * 1e6,
+        "us_a_batch": best / steps * 1e6,
+        "us_a_request": best / requests * 1e6,
+    }
 
 
 class _Engine:
@@ -174,7 +182,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000, help="batches per folding shape")
     ap.add_argument("--requests", type=int, default=2000, help="routed requests per arm")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("bench-kv-events.json"))
     a = ap.parse_args()
+    folds: list[dict[str, Any]] = []
+    routes: list[dict[str, Any]] = []
     print(
         "| requests a step | blocks stored a request | removals | events a request "
         "| µs an event | µs a batch | µs a request |"
@@ -182,13 +193,24 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for per_step in (1, 8):
         for new_blocks, removals in ((5, 6), (1, 2)):
-            print(fold(per_step, new_blocks, removals, a.steps, a.repeat), flush=True)
+            r = fold(per_step, new_blocks, removals, a.steps, a.repeat)
+            folds.append(r)
+            print(
+                f"| {per_step} | {new_blocks} + 1 | {removals} | {r['events_a_request']:.0f} "
+                f"| {r['us_an_event']:.1f} | {r['us_a_batch']:.1f} | {r['us_a_request']:.1f} |",
+                flush=True,
+            )
     print()
     print("| hold | route µs a request (CPU) |")
     print("|---|---|")
     for share in (0.25, 0.0):
         best = min(asyncio.run(_route(share, a.requests)) for _ in range(a.repeat))
+        routes.append({"hold_max_share": share, "route_us_a_request": best * 1e6})
         print(f"| {'on (0.25)' if share else 'off'} | {best * 1e6:.1f} |", flush=True)
+    a.out.write_text(
+        json.dumps({"fold": folds, "route": routes, "args": vars(a)}, default=str, indent=2)
+    )
+    print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":
