@@ -36,12 +36,25 @@ def sent_to_engine(g: GenerateRequest, rendered: Mapping[str, Any]) -> Sent:
     directives that rebuild them: the salt, the resolved sampling and ``rendered`` (how
     the prompt became its ids: a chat's ``template``, a text's ``prompt``); the adapter
     it runs under is in the payload, as its header snapshot keeps it."""
-    sampling = dataclasses.asdict(g.sampling)
+    sampling = sampling_record(g.sampling)
     images = [hashlib.sha256(im.data).hexdigest() for im in g.images]
     uuids = [im.uuid for im in g.images]
     body = vllm_payload(g.prompt_token_ids, g.cache_salt, sampling, images, g.lora, uuids)
     directives = {"cache_salt": g.cache_salt, "sampling": sampling, **rendered}
     return Sent(g.request_id, LOCAL_TARGET, "vllm", directives, body)
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingOptions))
+
+
+def sampling_record(s: SamplingOptions) -> dict[str, Any]:
+    """``dataclasses.asdict(s)``, equal to it, in a few µs instead of ~80: every field is
+    a scalar or a tuple of them (kept as they are: immutable, as asdict's copies are),
+    the structured-output constraint a dataclass of them (its dict, when there is one)."""
+    out = {name: getattr(s, name) for name in _SAMPLING_FIELDS}
+    if s.structured is not None:
+        out["structured"] = dataclasses.asdict(s.structured)
+    return out
 
 
 def vocab_size(engine: Engine) -> int:
