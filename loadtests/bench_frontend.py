@@ -110,6 +110,9 @@ ARMS: dict[str, dict[str, str]] = {
     # no hold of a routed request's predicted blocks in its engine (a call to the engine
     # core a request before it is sent); predictions are then approximate
     "no-hold": {"VCACHE_CACHE__HOLD_MAX_SHARE": "0"},
+    # no touch of a routed request's predicted blocks before it is sent (another call to
+    # the engine core a warm request, and a turn of the loop)
+    "no-refresh": {"VCACHE_CACHE__REFRESH_PREDICTED": "false"},
     "fcfs": {"VCACHE_ENGINE__SCHEDULING_POLICY": "fcfs"},
     # every scheduler change off: what vLLM alone would schedule
     "plain-scheduler": {
