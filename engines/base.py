@@ -215,6 +215,9 @@ class EngineStats:
     # image requests a remote replica expanded to other token ids than the gateway's
     # (their predictions may be wrong), cumulative
     image_expansion_mismatches: int = 0
+    # a running request's gap between two tokens as the engine core makes them (a moving
+    # average over its steps), in seconds; None: not measured (a remote replica, a fake)
+    token_gap_s: float | None = None
 
 
 class Engine(Protocol):

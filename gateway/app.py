@@ -268,6 +268,7 @@ def local_chat(
         ceiling_finish=e.max_output_tokens_finish,
         adapters=build_adapters(settings, dispatcher.replica_set),
         vision=vision_renderer(settings),
+        output_interval_s=e.output_interval_ms / 1000,
     )
 
 

@@ -11,6 +11,12 @@ its own registry (``gateway/core/metrics.py``), never vLLM's, and vLLM's logger
 cost the frontend 17-20 µs an engine step and 13 µs a finished request (36-44
 and 32 under ``--workers``, whose multiprocess metrics write every update to a
 file) for metrics no one read.
+
+Each step's ``IterationStats`` holds the gaps between the tokens it made and each
+running request's token before (``inter_token_latencies_iter``): their mean, a
+moving average over steps, is the engine's pace per request now
+(``EngineStats.token_gap_s``), by which a streamed answer's outputs are coalesced
+(``gateway/local/coalesce.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +26,16 @@ from typing import Any
 
 from engines.base import EngineStats
 
+# the weight of a step's mean gap in the moving average: ~10 steps (~50 ms at 5 ms a
+# token, ~0.3 s at 30 ms) make the pace; one slow step (a long prefill beside the
+# decodes) moves it a tenth of the way
+GAP_WEIGHT = 0.1
+
 
 class CoreStats:
-    def __init__(self) -> None:
+    def __init__(self, gap_weight: float = GAP_WEIGHT) -> None:
         self.snapshot = EngineStats()
+        self._gap_weight = gap_weight
 
     def factory(self) -> Any:
         """A vLLM ``StatLoggerFactory`` whose logger writes into this object, in the
@@ -44,8 +56,8 @@ class CoreStats:
                 mm_cache_stats: Any = None,
                 engine_idx: int = 0,
             ) -> None:
-                if scheduler_stats is not None:
-                    sink.record(scheduler_stats)
+                if scheduler_stats is not None or iteration_stats is not None:
+                    sink.record(scheduler_stats, iteration_stats)
 
             def record_admission_rejection(self, reason: str) -> None:
                 pass
@@ -61,8 +73,18 @@ class CoreStats:
 
         return _Logger
 
-    def record(self, stats: Any) -> None:
+    def record(self, stats: Any, iteration: Any = None) -> None:
+        """Fold one engine step: the scheduler's ``stats`` (gauges and totals) and the
+        step's ``iteration`` stats (its inter-token gaps); either may be None."""
         s = self.snapshot
+        gap = s.token_gap_s
+        if iteration is not None and (gaps := iteration.inter_token_latencies_iter):
+            step = sum(gaps) / len(gaps)
+            gap = step if gap is None else gap + self._gap_weight * (step - gap)
+        if stats is None:
+            if gap != s.token_gap_s:
+                self.snapshot = replace(s, token_gap_s=gap)
+            return
         pc = stats.prefix_cache_stats
         self.snapshot = replace(
             s,
@@ -71,4 +93,5 @@ class CoreStats:
             kv_cache_usage=float(stats.kv_cache_usage),
             prefix_cache_queries=s.prefix_cache_queries + (int(pc.queries) if pc else 0),
             prefix_cache_hits=s.prefix_cache_hits + (int(pc.hits) if pc else 0),
+            token_gap_s=gap,
         )

@@ -99,8 +99,12 @@ class EngineSettings(BaseModel):
     # a streamed answer's outputs are read from an embedded engine at most once per this
     # many milliseconds: the tokens it made meanwhile (vLLM merges them) go out as one
     # piece, one SSE event.  Below what a reader sees; the gateway's work per token falls
-    # with the tokens an event carries (docs/benchmarks.md).  0: each step's output as it
-    # comes.  Answers sent whole are coalesced by the engine whatever this is
+    # with the tokens an event carries (docs/benchmarks.md).  Where the serving replicas
+    # make 2 or more tokens a request in it, vLLM is asked for one output every that many
+    # tokens (its stream_interval; the first at once): its output processor, in the
+    # gateway's process, builds one an interval, not one a step.  0: each step's output
+    # as it comes, none coalesced.  Answers sent whole are coalesced by the engine
+    # whatever this is
     output_interval_ms: float = Field(20.0, ge=0, le=1000)
     # vLLM's --trust-request-chat-template: a request may bring its own chat_template
     trust_request_chat_template: bool = False

@@ -16,6 +16,7 @@ from gateway.core.errors import InvalidRequest
 from gateway.core.schemas import SamplingFields
 from gateway.core.target import Sent
 from gateway.core.types import ENGINE_PRIORITY, Principal, request_salt
+from gateway.local.coalesce import Pace
 from gateway.sessions.render import vllm_payload
 
 
@@ -101,9 +102,11 @@ def generate_request(
     structured: Structured | None = None,
     top_k: int | None = None,
     prompt_logprobs: int | None = None,
+    pace: Pace | None = None,
 ) -> GenerateRequest:
     """``ids`` and the request's sampling fields as the engine's request; a prompt or an
-    output limit that does not fit the context is a 400 naming ``params`` (prompt, limit)."""
+    output limit that does not fit the context is a 400 naming ``params`` (prompt, limit).
+    ``pace``: the engine's, by which a streamed answer's outputs are coalesced (None: not)."""
     prompt_param, limit_param = params
     max_len = room.max_len
     if len(ids) >= max_len:
@@ -170,8 +173,14 @@ def generate_request(
         bad_words=tuple(req.bad_words or ()),
         allowed_token_ids=tuple(allowed) if allowed is not None else None,
         # an answer sent whole needs no output per step: the engine sends the first
-        # token (the prefill is done) and the last, and nothing relays the rest one by one
-        stream_interval=None if req.stream else max(max_tokens, 1),
+        # token (the prefill is done) and the last, and nothing relays the rest one by
+        # one; a streamed one, one every so many tokens where the engine makes several
+        # an output interval (gateway/local/coalesce.py)
+        stream_interval=(
+            (pace.every(max_tokens) if pace is not None else None)
+            if req.stream
+            else max(max_tokens, 1)
+        ),
     )
     return GenerateRequest(
         request_id=rid,

@@ -49,6 +49,7 @@ from gateway.core.types import (
     request_salt,
 )
 from gateway.local.adapters import Adapters
+from gateway.local.coalesce import Pace, slowest
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals
 from gateway.local.governor import LocalGovernor
 from gateway.local.pauses import Paused, SessionTurns
@@ -131,6 +132,7 @@ class LocalChat:
         adapters: Adapters | None = None,
         vision: VisionRenderer | None = None,
         render_inline_chars: int = 0,
+        output_interval_s: float = 0.0,
     ) -> None:
         """``turns``: agent sessions (the replica of the last turn, KV leased across
         tool-call pauses; the dispatcher makes room with the same one); ``leases``: the KV
@@ -138,7 +140,10 @@ class LocalChat:
         ``adapters``: the LoRA adapters served as models (None: none); ``vision``: the
         image prompts' renderer when the model is a vision-language model (None: it
         reads text only); ``render_inline_chars``: a render that tokenizes at most this
-        many characters afresh runs on the loop (the render thread idle)."""
+        many characters afresh runs on the loop (the render thread idle);
+        ``output_interval_s``: a streamed answer's outputs are read at most this often
+        (``engine.output_interval_ms``), and asked of vLLM every so many tokens where
+        the serving replicas make several in it (0: never)."""
         self.dispatcher = dispatcher
         self.vision = vision
         self.adapters = adapters
@@ -154,6 +159,7 @@ class LocalChat:
         self._parser: tuple[ChatTokenizer, ToolCallParser] | None = None
         # templates and tokenizers run off the event loop, a short render on it
         self._prompts = Prompts(render_inline_chars)
+        self.output_interval_s = output_interval_s
 
     @property
     def engine(self) -> Engine:
@@ -574,11 +580,29 @@ class LocalChat:
         room = Room(
             self.engine.capabilities.max_model_len, self._vocab(), clamp, self.max_output_tokens
         )
+        pace = self.pace() if req.stream and self.output_interval_s > 0 else None
         greq = generate_request(
-            rid, ids, req, limit, params, who, room, logprobs, structured, top_k, prompt_logprobs
+            rid,
+            ids,
+            req,
+            limit,
+            params,
+            who,
+            room,
+            logprobs,
+            structured,
+            top_k,
+            prompt_logprobs,
+            pace,
         )
         lora = self.adapter(req.model)  # the adapter the model names runs on the base model
         return greq if lora is None else dataclasses.replace(greq, lora=lora)
+
+    def pace(self) -> Pace:
+        """The serving replicas' pace now: the slowest one's gap between tokens (the
+        fewest tokens an interval: a streamed answer may be routed to any of them)."""
+        gap = slowest(r.engine.stats().token_gap_s for r in self.dispatcher.serving())
+        return Pace(gap, self.output_interval_s)
 
 
 def _session_key(call: Call) -> str | None:
