@@ -735,3 +735,43 @@ def test_a_batch_cancelled_while_its_gateway_was_down_cancels_the_providers_batc
     row = store.batch(bid)
     assert row is not None and row.status == "cancelled"
     assert (row.counts.done, row.counts.canceled) == (1, 4)
+
+
+def test_the_batch_is_parsed_and_planned_off_the_event_loop(
+    store: BatchStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of 10,000 items holds the loop a quarter of a second and more while its
+    bodies are parsed and its DAG built: interactive requests come first, so neither
+    runs on the loop's thread."""
+    import threading
+
+    import gateway.batches.runner as runner_module
+
+    bid = _create(store)
+    threads: dict[str, threading.Thread] = {}
+    parse, plan = runner_module._bodies, runner_module._plan
+
+    def parsed(items: Any) -> Any:
+        threads["parse"] = threading.current_thread()
+        return parse(items)
+
+    def planned(endpoint: str, bodies: Any) -> Any:
+        threads["plan"] = threading.current_thread()
+        return plan(endpoint, bodies)
+
+    monkeypatch.setattr(runner_module, "_bodies", parsed)
+    monkeypatch.setattr(runner_module, "_plan", planned)
+    sender = Sender()
+
+    async def main() -> threading.Thread:
+        runner = BatchRunner(store, sender, concurrency=1, poll_s=0.01)
+        task = asyncio.create_task(runner.run())
+        await until(lambda: _ended(store, bid), "the batch ended")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(main())
+    assert sender.sent == ["a1", "a2", "a3", "b1", "b2"]  # the same DAG order
+    assert set(threads) == {"parse", "plan"}
+    assert loop_thread not in threads.values()
