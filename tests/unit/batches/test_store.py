@@ -292,3 +292,44 @@ def test_a_dead_owners_item_in_a_cancelled_batch_is_canceled_once_its_lease_runs
     row = store.batch(bid)
     assert row is not None and row.status == "cancelled"
     assert (row.counts.done, row.counts.canceled) == (1, 3)
+
+
+TOTALS = (
+    "SELECT COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
+    "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(bought_tokens), 0) "
+    "FROM batch_items WHERE batch_id = ?"
+)
+
+
+def test_a_batchs_counts_and_totals_are_read_from_an_index_not_its_items_rows(
+    tmp_path: Path,
+) -> None:
+    """A GET of a batch (polled by the SDKs) counts its items by state and sums their
+    tokens: both from a covering index, whatever the bodies weigh; a store made before
+    that index (with the older one on (batch_id, state)) gets it on open."""
+    path = tmp_path / "old.db"
+    old = BatchStore(path)
+    bid = _batch(old)
+    old.close()
+    with sqlite3.connect(path) as db:
+        db.execute("DROP INDEX batch_items_totals")
+        db.execute("CREATE INDEX batch_items_by_state ON batch_items(batch_id, state)")
+    store = BatchStore(path)
+    try:
+        assert store.claim(bid, 0, "a", 30)
+        row = store.batch(bid)
+        assert row is not None and (row.counts.total, row.counts.running) == (3, 1)
+    finally:
+        store.close()
+    with sqlite3.connect(path) as db:
+        indexes = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+        plans = [
+            " ".join(str(c) for c in r)
+            for q in (
+                TOTALS,
+                "SELECT state, COUNT(*) FROM batch_items WHERE batch_id = ? GROUP BY state",
+            )
+            for r in db.execute(f"EXPLAIN QUERY PLAN {q}", (bid,))
+        ]
+    assert "batch_items_totals" in indexes and "batch_items_by_state" not in indexes
+    assert all("COVERING INDEX batch_items_totals" in p for p in plans), plans
