@@ -128,9 +128,15 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
         {"loadtests.bench_render"},
         "the render benchmark measures the render thread itself, in process",
     ),
-    "manifest.hashing": ({"loadtests.bench_manifest"}, "the manifest benchmark, in process"),
+    "manifest.hashing": (
+        {"loadtests.bench_manifest", "loadtests.bench_kv_events"},
+        "the manifest benchmark, in process; the KV-event benchmark's prompts' block hashes",
+    ),
     "manifest.identity": ({"loadtests.bench_manifest"}, "the manifest benchmark, in process"),
-    "manifest.index": ({"loadtests.bench_manifest"}, "the manifest benchmark, in process"),
+    "manifest.index": (
+        {"loadtests.bench_manifest", "loadtests.bench_kv_events"},
+        "the manifest benchmark, in process; the KV-event benchmark folds into the index",
+    ),
     "manifest.records": ({"loadtests.bench_manifest"}, "the manifest benchmark, in process"),
     "gateway.batches.plan": (
         {"loadtests.batch_workload"},
@@ -159,6 +165,18 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
         {"loadtests.batch_workload", "loadtests.batch_local"},
         "H(7,s)/H(V,s) beside the measured",
     ),
+    # the KV-event and routing micro-benchmark drives the subscriber's decode, the index's
+    # fold and Dispatcher.route in process (loadtests/bench_kv_events.py)
+    "engines.base": ({"loadtests.bench_kv_events"}, "the routed requests"),
+    "engines.vllm.kv_stream": ({"loadtests.bench_kv_events"}, "the events' decode and order"),
+    "gateway.core.metrics": ({"loadtests.bench_kv_events"}, "the dispatcher's metrics"),
+    "gateway.local.dispatch": ({"loadtests.bench_kv_events"}, "Dispatcher.route, measured"),
+    "gateway.local.kv_sync": ({"loadtests.bench_kv_events"}, "the fold of a replica's events"),
+    "gateway.local.leases": ({"loadtests.bench_kv_events"}, "the fold's lease book"),
+    "gateway.local.replica_set": ({"loadtests.bench_kv_events"}, "the routed replica set"),
+    "gateway.local.replicas": ({"loadtests.bench_kv_events"}, "the routed replica"),
+    "gateway.local.routing": ({"loadtests.bench_kv_events"}, "the router"),
+    "gateway.local.spans": ({"loadtests.bench_kv_events"}, "the spans the hold goes through"),
 }
 
 
