@@ -1,7 +1,11 @@
 """A typed client of the engine-core plugin's span control (``engines/vllm/plugin.py``).
 
 Any engine that runs core calls serves it: the embedded ``AsyncLLM``
-(utility calls) or a remote replica (its control endpoint).  This is the one
+(utility calls) or a remote replica (its control endpoint).  An engine that
+can send a core call ahead of its next request, on the one ordered channel to
+its core (:class:`OrderedCore`: the embedded engine), also takes a hold that
+way (:meth:`SpanControl.hold_soon`); a remote replica's control endpoint has
+no order with its requests.  This is the one
 error boundary of those calls: an :class:`~engines.errors.EngineError` passes
 as it is, anything else a core call raises (a dead core, a plugin's own
 failure, a reply of the wrong shape) becomes
@@ -11,15 +15,31 @@ of span control once, to a 503 with Retry-After or a fallback.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from engines.errors import EngineError, EngineUnavailable
 
 
 class CoreCaller(Protocol):
     async def call_core(self, method: str, *args: Any) -> Any: ...
+
+
+class OrderedCore(CoreCaller, Protocol):
+    """An engine that sends a core call now, ahead of the requests it sends after it,
+    on one ordered channel to a core that applies its inputs in order
+    (``VllmEngine.send_core``)."""
+
+    @property
+    def core_ordered(self) -> bool:
+        """Whether it can now (False: it cannot: its client sends otherwise, or it is
+        closed)."""
+        ...
+
+    def send_core(self, method: str, *args: Any) -> Awaitable[Any]:
+        """Send the call before returning; its reply to await."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -34,9 +54,43 @@ def _hashes(value: Any) -> tuple[bytes, ...]:
     return tuple(bytes(h) for h in value)
 
 
+def _held(res: Any) -> tuple[int, str]:
+    """A ``vcache_hold`` reply: (blocks held, why none were)."""
+    try:
+        return int(res["held"]), str(res["refused"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineUnavailable(f"engine core call vcache_hold answered {res!r}") from exc
+
+
+class HoldReply:
+    """A hold sent ahead of its request (:meth:`SpanControl.hold_soon`), its answer on
+    the way."""
+
+    __slots__ = ("_reply",)
+
+    def __init__(self, reply: Awaitable[Any]) -> None:
+        self._reply = reply
+
+    async def answer(self) -> tuple[int, str]:
+        """As :meth:`SpanControl.hold` answers (its errors too)."""
+        try:
+            res = await self._reply
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineUnavailable(f"engine core call vcache_hold failed: {exc}") from exc
+        return _held(res)
+
+
 class SpanControl:
     def __init__(self, engine: CoreCaller) -> None:
         self._engine = engine
+
+    @property
+    def ordered(self) -> bool:
+        """Whether :meth:`hold_soon` can send: the engine sends core calls ahead of its
+        requests, in order (:class:`OrderedCore`); a remote replica cannot."""
+        return getattr(self._engine, "core_ordered", False) is True
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -79,13 +133,27 @@ class SpanControl:
         """Hold the leading resident blocks of ``hashes`` for ``hold_id`` until
         :meth:`release` or ``ttl_s``: (how many leading blocks are held, why none were:
         ``""`` when held or none resident, ``"budget"``, ``"reserve"``, ``"duplicate"``)."""
-        res = await self._reply(
+        res = await self._call(
             "vcache_hold", hold_id, [bytes(h) for h in hashes], max_share, reserve, ttl_s
         )
+        return _held(res)
+
+    def hold_soon(
+        self, hold_id: str, hashes: Sequence[bytes], max_share: float, reserve: int, ttl_s: float
+    ) -> HoldReply:
+        """:meth:`hold`, sent now (before this returns) on the engine's ordered channel to
+        its core (only when :attr:`ordered`): a request the engine sends next is queued in
+        the core after the hold is taken, one engine step sooner than awaiting
+        :meth:`hold` first.  Its answer is :meth:`HoldReply.answer`.  Raises
+        :class:`EngineError` when it cannot be sent."""
+        engine = cast(OrderedCore, self._engine)
+        args = (hold_id, [bytes(h) for h in hashes], max_share, reserve, ttl_s)
         try:
-            return int(res["held"]), str(res["refused"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineUnavailable(f"engine core call vcache_hold answered {res!r}") from exc
+            return HoldReply(engine.send_core("vcache_hold", *args))
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineUnavailable(f"engine core call vcache_hold failed: {exc}") from exc
 
     async def release(self, hold_ids: Sequence[str]) -> int:
         """Let holds go; how many blocks nobody holds any more."""

@@ -11,6 +11,13 @@ end), and :meth:`Dispatcher.release` on every other path (the service loop's
 fallback).  Inside :meth:`Dispatcher.run`, what the send itself claims (the
 replica's in-flight count, a place in its fair gate, the room keeper) is given
 back in one ``finally``.
+
+A warm request's prediction is the answer to a hold on its blocks
+(:mod:`gateway.local.kv_holds`).  Routing awaits that answer, or, where the
+replica's engine sends core calls and requests in order and no running prefill
+overlaps the request (:meth:`Dispatcher._hold_goes_ahead`), the hold rides with
+the request: :meth:`Dispatcher.run` sends it right before the request and reads
+its answer, the prediction, before the first token is handed on.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from gateway.core.tracing import RequestTrace
 from gateway.core.types import RouteOverride
 from gateway.local.admission import Admission
 from gateway.local.fairness import Entry, FairGate, gates
-from gateway.local.kv_holds import Hold
+from gateway.local.kv_holds import Hold, HoldResult, PendingHold
 from gateway.local.preempt import Held, started
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.refresh import Refresh
@@ -81,9 +88,15 @@ class Totals:
         return Usage.of(self.prompt, self.completion, self.cached)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Dispatch:
-    """Where a request goes and what the manifest predicted it will find there."""
+    """Where a request goes and what the manifest predicted it will find there.
+
+    With a hold sent ahead of the request (``ahead``), the prediction is the index's
+    and ``approximate`` is ``"hold_pending"`` until :meth:`Dispatcher.run` reads the
+    hold's answer, before it hands on the first chunk: then both are the engine's, as
+    routing sets them after a hold it awaited.  Read after the first chunk (headers,
+    usage, the prediction's record), they are final."""
 
     replica: Replica = field(repr=False)
     replica_id: str
@@ -96,6 +109,8 @@ class Dispatch:
     # why the prediction may still be wrong ("": exact: its blocks held, or none to read
     # and no prefill of them running)
     approximate: str = ""
+    # the hold to send ahead of the request (Dispatcher.run), a claim this receipt gives back
+    ahead: PendingHold | None = field(default=None, compare=False, repr=False)
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-replica": self.replica_id}
@@ -263,7 +278,7 @@ class Dispatcher:
             )
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p: int | None = None
-        hold: Hold | None = None
+        hold: Hold | PendingHold | None = None
         approximate = ""
         if predicted is not None and exact and replica.id in predicted:
             if reads:
@@ -272,10 +287,12 @@ class Dispatcher:
                 )
             else:
                 p = 0
+        ahead = hold if isinstance(hold, PendingHold) else None
+        held = hold if isinstance(hold, Hold) else None
         # registered now, with no await before the caller holds it: a sibling routed next
         # waits for this prefill
-        prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)], hold)
-        return Dispatch(replica, replica.id, p, hashes, prefill, approximate)
+        prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)], held)
+        return Dispatch(replica, replica.id, p, hashes, prefill, approximate, ahead)
 
     async def _predict(
         self,
@@ -284,7 +301,7 @@ class Dispatcher:
         hashes: Sequence[BlockHash],
         predicted: Mapping[LocationId, int],
         running: bool,
-    ) -> tuple[int, Hold | None, str]:
+    ) -> tuple[int, Hold | PendingHold | None, str]:
         """``greq``'s prediction on ``replica`` from the facts vLLM will schedule it on: the
         leading blocks its engine holds for it (:meth:`_hold`), and the prefills routed
         there before it, which vLLM schedules first.  One of those that stores more of its
@@ -293,13 +310,18 @@ class Dispatcher:
         store) would be read too: the hold is given back, the request waits for that
         prefill's first token and is predicted and held again.  With no await between
         the last look at the running prefills and the caller's registration, a sibling
-        routed after it finds it registered.  (prediction, hold, why approximate or "")."""
+        routed after it finds it registered.  Where the hold can go ahead of the request
+        (:meth:`_hold_goes_ahead`), nothing is awaited: the prediction is the index's
+        until :meth:`run` reads the hold's answer.  (prediction, hold, why approximate
+        or "")."""
         assert self.kv is not None
         bs = self.kv.block_size
         blocks = hashes[: self._cap(greq)]
         joins = 0
         while True:
             p = predicted.get(replica.id, 0)
+            if self._hold_goes_ahead(replica, blocks, p, running):
+                return p, self._hold_ahead(replica, blocks), "hold_pending"
             p, hold, approximate = await self._hold(greq, replica, hashes, p)
             if running:
                 return p, hold, "prefill_in_flight"
@@ -312,6 +334,44 @@ class Dispatcher:
             if hold is not None:
                 hold.give()
             predicted, running = await self._join(greq, hashes, {replica.id: p}, replica.id, later)
+
+    def _hold_goes_ahead(
+        self, replica: Replica, blocks: Sequence[BlockHash], predicted: int, running: bool
+    ) -> bool:
+        """Whether the hold on ``blocks`` goes ahead of its request instead of being
+        awaited while routing: a warm prediction to hold, on an engine that sends core
+        calls and requests in order (the hold is taken before the request is queued: the
+        same guarantee, one engine step sooner), and no running prefill of these blocks
+        on ``replica``.  Then nothing routed before this request will store blocks it
+        reads: none was running when it looked, and it registers with no await after
+        that look, so a sibling routed after it finds it and waits for its first token.
+        Otherwise (a remote replica, a prefill to join or racing it, no holds) the hold
+        is awaited here as before."""
+        assert self.kv is not None
+        return (
+            self._hold_share > 0
+            and predicted > 0
+            and not running
+            and self.kv.holds.orders(replica.id)
+            and replica.id not in self.prefills.overlap(blocks)
+        )
+
+    def _hold_ahead(self, replica: Replica, blocks: Sequence[BlockHash]) -> PendingHold:
+        assert self.kv is not None
+        m = self._metrics
+        return self.kv.holds.ahead(
+            replica.id,
+            blocks,
+            self._hold_share,
+            self._reserve(replica),
+            self._hold_s,
+            lambda h, s: m.kv_hold_seconds.observe(s),
+        )
+
+    def _reserve(self, replica: Replica) -> int:
+        """The free blocks a hold must leave on ``replica``: its longest request's."""
+        bs = self.kv.block_size if self.kv is not None else 1
+        return -(-replica.engine.capabilities.max_model_len // bs)
 
     async def _hold(
         self, greq: GenerateRequest, replica: Replica, hashes: Sequence[BlockHash], predicted: int
@@ -327,29 +387,46 @@ class Dispatcher:
             return predicted, None, "no_hold"
         if predicted == 0:
             return 0, None, ""
-        bs = self.kv.block_size
-        reserve = -(-replica.engine.capabilities.max_model_len // bs)  # its longest request
         m = self._metrics
         res = await self.kv.holds.take(
             replica.id,
             hashes[: self._cap(greq)],
             self._hold_share,
-            reserve,
+            self._reserve(replica),
             self._hold_s,
             lambda h, s: m.kv_hold_seconds.observe(s),
         )
+        return self._held(replica.id, res, predicted)
+
+    def _held(
+        self, replica: LocationId, res: HoldResult, predicted: int
+    ) -> tuple[int, Hold | None, str]:
+        """A hold's answer, counted: (the prediction, the hold, why approximate or "")."""
+        assert self.kv is not None
+        m = self._metrics
         outcome = "held" if res.hold is not None else res.refused or "none"
-        m.kv_holds.labels(replica.id, outcome).inc()
+        m.kv_holds.labels(replica, outcome).inc()
         if res.blocks is None:
             return predicted, None, f"hold_{res.refused}"
-        m.kv_hold_blocks.labels(replica.id).inc(res.blocks)
-        return res.blocks * bs, res.hold, ""
+        m.kv_hold_blocks.labels(replica).inc(res.blocks)
+        return res.blocks * self.kv.block_size, res.hold, ""
+
+    async def _answered(self, d: Dispatch) -> None:
+        """The answer of the hold sent ahead of ``d``'s request: ``d``'s prediction from
+        now on (the engine's count, as :meth:`_hold` makes it)."""
+        assert d.ahead is not None
+        res = await d.ahead.result()
+        p, _, d.approximate = self._held(d.replica.id, res, d.predicted_cached_tokens or 0)
+        d.predicted_cached_tokens = p
 
     def release(self, d: Dispatch) -> None:
         """Give back what routing claimed for ``d`` (its prompt's registration as a
-        running prefill): a request whose send never ran makes nobody wait.  Idempotent:
-        after :meth:`run` gave it back at the first token, nothing is left."""
+        running prefill, the hold on its blocks, sent ahead or not): a request whose send
+        never ran makes nobody wait.  Idempotent: after :meth:`run` gave it back at the
+        first token, nothing is left."""
         self.prefills.finish(d.prefill)
+        if d.ahead is not None:
+            d.ahead.give()
 
     async def _with_room(
         self, ctx: RouteContext, serving: Sequence[Replica], blocks: int
@@ -454,6 +531,8 @@ class Dispatcher:
 
             def send() -> AsyncGenerator[GenerateChunk, None]:
                 stamps.send()
+                if d.ahead is not None:  # on the engine core's input right before the
+                    d.ahead.send()  # request (once: a request sent again is held already)
                 return d.replica.engine.generate(greq)
 
             def enter(g: FairGate) -> Awaitable[Entry]:
@@ -467,8 +546,10 @@ class Dispatcher:
                         last = time.perf_counter()
                         phases = stamps.phases(chunk.core_times, last)
                         ph = phases or {}
+                        if d.ahead is not None:  # answered before the request's outputs
+                            await self._answered(d)
                         self._first_output(d, chunk, endpoint, last - t0, greq.priority, ph)
-                        self.prefills.finish(d.prefill)
+                        self.release(d)
                         if keeper is not None:
                             keeper.cancel()
                         if gate is not None and held.entry is not None:
@@ -512,7 +593,7 @@ class Dispatcher:
         finally:
             if counted:
                 d.replica.inflight -= 1
-            self.prefills.finish(d.prefill)
+            self.release(d)
             if keeper is not None:
                 keeper.cancel()
             if gate is not None and held.entry is not None:
