@@ -57,9 +57,9 @@ def slowest(gaps: Iterable[float | None]) -> float | None:
     return out
 
 
-def per_token(sampling: SamplingOptions) -> bool:
+def streamed(sampling: SamplingOptions) -> bool:
     """Whether the answer's outputs are relayed as they come (a streamed answer, each
-    output one token or the ``stream_interval`` coalesced), not only its first and last
-    (an answer sent whole: ``stream_interval`` covers its ``max_tokens``)."""
+    output one token or ``stream_interval`` of them), not only its first and last (an
+    answer sent whole: its ``stream_interval`` covers its ``max_tokens``)."""
     every = sampling.stream_interval
     return every is None or every < sampling.max_tokens

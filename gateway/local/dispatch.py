@@ -40,6 +40,7 @@ from gateway.core.outputs import Usage
 from gateway.core.tracing import RequestTrace
 from gateway.core.types import RouteOverride
 from gateway.local.admission import Admission
+from gateway.local.coalesce import streamed
 from gateway.local.fairness import Entry, FairGate, gates
 from gateway.local.kv_holds import Hold, HoldResult, PendingHold
 from gateway.local.preempt import Held, started
@@ -566,8 +567,9 @@ class Dispatcher:
                             trace.begin("generate")
                         yield chunk
                         itl = m.inter_token.labels(self.model, "local", d.replica_id)
-                        # outputs come coalesced for an answer sent whole: no gap to time
-                        per_token = greq.sampling.stream_interval is None
+                        # an answer sent whole comes in its first output and its last: no
+                        # gap to time; a streamed one's outputs are, coalesced or not
+                        per_token = streamed(greq.sampling)
                         cached_known = chunk.num_cached_tokens is not None
                         async for chunk in stream:  # the per-token path: kept lean
                             n = len(chunk.token_ids)

@@ -127,3 +127,18 @@ def test_what_stays_as_it_was(
     with _gateway(engine, interval_ms) as http:
         _chat(http, stream=stream)
         assert engine.received[-1].sampling.stream_interval == want
+
+
+def test_a_coalesced_stream_still_times_its_tokens(tokenizer: ChatTokenizer) -> None:
+    """Inter-token latency is observed per output of a coalesced streamed answer (its
+    gap over its tokens), as for one read every interval; not for an answer sent whole."""
+    engine = Paced(tokenizer, gap_s=0.005)
+    itl = 'vcache_inter_token_latency_seconds_count{model="vcache-demo",'
+    itl += 'replica="replica-0",target="local"}'
+    with _gateway(engine) as http:
+        _chat(http, stream=False)
+        assert f"{itl} 0.0" in http.get("/metrics").text
+        _chat(http)
+        assert engine.received[-1].sampling.stream_interval == 4
+        # 12 tokens in outputs of 1, 4, 4 and 3: three gaps after the first
+        assert f"{itl} 3.0" in http.get("/metrics").text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engines.base import SamplingOptions
-from gateway.local.coalesce import Pace, per_token, slowest, stream_interval
+from gateway.local.coalesce import Pace, slowest, stream_interval, streamed
 
 CASES = [
     # gap (s), interval (s), max_tokens -> tokens per output
@@ -40,9 +40,9 @@ def test_the_slowest_replica_sets_the_pace_and_an_unknown_one_none() -> None:
     assert slowest([]) is None
 
 
-def test_an_answer_sent_whole_is_not_relayed_per_token() -> None:
-    assert per_token(SamplingOptions(max_tokens=32))  # streamed, each output as it comes
-    assert per_token(SamplingOptions(max_tokens=32, stream_interval=4))  # streamed, coalesced
-    assert not per_token(SamplingOptions(max_tokens=32, stream_interval=32))  # whole
-    assert not per_token(SamplingOptions(max_tokens=1, stream_interval=1))
-    assert not per_token(SamplingOptions(max_tokens=0, stream_interval=1))
+def test_an_answer_sent_whole_is_not_streamed() -> None:
+    assert streamed(SamplingOptions(max_tokens=32))  # streamed, each output as it comes
+    assert streamed(SamplingOptions(max_tokens=32, stream_interval=4))  # streamed, coalesced
+    assert not streamed(SamplingOptions(max_tokens=32, stream_interval=32))  # whole
+    assert not streamed(SamplingOptions(max_tokens=1, stream_interval=1))
+    assert not streamed(SamplingOptions(max_tokens=0, stream_interval=1))
