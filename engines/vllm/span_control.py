@@ -54,6 +54,17 @@ def _hashes(value: Any) -> tuple[bytes, ...]:
     return tuple(bytes(h) for h in value)
 
 
+async def _answered(method: str, reply: Awaitable[Any]) -> Any:
+    """A core call's reply, awaited through this module's one error boundary: an
+    :class:`EngineError` as it is, anything else as :class:`EngineUnavailable`."""
+    try:
+        return await reply
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise EngineUnavailable(f"engine core call {method} failed: {exc}") from exc
+
+
 def _held(res: Any) -> tuple[int, str]:
     """A ``vcache_hold`` reply: (blocks held, why none were)."""
     try:
@@ -73,13 +84,7 @@ class HoldReply:
 
     async def answer(self) -> tuple[int, str]:
         """As :meth:`SpanControl.hold` answers (its errors too)."""
-        try:
-            res = await self._reply
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise EngineUnavailable(f"engine core call vcache_hold failed: {exc}") from exc
-        return _held(res)
+        return _held(await _answered("vcache_hold", self._reply))
 
 
 class SpanControl:
@@ -93,12 +98,7 @@ class SpanControl:
         return getattr(self._engine, "core_ordered", False) is True
 
     async def _call(self, method: str, *args: Any) -> Any:
-        try:
-            return await self._engine.call_core(method, *args)
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise EngineUnavailable(f"engine core call {method} failed: {exc}") from exc
+        return await _answered(method, self._engine.call_core(method, *args))
 
     async def _reply(self, method: str, *args: Any) -> dict[str, Any]:
         res = await self._call(method, *args)
