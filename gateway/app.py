@@ -45,6 +45,7 @@ from gateway.core.tracing import Tracing
 from gateway.core.types import ENGINE_PRIORITY
 from gateway.core.version import version_info
 from gateway.grpc.server import GatewayServicer, GrpcServer
+from gateway.http.direct import DirectRoutes
 from gateway.http.errors import install_error_handlers
 from gateway.http.middleware import (
     UPLOAD_PATHS,
@@ -593,6 +594,8 @@ def create_app(
     routers = (health, models, chat, completions, responses, messages, cache, tokenize)
     for r in (m.router for m in (*routers, files, batches, message_batches, sagemaker)):
         app.include_router(r)
+    # innermost: the hot routes past FastAPI's router, inside the body limit and metrics
+    app.add_middleware(DirectRoutes, routes={("POST", "/v1/chat/completions"): chat.chat_direct})
     app.add_middleware(
         BodyLimitMiddleware,
         limit=settings.max_request_body_bytes,

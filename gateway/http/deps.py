@@ -4,18 +4,22 @@ pass."""
 
 from __future__ import annotations
 
+import email.message
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request, Response
-from pydantic import BaseModel
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from gateway.core.errors import InvalidRequest, PermissionDenied
 from gateway.core.types import Principal, RouteOverride
 from gateway.service.auth import require_principal
 from gateway.service.chat import GatewayService
+
+M = TypeVar("M", bound=BaseModel)
 
 
 async def json_object(request: Request) -> dict[str, Any]:
@@ -28,6 +32,55 @@ async def json_object(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object", code="invalid_value")
     return body
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's test (strict content type): ``application/json`` or ``application/*+json``."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
+
+
+async def body_value(request: Request) -> Any:
+    """The body as FastAPI reads a route's one body parameter, before its dependencies
+    (for :mod:`gateway.http.direct`'s routes): parsed JSON when the content type says so
+    (a decoding error raised now), else the bytes (which no model takes), None when
+    empty; :func:`validated_body` validates it after the dependencies."""
+    raw = await request.body()
+    if not raw:
+        return None
+    if not _is_json(request.headers.get("content-type")):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        error = {
+            "type": "json_invalid",
+            "loc": ("body", e.pos),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": e.msg},
+        }
+        raise RequestValidationError([error], body=e.doc) from e
+
+
+def validated_body(model: type[M], value: Any) -> M:
+    """``value`` (:func:`body_value`) as ``model``, validated as FastAPI validates a body
+    parameter; each error located under ``body``, raised as the
+    :class:`RequestValidationError` the app's handler renders."""
+    if value is None:
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise RequestValidationError([missing])
+    try:
+        return model.model_validate(value, from_attributes=True)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise RequestValidationError(errors, body=value) from exc
 
 
 async def service(request: Request) -> GatewayService:

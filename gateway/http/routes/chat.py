@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Request, Response
 
 from gateway.core.outputs import ChatCompletion
 from gateway.core.schemas import ChatCompletionRequest
-from gateway.http.deps import Caller, caller, json_object, session_header, whole
+from gateway.http.deps import (
+    Caller,
+    body_value,
+    caller,
+    json_object,
+    session_header,
+    validated_body,
+    whole,
+)
 from gateway.http.openapi import GENERATION, streamed
 from gateway.http.sse import open_stream
 from gateway.service.chat_batch import batch_requests, chat_batch
@@ -32,6 +40,17 @@ async def create_chat_completion(
         return await open_stream(routed.body, routed.headers())
     done = await call.svc.chat(body, call.who, call.route, session)
     return whole(done.body, done.headers())
+
+
+async def chat_direct(request: Request) -> Response:
+    """:func:`create_chat_completion` served by :mod:`gateway.http.direct`, in FastAPI's
+    order: the body read (not JSON: a 400 now), the caller and the session header, then
+    the body validated."""
+    value = await body_value(request)
+    call = await caller(request)
+    session = await session_header(request)
+    body = validated_body(ChatCompletionRequest, value)
+    return await create_chat_completion(body, call, session)
 
 
 @router.post("/chat/completions/batch", response_model=ChatCompletion, responses=GENERATION)
