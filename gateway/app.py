@@ -595,7 +595,13 @@ def create_app(
     for r in (m.router for m in (*routers, files, batches, message_batches, sagemaker)):
         app.include_router(r)
     # innermost: the hot routes past FastAPI's router, inside the body limit and metrics
-    app.add_middleware(DirectRoutes, routes={("POST", "/v1/chat/completions"): chat.chat_direct})
+    direct = {
+        ("POST", "/v1/chat/completions"): chat.chat_direct,
+        ("POST", "/v1/completions"): completions.completion_direct,
+        ("POST", "/v1/responses"): responses.response_direct,
+        ("POST", "/v1/messages"): messages.message_direct,
+    }
+    app.add_middleware(DirectRoutes, routes=direct)
     app.add_middleware(
         BodyLimitMiddleware,
         limit=settings.max_request_body_bytes,

@@ -21,7 +21,14 @@ from gateway.core.errors import APIError
 from gateway.core.messages_wire import CountTokensRequest, Message, MessagesRequest, TokenCount
 from gateway.core.types import Principal, RouteOverride
 from gateway.http import anthropic
-from gateway.http.deps import SESSION_ID, routing_override, service, session_header
+from gateway.http.deps import (
+    SESSION_ID,
+    body_value,
+    routing_override,
+    service,
+    session_header,
+    validated_body,
+)
 from gateway.http.openapi import anthropic_errors, streamed
 from gateway.http.sse import named_frame, open_stream
 from gateway.service.auth import require_anthropic_principal
@@ -102,6 +109,15 @@ async def create_message(body: MessagesRequest, call: Caller, request: Request) 
     done = await call.api.create(body, call.who, call.route, session)
     headers = {**anthropic_headers(done.headers()), **extra}
     return Response(done.body.model_dump_json(), media_type="application/json", headers=headers)
+
+
+async def message_direct(request: Request) -> Response:
+    """:func:`create_message` served by :mod:`gateway.http.direct`, in FastAPI's order: the
+    body read, the caller, then the body validated."""
+    value = await body_value(request)
+    call = await messages_caller(request)
+    body = validated_body(MessagesRequest, value)
+    return await create_message(body, call, request)
 
 
 @router.post(

@@ -14,7 +14,7 @@ from gateway.core.responses_wire import (
     ResponsesRequest,
 )
 from gateway.core.types import Principal
-from gateway.http.deps import SESSION_ID, session_header, whole
+from gateway.http.deps import SESSION_ID, body_value, session_header, validated_body, whole
 from gateway.http.openapi import GENERATION, errors, streamed
 from gateway.http.sse import named_frame, open_stream
 from gateway.service.auth import require_principal
@@ -61,6 +61,17 @@ async def create_response(
         return await open_stream(events, headers, named_frame, failed, done=None)
     done = await api.create(body, tools, who, session)
     return whole(done.body, {**done.served.headers(), **notes})
+
+
+async def response_direct(request: Request) -> Response:
+    """:func:`create_response` served by :mod:`gateway.http.direct`, in FastAPI's order:
+    the body read, the caller, the API, the session header, then the body validated."""
+    value = await body_value(request)
+    who = await require_principal(request)
+    api = await responses(request)
+    session = await session_header(request)
+    body = validated_body(ResponsesRequest, value)
+    return await create_response(body, who, api, session)
 
 
 @router.get(

@@ -1,6 +1,6 @@
-"""POST /v1/chat/completions served past FastAPI's router (gateway/http/direct.py) answers
-exactly as the FastAPI route it stands in for: the same errors in the same order, the
-same answers, the same request metrics."""
+"""The generation routes served past FastAPI's router (gateway/http/direct.py) answer
+exactly as the FastAPI routes they stand in for: the same errors in the same order (in
+each API's format), the same answers, the same request metrics."""
 
 from __future__ import annotations
 
@@ -49,15 +49,16 @@ def pair(demo_model: Path) -> Iterator[tuple[TestClient, TestClient]]:
         router = layer.app
 
         async def no_chat(scope: Scope, receive: Receive, send: Send) -> None:
-            assert (scope.get("method"), scope.get("path")) != ("POST", URL), "router reached"
+            direct = {("POST", p) for p in ROUTES}
+            assert (scope.get("method"), scope.get("path")) not in direct, "router reached"
             await router(scope, receive, send)
 
         layer.app = no_chat
         yield d, r
 
 
-def _both(pair: tuple[TestClient, TestClient], **kw: Any) -> tuple[Any, Any]:
-    d, r = (c.post(URL, **kw) for c in pair)
+def _both(pair: tuple[TestClient, TestClient], url: str = URL, **kw: Any) -> tuple[Any, Any]:
+    d, r = (c.post(url, **kw) for c in pair)
     assert d.status_code == r.status_code, (d.text, r.text)
     assert d.headers["content-type"] == r.headers["content-type"]
     return d, r
@@ -95,6 +96,51 @@ CASES: list[tuple[str, dict[str, Any], int]] = [
         403,
     ),
 ]
+
+
+def _same(error: dict[str, Any]) -> dict[str, Any]:
+    """An error body without its request id (the Messages API's: one a request)."""
+    assert isinstance(error.pop("request_id", ""), str)
+    return error
+
+
+# each direct route: a body it answers, and one missing a required field
+ROUTES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    URL: ({"messages": MESSAGES, "max_tokens": 4}, {"max_tokens": 4}),
+    "/v1/completions": ({"prompt": "Say", "max_tokens": 4}, {"max_tokens": 4}),
+    "/v1/responses": (
+        {"model": "vcache-demo", "input": "Say something.", "max_output_tokens": 16},
+        {"input": "Say something."},
+    ),
+    "/v1/messages": (
+        {"model": "vcache-demo", "messages": MESSAGES, "max_tokens": 4},
+        {"messages": MESSAGES},
+    ),
+}
+COMMON: list[tuple[str, dict[str, Any]]] = [
+    ("invalid JSON", {"content": b'{"model": ', "headers": JSON}),
+    ("empty body", {"content": b"", "headers": JSON}),
+    ("text/plain", {"content": b'{"prompt": "x"}', "headers": {"content-type": "text/plain"}}),
+    ("a JSON array", {"json": [1, 2]}),
+]
+
+
+@pytest.mark.parametrize("url", list(ROUTES))
+def test_each_routes_errors_and_answers_are_fastapis(
+    pair: tuple[TestClient, TestClient], url: str
+) -> None:
+    good, incomplete = ROUTES[url]
+    for case, kw in [
+        *COMMON,
+        ("a required field missing", {"json": incomplete}),
+        ("an unknown model", {"json": {**good, "model": "nope"}}),
+    ]:
+        d, r = _both(pair, url, **kw)
+        assert d.status_code >= 400, (url, case, d.text)
+        assert _same(d.json()) == _same(r.json()), (url, case)
+    d, r = _both(pair, url, json=good)
+    assert d.status_code == 200, d.text
+    assert d.json().keys() == r.json().keys()
 
 
 @pytest.mark.parametrize(("case", "kw", "status"), CASES, ids=[c[0] for c in CASES])
