@@ -99,16 +99,16 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
         "the sans-I/O SSE decoder parses the streams the users read off the network",
     ),
     "engines.tokenizer": (
-        {"loadtests.run", "loadtests.bench_render"},
+        {"loadtests.run", "loadtests.bench_render", "loadtests.bench_routes"},
         "the workloads are sized in the model's tokens (counted client-side); the render "
-        "benchmark tokenizes in process",
+        "benchmark tokenizes in process; the routes benchmark's gateways tokenize with it",
     ),
     "engines.vllm.demo_lora": (
         {"loadtests.lora_routing"},
         "builds the demo adapters the gateways it starts load from their resolver directory",
     ),
     "engines.vllm.demo_model": (
-        {"loadtests.bench_render", "loadtests.bench_workers"},
+        {"loadtests.bench_render", "loadtests.bench_workers", "loadtests.bench_routes"},
         "builds the demo model the processes they start load",
     ),
     "gateway.core.keys": (
@@ -117,8 +117,14 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
         "that reads it, so the key they send is one the gateway accepts",
     ),
     "gateway.core.config": (
-        {"loadtests.agent_sessions", "loadtests.routing_pressure", "loadtests.batch_local"},
-        "the vllm-router arm serves the model the gateway would (resolve_model(Settings()))",
+        {
+            "loadtests.agent_sessions",
+            "loadtests.routing_pressure",
+            "loadtests.batch_local",
+            "loadtests.bench_routes",
+        },
+        "the vllm-router arm serves the model the gateway would (resolve_model(Settings())); "
+        "the routes benchmark's in-process gateways are configured by it",
     ),
     "gateway.local.build": (
         {"loadtests.agent_sessions", "loadtests.routing_pressure", "loadtests.batch_local"},
@@ -177,6 +183,11 @@ LOADTESTS_REACH: dict[str, tuple[set[str], str]] = {
     "gateway.local.replicas": ({"loadtests.bench_kv_events"}, "the routed replica"),
     "gateway.local.routing": ({"loadtests.bench_kv_events"}, "the router"),
     "gateway.local.spans": ({"loadtests.bench_kv_events"}, "the spans the hold goes through"),
+    # the HTTP-layer micro-benchmark builds two gateways in process over the in-memory
+    # engine, one with the direct routes and one without (loadtests/bench_routes.py)
+    "gateway.app": ({"loadtests.bench_routes"}, "the gateways, built as the server builds them"),
+    "gateway.http.direct": ({"loadtests.bench_routes"}, "taken out of one of them"),
+    "engines.fake": ({"loadtests.bench_routes"}, "the in-memory engine they serve from"),
 }
 
 
