@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
@@ -49,8 +49,9 @@ def _is_json(content_type: str | None) -> bool:
 async def body_value(request: Request) -> Any:
     """The body as FastAPI reads a route's one body parameter, before its dependencies
     (for :mod:`gateway.http.direct`'s routes): parsed JSON when the content type says so
-    (a decoding error raised now), else the bytes (which no model takes), None when
-    empty; :func:`validated_body` validates it after the dependencies."""
+    (a decoding error raised now; any other failure to parse, such as bytes that are not
+    UTF-8 or nesting too deep, FastAPI's 400), else the bytes (which no model takes), None
+    when empty; :func:`validated_body` validates it after the dependencies."""
     raw = await request.body()
     if not raw:
         return None
@@ -67,6 +68,8 @@ async def body_value(request: Request) -> Any:
             "ctx": {"error": e.msg},
         }
         raise RequestValidationError([error], body=e.doc) from e
+    except Exception as e:
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
 
 
 def validated_body(model: type[M], value: Any) -> M:

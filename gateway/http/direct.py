@@ -16,8 +16,11 @@ endpoint are skipped, and it keeps what they did:
 - ``scope["route"]`` is the route FastAPI would have matched (the request metrics
   label by its path);
 - an exception the handler raises becomes the response the app's exception handler
-  for it makes (looked up by the exception's class hierarchy, as Starlette does): the
-  same error body in the API's format, the same status;
+  for it makes (looked up by the exception's class hierarchy, as Starlette's exception
+  middleware does): the same error body in the API's format, the same status; one
+  with no handler but the catch-all for ``Exception`` (a bug) is raised on, to the
+  server-error middleware outside, which answers 500 with that handler and raises it
+  to the server, as for any route;
 - a response is sent as FastAPI would send it (the same ``Response`` objects).
 """
 
@@ -56,7 +59,10 @@ class DirectRoutes:
         try:
             response = await handler(request)
         except Exception as exc:
-            response = await _error_handler(scope["app"], exc)(request, exc)
+            on_error = _error_handler(scope["app"], exc)
+            if on_error is None:
+                raise
+            response = await on_error(request, exc)
         await response(scope, receive, send)
 
     def _route(self, app: Any, key: tuple[str, str]) -> BaseRoute | None:
@@ -71,11 +77,14 @@ def _declares(route: BaseRoute, key: tuple[str, str]) -> bool:
     return getattr(route, "path", None) == path and method in (getattr(route, "methods", ()) or ())
 
 
-def _error_handler(app: Any, exc: Exception) -> ErrorHandler:
+def _error_handler(app: Any, exc: Exception) -> ErrorHandler | None:
     """The app's handler for ``exc``: the first of its classes, most specific first, that
-    has one (Starlette's lookup); the app always has one for ``Exception``."""
+    has one, the catch-all for ``Exception`` aside (Starlette's exception middleware's
+    lookup; the catch-all is the server-error middleware's)."""
     handlers: Mapping[Any, ErrorHandler] = app.exception_handlers
     for cls in type(exc).__mro__:
+        if cls is Exception:
+            return None
         if cls in handlers:
             return handlers[cls]
-    raise exc
+    return None

@@ -122,6 +122,8 @@ COMMON: list[tuple[str, dict[str, Any]]] = [
     ("empty body", {"content": b"", "headers": JSON}),
     ("text/plain", {"content": b'{"prompt": "x"}', "headers": {"content-type": "text/plain"}}),
     ("a JSON array", {"json": [1, 2]}),
+    ("not UTF-8", {"content": b'{"model": "\xff"}', "headers": JSON}),
+    ("nested too deep", {"content": b"[" * 100_000, "headers": JSON}),
 ]
 
 
@@ -182,3 +184,18 @@ def test_requests_are_counted_under_the_routes_path(pair: tuple[TestClient, Test
     metrics = d.get("/metrics").text
     assert 'vcache_requests_total{route="/v1/chat/completions",status="200"} 1.0' in metrics
     assert 'vcache_requests_total{route="/v1/chat/completions",status="400"} 1.0' in metrics
+
+
+def test_a_bug_is_raised_to_the_server_as_on_fastapis_route(
+    pair: tuple[TestClient, TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception no handler but the catch-all takes goes on to the server-error
+    middleware (its 500, then raised to the server: here, to the test client) on both."""
+
+    async def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    for client in pair:
+        monkeypatch.setattr(cast(FastAPI, client.app).state.service, "chat", broken)
+        with pytest.raises(RuntimeError, match="a bug"):
+            client.post(URL, json={"messages": MESSAGES, "max_tokens": 2})
