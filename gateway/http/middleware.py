@@ -81,7 +81,8 @@ class BodyLimitMiddleware:
         size = 0
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.chunk_timeout_s)
+                async with asyncio.timeout(self.chunk_timeout_s):  # no task a chunk
+                    message = await receive()
             except TimeoutError:
                 self.metrics.errors.labels(RequestTimeout.type).inc()
                 slow = RequestTimeout(
