@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck unit stores processes network integration config-docs bench bench-memory bench-render bench-proxy bench-workers bench-frontend fuzz loadtest loadtest-control loadtest-agents agents clean
+.PHONY: setup serve test lint typecheck unit stores processes network integration config-docs bench bench-memory bench-render bench-proxy bench-workers bench-frontend bench-routes fuzz loadtest loadtest-control loadtest-agents agents clean
 
 setup:
 	@bash scripts/setup.sh
@@ -57,6 +57,9 @@ bench-workers: setup
 
 bench-frontend: setup
 	$(BIN)/python -m loadtests.bench_frontend $(FRONTEND_ARGS)
+
+bench-routes: setup
+	$(BIN)/python -m loadtests.bench_routes $(ROUTES_ARGS)
 
 bench-proxy: setup
 	@bash scripts/litellm_venv.sh
