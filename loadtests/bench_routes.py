@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=50, help="per arm and load")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--loads", type=lambda s: s.split(","), default=list(LOADS))
-    ap.add_argument("--data-dir", default=".vcache-data", help="where the demo model is built")
+    ap.add_argument("--data-dir", default=".vcache-test-data", help="where the demo model is")
     ap.add_argument("--model", default=None, help="a tokenizer path or hub id (else the demo)")
     ap.add_argument("--out", type=Path, default=Path(".bench/bench_routes.json"))
     args = ap.parse_args(argv)
