@@ -5,8 +5,8 @@ stack, a linear match over every route, and a dependency solver that validates t
 body field by field; on the whole-answer load of ``make bench-frontend`` that
 machinery cost more of the event loop than the request's routing (issue 48).  A
 route named here is answered by its handler, a plain ``Request -> Response``
-coroutine that resolves its dependencies in the order FastAPI would (the caller
-first, then the body) and calls the route's own endpoint function: one
+coroutine that does what FastAPI would, in its order (the body read, the route's
+dependencies, the body validated) and calls the route's own endpoint function: one
 implementation, which FastAPI still declares (its OpenAPI schema, its docs).
 
 It sits inside the user middleware (the request metrics, the body limit, which has
