@@ -153,7 +153,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="of renders, per size and way")
     ap.add_argument("--tick-ms", type=float, default=5.0)
     ap.add_argument("--max-lag-ms", type=float, default=20.0)
-    ap.add_argument("--data-dir", default=".vcache-data", help="where the demo model is built")
+    ap.add_argument("--data-dir", default=".vcache-test-data", help="where the demo model is")
     ap.add_argument("--model", default=None, help="a tokenizer path or hub id (else the demo)")
     ap.add_argument("--out", default="bench-render.json")
     args = ap.parse_args()
