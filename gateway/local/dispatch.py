@@ -15,8 +15,7 @@ back in one ``finally``.
 A warm request's prediction is the answer to a hold on its blocks
 (:mod:`gateway.local.kv_holds`).  Routing awaits that answer, or, where the
 replica's engine sends core calls and requests in order and no running prefill
-stores blocks the request reads past the predicted ones
-(:meth:`Dispatcher._hold_goes_ahead`), the hold rides with
+overlaps the request (:meth:`Dispatcher._hold_goes_ahead`), the hold rides with
 the request: :meth:`Dispatcher.run` sends it right before the request and reads
 its answer, the prediction, before the first token is handed on.
 """
@@ -343,22 +342,20 @@ class Dispatcher:
         """Whether the hold on ``blocks`` goes ahead of its request instead of being
         awaited while routing: a warm prediction to hold, on an engine that sends core
         calls and requests in order (the hold is taken before the request is queued: the
-        same guarantee, one engine step sooner), and no running prefill on ``replica``
-        that stores blocks it reads past the ``predicted`` ones.  Then nothing routed
-        before this request will store blocks it reads: a running prefill that shares
-        only resident leading blocks with it (a sibling of the same system prompt, the
-        common case) stores none of them again, and this request registers with no
-        await after that look, so a sibling routed after it finds it and waits for its
-        first token.  (The same test :meth:`_predict` applies after a hold it awaited.)
+        same guarantee, one engine step sooner), and no running prefill of these blocks
+        on ``replica``.  Then nothing routed before this request will store blocks it
+        reads: none was running when it looked, and it registers with no await after
+        that look, so a sibling routed after it finds it and waits for its first token.
         Otherwise (a remote replica, a prefill to join or racing it, no holds) the hold
         is awaited here as before."""
         assert self.kv is not None
-        if self._hold_share <= 0 or predicted <= 0 or running:
-            return False
-        if not self.kv.holds.orders(replica.id):
-            return False
-        later = self.prefills.overlap(blocks).get(replica.id)
-        return later is None or later[0] * self.kv.block_size <= predicted
+        return (
+            self._hold_share > 0
+            and predicted > 0
+            and not running
+            and self.kv.holds.orders(replica.id)
+            and replica.id not in self.prefills.overlap(blocks)
+        )
 
     def _hold_ahead(self, replica: Replica, blocks: Sequence[BlockHash]) -> PendingHold:
         assert self.kv is not None
