@@ -347,7 +347,12 @@ class Dispatcher:
         reads: none was running when it looked, and it registers with no await after
         that look, so a sibling routed after it finds it and waits for its first token.
         Otherwise (a remote replica, a prefill to join or racing it, no holds) the hold
-        is awaited here as before."""
+        is awaited here as before.  That includes a running prefill that overlaps only
+        resident blocks (a sibling of the same system prompt): letting that hold go ahead
+        too was measured and reverted, the streamed TTFT p50 6-15 ms worse in four runs
+        (docs/notebook_frontend.md, fifth session): the one engine step the awaited hold
+        costs staggers siblings, and a sibling that reaches the core with its elder's
+        prefill is scheduled into a longer step."""
         assert self.kv is not None
         return (
             self._hold_share > 0
