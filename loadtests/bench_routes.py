@@ -12,8 +12,8 @@ server's work is not in the figure) by ``--concurrency`` clients, in slices of
 (the arms swapped every round), so that a drift (the log and the index grow as
 the run goes) falls on both.  Loads: ``chat`` (whole, 32 output tokens),
 ``chat-stream`` (streamed, the fake engine's reply), ``messages`` (the Messages
-API, whole), each over 6 system prompts of ~400 words and a fresh question a
-request; and ``chat-http``, the chat load with each answer replayed
+API, whole), each over bench_frontend's 6 system prompts of ~400 words and a
+fresh question a request; and ``chat-http``, the chat load with each answer replayed
 (:class:`Replay`): the HTTP layer alone, without the service and the engine.
 
 The figure is the process's CPU time (``time.process_time``: every thread, the
@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import gc
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -47,35 +46,25 @@ from engines.tokenizer import ChatTokenizer
 from gateway.app import create_app
 from gateway.core.config import Settings
 from gateway.http.direct import DirectRoutes
+from loadtests.bench_frontend import MODEL, question, system_prompts
 
 ARMS = ("direct", "router")
-WORDS = "cache route block prefix engine token replica latency answer question".split()
-
-
-def _systems(n: int = 6, words: int = 400, seed: int = 48) -> list[str]:
-    rng = random.Random(seed)
-    return [f"System {i}. " + " ".join(rng.choices(WORDS, k=words)) for i in range(n)]
-
-
-def _question(i: int) -> str:
-    rng = random.Random(i)
-    return f"Question {i}: " + " ".join(rng.choices(WORDS, k=20)) + "?"
 
 
 def _chat(i: int, systems: list[str], stream: bool) -> tuple[str, dict[str, Any]]:
     messages = [
         {"role": "system", "content": systems[i % len(systems)]},
-        {"role": "user", "content": _question(i)},
+        {"role": "user", "content": question(i)},
     ]
-    body = {"model": "vcache-demo", "messages": messages, "max_tokens": 32, "stream": stream}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 32, "stream": stream}
     return "/v1/chat/completions", body
 
 
 def _messages(i: int, systems: list[str]) -> tuple[str, dict[str, Any]]:
     body = {
-        "model": "vcache-demo",
+        "model": MODEL,
         "system": systems[i % len(systems)],
-        "messages": [{"role": "user", "content": _question(i)}],
+        "messages": [{"role": "user", "content": question(i)}],
         "max_tokens": 32,
     }
     return "/v1/messages", body
@@ -110,7 +99,7 @@ class Replay:
 def build(model: str, data_dir: Path, arm: str) -> FastAPI:
     """A gateway over the in-memory engine; ``router``: without the direct routes."""
     engine = FakeEngine(ChatTokenizer.from_pretrained(model), max_model_len=2048)
-    settings = Settings(data_dir=data_dir, grpc_port=None, served_model_name="vcache-demo")
+    settings = Settings(data_dir=data_dir, grpc_port=None, served_model_name=MODEL)
     app = create_app(settings, [engine])
     if arm == "router":
         kept = [m for m in app.user_middleware if cast(object, m.cls) is not DirectRoutes]
@@ -136,7 +125,7 @@ async def _slice(
 
 
 async def run(args: argparse.Namespace, model: str, work: Path) -> list[dict[str, Any]]:
-    systems = _systems()
+    systems = system_prompts()
     apps = {arm: build(model, work / arm, arm) for arm in ARMS}
     per: dict[tuple[str, str], list[float]] = {(a, ld): [] for a in ARMS for ld in args.loads}
     direct, router = apps["direct"], apps["router"]
@@ -169,8 +158,10 @@ async def run(args: argparse.Namespace, model: str, work: Path) -> list[dict[str
                 for arm in ARMS:
                     per[(arm, load)].append(got[arm])
                 saved = (got["router"] - got["direct"]) * 1e6
-                print(f"round {rnd} {load:12s} direct {got['direct'] * 1e6:6.0f} µs CPU/req, ")
-                print(f"{'':21s} router {got['router'] * 1e6:6.0f} ({saved:+.0f})")
+                print(
+                    f"round {rnd} {load:12s} direct {got['direct'] * 1e6:6.0f} µs CPU/req, "
+                    f"router {got['router'] * 1e6:6.0f} ({saved:+.0f})"
+                )
         for c in clients.values():
             await c.aclose()
     rows = []
