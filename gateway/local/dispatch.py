@@ -348,11 +348,9 @@ class Dispatcher:
         that look, so a sibling routed after it finds it and waits for its first token.
         Otherwise (a remote replica, a prefill to join or racing it, no holds) the hold
         is awaited here as before.  That includes a running prefill that overlaps only
-        resident blocks (a sibling of the same system prompt): letting that hold go ahead
-        too was measured and reverted, the streamed TTFT p50 6-15 ms worse in four runs
-        (docs/notebook_frontend.md, fifth session): the one engine step the awaited hold
-        costs staggers siblings, and a sibling that reaches the core with its elder's
-        prefill is scheduled into a longer step."""
+        resident blocks (a sibling of the same system prompt): the one engine step the
+        awaited hold costs staggers siblings, which made the streamed TTFT shorter than
+        sending that hold ahead too (the runs: docs/notebook_frontend.md)."""
         assert self.kv is not None
         return (
             self._hold_share > 0
