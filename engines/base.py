@@ -119,6 +119,21 @@ class EngineImage:
 
 
 @dataclass(frozen=True)
+class RequestHold:
+    """A hold carried in its request (gateway/local/kv_holds.py): the engine core keeps
+    the leading resident blocks of ``hashes`` (the prompt's full blocks, in order) from
+    eviction from the moment it queues the request until it schedules it, all or
+    nothing, refused past ``max_share`` of its KV blocks held or with fewer than
+    ``reserve`` blocks left free, and for at most ``ttl_s``.  Its answer comes on the
+    request's first chunk (:attr:`GenerateChunk.hold`)."""
+
+    hashes: tuple[bytes, ...]
+    max_share: float
+    reserve: int
+    ttl_s: float
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """``prompt_token_ids`` are the prompt as the engine caches it (an image expanded to
     its placeholder tokens: what admission, hashing and prediction count).  With images,
@@ -135,6 +150,9 @@ class GenerateRequest:
     lora: LoraRef | None = None  # the adapter it runs under (None: the base model)
     images: tuple[EngineImage, ...] = ()
     template_token_ids: tuple[int, ...] | None = field(default=None, repr=False)
+    # a hold on its leading resident blocks, taken by the engine core as it queues the
+    # request (an engine whose ``holds_in_request`` is true; others ignore it)
+    hold: RequestHold | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.images and self.template_token_ids is None:
@@ -185,6 +203,9 @@ class GenerateChunk:
     stop_sequence: str | None = None  # the stop string that ended the sample, when one did
     # first chunk, where asked: each prompt token's logprob (None for the first token)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # first chunk, the answer to the hold its request carried: (leading blocks held, why
+    # none were: "" or "budget", "reserve", ...); None: no hold asked, or no answer
+    hold: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)

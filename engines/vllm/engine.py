@@ -17,8 +17,7 @@ import hashlib
 import importlib
 import logging
 import os
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Generator
+from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +41,13 @@ from engines.errors import (
 )
 from engines.lora import LoraRef
 from engines.tokenizer import ChatTokenizer
-from engines.vllm.engine_config import VllmEngineConfig, core_environment, engine_args
+from engines.vllm.core_holds import HOLD_ARG
+from engines.vllm.engine_config import (
+    VllmEngineConfig,
+    core_environment,
+    engine_args,
+    vcache_scheduler,
+)
 from engines.vllm.lifeline import GATEWAY_PID_ENV
 from engines.vllm.placement import core_env
 from engines.vllm.sampling import sampling_fields, stop_string
@@ -68,8 +73,6 @@ class VllmEngine:
         self._tokenizer: ChatTokenizer | None = None
         self._capabilities: EngineCapabilities | None = None
         self._closed = False
-        # vLLM's engine-core client when it sends core calls and requests in order
-        self._ordered: Any = None
         self._core_stats = CoreStats()
         # vLLM names an adapter by an int id too: by name, the id and path given it last
         self._lora_ids: dict[str, tuple[int, str]] = {}
@@ -129,7 +132,6 @@ class VllmEngine:
         )
         self._tokenizer = tokenizer
         self._llm = llm
-        self._ordered = _ordered_client(llm)
         for adapter in self._config.adapters:  # vLLM's --lora-modules
             await self.load_adapter(adapter)
         log.info(
@@ -151,6 +153,9 @@ class VllmEngine:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         params = _sampling_params(request)
+        if request.hold is not None:  # taken by the core as it queues the request
+            h = request.hold
+            params.extra_args = {HOLD_ARG: [list(h.hashes), h.max_share, h.reserve, h.ttl_s]}
         lora = self._lora_request(request.lora) if request.lora is not None else None
         stream = llm.generate(
             prompt,
@@ -178,6 +183,7 @@ class VllmEngine:
                 finished = out.finished
                 times = _core_times(out) if first else None  # on the first chunk only
                 prompt_lps = _prompt_logprobs(out, request) if first else None
+                held = _held(out) if first and request.hold is not None else None
                 first = False
                 for completion in out.outputs:
                     done = completion.finish_reason is not None or (
@@ -194,6 +200,7 @@ class VllmEngine:
                         logprobs=_logprobs(completion, request.sampling.logprobs),
                         core_times=times,
                         prompt_logprobs=prompt_lps,
+                        hold=held,
                     )
                     times = None
         except EngineError:
@@ -282,112 +289,28 @@ class VllmEngine:
             raise EngineUnavailable(f"engine core call {method} failed: {exc}") from exc
 
     @property
-    def core_ordered(self) -> bool:
-        """Whether :meth:`send_core` can send: vLLM's core client here sends utility
-        calls and requests over one ordered channel to one engine core, which applies
-        its inputs in order (``_ordered_client``)."""
-        return self._ordered is not None and self._llm is not None and not self._closed
-
-    def send_core(self, method: str, *args: Any) -> Awaitable[Any]:
-        """Send a utility call to the engine core now, before returning, and return its
-        reply to await (failures translated as :meth:`call_core`'s).  A request this
-        engine sends after it reaches the core after it: the core runs the call before
-        it queues that request.  Raises :class:`EngineUnavailable` when it cannot send
-        (not :attr:`core_ordered`, or a dead core)."""
-        client = self._ordered
-        if client is None or self._llm is None or self._closed:
-            raise EngineUnavailable(f"engine core call {method}: cannot be sent in order")
-        from vllm.v1.engine import EngineCoreRequestType
-
-        # vLLM's AsyncMPClient._call_utility_async, without awaiting the send or the reply
-        call_id = uuid.uuid1().int >> 64
-        reply = asyncio.get_running_loop().create_future()
-        reply.add_done_callback(_retrieved)  # a reply nobody awaits logs nothing
-        message = (
-            EngineCoreRequestType.UTILITY.value,
-            *client.encoder.encode((client.client_index, call_id, method, args)),
-        )
-        client.utility_results[call_id] = reply
-        try:
-            # on the socket now, or queued in order behind the sends before it
-            sent = client._send_input_message(message, client.core_engine)
-        except Exception as exc:  # a dead core (EngineDeadError)
-            client.utility_results.pop(call_id, None)
-            reply.cancel()
-            raise EngineUnavailable(f"engine core call {method} failed: {exc}") from exc
-        sent.add_done_callback(lambda s: _failed_send(s, reply, client.utility_results, call_id))
-        client._ensure_output_queue_task()
-        return _CoreReply(method, reply)
+    def holds_in_request(self) -> bool:
+        """Whether a request's :attr:`~engines.base.GenerateRequest.hold` is taken: its
+        engine core runs vcache's scheduler class (engines/vllm/core_holds.py); under
+        vLLM's own, holds are core calls."""
+        return vcache_scheduler(self._config) and self._llm is not None and not self._closed
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._ordered = None
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
 
 
-def _ordered_client(llm: AsyncLLM) -> Any:
-    """``llm``'s engine-core client if a utility call sent on it goes to the same engine
-    core as its requests, on the same ordered channel: vLLM's ``AsyncMPClient`` (one
-    core, one ZMQ DEALER socket, the core's input thread queueing what it reads in
-    order); else None (a data-parallel client routes requests among several cores), said
-    in the log.  The client's private parts :meth:`VllmEngine.send_core` uses are
-    checked by name."""
-    from vllm.v1.engine.core_client import AsyncMPClient, DPAsyncMPClient
-
-    client = llm.engine_core
-    if not isinstance(client, AsyncMPClient) or isinstance(client, DPAsyncMPClient):
-        log.info("engine core client %s: core calls are not sent ahead of requests", type(client))
+def _held(out: Any) -> tuple[int, str] | None:
+    """The answer to the hold a request carried, from its first output (None: none came:
+    the output was merged with later ones past the outputs that carry it)."""
+    answer = (out.kv_transfer_params or {}).get(HOLD_ARG)
+    if not isinstance(answer, list | tuple) or len(answer) != 2:
         return None
-    parts = ("utility_results", "encoder", "client_index", "core_engine")
-    calls = ("_send_input_message", "_ensure_output_queue_task")
-    missing = [n for n in parts if not hasattr(client, n)]
-    missing += [n for n in calls if not callable(getattr(client, n, None))]
-    if missing:
-        log.warning(
-            "vLLM's core client lacks %s: core calls are not sent ahead of requests", missing
-        )
-        return None
-    return client
-
-
-class _CoreReply:
-    """A core call's reply on its way (:meth:`VllmEngine.send_core`): awaited, its
-    result; its failure translated as :meth:`VllmEngine.call_core`'s."""
-
-    __slots__ = ("_method", "_reply")
-
-    def __init__(self, method: str, reply: asyncio.Future[Any]) -> None:
-        self._method = method
-        self._reply = reply
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        try:
-            return (yield from self._reply.__await__())
-        except EngineError:
-            raise
-        except Exception as exc:  # the plugin's own failure, a send that failed
-            raise EngineUnavailable(f"engine core call {self._method} failed: {exc}") from exc
-
-
-def _retrieved(reply: asyncio.Future[Any]) -> None:
-    if not reply.cancelled():
-        reply.exception()
-
-
-def _failed_send(
-    sent: Any, reply: asyncio.Future[Any], waiting: dict[int, Any], call_id: int
-) -> None:
-    """A send that failed on the socket: its reply will never come."""
-    exc = None if sent.cancelled() else sent.exception()
-    if not sent.cancelled() and exc is None:
-        return
-    waiting.pop(call_id, None)
-    if not reply.done():
-        reply.set_exception(exc or EngineUnavailable("the engine core call was not sent"))
+    return int(answer[0]), str(answer[1])
 
 
 def _sampling_params(request: GenerateRequest) -> Any:

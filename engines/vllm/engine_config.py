@@ -86,6 +86,13 @@ def _top_first(c: VllmEngineConfig) -> top_prefill.TopFirst:
     return top_prefill.TopFirst(c.top_prefill_whole, c.top_prefill_alone, c.top_prefill_decodes)
 
 
+def vcache_scheduler(c: VllmEngineConfig) -> bool:
+    """Whether the engine core runs vcache's scheduler class (``scheduler_cls``,
+    engines/vllm/top_first_scheduler.py), which also takes holds carried in requests
+    (engines/vllm/core_holds.py); else vLLM's own."""
+    return bool(_top_first(c))
+
+
 def engine_args(c: VllmEngineConfig) -> Any:
     """vLLM's engine arguments for ``c``: prefix caching hashed as the manifest hashes
     (an adapter's blocks keyed by its name and path); LoRA when enabled;
@@ -108,7 +115,7 @@ def engine_args(c: VllmEngineConfig) -> Any:
         structured_outputs_config=_compact_json(),
         scheduling_policy=c.scheduling_policy,
     )
-    if _top_first(c):
+    if vcache_scheduler(c):
         kwargs["scheduler_cls"] = top_prefill.SCHEDULER_CLS
     if c.enable_lora:
         kwargs.update(enable_lora=True, max_loras=c.max_loras, max_lora_rank=c.max_lora_rank)

@@ -32,6 +32,9 @@ client reaches with ``call_utility_async("vcache_pin", ...)``:
     ``ttl_s`` (the bound); every hold, release and sweep lets expired holds go.
 ``vcache_release(hold_ids)``
     Let holds go (the request's first token, or its end); unknown ids are ignored.
+    A hold can also ride in its request instead, taken, answered and let go by the
+    scheduler itself (engines/vllm/core_holds.py, under the scheduler class the gateway
+    names: engines/vllm/top_first_scheduler.py).
 ``vcache_cache_stats()`` / ``vcache_resident()``
     Counts, and every resident block hash (for a full index resync).
 ``vcache_events_barrier()``
@@ -64,7 +67,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engines.vllm import top_prefill
+from engines.vllm import core_holds, top_prefill
 
 _GROUP = 0  # single KV-cache-group models (all the gateway serves today)
 FLUSH_TIMEOUT_S = 0.05  # longest a step waits for its events to be sent
@@ -124,7 +127,7 @@ def vcache_sweep(core: Any) -> dict[str, Any]:
     """Release every block whose holds have all run out.  Every pin and unpin sweeps
     first, so the walk over all holds runs only once the soonest of them has ended."""
     now = time.monotonic()
-    _expire_holds(core, now)  # request holds past their bound (cheap: one per request)
+    core_holds.expire(core.scheduler, now)  # request holds past their bound (one per request)
     if now < getattr(core, "_vcache_sweep_at", 0.0):
         return {"unpinned": []}
     released = []
@@ -140,80 +143,18 @@ def vcache_sweep(core: Any) -> dict[str, Any]:
     return {"unpinned": released}
 
 
-def _request_holds(core: Any) -> dict[str, tuple[list[bytes], float]]:
-    """Per request hold: its blocks' hashes and when it runs out (monotonic clock)."""
-    by: dict[str, tuple[list[bytes], float]] | None = getattr(core, "_vcache_req_holds", None)
-    if by is None:
-        by = {}
-        core._vcache_req_holds = by
-    return by
-
-
-def _held(core: Any) -> dict[bytes, list[Any]]:
-    """Per held block: ``[block, holds]`` (one pool reference, however many holds)."""
-    held: dict[bytes, list[Any]] | None = getattr(core, "_vcache_held", None)
-    if held is None:
-        held = {}
-        core._vcache_held = held
-    return held
-
-
-def _let_go(core: Any, hold_ids: list[str]) -> int:
-    """Drop these holds; a block no hold keeps loses the reference.  Blocks freed."""
-    by, held = _request_holds(core), _held(core)
-    freed = []
-    for hid in hold_ids:
-        hashes, _ = by.pop(hid, ([], 0.0))
-        for h in hashes:
-            entry = held.get(h)
-            if entry is None:
-                continue
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del held[h]
-                freed.append(entry[0])
-    if freed:
-        _pool(core).free_blocks(freed[::-1])  # a prefix's tail evicted first
-    return len(freed)
-
-
-def _expire_holds(core: Any, now: float) -> int:
-    return _let_go(core, [hid for hid, (_, until) in _request_holds(core).items() if until <= now])
-
-
 def vcache_hold(
     core: Any, hold_id: str, hashes: list[bytes], max_share: float, reserve: int, ttl_s: float
 ) -> dict[str, Any]:
     """Hold the leading resident blocks of ``hashes`` for ``hold_id`` (all or nothing)."""
-    now = time.monotonic()
-    _expire_holds(core, now)
-    pool, held, by = _pool(core), _held(core), _request_holds(core)
-    prefix: list[tuple[bytes, Any]] = []
-    for h in hashes:
-        block = held[h][0] if h in held else _lookup(pool, h)
-        if block is None:
-            break
-        prefix.append((h, block))
-    if not prefix or hold_id in by:
-        return {"held": 0, "refused": "" if not prefix else "duplicate"}
-    new = [(h, b) for h, b in prefix if h not in held]
-    taken_free = sum(1 for _, b in new if b.ref_cnt == 0)  # out of the free queue
-    if len(held) + len(new) > int(pool.num_gpu_blocks * max_share):
-        return {"held": 0, "refused": "budget"}
-    if pool.get_num_free_blocks() - taken_free < reserve:
-        return {"held": 0, "refused": "reserve"}
-    pool.touch([b for _, b in new])
-    for h, b in new:
-        held[h] = [b, 0]
-    for h, _ in prefix:
-        held[h][1] += 1
-    by[hold_id] = ([h for h, _ in prefix], now + ttl_s)
-    return {"held": len(prefix), "refused": ""}
+    return core_holds.take(core.scheduler, hold_id, hashes, max_share, reserve, ttl_s)
 
 
 def vcache_release(core: Any, hold_ids: list[str]) -> dict[str, Any]:
     """Let the holds ``hold_ids`` go (and any that ran out); how many blocks were freed."""
-    return {"freed": _expire_holds(core, time.monotonic()) + _let_go(core, list(hold_ids))}
+    sched = core.scheduler
+    freed = core_holds.expire(sched, time.monotonic()) + core_holds.let_go(sched, hold_ids)
+    return {"freed": freed}
 
 
 def vcache_pin(
@@ -299,6 +240,7 @@ def vcache_evict(core: Any, hashes: list[bytes]) -> dict[str, Any]:
 
 def vcache_cache_stats(core: Any) -> dict[str, Any]:
     pool = _pool(core)
+    held_blocks, holds = core_holds.counts(core.scheduler)
     return {
         "block_size": int(pool.hash_block_size),
         "num_blocks": int(pool.num_gpu_blocks),
@@ -306,8 +248,8 @@ def vcache_cache_stats(core: Any) -> dict[str, Any]:
         "cached_blocks": len(pool.cached_block_hash_to_block),
         "pinned_blocks": len(_pins(core)),
         "holders": len({k for by in _holds(core).values() for k in by}),
-        "held_blocks": len(_held(core)),  # request holds (vcache_hold)
-        "holds": len(_request_holds(core)),
+        "held_blocks": held_blocks,  # request holds (engines/vllm/core_holds.py)
+        "holds": holds,
         "usage": float(pool.get_usage()),
         # steps the top-first scheduler changed (engines/vllm/top_first_scheduler.py;
         # empty under vLLM's own scheduler)

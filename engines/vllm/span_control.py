@@ -1,11 +1,10 @@
 """A typed client of the engine-core plugin's span control (``engines/vllm/plugin.py``).
 
 Any engine that runs core calls serves it: the embedded ``AsyncLLM``
-(utility calls) or a remote replica (its control endpoint).  An engine that
-can send a core call ahead of its next request, on the one ordered channel to
-its core (:class:`OrderedCore`: the embedded engine), also takes a hold that
-way (:meth:`SpanControl.hold_soon`); a remote replica's control endpoint has
-no order with its requests.  This is the one
+(utility calls) or a remote replica (its control endpoint).  An engine whose
+core takes a hold carried in its request (:attr:`SpanControl.in_request`: the
+embedded engine, engines/vllm/core_holds.py) needs no core call for it; a remote
+replica's holds are core calls.  This is the one
 error boundary of those calls: an :class:`~engines.errors.EngineError` passes
 as it is, anything else a core call raises (a dead core, a plugin's own
 failure, a reply of the wrong shape) becomes
@@ -17,29 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from engines.errors import EngineError, EngineUnavailable
 
 
 class CoreCaller(Protocol):
     async def call_core(self, method: str, *args: Any) -> Any: ...
-
-
-class OrderedCore(CoreCaller, Protocol):
-    """An engine that sends a core call now, ahead of the requests it sends after it,
-    on one ordered channel to a core that applies its inputs in order
-    (``VllmEngine.send_core``)."""
-
-    @property
-    def core_ordered(self) -> bool:
-        """Whether it can now (False: it cannot: its client sends otherwise, or it is
-        closed)."""
-        ...
-
-    def send_core(self, method: str, *args: Any) -> Awaitable[Any]:
-        """Send the call before returning; its reply to await."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -73,29 +56,16 @@ def _held(res: Any) -> tuple[int, str]:
         raise EngineUnavailable(f"engine core call vcache_hold answered {res!r}") from exc
 
 
-class HoldReply:
-    """A hold sent ahead of its request (:meth:`SpanControl.hold_soon`), its answer on
-    the way."""
-
-    __slots__ = ("_reply",)
-
-    def __init__(self, reply: Awaitable[Any]) -> None:
-        self._reply = reply
-
-    async def answer(self) -> tuple[int, str]:
-        """As :meth:`SpanControl.hold` answers (its errors too)."""
-        return _held(await _answered("vcache_hold", self._reply))
-
-
 class SpanControl:
     def __init__(self, engine: CoreCaller) -> None:
         self._engine = engine
 
     @property
-    def ordered(self) -> bool:
-        """Whether :meth:`hold_soon` can send: the engine sends core calls ahead of its
-        requests, in order (:class:`OrderedCore`); a remote replica cannot."""
-        return getattr(self._engine, "core_ordered", False) is True
+    def in_request(self) -> bool:
+        """Whether the engine's core takes a hold carried in its request
+        (``GenerateRequest.hold``) instead of :meth:`hold`: the embedded engine's
+        ``holds_in_request``; a remote replica's is not."""
+        return getattr(self._engine, "holds_in_request", False) is True
 
     async def _call(self, method: str, *args: Any) -> Any:
         return await _answered(method, self._engine.call_core(method, *args))
@@ -137,23 +107,6 @@ class SpanControl:
             "vcache_hold", hold_id, [bytes(h) for h in hashes], max_share, reserve, ttl_s
         )
         return _held(res)
-
-    def hold_soon(
-        self, hold_id: str, hashes: Sequence[bytes], max_share: float, reserve: int, ttl_s: float
-    ) -> HoldReply:
-        """:meth:`hold`, sent now (before this returns) on the engine's ordered channel to
-        its core (only when :attr:`ordered`): a request the engine sends next is queued in
-        the core after the hold is taken, one engine step sooner than awaiting
-        :meth:`hold` first.  Its answer is :meth:`HoldReply.answer`.  Raises
-        :class:`EngineError` when it cannot be sent."""
-        engine = cast(OrderedCore, self._engine)
-        args = (hold_id, [bytes(h) for h in hashes], max_share, reserve, ttl_s)
-        try:
-            return HoldReply(engine.send_core("vcache_hold", *args))
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise EngineUnavailable(f"engine core call vcache_hold failed: {exc}") from exc
 
     async def release(self, hold_ids: Sequence[str]) -> int:
         """Let holds go; how many blocks nobody holds any more."""

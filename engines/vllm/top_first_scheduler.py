@@ -1,5 +1,6 @@
-"""vLLM's scheduler with the top-priority prefill first: whole, and alone
-(engines/vllm/top_prefill.py says what and why).
+"""vcache's scheduler: vLLM's, with the top-priority prefill first, whole and alone
+(engines/vllm/top_prefill.py says what and why), and holds carried in requests taken,
+let go and answered (engines/vllm/core_holds.py).
 
 vLLM builds its engine core's scheduler from ``scheduler_cls``
 (``vllm/config/scheduler.py`` ``get_scheduler_cls``; ``vllm serve --scheduler-cls``).
@@ -19,12 +20,17 @@ turns async scheduling off; a GPU engine has it on by default.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 
+from engines.vllm import core_holds
 from engines.vllm.top_prefill import STEPS, TopFirst, no_steps, schedule_top_first
 
 # under vLLM's logger: in the engine core only vLLM's loggers have a handler
@@ -56,9 +62,29 @@ class TopFirstScheduler(Scheduler):
             m.alone and m.decodes,
         )
 
+    def add_request(self, request: Request) -> None:
+        core_holds.on_add(self, request)  # before vLLM queues it
+        super().add_request(request)
+
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         step = super().schedule
-        return schedule_top_first(self, lambda: step(throttle_prefills), self.vcache_top_first)
+        out = schedule_top_first(self, lambda: step(throttle_prefills), self.vcache_top_first)
+        core_holds.on_scheduled(self, out.num_scheduled_tokens)
+        return out
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        finished = super().finish_requests(request_ids, finished_status)
+        core_holds.on_finished(self, [r.request_id for r in finished])
+        return finished
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        core_holds.on_outputs(self, outputs)
+        return outputs
 
 
 class TopFirstAsyncScheduler(TopFirstScheduler, AsyncScheduler):

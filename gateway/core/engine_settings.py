@@ -128,7 +128,8 @@ class EngineSettings(BaseModel):
     # replica computes whole, past long_prefill_token_threshold.  This or
     # top_prefill_alone on: the embedded engines run vLLM's scheduler_cls
     # engines.vllm.top_first_scheduler.TopFirstScheduler (engines/vllm/top_prefill.py; a
-    # remote replica takes it with --scheduler-cls, docs/local_kv.md).  Measured:
+    # remote replica takes it with --scheduler-cls, docs/local_kv.md), which also takes
+    # the holds carried in requests (else holds are awaited in routing).  Measured:
     # [notebook](notebook_agents.md#where-a-first-token-waits-2026-12-03)
     top_prefill_whole: bool = True
     # while a prompt of the highest priority on a replica is in its prefill, the prompts

@@ -261,8 +261,8 @@ class Metrics:
             "vcache_prediction_results",
             "Local predictions of cached tokens against the engine's report: exact (held "
             "or cold, and right), approximate (cause: hold_budget, hold_reserve, hold_failed, "
-            "no_hold, prefill_in_flight), missed (said exact, wrong; cause: evicted, "
-            "stored_since)",
+            "hold_unanswered, no_hold, prefill_in_flight), missed (said exact, wrong; cause: "
+            "evicted, stored_since)",
             ["result", "cause"],
             registry=r,
         )
@@ -281,7 +281,8 @@ class Metrics:
         )
         self.kv_hold_seconds = Histogram(
             "vcache_kv_hold_seconds",
-            "How long a routed request's hold kept its blocks (routing to first token or end)",
+            "How long a hold awaited in routing kept its blocks (routing to first token or "
+            "end; a hold carried in its request is the engine core's, queue to schedule)",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )

@@ -14,10 +14,11 @@ back in one ``finally``.
 
 A warm request's prediction is the answer to a hold on its blocks
 (:mod:`gateway.local.kv_holds`).  Routing awaits that answer, or, where the
-replica's engine sends core calls and requests in order and no running prefill
-overlaps the request (:meth:`Dispatcher._hold_goes_ahead`), the hold rides with
-the request: :meth:`Dispatcher.run` sends it right before the request and reads
-its answer, the prediction, before the first token is handed on.
+replica's engine core takes a hold carried in its request and no running prefill
+overlaps the request (:meth:`Dispatcher._hold_rides`), the hold rides in the
+request (``GenerateRequest.hold``): the core takes it as it queues the request and
+lets it go itself; :meth:`Dispatcher.run` reads its answer, the prediction, from the
+first chunk before handing that on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import AsyncGenerator, Awaitable, Collection, Mapping, Sequ
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
-from engines.base import EngineStats, GenerateChunk, GenerateRequest
+from engines.base import EngineStats, GenerateChunk, GenerateRequest, RequestHold
 from engines.errors import EngineError
 from engines.lora import LoraRef
 from gateway.core.config import Priority
@@ -42,7 +43,7 @@ from gateway.core.types import RouteOverride
 from gateway.local.admission import Admission
 from gateway.local.coalesce import streamed
 from gateway.local.fairness import Entry, FairGate, gates
-from gateway.local.kv_holds import Hold, HoldResult, PendingHold
+from gateway.local.kv_holds import Hold, HoldResult
 from gateway.local.preempt import Held, started
 from gateway.local.prefills import Prefill, Prefills
 from gateway.local.refresh import Refresh
@@ -93,7 +94,7 @@ class Totals:
 class Dispatch:
     """Where a request goes and what the manifest predicted it will find there.
 
-    With a hold sent ahead of the request (``ahead``), the prediction is the index's
+    With a hold carried in the request (``carried``), the prediction is the index's
     and ``approximate`` is ``"hold_pending"`` until :meth:`Dispatcher.run` reads the
     hold's answer, before it hands on the first chunk: then both are the engine's, as
     routing sets them after a hold it awaited.  Read after the first chunk (headers,
@@ -110,8 +111,9 @@ class Dispatch:
     # why the prediction may still be wrong ("": exact: its blocks held, or none to read
     # and no prefill of them running)
     approximate: str = ""
-    # the hold to send ahead of the request (Dispatcher.run), a claim this receipt gives back
-    ahead: PendingHold | None = field(default=None, compare=False, repr=False)
+    # the hold its request carries (Dispatcher.run sends it in the request; from then on
+    # the engine core owns it: nothing to give back)
+    carried: RequestHold | None = field(default=None, compare=False, repr=False)
 
     def headers(self) -> dict[str, str]:
         h = {"x-vcache-replica": self.replica_id}
@@ -279,7 +281,7 @@ class Dispatcher:
             )
         exact = self.kv is not None and self.kv.is_exact(replica.id)
         p: int | None = None
-        hold: Hold | PendingHold | None = None
+        hold: Hold | RequestHold | None = None
         approximate = ""
         if predicted is not None and exact and replica.id in predicted:
             if reads:
@@ -288,12 +290,12 @@ class Dispatcher:
                 )
             else:
                 p = 0
-        ahead = hold if isinstance(hold, PendingHold) else None
+        carried = hold if isinstance(hold, RequestHold) else None
         held = hold if isinstance(hold, Hold) else None
         # registered now, with no await before the caller holds it: a sibling routed next
         # waits for this prefill
         prefill = self.prefills.start(replica.id, hashes[: self._cap(greq)], held)
-        return Dispatch(replica, replica.id, p, hashes, prefill, approximate, ahead)
+        return Dispatch(replica, replica.id, p, hashes, prefill, approximate, carried)
 
     async def _predict(
         self,
@@ -302,7 +304,7 @@ class Dispatcher:
         hashes: Sequence[BlockHash],
         predicted: Mapping[LocationId, int],
         running: bool,
-    ) -> tuple[int, Hold | PendingHold | None, str]:
+    ) -> tuple[int, Hold | RequestHold | None, str]:
         """``greq``'s prediction on ``replica`` from the facts vLLM will schedule it on: the
         leading blocks its engine holds for it (:meth:`_hold`), and the prefills routed
         there before it, which vLLM schedules first.  One of those that stores more of its
@@ -311,8 +313,8 @@ class Dispatcher:
         store) would be read too: the hold is given back, the request waits for that
         prefill's first token and is predicted and held again.  With no await between
         the last look at the running prefills and the caller's registration, a sibling
-        routed after it finds it registered.  Where the hold can go ahead of the request
-        (:meth:`_hold_goes_ahead`), nothing is awaited: the prediction is the index's
+        routed after it finds it registered.  Where the hold can ride in the request
+        (:meth:`_hold_rides`), nothing is awaited: the prediction is the index's
         until :meth:`run` reads the hold's answer.  (prediction, hold, why approximate
         or "")."""
         assert self.kv is not None
@@ -321,8 +323,8 @@ class Dispatcher:
         joins = 0
         while True:
             p = predicted.get(replica.id, 0)
-            if self._hold_goes_ahead(replica, blocks, p, running):
-                return p, self._hold_ahead(replica, blocks), "hold_pending"
+            if self._hold_rides(replica, blocks, p, running):
+                return p, self._carried(replica, blocks), "hold_pending"
             p, hold, approximate = await self._hold(greq, replica, hashes, p)
             if running:
                 return p, hold, "prefill_in_flight"
@@ -336,40 +338,34 @@ class Dispatcher:
                 hold.give()
             predicted, running = await self._join(greq, hashes, {replica.id: p}, replica.id, later)
 
-    def _hold_goes_ahead(
+    def _hold_rides(
         self, replica: Replica, blocks: Sequence[BlockHash], predicted: int, running: bool
     ) -> bool:
-        """Whether the hold on ``blocks`` goes ahead of its request instead of being
-        awaited while routing: a warm prediction to hold, on an engine that sends core
-        calls and requests in order (the hold is taken before the request is queued: the
-        same guarantee, one engine step sooner), and no running prefill of these blocks
-        on ``replica``.  Then nothing routed before this request will store blocks it
-        reads: none was running when it looked, and it registers with no await after
-        that look, so a sibling routed after it finds it and waits for its first token.
-        Otherwise (a remote replica, a prefill to join or racing it, no holds) the hold
-        is awaited here as before.  That includes a running prefill that overlaps only
-        resident blocks (a sibling of the same system prompt): the one engine step the
-        awaited hold costs staggers siblings, which made the streamed TTFT shorter than
-        sending that hold ahead too (the runs: docs/notebook_frontend.md)."""
+        """Whether the hold on ``blocks`` rides in its request instead of being awaited
+        while routing: a warm prediction to hold, on an engine whose core takes a hold
+        carried in its request (taken as the core queues the request: the same guarantee,
+        one engine step sooner, with no core call, reply or release), and no running
+        prefill of these blocks on ``replica``.  Then nothing routed before this request
+        will store blocks it reads: none was running when it looked, and it registers
+        with no await after that look, so a sibling routed after it finds it and waits
+        for its first token.  Otherwise (a remote replica, a prefill to join or racing
+        it, no holds) the hold is awaited here as before.  That includes a running
+        prefill that overlaps only resident blocks (a sibling of the same system prompt):
+        the one engine step the awaited hold costs staggers siblings, which made the
+        streamed TTFT shorter than sending that hold with the request too (the runs:
+        docs/notebook_frontend.md)."""
         assert self.kv is not None
         return (
             self._hold_share > 0
             and predicted > 0
             and not running
-            and self.kv.holds.orders(replica.id)
+            and self.kv.holds.in_request(replica.id)
             and replica.id not in self.prefills.overlap(blocks)
         )
 
-    def _hold_ahead(self, replica: Replica, blocks: Sequence[BlockHash]) -> PendingHold:
-        assert self.kv is not None
-        m = self._metrics
-        return self.kv.holds.ahead(
-            replica.id,
-            blocks,
-            self._hold_share,
-            self._reserve(replica),
-            self._hold_s,
-            lambda h, s: m.kv_hold_seconds.observe(s),
+    def _carried(self, replica: Replica, blocks: Sequence[BlockHash]) -> RequestHold:
+        return RequestHold(
+            tuple(bytes(h) for h in blocks), self._hold_share, self._reserve(replica), self._hold_s
         )
 
     def _reserve(self, replica: Replica) -> int:
@@ -408,29 +404,33 @@ class Dispatcher:
         """A hold's answer, counted: (the prediction, the hold, why approximate or "")."""
         assert self.kv is not None
         m = self._metrics
-        outcome = "held" if res.hold is not None else res.refused or "none"
+        outcome = "held" if res.blocks else res.refused or "none"
         m.kv_holds.labels(replica, outcome).inc()
         if res.blocks is None:
             return predicted, None, f"hold_{res.refused}"
         m.kv_hold_blocks.labels(replica).inc(res.blocks)
         return res.blocks * self.kv.block_size, res.hold, ""
 
-    async def _answered(self, d: Dispatch) -> None:
-        """The answer of the hold sent ahead of ``d``'s request: ``d``'s prediction from
-        now on (the engine's count, as :meth:`_hold` makes it)."""
-        assert d.ahead is not None
-        res = await d.ahead.result()
+    def _answered(self, d: Dispatch, chunk: GenerateChunk) -> None:
+        """The answer to the hold ``d``'s request carried, from its first chunk: ``d``'s
+        prediction from now on (the engine's count, as :meth:`_hold` makes it).  No
+        answer (an engine that lost it) leaves the index's prediction, approximate."""
+        answer = chunk.hold
+        if answer is None:
+            res = HoldResult(None, None, "unanswered")
+        else:
+            blocks, refused = answer
+            res = HoldResult(None, None if refused else blocks, refused)
         p, _, d.approximate = self._held(d.replica.id, res, d.predicted_cached_tokens or 0)
         d.predicted_cached_tokens = p
 
     def release(self, d: Dispatch) -> None:
         """Give back what routing claimed for ``d`` (its prompt's registration as a
-        running prefill, the hold on its blocks, sent ahead or not): a request whose send
-        never ran makes nobody wait.  Idempotent: after :meth:`run` gave it back at the
-        first token, nothing is left."""
+        running prefill, the hold on its blocks awaited while routing): a request whose
+        send never ran makes nobody wait.  Idempotent: after :meth:`run` gave it back at
+        the first token, nothing is left.  A hold carried in the request is the engine
+        core's to let go."""
         self.prefills.finish(d.prefill)
-        if d.ahead is not None:
-            d.ahead.give()
 
     async def _with_room(
         self, ctx: RouteContext, serving: Sequence[Replica], blocks: int
@@ -535,9 +535,11 @@ class Dispatcher:
 
             def send() -> AsyncGenerator[GenerateChunk, None]:
                 stamps.send()
-                if d.ahead is not None:  # on the engine core's input right before the
-                    d.ahead.send()  # request (once: a request sent again is held already)
-                return d.replica.engine.generate(greq)
+                if d.carried is None:
+                    return d.replica.engine.generate(greq)
+                # each send carries it: a request sent again after a stop was aborted,
+                # and its hold let go, in the core
+                return d.replica.engine.generate(replace(greq, hold=d.carried))
 
             def enter(g: FairGate) -> Awaitable[Entry]:
                 return self._enter(g, greq, d, tenant)
@@ -550,8 +552,8 @@ class Dispatcher:
                         last = time.perf_counter()
                         phases = stamps.phases(chunk.core_times, last)
                         ph = phases or {}
-                        if d.ahead is not None:  # answered before the request's outputs
-                            await self._answered(d)
+                        if d.carried is not None:  # answered with the request's first output
+                            self._answered(d, chunk)
                         self._first_output(d, chunk, endpoint, last - t0, greq.priority, ph)
                         self.release(d)
                         if keeper is not None:

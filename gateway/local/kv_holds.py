@@ -29,12 +29,12 @@ predicted blocks under the pin budget, an earlier design, hung agent turns at a
 
 The engine core answers a hold between two engine steps, and a request routed
 after awaiting it waits for the next step boundary again to be queued.  Where
-the replica's engine sends core calls and requests over one ordered channel
-(the embedded engine: one ZMQ socket, a core that applies its inputs in
-order), a hold can go ahead of its request instead (:meth:`SpanHolds.ahead`):
-sent right before the request, taken before the request is queued, its answer
-read before the request's first token.  Its receipt, :class:`PendingHold`,
-is given back as a :class:`Hold` is, before or after the answer.
+the replica's engine core takes a hold carried in its request
+(:meth:`SpanHolds.in_request`: the embedded engine, engines/vllm/core_holds.py),
+the hold can ride in the request instead (``GenerateRequest.hold``): taken as the
+core queues the request, let go by the core once it schedules it (or the request
+ends before), its answer on the request's first chunk.  No core call, no reply,
+no release, and no receipt: the engine core owns it from the send on.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engines.errors import EngineError
-from engines.vllm.span_control import HoldReply
 from gateway.local.kv_sync import KVSync
 from manifest.hashing import BlockHash
 from manifest.index import LocationId
@@ -81,84 +80,6 @@ class HoldResult(NamedTuple):
     hold: Hold | None  # the receipt (None: nothing held)
     blocks: int | None  # leading blocks resident and held now (None: the engine did not say)
     refused: str  # "" held, or nothing resident; else why not: budget, reserve, failed
-
-
-class PendingHold:
-    """A hold to send ahead of its request (:meth:`SpanHolds.ahead`), the receipt from
-    then on.  :meth:`send` sends it (right before the request, once); :meth:`result`
-    reads the engine's answer, the :class:`HoldResult` :meth:`SpanHolds.take` would
-    give; :meth:`give` gives back what it holds, whenever it is called: before it was
-    sent, nothing; sent and not answered, its id is released (the engine applies the
-    release after the hold: same channel, in order); answered, its :class:`Hold`."""
-
-    def __init__(
-        self,
-        book: SpanHolds,
-        replica: LocationId,
-        hold_id: str,
-        hashes: Sequence[BlockHash],
-        max_share: float,
-        reserve: int,
-        ttl_s: float,
-        on_given: Given | None,
-    ) -> None:
-        self.replica = replica
-        self.hold_id = hold_id
-        self._book = book
-        self._args = (hashes, max_share, reserve, ttl_s)
-        self._on_given = on_given
-        self._reply: HoldReply | None = None
-        self._result: HoldResult | None = None
-        self.given = False
-
-    @property
-    def sent(self) -> bool:
-        return self._reply is not None
-
-    def send(self) -> None:
-        """Send the hold now (idempotent; nothing once given back).  An engine that
-        cannot take it leaves the result ``failed``, as :meth:`SpanHolds.take` does."""
-        if self._reply is not None or self._result is not None or self.given:
-            return
-        hashes, max_share, reserve, ttl_s = self._args
-        try:
-            control = self._book._kv.state(self.replica).control
-            self._reply = control.hold_soon(self.hold_id, hashes, max_share, reserve, ttl_s)
-        except (EngineError, KeyError) as exc:
-            log.debug("replica %s: no hold (%s)", self.replica, exc)
-            self._result = HoldResult(None, None, "failed")
-
-    async def result(self) -> HoldResult:
-        """The engine's answer (read once): what :meth:`SpanHolds.take` would return.  A
-        hold never sent, or given back before its answer was read, holds nothing here."""
-        if self._result is not None:
-            return self._result
-        if self._reply is None:
-            return HoldResult(None, None, "failed")
-        try:
-            n, refused = await self._reply.answer()
-        except EngineError as exc:
-            log.debug("replica %s: no hold (%s)", self.replica, exc)
-            self._result = HoldResult(None, None, "failed")
-            return self._result
-        if self._result is not None:  # read meanwhile by another caller
-            return self._result
-        if self.given:  # its id is released already: no receipt to give back
-            self._result = HoldResult(None, None if refused else n, refused)
-        else:
-            self._result = self._book._taken(self.replica, self.hold_id, n, refused, self._on_given)
-        return self._result
-
-    def give(self) -> None:
-        """Let the blocks go (idempotent), before or after the answer."""
-        if self.given:
-            return
-        self.given = True
-        if self._result is not None:
-            if self._result.hold is not None:
-                self._result.hold.give()
-        elif self._reply is not None:
-            self._book._unanswered(self.replica, self.hold_id)
 
 
 class SpanHolds:
@@ -193,27 +114,13 @@ class SpanHolds:
             return HoldResult(None, None, "failed")
         return self._taken(replica, hold_id, n, refused, on_given)
 
-    def orders(self, replica: LocationId) -> bool:
-        """Whether a hold on ``replica`` can go ahead of its request (:meth:`ahead`): its
-        engine sends core calls and requests in order on one channel to its core."""
+    def in_request(self, replica: LocationId) -> bool:
+        """Whether a hold on ``replica`` can ride in its request: its engine core takes
+        ``GenerateRequest.hold`` (engines/vllm/core_holds.py)."""
         try:
-            return self._kv.state(replica).control.ordered
+            return self._kv.state(replica).control.in_request
         except KeyError:
             return False
-
-    def ahead(
-        self,
-        replica: LocationId,
-        hashes: Sequence[BlockHash],
-        max_share: float,
-        reserve: int,
-        ttl_s: float,
-        on_given: Given | None = None,
-    ) -> PendingHold:
-        """A hold as :meth:`take` takes it, to send ahead of its request (only where
-        :meth:`orders`): nothing is sent until :meth:`PendingHold.send`."""
-        hold_id = f"{self._holder}:{next(self._ids)}"
-        return PendingHold(self, replica, hold_id, hashes, max_share, reserve, ttl_s, on_given)
 
     def _taken(
         self, replica: LocationId, hold_id: str, n: int, refused: str, on_given: Given | None
@@ -228,12 +135,6 @@ class SpanHolds:
         if on_given is not None:
             self._on_given[hold_id] = on_given
         return HoldResult(hold, n, "")
-
-    def _unanswered(self, replica: LocationId, hold_id: str) -> None:
-        """A hold sent, given back before its answer was read: released in the next
-        batch (the engine may hold it; an id it does not hold is nothing to it)."""
-        self._pending.setdefault(replica, []).append(hold_id)
-        self._wake.set()
 
     def _given(self, hold: Hold) -> None:
         self.held[hold.replica] -= hold.blocks

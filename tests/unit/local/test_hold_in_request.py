@@ -1,9 +1,10 @@
-"""A warm request's hold sent ahead of it, on the one ordered channel to its engine core.
+"""A warm request's hold carried in the request itself, taken by its engine core.
 
 The core below applies what reaches its input between two engine steps, in the order
-it was sent (as vLLM's engine core does with one client's ZMQ socket): a core call
-sent ahead of a request is applied at the same step boundary as the request, before
-the request is queued.  A hold awaited while routing is applied one boundary earlier,
+it was sent (as vLLM's engine core does): a hold carried in a request is taken as the
+core queues the request, at the same step boundary, and let go by the core once it
+schedules the request (engines/vllm/core_holds.py); its answer comes on the first
+chunk.  A hold awaited while routing (a core call) is applied one boundary earlier,
 and the request waits for the next one.  Either way the hold is taken before the
 request is queued, so what the engine serves equals the prediction.
 """
@@ -11,7 +12,7 @@ request is queued, so what the engine serves equals the prediction.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,6 @@ from engines.errors import EngineUnavailable
 from engines.vllm.span_control import SpanControl
 from gateway.core.errors import Unavailable
 from gateway.local.dispatch import Dispatch, Dispatcher, Totals, prediction_result
-from gateway.local.kv_holds import HoldResult
 from manifest.hashing import block_hashes
 from tests.unit.local.test_prediction_races import (
     A_PROMPT,
@@ -48,32 +48,27 @@ def _at_once(coro: Coroutine[Any, Any, Any]) -> Any:
 
 class Core(SimEngine):
     """An engine and its core: core calls and requests reach the core's input in the
-    order they are sent; :meth:`step` applies them (a step boundary).  ``ordered``: the
-    engine can send a core call ahead of its requests (``send_core``), as the embedded
-    engine does; else (a remote replica's control endpoint) it only awaits calls."""
+    order they are sent; :meth:`step` applies them (a step boundary).  ``carries``: its
+    core takes a hold carried in a request, as the embedded engine's does; else (a
+    remote replica) holds are core calls only.  ``answers``: the core answers a carried
+    hold on the first chunk (False: an engine that lost the answer)."""
 
     def __init__(
         self,
         resident: Sequence[bytes],
-        ordered: bool = True,
+        carries: bool = True,
         pressure: bool = False,
+        answers: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(resident, **options)
-        self.core_ordered = ordered
+        self.holds_in_request = carries
+        self.answers = answers
         self.pressed = pressure  # requests that ran before it was scheduled took every free block
         self.inputs: list[tuple[str, Any, asyncio.Future[Any]]] = []
         self.applied: list[tuple[int, str]] = []  # (step boundary, what it applied)
         self.steps = 0
-        self.send_fails = False  # the send itself fails (a dead core)
         self.request_fails = False  # the request fails in the engine after it is queued
-
-    def send_core(self, method: str, *args: Any) -> Awaitable[Any]:
-        if self.send_fails:
-            raise EngineUnavailable("the engine process died")
-        reply = asyncio.get_running_loop().create_future()
-        self.inputs.append((method, args, reply))
-        return reply
 
     async def call_core(self, method: str, *args: Any) -> Any:
         if method == "vcache_events_barrier":
@@ -85,11 +80,33 @@ class Core(SimEngine):
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         queued = asyncio.get_running_loop().create_future()
         self.inputs.append((f"add:{request.request_id}", request, queued))
-        cached = await queued
+        cached, answer = await queued
         if self.request_fails:
             raise EngineUnavailable("the engine process died")
         prompt = len(request.prompt_token_ids)
-        yield GenerateChunk("x", (1,), prompt, cached, finish_reason="stop")
+        yield GenerateChunk("x", (1,), prompt, cached, finish_reason="stop", hold=answer)
+
+    def _add(self, request: GenerateRequest) -> tuple[int, tuple[int, str] | None]:
+        """Queue ``request`` (its carried hold taken first), schedule it (the hold let go:
+        the request references its blocks now): (cached tokens, the hold's answer)."""
+        rid, h = request.request_id, request.hold
+        answer = None
+        if h is not None and self.holds_in_request:
+            try:
+                res = _at_once(
+                    SimEngine.call_core(
+                        self, "vcache_hold", rid, list(h.hashes), h.max_share, h.reserve, h.ttl_s
+                    )
+                )
+                answer = (int(res["held"]), str(res["refused"]))
+            except RuntimeError:  # the plugin's own failure
+                answer = (0, "failed")
+        if self.pressed:
+            self.pressure()
+        cached = self.schedule(request.prompt_token_ids)
+        if not self.fail:
+            _at_once(SimEngine.call_core(self, "vcache_release", [rid]))
+        return cached, answer if self.answers else None
 
     def step(self) -> None:
         inputs, self.inputs = self.inputs, []
@@ -98,9 +115,7 @@ class Core(SimEngine):
             if reply.cancelled():
                 continue
             if what.startswith("add:"):
-                if self.pressed:
-                    self.pressure()
-                reply.set_result(self.schedule(args.prompt_token_ids))
+                reply.set_result(self._add(args))
                 continue
             try:
                 reply.set_result(_at_once(SimEngine.call_core(self, what, *args)))
@@ -130,45 +145,69 @@ async def _answer(d: Dispatcher, x: Dispatch, rid: str, prompt: tuple[int, ...])
     return cached
 
 
-def test_the_hold_goes_with_its_request_one_step_sooner_and_is_its_prediction(
+def test_the_hold_rides_in_its_request_one_step_sooner_and_is_its_prediction(
     tmp_path: Path,
 ) -> None:
-    """Routed warm (three blocks), its hold is not awaited: it is sent right before the
-    request and applied at the same step boundary, before the request is queued.  Every
-    free block is taken before vLLM schedules it; held, the three stay: predicted 48,
-    served 48, exact.  Awaited (an engine that cannot send ahead), the request reaches
-    the core one boundary later, with the same prediction."""
+    """Routed warm (three blocks), its hold is not awaited: it rides in the request and
+    is taken as the core queues it.  Every free block is taken before vLLM schedules
+    it; held, the three stay: predicted 48, served 48, exact, with no core call and no
+    release from the gateway.  Awaited (an engine whose core takes no hold in a
+    request), the request reaches the core one boundary after the hold's call, with the
+    same prediction."""
 
-    async def main(ordered: bool) -> tuple[int, int, Dispatch, int]:
-        engine = Core(SHARED, ordered=ordered, pressure=True)
-        d, kv = _dispatcher(engine, tmp_path / str(ordered))
+    async def main(carries: bool) -> tuple[list[str], Dispatch, int]:
+        engine = Core(SHARED, carries=carries, pressure=True)
+        d, kv = _dispatcher(engine, tmp_path / str(carries))
         stepping = asyncio.create_task(_stepping(engine))
         x = await d.route(_greq("b", B_PROMPT), None)
-        routed = list(engine.applied)
+        routed = [w for _, w in engine.applied]
         served = await _answer(d, x, "b", B_PROMPT)
-        await kv.holds.flush()  # the release, sent after the hold
-        await until(lambda: engine.holds == {}, "released in the engine")
+        await kv.holds.flush()
+        await until(lambda: engine.holds == {}, "let go in the engine")
         stepping.cancel()
         await kv.close()
-        assert kv.holds.held == {R: 0} and kv.holds.pending() == 0
+        assert kv.holds.pending() == 0 and not any(kv.holds.held.values())
         results = d._metrics.registry.get_sample_value
         assert results("vcache_prediction_results_total", {"result": "exact", "cause": ""}) == 1
-        gap = engine.when("add:b") - engine.when("vcache_hold")
-        assert engine.when("vcache_release") > engine.when("add:b")
-        return gap, len(routed), x, served
+        assert results("vcache_kv_holds_total", {"replica": R, "outcome": "held"}) == 1
+        return routed, x, served
 
     (tmp_path / "True").mkdir()
     (tmp_path / "False").mkdir()
-    gap, routed, x, served = asyncio.run(main(ordered=True))
-    assert routed == 0  # routing sent nothing and waited for no step
-    assert gap == 0  # the hold and the request applied at one step boundary, in order
+    routed, x, served = asyncio.run(main(carries=True))
+    assert routed == []  # routing sent nothing and waited for no step
     assert (x.predicted_cached_tokens, served) == (3 * BS, 3 * BS)
     assert x.headers()["x-vcache-prediction"] == "exact" and x.approximate == ""
     assert prediction_result(x, served) == ("exact", "")
 
-    gap, routed, x, served = asyncio.run(main(ordered=False))
-    assert routed == 1 and gap >= 1  # held while routing: the request a step later
+    engine_calls = Core(SHARED, carries=False)
+    assert not SpanControl(engine_calls).in_request
+    routed, x, served = asyncio.run(main(carries=False))
+    assert routed == ["vcache_hold"]  # held while routing: the request a step later
     assert (x.predicted_cached_tokens, served) == (3 * BS, 3 * BS) and x.approximate == ""
+
+
+def test_the_carried_hold_is_taken_with_its_request_and_released_by_the_core(
+    tmp_path: Path,
+) -> None:
+    """What reaches the core: the request alone, its hold inside it (the blocks the index
+    predicted, the share, the reserve, the bound), and no release afterwards."""
+
+    async def main() -> None:
+        engine = Core(SHARED)
+        d, kv = _dispatcher(engine, tmp_path)
+        x = await d.route(_greq("b", B_PROMPT), None)
+        assert x.carried is not None
+        own = block_hashes(list(B_PROMPT), BS, "0")[: (len(B_PROMPT) - 1) // BS]
+        assert x.carried.hashes == tuple(bytes(h) for h in own)  # its prompt's, from the first
+        assert (x.carried.max_share, x.carried.reserve) == (0.25, 2048 // BS)
+        stepping = asyncio.create_task(_stepping(engine))
+        await _answer(d, x, "b", B_PROMPT)
+        await kv.close()
+        stepping.cancel()
+        assert [w for _, w in engine.applied] == ["add:b"] and engine.holds == {}
+
+    asyncio.run(main())
 
 
 def test_until_its_answer_the_prediction_is_the_indexs_and_says_so(tmp_path: Path) -> None:
@@ -183,11 +222,11 @@ def test_until_its_answer_the_prediction_is_the_indexs_and_says_so(tmp_path: Pat
         x = await asyncio.wait_for(d.route(_greq("b", B_PROMPT), None), 5)
         assert (x.predicted_cached_tokens, x.approximate) == (3 * BS, "hold_pending")
         assert x.headers()["x-vcache-prediction"] == "approximate"
-        assert x.ahead is not None and not x.ahead.sent
+        assert x.carried is not None and engine.inputs == []
         engine.resident.discard(bytes(SHARED[2]))  # evicted since the index saw it
         stepping = asyncio.create_task(_stepping(engine))
         served = await _answer(d, x, "b", B_PROMPT)
-        await kv.close()  # (its releases sent first)
+        await kv.close()
         stepping.cancel()
         assert (x.predicted_cached_tokens, served) == (2 * BS, 2 * BS)
         assert x.headers()["x-vcache-prediction"] == "exact"
@@ -195,7 +234,7 @@ def test_until_its_answer_the_prediction_is_the_indexs_and_says_so(tmp_path: Pat
     asyncio.run(main())
 
 
-def test_a_hold_refused_or_failed_ahead_leaves_the_prediction_approximate(
+def test_a_carried_hold_refused_failed_or_unanswered_leaves_the_prediction_approximate(
     tmp_path: Path,
 ) -> None:
     async def main(engine: Core, sub: str) -> tuple[Dispatch, int]:
@@ -203,12 +242,11 @@ def test_a_hold_refused_or_failed_ahead_leaves_the_prediction_approximate(
         d, kv = _dispatcher(engine, tmp_path / sub)
         stepping = asyncio.create_task(_stepping(engine))
         x = await d.route(_greq("b", B_PROMPT), None)
-        assert x.ahead is not None
+        assert x.carried is not None
         served = await _answer(d, x, "b", B_PROMPT)
-        await kv.holds.flush()
         stepping.cancel()
         await kv.close()
-        assert not any(kv.holds.held.values()) and engine.holds == {}
+        assert engine.holds == {} and [w for _, w in engine.applied] == ["add:b"]
         return x, served
 
     small = Core(SHARED, num_blocks=8)  # 25% of 8: two blocks, three asked
@@ -217,21 +255,20 @@ def test_a_hold_refused_or_failed_ahead_leaves_the_prediction_approximate(
     assert prediction_result(x, served) == ("approximate", "hold_budget")
     assert x.headers()["x-vcache-prediction"] == "approximate"
 
-    broken = Core(SHARED, fail=True)  # the plugin fails the call
+    broken = Core(SHARED, fail=True)  # the plugin fails the hold
     x, _ = asyncio.run(main(broken, "failed"))
     assert (x.approximate, x.predicted_cached_tokens) == ("hold_failed", 3 * BS)
 
-    dead = Core(SHARED)
-    dead.send_fails = True  # the send itself fails: the request goes, unheld
-    x, _ = asyncio.run(main(dead, "unsent"))
-    assert (x.approximate, x.predicted_cached_tokens) == ("hold_failed", 3 * BS)
-    assert [w for _, w in dead.applied] == ["add:b"]
+    silent = Core(SHARED, answers=False)  # the answer never came
+    x, served = asyncio.run(main(silent, "unanswered"))
+    assert (x.approximate, x.predicted_cached_tokens) == ("hold_unanswered", 3 * BS)
+    assert served == 3 * BS  # held all the same: only the answer is missing
 
 
-def test_the_hold_is_given_back_on_every_path(tmp_path: Path) -> None:
-    """Never sent (the journal failed before the send): nothing to release.  Sent and the
-    request cancelled before its answer was read, or failed in the engine: its id is
-    released, after the hold (same channel), and nothing is counted as held."""
+def test_nothing_to_give_back_on_any_path(tmp_path: Path) -> None:
+    """Never sent (the journal failed before the send): nothing reached the core.  Sent
+    and the client gone before the core applied it, or failed in the engine: the core
+    owns the hold and lets it go; the gateway has nothing to release."""
 
     async def main() -> None:
         engine = Core(SHARED)
@@ -241,45 +278,42 @@ def test_the_hold_is_given_back_on_every_path(tmp_path: Path) -> None:
         unsent = await d.route(_greq("a", A_PROMPT), None)
         d.release(unsent)
         await kv.holds.flush()
-        assert unsent.ahead is not None and unsent.ahead.given and engine.applied == []
+        assert unsent.carried is not None and engine.applied == []
 
         cancelled = await d.route(_greq("b", B_PROMPT), None)
         stepping.cancel()  # the core is busy with a step: nothing is applied meanwhile
         reading = asyncio.create_task(_answer(d, cancelled, "b", B_PROMPT))
-        await until(lambda: len(engine.inputs) == 2, "the hold and the request sent")
-        assert [w for w, _, _ in engine.inputs] == ["vcache_hold", "add:b"]
+        await until(lambda: len(engine.inputs) == 1, "the request sent")
+        assert [w for w, _, _ in engine.inputs] == ["add:b"]
         reading.cancel()  # the client went away
         await asyncio.wait({reading})
-        assert kv.holds.pending() == 1 and kv.holds.held == {}
         stepping = asyncio.create_task(_stepping(engine))
-        await kv.holds.flush()
-        await until(lambda: engine.holds == {}, "released in the engine")
-        assert engine.when("vcache_hold") <= engine.when("vcache_release")
+        await until(lambda: engine.steps > 2, "steps applied")
+        assert kv.holds.pending() == 0 and engine.holds == {}
 
         engine.request_fails = True
         failed = await d.route(_greq("c", B_PROMPT), None)
         with pytest.raises(Unavailable, match="died"):
             await _answer(d, failed, "c", B_PROMPT)
-        await kv.holds.flush()
-        await until(lambda: engine.holds == {}, "released in the engine")
-        assert kv.holds.held == {} and kv.holds.pending() == 0
-        assert [w for _, w in engine.applied].count("vcache_release") == 2
+        assert kv.holds.pending() == 0 and engine.holds == {}
+        assert "vcache_release" not in [w for _, w in engine.applied]
         stepping.cancel()
         await kv.close()
 
     asyncio.run(main())
 
 
-def test_serial_where_the_hold_cannot_ride_with_the_request(tmp_path: Path) -> None:
-    """Awaited while routing, as before: a remote-like engine (no ordered channel); a
-    running prefill of the request's blocks; holds off; a cold prediction (no call)."""
+def test_serial_where_the_hold_cannot_ride_in_the_request(tmp_path: Path) -> None:
+    """Awaited while routing, as before: a remote-like engine (its core takes no hold in
+    a request); a running prefill of the request's blocks; holds off; a cold prediction
+    (no call)."""
 
     async def main() -> None:
-        remote = Core(SHARED, ordered=False)
+        remote = Core(SHARED, carries=False)
         d, kv = _dispatcher(remote, tmp_path)
         stepping = asyncio.create_task(_stepping(remote))
         x = await d.route(_greq("b", B_PROMPT), None)
-        assert x.ahead is None and x.approximate == "" and x.predicted_cached_tokens == 3 * BS
+        assert x.carried is None and x.approximate == "" and x.predicted_cached_tokens == 3 * BS
         assert [w for _, w in remote.applied] == ["vcache_hold"]
         d.release(x)
         await kv.holds.flush()
@@ -293,7 +327,7 @@ def test_serial_where_the_hold_cannot_ride_with_the_request(tmp_path: Path) -> N
         blocks = block_hashes(list(A_PROMPT), BS, "0")[: (len(A_PROMPT) - 1) // BS]
         running = d.prefills.start(R, blocks)  # A's prefill of the three, still running
         x = await d.route(_greq("b", B_PROMPT), None)
-        assert x.ahead is None and x.approximate == ""  # held as many as A stores: exact
+        assert x.carried is None and x.approximate == ""  # held as many as A stores: exact
         assert [w for _, w in engine.applied] == ["vcache_hold"]
         d.release(x)
         d.prefills.finish(running)
@@ -307,47 +341,21 @@ def test_serial_where_the_hold_cannot_ride_with_the_request(tmp_path: Path) -> N
             engine = Core(resident)
             d, kv = _dispatcher(engine, tmp_path / sub, hold_share=share)
             x = await d.route(_greq("b", B_PROMPT), None)
-            assert x.ahead is None and engine.inputs == []
+            assert x.carried is None and engine.inputs == []
             d.release(x)
             await kv.close()
 
     asyncio.run(main())
 
 
-def test_span_control_sends_ahead_only_on_an_engine_that_orders() -> None:
-    class CallsOnly:  # a remote replica: its control endpoint has no order with requests
+def test_span_control_carries_holds_only_where_the_engine_takes_them() -> None:
+    class CallsOnly:  # a remote replica: holds are calls to its control endpoint
         async def call_core(self, method: str, *args: Any) -> Any:
             return {}
 
     class Closed(CallsOnly):
-        core_ordered = False
+        holds_in_request = False
 
-        def send_core(self, method: str, *args: Any) -> Awaitable[Any]:
-            raise AssertionError("not ordered: nothing sent")
-
-    assert not SpanControl(CallsOnly()).ordered
-    assert not SpanControl(Closed()).ordered
-    assert SpanControl(Core([])).ordered
-
-
-def test_a_result_read_after_the_receipt_was_given_holds_nothing(tmp_path: Path) -> None:
-    async def main() -> None:
-        engine = Core(SHARED)
-        _, kv = _dispatcher(engine, tmp_path)
-        pending = kv.holds.ahead(R, SHARED, 0.25, 1, 10)
-        pending.send()
-        pending.send()  # once
-        reading = asyncio.ensure_future(pending.result())
-        await asyncio.sleep(0)
-        pending.give()  # before the answer
-        engine.step()
-        got = await reading
-        assert got == HoldResult(None, 3, "") and kv.holds.held == {}
-        assert kv.holds.pending() == 1  # its id released
-        assert [w for w, _, _ in engine.inputs] == [] and len(engine.holds) == 1
-        stepping = asyncio.create_task(_stepping(engine))
-        await kv.close()  # (its releases sent first)
-        stepping.cancel()
-        assert engine.holds == {}
-
-    asyncio.run(main())
+    assert not SpanControl(CallsOnly()).in_request
+    assert not SpanControl(Closed()).in_request
+    assert SpanControl(Core([])).in_request
