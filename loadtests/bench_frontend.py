@@ -107,8 +107,9 @@ ARMS: dict[str, dict[str, str]] = {
     "per-output": {"VCACHE_ENGINE__OUTPUT_INTERVAL_MS": "0"},
     # the engine processes not niced below the gateway (vLLM's server does not nice its own)
     "nice0": {"VCACHE_ENGINE__NICE": "0"},
-    # no hold of a routed request's predicted blocks in its engine (a call to the engine
-    # core a request before it is sent); predictions are then approximate
+    # no hold of a routed request's predicted blocks in its engine (carried in the request,
+    # or a call to the engine core beside a running prefill of them); predictions are then
+    # approximate
     "no-hold": {"VCACHE_CACHE__HOLD_MAX_SHARE": "0"},
     # no touch of a routed request's predicted blocks before it is sent (another call to
     # the engine core a warm request, and a turn of the loop)

@@ -511,7 +511,7 @@ class Dispatcher:
         if trace is not None:
             trace.begin("dispatch", replica=d.replica_id)
         try:
-            if self._touch(d):
+            if self._may_wait(d, gate, greq.priority) and self._touch(d):
                 await asyncio.sleep(0)  # the touch is sent before the request
             if self.make_room is not None and self.kv is not None:
                 await self.make_room(self.kv, d.replica.id, d.hashes, self._blocks(greq))
@@ -618,6 +618,17 @@ class Dispatcher:
         if not stops:
             self._fold_prediction(d, cached)
         return cached
+
+    @staticmethod
+    def _may_wait(d: Dispatch, gate: FairGate | None, priority: int) -> bool:
+        """Whether ``d``'s blocks are touched before its send: unless its request carries
+        its hold and its slot is free.  Then the core takes the hold as it queues the
+        request, at the step boundary the touch would reach, and keeps the blocks out of
+        the free queue, where a touch only moves them to the far end: one core call a
+        request less.  (A hold the core refuses, past its share of the blocks, leaves them
+        where they are for the steps until the request is scheduled.)  A request that
+        may wait for its slot is touched first, and again after the wait."""
+        return d.carried is None or (gate is not None and not gate.free(priority))
 
     def _touch(self, d: Dispatch) -> bool:
         """Touch the blocks ``d`` predicts its request reads (False: nothing to touch)."""

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 
-from engines.base import GenerateChunk, GenerateRequest, SamplingOptions
+from engines.base import GenerateChunk, GenerateRequest, RequestHold, SamplingOptions
 from gateway.core.metrics import Metrics
 from gateway.local.dispatch import Dispatch, Dispatcher
 from gateway.local.replicas import Replica
@@ -64,9 +64,12 @@ def _run(tmp_path: Path, body: Body, refresh: bool = True, slots: int | None = N
     asyncio.run(main())
 
 
-async def _answer(d: Dispatcher, rid: str, predicted: int | None = 3 * BS) -> None:
+async def _answer(
+    d: Dispatcher, rid: str, predicted: int | None = 3 * BS, carried: bool = False
+) -> None:
     greq = GenerateRequest(rid, PROMPT, SamplingOptions(max_tokens=1))
-    dispatch = Dispatch(d.replicas[0], R, predicted, HASHES)
+    hold = RequestHold(tuple(bytes(h) for h in HASHES), 0.25, 1, 10.0) if carried else None
+    dispatch = Dispatch(d.replicas[0], R, predicted, HASHES, carried=hold)
     async for _ in d.run(greq, dispatch, "chat", time.perf_counter()):
         pass
 
@@ -108,6 +111,31 @@ def test_a_request_that_waited_for_a_slot_is_touched_again(tmp_path: Path) -> No
         assert _touched(m) == 9
 
     _run(tmp_path, body, slots=1)
+
+
+def test_a_request_carrying_its_hold_is_touched_only_if_it_may_wait(tmp_path: Path) -> None:
+    """Its hold, taken as the core queues it, keeps the blocks: no touch beside it.  One
+    that finds its slot taken is touched before it waits, and again after."""
+
+    async def free(core: FakeCore, engine: _Engine, d: Dispatcher, m: Metrics) -> None:
+        await _answer(d, "r1", carried=True)
+        await d.settle()
+        assert core.calls == ["generate r1"] and _touched(m) == 0
+
+    async def busy(core: FakeCore, engine: _Engine, d: Dispatcher, m: Metrics) -> None:
+        engine.go.clear()
+        first = asyncio.create_task(_answer(d, "r1", carried=True))
+        await until(lambda: "generate r1" in core.calls, "r1 has the only slot")
+        second = asyncio.create_task(_answer(d, "r2", carried=True))
+        waits = m.registry.get_sample_value
+        await until(lambda: waits("vcache_fair_queue_waits_total", {"replica": R}), "r2 waits")
+        engine.go.set()
+        await asyncio.gather(first, second)
+        await d.settle()
+        assert core.calls == ["generate r1", "vcache_touch", "vcache_touch", "generate r2"]
+
+    _run(tmp_path, free, slots=1)
+    _run(tmp_path, busy, slots=1)
 
 
 def test_nothing_is_touched_when_off_or_nothing_is_predicted(tmp_path: Path) -> None:
