@@ -35,10 +35,11 @@ from typing import Any
 
 HOLD_ARG = "vcache_hold"  # the request's extra_args key; its outputs' kv_transfer_params key
 ANSWERED_OUTPUTS = 4  # a request's first outputs that carry its hold's answer
-_GROUP = 0  # single KV-cache-group models (all the gateway serves today)
+GROUP = 0  # single KV-cache-group models (all the gateway serves today)
 
 
-def _pool(sched: Any) -> Any:
+def block_pool(sched: Any) -> Any:
+    """The scheduler's KV block pool (the prefix cache's blocks)."""
     return sched.kv_cache_manager.coordinator.block_pool
 
 
@@ -70,10 +71,11 @@ def _answers(sched: Any) -> dict[str, list[Any]]:
     return _state(sched, "_vcache_answers", dict)  # type: ignore[no-any-return]
 
 
-def _lookup(pool: Any, h: bytes) -> Any:
+def lookup(pool: Any, h: bytes) -> Any:
+    """The resident block of hash ``h`` in ``pool`` (None: not cached)."""
     from vllm.v1.core.kv_cache_utils import BlockHash
 
-    blocks = pool.get_cached_block(BlockHash(h), [_GROUP])
+    blocks = pool.get_cached_block(BlockHash(h), [GROUP])
     return blocks[0] if blocks else None
 
 
@@ -98,7 +100,7 @@ def let_go(sched: Any, hold_ids: Iterable[str]) -> int:
                 del held[h]
                 freed.append(entry[0])
     if freed:
-        _pool(sched).free_blocks(freed[::-1])  # a prefix's tail evicted first
+        block_pool(sched).free_blocks(freed[::-1])  # a prefix's tail evicted first
     return len(freed)
 
 
@@ -114,10 +116,10 @@ def take(
     ``{"held": blocks, "refused": "" | "budget" | "reserve" | "duplicate"}``."""
     now = time.monotonic()
     expire(sched, now)
-    pool, held, by = _pool(sched), _held(sched), _by_id(sched)
+    pool, held, by = block_pool(sched), _held(sched), _by_id(sched)
     prefix: list[tuple[bytes, Any]] = []
     for h in hashes:
-        block = held[h][0] if h in held else _lookup(pool, h)
+        block = held[h][0] if h in held else lookup(pool, h)
         if block is None:
             break
         prefix.append((h, block))

@@ -69,12 +69,11 @@ from typing import Any
 
 from engines.vllm import core_holds, top_prefill
 
-_GROUP = 0  # single KV-cache-group models (all the gateway serves today)
 FLUSH_TIMEOUT_S = 0.05  # longest a step waits for its events to be sent
 
 
 def _pool(core: Any) -> Any:
-    return core.scheduler.kv_cache_manager.coordinator.block_pool
+    return core_holds.block_pool(core.scheduler)
 
 
 def _pins(core: Any) -> dict[bytes, Any]:
@@ -83,13 +82,6 @@ def _pins(core: Any) -> dict[bytes, Any]:
         pins = {}
         core._vcache_pins = pins
     return pins
-
-
-def _lookup(pool: Any, h: bytes) -> Any:
-    from vllm.v1.core.kv_cache_utils import BlockHash
-
-    blocks = pool.get_cached_block(BlockHash(h), [_GROUP])
-    return blocks[0] if blocks else None
 
 
 def _publish_pending(core: Any) -> None:
@@ -172,7 +164,7 @@ def vcache_pin(
     for h in hashes:
         if h in pins:
             already.append(h)
-        elif (block := _lookup(pool, h)) is None:
+        elif (block := core_holds.lookup(pool, h)) is None:
             missing.append(h)
             continue
         elif len(pins) >= limit:
@@ -212,7 +204,7 @@ def vcache_touch(core: Any, hashes: list[bytes]) -> dict[str, Any]:
     blocks = []
     missing: list[bytes] = []
     for h in hashes:
-        block = _lookup(pool, h)
+        block = core_holds.lookup(pool, h)
         if block is None:
             missing.append(h)
         else:
@@ -227,7 +219,7 @@ def vcache_evict(core: Any, hashes: list[bytes]) -> dict[str, Any]:
     evicted: list[bytes] = []
     busy: list[bytes] = []
     for h in hashes:
-        block = _lookup(pool, h)
+        block = core_holds.lookup(pool, h)
         if block is None:
             continue
         if block.ref_cnt > 0 or h in pins:
@@ -294,7 +286,7 @@ def vcache_resident(core: Any) -> list[bytes]:
     from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
     cache = _pool(core).cached_block_hash_to_block._cache
-    return [bytes(get_block_hash(k)) for k in cache if get_group_id(k) == _GROUP]
+    return [bytes(get_block_hash(k)) for k in cache if get_group_id(k) == core_holds.GROUP]
 
 
 _METHODS = {

@@ -14,7 +14,7 @@ of span control once, to a 503 with Retry-After or a fallback.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,17 +37,6 @@ def _hashes(value: Any) -> tuple[bytes, ...]:
     return tuple(bytes(h) for h in value)
 
 
-async def _answered(method: str, reply: Awaitable[Any]) -> Any:
-    """A core call's reply, awaited through this module's one error boundary: an
-    :class:`EngineError` as it is, anything else as :class:`EngineUnavailable`."""
-    try:
-        return await reply
-    except EngineError:
-        raise
-    except Exception as exc:
-        raise EngineUnavailable(f"engine core call {method} failed: {exc}") from exc
-
-
 def _held(res: Any) -> tuple[int, str]:
     """A ``vcache_hold`` reply: (blocks held, why none were)."""
     try:
@@ -68,7 +57,14 @@ class SpanControl:
         return getattr(self._engine, "holds_in_request", False) is True
 
     async def _call(self, method: str, *args: Any) -> Any:
-        return await _answered(method, self._engine.call_core(method, *args))
+        """A core call's reply, through this module's one error boundary: an
+        :class:`EngineError` as it is, anything else as :class:`EngineUnavailable`."""
+        try:
+            return await self._engine.call_core(method, *args)
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineUnavailable(f"engine core call {method} failed: {exc}") from exc
 
     async def _reply(self, method: str, *args: Any) -> dict[str, Any]:
         res = await self._call(method, *args)
