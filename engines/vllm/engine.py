@@ -56,6 +56,7 @@ from engines.vllm.stats import CoreStats
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
+    from vllm.inputs.engine import TokensInput
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class VllmEngine:
         llm = self._llm
         if llm is None or self._closed:
             raise EngineUnavailable("engine is not ready")
-        prompt: TokensPrompt = _tokens_prompt(request)
+        prompt = _tokens_prompt(request)
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         params = _sampling_params(request)
@@ -403,16 +404,21 @@ def _translate(exc: Exception) -> EngineError:
     return EngineGenerationFailed(f"{type(exc).__name__}: {exc}")
 
 
-def _tokens_prompt(request: GenerateRequest) -> TokensPrompt:
-    """The prompt as vLLM takes it: the token ids, or, with images, the template's ids (one
-    image token per image) and the images loaded as vLLM's server loads a data URL's bytes
-    (``ImageMediaIO.load_bytes``: turned upright by EXIF, converted to RGB, kept with the
-    original bytes as ``MediaWithBytes``; vLLM's identifier is blake3 over those bytes and
-    the conversion, or the client's uuid where it gave one)."""
+def _tokens_prompt(request: GenerateRequest) -> TokensInput | TokensPrompt:
+    """The prompt as vLLM takes it: the token ids as vLLM's renderer hands them to its
+    engine (``TokensInput``: ``AsyncLLM.add_request`` takes a rendered input as it is, on
+    the loop, where a raw prompt goes through its renderer on a thread pool, a hop and a
+    thread's CPU a request for ids that need no tokenizing), or, with images, the
+    template's ids (one image token per image) and the images loaded as vLLM's server
+    loads a data URL's bytes (``ImageMediaIO.load_bytes``: turned upright by EXIF,
+    converted to RGB, kept with the original bytes as ``MediaWithBytes``; vLLM's
+    identifier is blake3 over those bytes and the conversion, or the client's uuid where
+    it gave one), a raw prompt whose images vLLM's renderer processes off the loop."""
     from vllm.inputs import TokensPrompt
+    from vllm.inputs.engine import tokens_input
 
     if not request.images:
-        return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        return tokens_input(list(request.prompt_token_ids))
     from vllm.multimodal.media.image import ImageMediaIO
 
     assert request.template_token_ids is not None  # GenerateRequest checks it

@@ -31,8 +31,9 @@ def _request(images: tuple[EngineImage, ...]) -> GenerateRequest:
 
 
 def test_a_text_prompt_is_its_token_ids_alone() -> None:
+    # rendered already (vLLM's TokensInput): vLLM takes it on the loop, untokenized
     prompt = _tokens_prompt(_request(()))
-    assert prompt == {"prompt_token_ids": [1, 9, 9, 9, 9, 2]}
+    assert prompt == {"type": "token", "prompt_token_ids": [1, 9, 9, 9, 9, 2]}
 
 
 def test_images_go_with_the_template_ids_and_their_original_bytes() -> None:
