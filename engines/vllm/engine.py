@@ -17,7 +17,8 @@ import hashlib
 import importlib
 import logging
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -114,11 +115,14 @@ class VllmEngine:
         loggers = [self._core_stats.factory()]
         # Building the engine blocks for tens of seconds: keep the loop free
         # so /healthz answers while the model loads.
-        if self._slot is None:
-            with core_env(core_environment(self._config)):  # replicas start one at a time
-                llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=loggers)
-        else:  # the engine core runs already: attach to it
-            llm = await asyncio.to_thread(self._slot.attach, args, loggers)
+        with environment_read_afresh():
+            if self._slot is None:
+                with core_env(core_environment(self._config)):  # replicas start one at a time
+                    llm = await asyncio.to_thread(
+                        AsyncLLM.from_engine_args, args, stat_loggers=loggers
+                    )
+            else:  # the engine core runs already: attach to it
+                llm = await asyncio.to_thread(self._slot.attach, args, loggers)
         cache = llm.vllm_config.cache_config
         self._capabilities = EngineCapabilities(
             name="vllm",
@@ -303,6 +307,24 @@ class VllmEngine:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
+
+
+@contextmanager
+def environment_read_afresh() -> Iterator[None]:
+    """vLLM's environment variables read afresh while the block runs (an engine starting:
+    ``core_env`` sets its core's variables meanwhile), then cached, as vLLM's engine core
+    caches its own once started (``vllm.envs.enable_envs_cache``): vLLM's output handler
+    in this process reads one on every engine output of every request
+    (``IterationStats.update_from_output``: ``VLLM_COMPUTE_NANS_IN_LOGITS``), an
+    ``os.environ`` lookup and a parse each.  The environment is not changed under a
+    running engine (vLLM's rule for the cache)."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        envs.enable_envs_cache()
 
 
 def _held(out: Any) -> tuple[int, str] | None:

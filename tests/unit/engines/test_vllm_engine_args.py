@@ -142,3 +142,22 @@ def test_the_charts_replicas_name_the_class_and_the_variables_it_reads() -> None
         assert f'{{name: {name}, value: "1"}}' in replicas, name
     values = yaml.safe_load((chart / "values.yaml").read_text())["vllm"]["topPrefill"]
     assert values == {"whole": False, "alone": False, "decodes": False}  # as they have run
+
+
+def test_vllms_environment_is_read_afresh_while_an_engine_starts_then_cached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm import envs
+
+    from engines.vllm.engine import environment_read_afresh
+
+    monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "0")
+    try:
+        with environment_read_afresh():
+            monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
+            assert envs.VLLM_COMPUTE_NANS_IN_LOGITS  # read as it is now
+        monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "0")
+        assert envs.VLLM_COMPUTE_NANS_IN_LOGITS  # cached as it was when the engine ran
+    finally:
+        envs.disable_envs_cache()
+    assert not envs.VLLM_COMPUTE_NANS_IN_LOGITS
