@@ -54,6 +54,7 @@ from engines.vllm.placement import core_env
 from engines.vllm.sampling import sampling_fields, stop_string
 from engines.vllm.shared_core import CoreSlot
 from engines.vllm.stats import CoreStats
+from engines.vllm.whole_text import WholeText, byte_level, decoded_once
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
@@ -75,6 +76,7 @@ class VllmEngine:
         self._tokenizer: ChatTokenizer | None = None
         self._capabilities: EngineCapabilities | None = None
         self._closed = False
+        self._decodes_whole = False  # answers sent whole are detokenized once (whole_text)
         self._core_stats = CoreStats()
         # vLLM names an adapter by an int id too: by name, the id and path given it last
         self._lora_ids: dict[str, tuple[int, str]] = {}
@@ -136,6 +138,7 @@ class VllmEngine:
             model=str(llm.model_config.model),
         )
         self._tokenizer = tokenizer
+        self._decodes_whole = byte_level(llm.tokenizer)
         self._llm = llm
         for adapter in self._config.adapters:  # vLLM's --lora-modules
             await self.load_adapter(adapter)
@@ -161,6 +164,10 @@ class VllmEngine:
         if request.hold is not None:  # taken by the core as it queues the request
             h = request.hold
             params.extra_args = {HOLD_ARG: [list(h.hashes), h.max_share, h.reserve, h.ttl_s]}
+        whole: WholeText | None = None
+        if self._decodes_whole and decoded_once(request):  # its text made once, at its end
+            params.detokenize = False
+            whole = WholeText(llm.tokenizer, request, params)
         lora = self._lora_request(request.lora) if request.lora is not None else None
         stream = llm.generate(
             prompt,
@@ -194,9 +201,14 @@ class VllmEngine:
                     done = completion.finish_reason is not None or (
                         out.finished and request.sampling.n == 1
                     )
+                    ids = tuple(completion.token_ids)
+                    text = completion.text
+                    if whole is not None:
+                        ended = completion.finish_reason == "stop"  # by EOS or a stop token
+                        text = whole.add(completion.index, ids, done, ended)
                     yield GenerateChunk(
-                        text=completion.text,
-                        token_ids=tuple(completion.token_ids),
+                        text=text,
+                        token_ids=ids,
                         num_prompt_tokens=len(out.prompt_token_ids or ()),
                         num_cached_tokens=out.num_cached_tokens or 0,
                         finish_reason=_finish_reason(completion.finish_reason) if done else None,
