@@ -12,10 +12,13 @@ bytes, so decoding is the same in one piece as in many), such an answer is asked
 with ``detokenize=False`` and its text made here, at its end:
 
 - the answer's ids decoded once after the prompt's last tokens, the text past the
-  prompt's: vLLM's stream yields the same where the prompt ends on a whole character
-  and the answer's bytes are whole UTF-8 (no replacement character, which the stream
-  holds back);
-- otherwise vLLM's own detokenizer, run over the ids as vLLM would have run it.
+  prompt's, up to its last token whose text so far does not end in a replacement
+  character: vLLM's stream yields text at each token whose text does not (a character
+  not yet whole waits for its next bytes, a stray byte for the next token), and where a
+  token's does, the text up to it is the decoding of the bytes up to it, one piece or
+  many alike (UTF-8 resynchronizes at every whole character);
+- where the prompt itself ends within a character, vLLM's own detokenizer, run over the
+  ids as vLLM would have run it.
 
 A token that ended the answer (EOS, a stop token) is left out of the text unless
 ``include_stop_str_in_output``, as vLLM leaves it out.
@@ -86,15 +89,24 @@ class WholeText:
 
     def text(self, ids: Sequence[int], stop_terminated: bool) -> str:
         """The text vLLM's detokenizer makes of an answer of ``ids``."""
-        shown = ids[:-1] if stop_terminated and not self._include_stop and ids else ids
+        shown = list(ids[:-1] if stop_terminated and not self._include_stop and ids else ids)
         tail = list(self._prompt[-TAIL:])
-        head = self._tok.decode(tail, skip_special_tokens=self._skip)
-        if head and not head.endswith(REPLACEMENT):
-            full = self._tok.decode([*tail, *shown], skip_special_tokens=self._skip)
-            text: str = full[len(head) :]
-            if full.startswith(head) and REPLACEMENT not in text:
-                return text
-        return self._streamed(ids, stop_terminated)
+        try:
+            head = self._tok.decode(tail, skip_special_tokens=self._skip)
+            if not head or head.endswith(REPLACEMENT):  # the prompt ends within a character
+                return self._streamed(ids, stop_terminated)
+            text: str = self._tok.decode([*tail, *shown], skip_special_tokens=self._skip)
+            if not text.startswith(head):
+                return self._streamed(ids, stop_terminated)
+            # the stream yields nothing past its last token whose text did not end in a
+            # replacement character (a character not yet whole, or a stray byte)
+            n = len(shown)
+            while text.endswith(REPLACEMENT) and n > 0:
+                n -= 1
+                text = self._tok.decode([*tail, *shown[:n]], skip_special_tokens=self._skip)
+            return text[len(head) :]
+        except Exception:  # an id the tokenizer cannot take: as vLLM's detokenizer takes it
+            return self._streamed(ids, stop_terminated)
 
     def _streamed(self, ids: Sequence[int], stop_terminated: bool) -> str:
         """vLLM's own detokenizer over ``ids``, token by token, as it runs in vLLM."""

@@ -73,7 +73,7 @@ def test_random_answers_read_as_vllms_detokenizer_reads_them(
 ) -> None:
     rng = random.Random(f"{skip}{include_stop}")
     vocab = len(tokenizer)
-    for _ in range(300):
+    for _ in range(1000):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 48))]
         ended = rng.random() < 0.3
@@ -125,3 +125,22 @@ def test_what_reads_the_text_as_it_grows_keeps_vllms_detokenizer() -> None:
         template_token_ids=(1,),
     )
     assert not decoded_once(with_image)
+
+
+def test_an_answer_ending_within_a_character_is_decoded_once_too(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = tokenizer.encode("Say the price.")
+    euro = tokenizer.encode("€")
+    assert len(euro) > 1  # bytes the stream holds back until the character is whole
+    ids = tokenizer.encode(" It costs 5") + euro[:-1]
+    request = _request(prompt)
+    whole = WholeText(tokenizer, request, _params(request))
+    expected = _vllms(tokenizer, request, [[i] for i in ids], False)
+
+    def not_token_by_token(*_: Any) -> str:
+        raise AssertionError("decoded token by token")
+
+    monkeypatch.setattr(whole, "_streamed", not_token_by_token)
+    assert whole.text(ids, False) == expected == " It costs 5"
+    assert whole.text([*ids, euro[-1]], False) == " It costs 5€"
