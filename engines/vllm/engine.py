@@ -43,6 +43,7 @@ from engines.errors import (
 from engines.lora import LoraRef
 from engines.tokenizer import ChatTokenizer
 from engines.vllm.core_holds import HOLD_ARG
+from engines.vllm.detokenize import AnswerText, byte_level, detokenized_here
 from engines.vllm.engine_config import (
     VllmEngineConfig,
     core_environment,
@@ -54,7 +55,6 @@ from engines.vllm.placement import core_env
 from engines.vllm.sampling import sampling_fields, stop_string
 from engines.vllm.shared_core import CoreSlot
 from engines.vllm.stats import CoreStats
-from engines.vllm.whole_text import WholeText, byte_level, decoded_once
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
@@ -76,7 +76,7 @@ class VllmEngine:
         self._tokenizer: ChatTokenizer | None = None
         self._capabilities: EngineCapabilities | None = None
         self._closed = False
-        self._decodes_whole = False  # answers sent whole are detokenized once (whole_text)
+        self._detokenizes = False  # answers detokenized an output at a time (detokenize.py)
         self._core_stats = CoreStats()
         # vLLM names an adapter by an int id too: by name, the id and path given it last
         self._lora_ids: dict[str, tuple[int, str]] = {}
@@ -138,7 +138,7 @@ class VllmEngine:
             model=str(llm.model_config.model),
         )
         self._tokenizer = tokenizer
-        self._decodes_whole = byte_level(llm.tokenizer)
+        self._detokenizes = byte_level(llm.tokenizer)
         self._llm = llm
         for adapter in self._config.adapters:  # vLLM's --lora-modules
             await self.load_adapter(adapter)
@@ -164,10 +164,10 @@ class VllmEngine:
         if request.hold is not None:  # taken by the core as it queues the request
             h = request.hold
             params.extra_args = {HOLD_ARG: [list(h.hashes), h.max_share, h.reserve, h.ttl_s]}
-        whole: WholeText | None = None
-        if self._decodes_whole and decoded_once(request):  # its text made once, at its end
+        here: AnswerText | None = None
+        if self._detokenizes and detokenized_here(request):  # an output at a time, not a token
             params.detokenize = False
-            whole = WholeText(llm.tokenizer, request, params)
+            here = AnswerText(llm.tokenizer, request, params)
         lora = self._lora_request(request.lora) if request.lora is not None else None
         stream = llm.generate(
             prompt,
@@ -203,9 +203,9 @@ class VllmEngine:
                     )
                     ids = tuple(completion.token_ids)
                     text = completion.text
-                    if whole is not None:
+                    if here is not None:
                         ended = completion.finish_reason == "stop"  # by EOS or a stop token
-                        text = whole.add(completion.index, ids, done, ended)
+                        text = here.add(completion.index, ids, done, ended)
                     yield GenerateChunk(
                         text=text,
                         token_ids=ids,
