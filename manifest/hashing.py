@@ -17,6 +17,7 @@ KV events carry either the full 32 bytes or, with
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ def sha256_cbor(obj: object) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
+@functools.cache  # one a seed: every prompt's chain starts from it
 def root_hash(seed: str) -> BlockHash:
     """The parent of every first block (vLLM's ``NONE_HASH``) for ``PYTHONHASHSEED=seed``."""
     return BlockHash(sha256_cbor(seed))
