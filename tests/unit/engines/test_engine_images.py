@@ -4,13 +4,16 @@ the template's ids (vLLM expands them), the images' original bytes, the client's
 from __future__ import annotations
 
 import io
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from PIL import Image
 
 from engines.base import EngineImage, GenerateRequest, SamplingOptions
 from engines.vllm.engine import _tokens_prompt
+
+if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
 from engines.vllm.engine_config import VllmEngineConfig, engine_args
 
 
@@ -39,7 +42,7 @@ def test_a_text_prompt_is_its_token_ids_alone() -> None:
 def test_images_go_with_the_template_ids_and_their_original_bytes() -> None:
     a, b = _png((32, 24)), _png((8, 64))
     images = (EngineImage(a, "image/png", "ida"), EngineImage(b, "image/png", "idb"))
-    prompt = _tokens_prompt(_request(images))
+    prompt = cast("TokensPrompt", _tokens_prompt(_request(images)))  # a raw prompt
     assert prompt["prompt_token_ids"] == [1, 9, 2]  # not the expanded ids
     data = prompt.get("multi_modal_data")
     assert data is not None
@@ -52,7 +55,7 @@ def test_images_go_with_the_template_ids_and_their_original_bytes() -> None:
 def test_a_client_uuid_is_passed_where_given() -> None:
     data = _png((16, 16))
     images = (EngineImage(data, "image/png", "u1", uuid="u1"), EngineImage(data, "image/png", "h"))
-    prompt = _tokens_prompt(_request(images))
+    prompt = cast("TokensPrompt", _tokens_prompt(_request(images)))
     assert prompt["multi_modal_uuids"] == {"image": ["u1", None]}
 
 
