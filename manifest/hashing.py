@@ -17,7 +17,6 @@ KV events carry either the full 32 bytes or, with
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,7 +39,6 @@ def sha256_cbor(obj: object) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
-@functools.cache  # one a seed: every prompt's chain starts from it
 def root_hash(seed: str) -> BlockHash:
     """The parent of every first block (vLLM's ``NONE_HASH``) for ``PYTHONHASHSEED=seed``."""
     return BlockHash(sha256_cbor(seed))
@@ -116,11 +114,19 @@ class HashMemo:
             raise ValueError("capacity must be positive")
         self.capacity = capacity
         self._known: dict[BlockKey, BlockHash] = {}
+        self._roots: dict[str, BlockHash] = {}  # by seed: every prompt's chain starts there
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._known)
+
+    def root(self, seed: str) -> BlockHash:
+        """:func:`root_hash` of ``seed``, computed once."""
+        h = self._roots.get(seed)
+        if h is None:
+            h = self._roots[seed] = root_hash(seed)
+        return h
 
     def hash(self, key: BlockKey) -> BlockHash:
         """The hash of the block ``key`` names (vLLM's ``hash_block_tokens``)."""
@@ -170,7 +176,7 @@ class BlockChain:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
-        self._root = root_hash(self.seed)
+        self._root = root_hash(self.seed) if self.memo is None else self.memo.root(self.seed)
 
     @property
     def num_tokens(self) -> int:

@@ -116,6 +116,8 @@ def test_root_is_vllm_none_hash(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONHASHSEED", "42")
     kv.init_none_hash(hashing.sha256_cbor)
     assert root_hash("42") == kv.NONE_HASH
+    memo = HashMemo()  # remembered by seed, each its own
+    assert memo.root("42") == kv.NONE_HASH == memo.root("42") != memo.root("7")
 
 
 def test_event_hash_is_vllm_int_form(monkeypatch: pytest.MonkeyPatch) -> None:
