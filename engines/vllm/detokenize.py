@@ -85,7 +85,7 @@ class AnswerText:
         ``stop_terminated``: its last token is the EOS or stop token that ended it)."""
         ended = done and stop_terminated
         if not self._whole_start or index in self._vllms:
-            return self._streamed(index, ids, ended)
+            return self._streamed(index, ids, done, ended)
         shown = ids[:-1] if ended and not self._include_stop and ids else ids
         pending = self._pending.setdefault(index, [])
         pending.extend(shown)
@@ -98,22 +98,23 @@ class AnswerText:
                 n -= 1
                 text = self._tok.decode(pending[:n], skip_special_tokens=self._skip)
         except Exception:  # an id the tokenizer cannot take: vLLM's detokenizer from here
-            return self._switch(index)
+            return self._switch(index, done)
         del pending[:n]
         return text
 
-    def _switch(self, index: int) -> str:
+    def _switch(self, index: int, done: bool) -> str:
         """vLLM's detokenizer for the rest of answer ``index``, from the end of its text
         so far (a whole character, as the prompt's end): first the ids still pending (the
         token that ended the answer left out of them already)."""
         pending = self._pending.pop(index)
-        return self._streamed(index, pending, False)
+        return self._streamed(index, pending, done, False)
 
-    def _streamed(self, index: int, ids: Sequence[int], ended: bool) -> str:
-        """vLLM's own detokenizer over this output of answer ``index``, as vLLM runs it."""
+    def _streamed(self, index: int, ids: Sequence[int], done: bool, ended: bool) -> str:
+        """vLLM's own detokenizer over this output of answer ``index``, as vLLM runs it
+        (``ended``: its last id is the token that ended the answer)."""
         d = self._vllm(index)
         d.update(list(ids), ended)
-        text: str = d.get_next_output_text(finished=ended, delta=True)
+        text: str = d.get_next_output_text(finished=done, delta=True)
         return text
 
     def _vllm(self, index: int) -> Any:
