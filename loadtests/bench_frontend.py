@@ -103,6 +103,8 @@ ARMS: dict[str, dict[str, str]] = {
     "guard-replica": {"VCACHE_ENGINE__GUARD_SCOPE": "replica"},
     "no-retention": {"VCACHE_CACHE__RETENTION__ENABLED": "false"},
     "verify": {"VCACHE_SESSION_LOG__VERIFY_RECONSTRUCTION": "true"},  # off by default
+    # no session log: what journaling every request costs (a deployment's choice, not a default)
+    "no-session-log": {"VCACHE_SESSION_LOG__ENABLED": "false"},
     # each engine output read as it comes (one SSE event a step), as vLLM's server does
     "per-output": {"VCACHE_ENGINE__OUTPUT_INTERVAL_MS": "0"},
     # the engine processes not niced below the gateway (vLLM's server does not nice its own)

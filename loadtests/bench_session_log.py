@@ -17,8 +17,16 @@ and with one; the loop's cost of a request is the difference of the loop
 thread's CPU (``time.thread_time``) between the two, the writer's its
 thread's CPU over the requests.  The loop's figure counts the vLLM payload's
 bytes the journal keeps of each request (``vllm_payload``, built for it
-alone).  ``--profile`` prints cProfile's top functions of both threads (their
-own time).  Prints a table, writes JSON.
+alone).  ``wait`` is how long a request waited for its record to be committed
+(``Journal.sent``, before it may be sent: part of its TTFT), p50 and p90.
+
+``--busy SHARE`` keeps the event loop busy that share of the time (pure Python
+in 4 ms turns, as a gateway's loop is under load) beside the requests; the
+spinning's own CPU is not counted in the loop's figure.  The writer thread
+gives the GIL back at every step of the database and waits to take it again
+while the loop runs: what that costs shows here, not on an idle loop.
+``--profile`` prints cProfile's top functions of both threads (their own
+time).  Prints a table, writes JSON.
 
     python -m loadtests.bench_session_log --requests 2000 --rounds 3
 """
@@ -91,6 +99,7 @@ class Driver:
         self.shape, self.concurrency, self.turns = shape, concurrency, turns
         self.convos = [Convo(self.systems[c % 6], []) for c in range(concurrency)]
         self.ids = [rng.randrange(150_000) for _ in range(1130)]
+        self.waits: list[float] = []  # seconds each request's record took (Journal.sent)
 
     def request(self, i: int, client: int) -> tuple[Header, tuple[MessageEvent, ...]]:
         rng = random.Random(i)
@@ -121,7 +130,9 @@ class Driver:
                 if journal.log is not None:  # the bytes the journal keeps of a vLLM request
                     body = vllm_payload(self.ids, None, SAMPLING)  # (LocalPrepared.sent)
                     directives = {"cache_salt": None, "sampling": SAMPLING}
+                    t0 = time.perf_counter()
                     await journal.sent(op, rid, "local", "vllm", directives, body)
+                    self.waits.append(time.perf_counter() - t0)
                 # the engine's turn: requests end apart, as the gateway's do
                 await asyncio.sleep(self.engine_s * random.Random(i).uniform(0.5, 1.5))
                 answer = text(random.Random(-i), 32)
@@ -129,6 +140,36 @@ class Driver:
                 await journal.answered(op, rid, answer, Usage.of(1130, 32, 1024))
 
         await asyncio.gather(*(client(c) for c in range(self.concurrency)))
+
+
+class Spinner:
+    """Keeps the loop busy ``share`` of the time: pure Python for ``share`` of each 4 ms
+    turn, then a sleep for the rest.  ``cpu_s``: the spinning's own CPU."""
+
+    TURN_S = 0.004
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.cpu_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _spin(self) -> None:
+        while True:
+            c0, end = time.thread_time(), time.perf_counter() + self.share * self.TURN_S
+            n = 0
+            while time.perf_counter() < end:
+                n += sum(range(64))
+            self.cpu_s += time.thread_time() - c0
+            await asyncio.sleep((1 - self.share) * self.TURN_S)
+
+    def __enter__(self) -> Spinner:
+        if self.share > 0:
+            self._task = asyncio.get_running_loop().create_task(self._spin())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 def _no_adapter(provider: str) -> Any:
@@ -150,7 +191,13 @@ def _top(prof: cProfile.Profile, n: int) -> str:
 
 
 async def _arm(
-    driver: Driver, requests: int, logged: bool, folder: Path, fsync: FsyncPolicy, profile: int
+    driver: Driver,
+    requests: int,
+    logged: bool,
+    folder: Path,
+    fsync: FsyncPolicy,
+    profile: int,
+    busy: float,
 ) -> dict[str, Any]:
     log = None
     if logged:
@@ -163,9 +210,14 @@ async def _arm(
         await log.writer.run(profs[1].enable)
         profs[0].enable()
     w0, l0, t0 = writer_cpu(), time.thread_time(), time.perf_counter()
-    await driver.run(journal, requests)
+    with Spinner(busy) as spinner:
+        await driver.run(journal, requests)
     w1, l1, t1 = writer_cpu(), time.thread_time(), time.perf_counter()
-    out: dict[str, Any] = {"loop_s": l1 - l0, "writer_s": w1 - w0, "wall_s": t1 - t0}
+    loop_s = l1 - l0 - spinner.cpu_s
+    out: dict[str, Any] = {"loop_s": loop_s, "writer_s": w1 - w0, "wall_s": t1 - t0}
+    if driver.waits:
+        q = statistics.quantiles(driver.waits, n=10)
+        out["wait_p50_ms"], out["wait_p90_ms"] = q[4] * 1e3, q[8] * 1e3
     if log is not None:
         if profs is not None:
             profs[0].disable()
@@ -181,28 +233,33 @@ async def _arm(
 async def run(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
     rows = []
     for shape in args.shapes:
-        loop_us, writer_us, wall, per_commit = [], [], [], []
+        loop_us, writer_us, wall, per_commit, w50, w90 = [], [], [], [], [], []
         for r in range(args.rounds):
             driver = Driver(shape, args.concurrency, args.turns, args.engine_ms)
-            off = await _arm(driver, args.requests, False, folder, args.fsync, 0)
+            off = await _arm(driver, args.requests, False, folder, args.fsync, 0, args.busy)
             driver = Driver(shape, args.concurrency, args.turns, args.engine_ms)
             prof = args.profile if r == args.rounds - 1 else 0
-            on = await _arm(driver, args.requests, True, folder, args.fsync, prof)
+            on = await _arm(driver, args.requests, True, folder, args.fsync, prof, args.busy)
             n = args.requests
             loop_us.append((on["loop_s"] - off["loop_s"]) / n * 1e6)
             writer_us.append(on["writer_s"] / n * 1e6)
             wall.append((on["wall_s"] - off["wall_s"]) / n * 1e6)
             per_commit.append(on["jobs"] / max(on["commits"], 1))
+            w50.append(on["wait_p50_ms"])
+            w90.append(on["wait_p90_ms"])
         rows.append(
             {
                 "shape": shape,
                 "requests": args.requests,
                 "concurrency": args.concurrency,
+                "busy": args.busy,
                 "loop_us": statistics.median(loop_us),
                 "writer_us": statistics.median(writer_us),
                 "wall_us": statistics.median(wall),
                 "jobs_per_commit": statistics.median(per_commit),
-                "rounds": {"loop_us": loop_us, "writer_us": writer_us},
+                "wait_p50_ms": statistics.median(w50),
+                "wait_p90_ms": statistics.median(w90),
+                "rounds": {"loop_us": loop_us, "writer_us": writer_us, "wait_p90_ms": w90},
             }
         )
     return rows
@@ -210,13 +267,14 @@ async def run(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"{'shape':<8} {'requests':>8} {'loop µs/req':>11} {'writer µs/req':>13} "
-        f"{'wall µs/req':>11} {'jobs/commit':>11}"
+        f"{'shape':<8} {'busy':>4} {'requests':>8} {'loop µs/req':>11} {'writer µs/req':>13} "
+        f"{'wall µs/req':>11} {'jobs/commit':>11} {'wait p50 ms':>11} {'p90':>6}"
     ]
     for r in rows:
         lines.append(
-            f"{r['shape']:<8} {r['requests']:>8} {r['loop_us']:>11.0f} {r['writer_us']:>13.0f} "
-            f"{r['wall_us']:>11.0f} {r['jobs_per_commit']:>11.1f}"
+            f"{r['shape']:<8} {r['busy']:>4.2f} {r['requests']:>8} {r['loop_us']:>11.0f} "
+            f"{r['writer_us']:>13.0f} {r['wall_us']:>11.0f} {r['jobs_per_commit']:>11.1f} "
+            f"{r['wait_p50_ms']:>11.2f} {r['wait_p90_ms']:>6.2f}"
         )
     return "\n".join(lines)
 
@@ -232,6 +290,9 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=8, help="questions per resumed conversation")
     ap.add_argument("--rounds", type=int, default=3, help="median of these")
     ap.add_argument("--fsync", default="normal", choices=["full", "normal", "off"])
+    ap.add_argument(
+        "--busy", type=float, default=0.0, help="share of the time the loop is kept busy (0-0.9)"
+    )
     ap.add_argument("--profile", type=int, default=0, help="top N functions, last round")
     ap.add_argument("--out", default="bench-session-log.json")
     args = ap.parse_args()
