@@ -21,7 +21,7 @@ alone).  ``wait`` is how long a request waited for its record to be committed
 (``Journal.sent``, before it may be sent: part of its TTFT), p50 and p90.
 
 ``--busy SHARE`` keeps the event loop busy that share of the time (pure Python
-in 4 ms turns, as a gateway's loop is under load) beside the requests; the
+in turns of 4 ms on average, as a gateway's loop is under load) beside the requests; the
 spinning's own CPU is not counted in the loop's figure.  The writer thread
 gives the GIL back at every step of the database and waits to take it again
 while the loop runs: what that costs shows here, not on an idle loop.
@@ -143,24 +143,28 @@ class Driver:
 
 
 class Spinner:
-    """Keeps the loop busy ``share`` of the time: pure Python for ``share`` of each 4 ms
-    turn, then a sleep for the rest.  ``cpu_s``: the spinning's own CPU."""
+    """Keeps the loop busy ``share`` of the time: pure Python for ``share`` of a turn of
+    4 ms on average, then a sleep for the rest, each of random length (0.5 to 1.5 times
+    its mean: turns of one length would lock into step with the requests' own timers).
+    ``cpu_s``: the spinning's own CPU."""
 
     TURN_S = 0.004
 
-    def __init__(self, share: float) -> None:
+    def __init__(self, share: float, seed: int = 48) -> None:
         self.share = share
         self.cpu_s = 0.0
+        self._rng = random.Random(seed)
         self._task: asyncio.Task[None] | None = None
 
     async def _spin(self) -> None:
         while True:
-            c0, end = time.thread_time(), time.perf_counter() + self.share * self.TURN_S
+            busy = self.share * self.TURN_S * self._rng.uniform(0.5, 1.5)
+            c0, end = time.thread_time(), time.perf_counter() + busy
             n = 0
             while time.perf_counter() < end:
                 n += sum(range(64))
             self.cpu_s += time.thread_time() - c0
-            await asyncio.sleep((1 - self.share) * self.TURN_S)
+            await asyncio.sleep((1 - self.share) * self.TURN_S * self._rng.uniform(0.5, 1.5))
 
     def __enter__(self) -> Spinner:
         if self.share > 0:
