@@ -21,10 +21,11 @@ alone).  ``wait`` is how long a request waited for its record to be committed
 (``Journal.sent``, before it may be sent: part of its TTFT), p50 and p90.
 
 ``--busy SHARE`` keeps the event loop busy that share of the time (pure Python
-in turns of 4 ms on average, as a gateway's loop is under load) beside the requests; the
-spinning's own CPU is not counted in the loop's figure.  The writer thread
-gives the GIL back at every step of the database and waits to take it again
-while the loop runs: what that costs shows here, not on an idle loop.
+in turns of 4 ms on average, as a gateway's loop is under load) beside the
+requests; the spinning's own CPU is not counted in the loop's figure.  There a
+record's wait holds the request's turn back through the busy loop, and the
+writer's CPU its waits to take the GIL back after each step of the database:
+what neither shows on an idle loop.
 ``--profile`` prints cProfile's top functions of both threads (their own
 time).  Prints a table, writes JSON.
 
