@@ -7,7 +7,10 @@ import asyncio
 import time
 from pathlib import Path
 
-from loadtests.bench_session_log import Driver, Spinner, _arm, table
+from gateway.sessions.log import SessionLog
+from gateway.sessions.reconstruct import Reconstructor
+from gateway.sessions.store import SessionStore
+from loadtests.bench_session_log import Driver, Spinner, _arm, _no_adapter, table
 
 
 def test_a_logged_arm_reads_each_requests_wait_and_journals_it_twice(tmp_path: Path) -> None:
@@ -17,6 +20,18 @@ def test_a_logged_arm_reads_each_requests_wait_and_journals_it_twice(tmp_path: P
     assert len(driver.waits) == 24 and all(w > 0 for w in driver.waits)
     assert 0 < out["wait_p50_ms"] <= out["wait_p90_ms"]
     assert out["writer_s"] > 0
+
+
+def test_the_writers_cpu_is_its_own_logs_beside_another_idle_one(tmp_path: Path) -> None:
+    other = SessionLog(
+        SessionStore(tmp_path / "other.db"), Reconstructor(_no_adapter, lambda: None), False
+    )
+    try:
+        driver = Driver("new", concurrency=4, turns=2, engine_ms=2)
+        out = asyncio.run(_arm(driver, 24, True, tmp_path, "off", 0, 0.0))
+    finally:
+        other.close()
+    assert out["writer_s"] > 0  # not the other log's writer thread, which did nothing
 
 
 def test_an_arm_without_a_log_waits_for_nothing(tmp_path: Path) -> None:
