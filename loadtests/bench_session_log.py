@@ -161,9 +161,8 @@ class Spinner:
         while True:
             busy = self.share * self.TURN_S * self._rng.uniform(0.5, 1.5)
             c0, end = time.thread_time(), time.perf_counter() + busy
-            n = 0
             while time.perf_counter() < end:
-                n += sum(range(64))
+                sum(range(64))
             self.cpu_s += time.thread_time() - c0
             await asyncio.sleep((1 - self.share) * self.TURN_S * self._rng.uniform(0.5, 1.5))
 
