@@ -302,6 +302,8 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, help="top N functions, last round")
     ap.add_argument("--out", default="bench-session-log.json")
     args = ap.parse_args()
+    if not 0 <= args.busy <= 0.9:
+        ap.error(f"--busy {args.busy}: a share of the time from 0 to 0.9")
     with tempfile.TemporaryDirectory() as folder:
         rows = asyncio.run(run(args, Path(folder)))
     print(table(rows))
