@@ -164,3 +164,11 @@ def test_a_generate_choice_becomes_an_engine_chunk() -> None:
     assert choice_chunk("generate", {"text": "", "token_ids": [7]}, 4).logprobs == ()
     usage = usage_chunk({"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": 0}}, 4)
     assert (usage.num_prompt_tokens, usage.num_cached_tokens) == (4, 0)
+
+
+def test_each_request_gets_parameters_of_its_own_that_vllm_copies_shallowly() -> None:
+    request = _request(RICH)
+    params, again = _sampling_params(request), _sampling_params(request)
+    assert params is not again and params.stop is not again.stop  # nothing shared
+    copy = params.clone()  # what vLLM's input processor keeps of them
+    assert copy is not params and copy.stop is params.stop  # shallow: no deepcopy
