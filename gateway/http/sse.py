@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Send
 
 from gateway.core.errors import APIError
 
@@ -32,6 +33,21 @@ def named_frame(item: BaseModel) -> bytes:
 
 def openai_error(exc: APIError) -> bytes:
     return _event(json.dumps(exc.body()).encode())
+
+
+class EventStream(StreamingResponse):
+    """A stream of events whose closing bytes (``tail``: OpenAI's ``[DONE]``, once the
+    stream ended well) go out with the chunked body's end, in one write, not two."""
+
+    tail = b""
+
+    async def stream_response(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": self.tail, "more_body": False})
 
 
 async def open_stream(
@@ -62,10 +78,11 @@ async def open_stream(
         finally:
             await stream.aclose()
         if done is not None:
-            yield done
+            response.tail = done  # sent with the body's end
 
-    return StreamingResponse(
+    response = EventStream(
         body(),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
     )
+    return response
