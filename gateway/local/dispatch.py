@@ -49,7 +49,7 @@ from gateway.local.prefills import Prefill, Prefills
 from gateway.local.refresh import Refresh
 from gateway.local.replica_set import ReplicaSet
 from gateway.local.replicas import Replica
-from gateway.local.room import MakeRoom, keep_room
+from gateway.local.room import MakeRoom, RoomKeeper
 from gateway.local.routing import RouteContext, Router
 from gateway.local.spans import KVSpans, image_spans
 from gateway.local.ttft import Stamps, priority_class
@@ -502,7 +502,7 @@ class Dispatcher:
         stamps = Stamps(t0, time.perf_counter())
         gate = self._gates.get(d.replica.id)
         held = Held(None)  # its place in the gate: a higher class may stop its prefill
-        keeper: asyncio.Task[None] | None = None
+        keeper: RoomKeeper | None = None
         counted = False  # in the replica's in-flight count
         prompt = cached = completion = 0
         finish = "stop"
@@ -524,7 +524,7 @@ class Dispatcher:
                 if waits and self._touch(d):  # others ran meanwhile: touched again
                     await asyncio.sleep(0)
             if self.make_room is not None and self.kv is not None:
-                keeper = keep_room(
+                keeper = RoomKeeper(
                     self.make_room,
                     self.kv,
                     d.replica.id,

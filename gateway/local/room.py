@@ -25,23 +25,38 @@ MakeRoom = Callable[[KVSpans, LocationId, Sequence[BlockHash], int], Awaitable[i
 ROOM_CHECK_S = 1.0  # how often a request waiting for its first token asks for room again
 
 
-def keep_room(
-    make_room: MakeRoom,
-    kv: KVSpans,
-    replica: LocationId,
-    hashes: Sequence[BlockHash],
-    need: int,
-    name: str,
-) -> asyncio.Task[None]:
-    """Ask for ``need`` blocks on ``replica`` every ROOM_CHECK_S until cancelled (at the
-    request's first token, or its end)."""
+class RoomKeeper:
+    """Asks for a request's room every :data:`ROOM_CHECK_S` until cancelled (at the
+    request's first token, or its end).  Until the first check is due it is one timer,
+    no task: most requests have their first token long before."""
 
-    async def keep() -> None:
+    def __init__(
+        self,
+        make_room: MakeRoom,
+        kv: KVSpans,
+        replica: LocationId,
+        hashes: Sequence[BlockHash],
+        need: int,
+        name: str,
+    ) -> None:
+        self._ask = make_room, kv, replica, hashes, need
+        self._name = name
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(ROOM_CHECK_S, self._start)
+
+    def _start(self) -> None:
+        self._task = asyncio.create_task(self._keep(), name=f"room for {self._name}")
+
+    async def _keep(self) -> None:
+        make_room, kv, replica, hashes, need = self._ask
         while True:
-            await asyncio.sleep(ROOM_CHECK_S)
             try:
                 await make_room(kv, replica, hashes, need)
             except EngineError as exc:  # the request fails or goes on by itself
                 log.debug("replica %s: no room made (%s)", replica, exc)
+            await asyncio.sleep(ROOM_CHECK_S)
 
-    return asyncio.create_task(keep(), name=f"room for {name}")
+    def cancel(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
