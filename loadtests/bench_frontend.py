@@ -63,6 +63,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -237,7 +238,13 @@ def summarize(slices: Sequence[Slice]) -> Row:
         requests_per_s=n / wall if wall else 0.0,
         load_avg_max=max((max(s.load_avg) for s in slices), default=0.0),
         slices=[
-            {"at": s.at, "wall_s": s.wall_s, "cpu_s": s.cpu_s, "load_avg": list(s.load_avg)}
+            {
+                "at": s.at,
+                "wall_s": s.wall_s,
+                "cpu_s": s.cpu_s,
+                "tokens": sum(a.tokens for a in s.answers),
+                "load_avg": list(s.load_avg),
+            }
             for s in slices
         ],
     )
@@ -259,6 +266,17 @@ def ratios(row: Row, base: Row) -> dict[str, float | None]:
     for key in RATIO_KEYS:
         b = getattr(base, key)
         out[key] = getattr(row, key) / b if b else None
+    return out
+
+
+def round_ratios(row: Row, base: Row) -> list[float]:
+    """``row``'s CPU a token over ``base``'s, round by round (their slices of one round ran
+    back to back, on the host as it was then): how far the host's drift moves the ratio
+    the row's totals give."""
+    out = []
+    for s, b in zip(row.slices, base.slices, strict=False):
+        if s.get("tokens") and b.get("tokens") and b["cpu_s"]:
+            out.append((s["cpu_s"] / s["tokens"]) / (b["cpu_s"] / b["tokens"]))
     return out
 
 
@@ -332,6 +350,13 @@ def table(rows: Mapping[str, Mapping[str, Row]]) -> str:
                     f"{_x(x['cpu_us_per_token']):>8}{_x(x['ttft_p50_ms']):>9}"
                     f"{_x(x['ttft_p90_ms']):>7}{_x(x['e2e_p50_ms']):>8}{_x(x['tokens_per_s']):>7}"
                 )
+                spread = round_ratios(r, base)
+                if len(spread) > 1:
+                    lines.append(
+                        f"{'':<9}{'  CPU/token by round':<24}{'':>5}"
+                        f" {min(spread):.2f}-{max(spread):.2f}x,"
+                        f" median {statistics.median(spread):.2f}x"
+                    )
             if r.errors:
                 lines.append(f"{'':<9}  {r.errors} requests failed")
     return "\n".join(lines)
@@ -839,6 +864,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": {load: {s: asdict(r) for s, r in by.items()} for load, by in rows.items()},
         "ratios": {
             load: {s: ratios(r, by[VLLM]) for s, r in by.items() if s != VLLM}
+            for load, by in rows.items()
+        },
+        "cpu_per_token_by_round": {
+            load: {s: round_ratios(r, by[VLLM]) for s, r in by.items() if s != VLLM}
             for load, by in rows.items()
         },
         "ttft_phases_ms": phases,

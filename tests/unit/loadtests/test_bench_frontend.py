@@ -24,6 +24,7 @@ from loadtests.bench_frontend import (
     question,
     ratios,
     request_body,
+    round_ratios,
     summarize,
     system_prompts,
     table,
@@ -86,6 +87,18 @@ def test_the_table_puts_vllm_first_and_each_gateway_with_its_ratios() -> None:
     assert lines[2].split()[:2] == ["streamed", "vcache"]
     assert lines[3].split() == ["ratio", "to", "vllm", "1.50x", "1.50x"] + ["1.20x"] * 3 + ["0.85x"]
     assert lines[4].split() == ["2", "requests", "failed"]
+
+
+def test_each_rounds_cpu_ratio_pairs_the_slices_of_one_round() -> None:
+    def row(*cpu_s: float) -> Row:
+        answers = [Answer(0.1, 0.5, 32, 1) for _ in range(4)]  # 128 tokens a slice
+        return summarize([_slice(c, 1.0, answers) for c in cpu_s])
+
+    vllm, gw = row(0.4, 0.5, 0.4), row(0.3, 0.3, 0.36)
+    assert round_ratios(gw, vllm) == pytest.approx([0.75, 0.6, 0.9])
+    assert round_ratios(gw, summarize([])) == []
+    lines = table({"whole": {"vcache": gw, VLLM: vllm}}).splitlines()
+    assert lines[4].split() == ["CPU/token", "by", "round", "0.60-0.90x,", "median", "0.75x"]
 
 
 STACKS = [
