@@ -62,10 +62,9 @@ class _Refused(Exception):
 class HeadWithBody:
     """The transport a response writes to, holding the response's first write (its head)
     until its next (the body's first bytes) so both go out in one system call; held
-    at most until the loop's next turn or the connection's close.  On a loopback or
-    virtual NIC each write is a system call that also wakes the reader: ~50 µs on the
-    2-core bench host, so one fewer per response is a share of a whole answer's
-    frontend CPU (docs/notebook_frontend.md)."""
+    at most until the loop's next turn or the connection's close.  Each write is a
+    system call that also wakes the reader: one fewer per response is a share of a
+    whole answer's frontend CPU (docs/benchmarks.md)."""
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
