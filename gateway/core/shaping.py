@@ -108,9 +108,11 @@ async def chat_completion(rid: str, model: str, pieces: Pieces, shape: Shape) ->
 
 async def chat_chunks(
     rid: str, model: str, pieces: Pieces, shape: Shape
-) -> AsyncGenerator[ChatCompletionChunk, None]:
+) -> AsyncGenerator[list[ChatCompletionChunk], None]:
     """OpenAI's chat stream: each choice's role, the text as it comes, the finish reasons
-    in last empty deltas, then (``include_usage``) a chunk with only the usage."""
+    in last empty deltas, then (``include_usage``) a chunk with only the usage.  Yields
+    the chunks of one piece together (the roles with the first piece's): they are made
+    at once, and go out in one write."""
     created = int(time.time())
 
     running = _Running(shape.continuous_usage)
@@ -141,9 +143,10 @@ async def chat_chunks(
         if first is not None:
             running.start(first)
             head = _prompt_extras(shape, first)
-        for i in range(shape.n):
-            role = ChunkDelta(role="assistant", content=shape.echo)
-            yield chunk(i, role, **(head if i == 0 else {}))
+        roles = [
+            chunk(i, ChunkDelta(role="assistant", content=shape.echo), **(head if i == 0 else {}))
+            for i in range(shape.n)
+        ]
         ended: set[int] = set()  # samples whose finish reason went out with their last text
 
         def step(p: Piece) -> list[ChatCompletionChunk]:
@@ -174,12 +177,10 @@ async def chat_chunks(
                     )
             return out
 
-        if first is not None:
-            for c in step(first):
-                yield c
+        yield roles + (step(first) if first is not None else [])
         async for p in pieces:
-            for c in step(p):
-                yield c
+            if out := step(p):
+                yield out
 
 
 def _call_delta(d: ToolCallDelta) -> ToolCallDeltaOut:

@@ -340,7 +340,7 @@ class GatewayService:
         who: Principal,
         route: RouteOverride | None = None,
         session: str | None = None,
-    ) -> Routed[AsyncGenerator[ChatCompletionChunk, None]]:
+    ) -> Routed[AsyncGenerator[list[ChatCompletionChunk], None]]:
         req = self.named(req)
         routed = await self.answer(req, who, route, session)
         a = routed.body

@@ -111,15 +111,20 @@ async def _chain(first: Piece | None, rest: Pieces) -> Pieces:
         yield p
 
 
-async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[StreamEvent, None]:
+async def stream_events(
+    mid: str, model: str, pieces: Pieces
+) -> AsyncGenerator[list[StreamEvent], None]:
     """The stream in Anthropic's events: a text block, then one tool_use block per call
     (its input as JSON deltas), each started when its first piece arrives.
     ``message_start`` carries the prompt's tokens where the engine knew them at the
-    first token (the local one does); ``message_delta`` the totals."""
+    first token (the local one does); ``message_delta`` the totals.  Yields the events
+    of one piece together (the message's start with the first piece's, its stop with
+    the last's): they are made at once, and go out in one write."""
     index, open_kind = -1, ""
     blocks: dict[int, int] = {}  # tool call index → content block index
     thoughts: dict[int, int] = {}  # thinking block index → content block index
     finish, stop_sequence = "stop", None
+    stopped = False
     async with aclosing(pieces):
         first = await anext(pieces, None)  # produced already: the stream is primed
         prompt, read = (first.prompt_tokens or 0, first.cached_tokens or 0) if first else (0, 0)
@@ -132,13 +137,12 @@ async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[
                 input_tokens=prompt - read, output_tokens=0, cache_read_input_tokens=read
             ),
         )
-        yield MessageStart(message=start)
-        yield Ping()
+        out: list[StreamEvent] = [MessageStart(message=start), Ping()]
         async for p in _chain(first, pieces):
             for t in p.thinking:  # thinking blocks come first, each one whole in its turn
                 if t.index not in thoughts:
                     if open_kind:
-                        yield ContentBlockStop(index=index)
+                        out.append(ContentBlockStop(index=index))
                     index, open_kind = index + 1, "thinking"
                     thoughts[t.index] = index
                     redacted = t.redacted is not None
@@ -147,37 +151,45 @@ async def stream_events(mid: str, model: str, pieces: Pieces) -> AsyncGenerator[
                         if redacted
                         else ThinkingOut(thinking="", signature="")
                     )
-                    yield ContentBlockStart(index=index, content_block=block)
+                    out.append(ContentBlockStart(index=index, content_block=block))
                 at = thoughts[t.index]
                 if t.text:
-                    yield ContentBlockDelta(index=at, delta=ThinkingDelta(thinking=t.text))
+                    out.append(ContentBlockDelta(index=at, delta=ThinkingDelta(thinking=t.text)))
                 if t.signature:
-                    yield ContentBlockDelta(index=at, delta=SignatureDelta(signature=t.signature))
+                    signed = SignatureDelta(signature=t.signature)
+                    out.append(ContentBlockDelta(index=at, delta=signed))
             if p.text:
                 if open_kind != "text":
                     if open_kind:
-                        yield ContentBlockStop(index=index)
+                        out.append(ContentBlockStop(index=index))
                     index, open_kind = index + 1, "text"
-                    yield ContentBlockStart(index=index, content_block=TextOut(text=""))
-                yield ContentBlockDelta(index=index, delta=TextDelta(text=p.text))
+                    out.append(ContentBlockStart(index=index, content_block=TextOut(text="")))
+                out.append(ContentBlockDelta(index=index, delta=TextDelta(text=p.text)))
             for d in p.tool_calls:
                 if d.index not in blocks:
                     if open_kind:
-                        yield ContentBlockStop(index=index)
+                        out.append(ContentBlockStop(index=index))
                     index, open_kind = index + 1, "tool"
                     blocks[d.index] = index
                     use = ToolUseOut(id=d.id or "", name=d.name or "", input={})
-                    yield ContentBlockStart(index=index, content_block=use)
+                    out.append(ContentBlockStart(index=index, content_block=use))
                 if d.arguments:
                     delta = InputJsonDelta(partial_json=d.arguments)
-                    yield ContentBlockDelta(index=blocks[d.index], delta=delta)
+                    out.append(ContentBlockDelta(index=blocks[d.index], delta=delta))
             finish = p.finish_reason or finish
             stop_sequence = p.stop_sequence or stop_sequence
-            if p.usage is not None:
+            if p.usage is not None:  # the last piece
                 if open_kind:
-                    yield ContentBlockStop(index=index)
+                    out.append(ContentBlockStop(index=index))
                     open_kind = ""
                 reason, seq = _stopped(finish, stop_sequence)
                 stop = StopDelta(stop_reason=reason, stop_sequence=seq)
-                yield MessageDelta(delta=stop, usage=message_usage(p.usage))
-    yield MessageStop()
+                out += [MessageDelta(delta=stop, usage=message_usage(p.usage)), MessageStop()]
+                stopped = True
+            if out:
+                yield out
+                out = []
+        if out:  # no piece came
+            yield out
+    if not stopped:
+        yield [MessageStop()]

@@ -372,7 +372,7 @@ class Messages:
         who: Principal,
         route: RouteOverride | None,
         session: str | None,
-    ) -> Routed[AsyncGenerator[StreamEvent, None]]:
+    ) -> Routed[AsyncGenerator[list[StreamEvent], None]]:
         """Started (its first token produced) when it returns: errors before it are
         raised here as HTTP errors, not inside a 200 stream."""
         chat, names = mapped(req)

@@ -187,38 +187,42 @@ class ResponseStream:
             self.rid, self.req, self.created, self.items, self.finish or "stop", self.usage
         )
 
-    async def events(self, pieces: Pieces) -> AsyncGenerator[StreamEvent, None]:
+    async def events(self, pieces: Pieces) -> AsyncGenerator[list[StreamEvent], None]:
         """Every event through ``response.completed`` (or ``incomplete``), but the last:
-        the caller stores the response first, then sends :meth:`final`."""
+        the caller stores the response first, then sends :meth:`final`.  Yields the
+        events of one piece together (the response's start with the first piece's, the
+        items' closing ones with the last's): they are made at once, and go out in one
+        write."""
         pending = response_object(self.rid, self.req, self.created)
-        yield ResponseState(type="response.created", sequence_number=self.n(), response=pending)
-        yield ResponseState(type="response.in_progress", sequence_number=self.n(), response=pending)
+        out: list[StreamEvent] = [
+            ResponseState(type="response.created", sequence_number=self.n(), response=pending),
+            ResponseState(type="response.in_progress", sequence_number=self.n(), response=pending),
+        ]
         cur: _Open | None = None
         calls: dict[int, _Open] = {}
         async with aclosing(pieces):
             async for p in pieces:
                 if p.text and p.index == 0:
                     if cur is None or not isinstance(cur.item, OutputMessage):
-                        for ev in self._close(cur):
-                            yield ev
+                        out += self._close(cur)
                         cur = _Open(
                             len(self.items), OutputMessage(id=new_id("msg"), status="in_progress")
                         )
-                        for ev in self._opened(cur):
-                            yield ev
+                        out += self._opened(cur)
                     cur.parts.append(p.text)
-                    yield TextDelta(
-                        sequence_number=self.n(),
-                        item_id=cur.item.id,
-                        output_index=cur.index,
-                        delta=p.text,
+                    out.append(
+                        TextDelta(
+                            sequence_number=self.n(),
+                            item_id=cur.item.id,
+                            output_index=cur.index,
+                            delta=p.text,
+                        )
                     )
                 for tc in p.tool_calls if p.index == 0 else ():
                     if tc.index not in calls:
                         if len(calls) == self.req.max_tool_calls:
                             continue  # past max_tool_calls: not an output item
-                        for ev in self._close(cur):
-                            yield ev
+                        out += self._close(cur)
                         item = call_item(
                             self.tools,
                             tc.name or "",
@@ -227,28 +231,31 @@ class ResponseStream:
                             "in_progress",
                         )
                         cur = calls[tc.index] = _Open(len(self.items), item)
-                        for ev in self._opened(cur):
-                            yield ev
+                        out += self._opened(cur)
                     o = calls[tc.index]
                     if tc.arguments:
                         o.parts.append(tc.arguments)
                         if isinstance(o.item, OutputCustomToolCall):
                             continue  # its input is sent whole when the call is
-                        yield ArgumentsDelta(
-                            sequence_number=self.n(),
-                            item_id=o.item.id,
-                            output_index=o.index,
-                            delta=tc.arguments,
+                        out.append(
+                            ArgumentsDelta(
+                                sequence_number=self.n(),
+                                item_id=o.item.id,
+                                output_index=o.index,
+                                delta=tc.arguments,
+                            )
                         )
                 if p.index == 0:
                     self.finish = p.finish_reason or self.finish
                 self.usage = p.usage or self.usage
+                if p.usage is None and out:  # the last piece's go with the closing events
+                    yield out
+                    out = []
         if cur is None:  # nothing written, nothing called: an empty message
             cur = _Open(0, OutputMessage(id=new_id("msg"), status="in_progress"))
-            for ev in self._opened(cur):
-                yield ev
-        for ev in self._close(cur):
-            yield ev
+            out += self._opened(cur)
+        out += self._close(cur)
+        yield out
 
     def _opened(self, o: _Open) -> list[StreamEvent]:
         self.items.append(o.item)

@@ -331,7 +331,7 @@ class Responses:
 
     async def stream(
         self, req: ResponsesRequest, tools: ResponseTools, who: Principal, session: str | None
-    ) -> tuple[AsyncGenerator[StreamEvent, None], ResponseStream, Served]:
+    ) -> tuple[AsyncGenerator[list[StreamEvent], None], ResponseStream, Served]:
         """The response's events, started (first token) on return; the stream's state
         numbers an error event, should the answer fail after it started."""
         chat, session, names = await self._chat_request(req, who, session, tools)
@@ -345,13 +345,13 @@ class Responses:
         state = ResponseStream(new_id("resp"), req, int(time.time()), tools)
         served = routed.served
 
-        async def events() -> AsyncGenerator[StreamEvent, None]:
-            async for ev in state.events(routed.body.pieces):
-                yield ev
+        async def events() -> AsyncGenerator[list[StreamEvent], None]:
+            async for batch in state.events(routed.body.pieces):
+                yield batch
             body = state.final()
             await self._save(served, body, who)
             kind = "response.incomplete" if body.status == "incomplete" else "response.completed"
-            yield ResponseState(type=kind, sequence_number=state.n(), response=body)
+            yield [ResponseState(type=kind, sequence_number=state.n(), response=body)]
 
         return events(), state, served
 

@@ -1,6 +1,6 @@
 """An OpenAI event stream's ``[DONE]`` goes out with the chunked body's end (one ASGI
-message, so one write); a stream that failed after it started ends with its error event
-and no ``[DONE]``."""
+message, so one write); the events of one piece, yielded together, in one message too; a
+stream that failed after it started ends with its error event and no ``[DONE]``."""
 
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ from typing import Any
 from pydantic import BaseModel
 
 from gateway.core.errors import APIError
-from gateway.http.sse import DONE, open_stream
+from gateway.http.sse import DONE, Events, open_stream
 
 
 class Item(BaseModel):
     n: int
 
 
-async def _items(n: int, fail: bool = False) -> AsyncGenerator[BaseModel, None]:
+async def _items(n: int, fail: bool = False) -> AsyncGenerator[Events, None]:
     for i in range(n):
         yield Item(n=i)
     if fail:
         raise APIError("the engine went away", code="engine_unavailable")
 
 
-async def _messages(stream: AsyncGenerator[BaseModel, None]) -> list[dict[str, Any]]:
+async def _messages(stream: AsyncGenerator[Events, None]) -> list[dict[str, Any]]:
     sent: list[dict[str, Any]] = []
 
     async def send(message: Any) -> None:
@@ -53,3 +53,16 @@ def test_a_stream_that_fails_ends_with_its_error_and_no_done() -> None:
     assert b"engine_unavailable" in bodies[1] and sent[2]["more_body"] is True
     assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     assert DONE not in b"".join(bodies)
+
+
+def test_the_events_of_one_piece_are_one_message() -> None:
+    async def pieces() -> AsyncGenerator[Events, None]:
+        yield [Item(n=0), Item(n=1)]  # one piece's
+        yield Item(n=2)
+
+    sent = asyncio.run(_messages(pieces()))
+    assert [m["body"] for m in sent[1:]] == [
+        b'data: {"n":0}\n\ndata: {"n":1}\n\n',
+        b'data: {"n":2}\n\n',
+        DONE,
+    ]

@@ -29,10 +29,10 @@ def test_closing_a_stream_aborts_the_engine_request(demo_model: Path) -> None:
             stream=True,
         )
         routed = await svc.chat_stream(req, Principal(tenant="t"))
-        first = await anext(routed.body)
+        first = await anext(routed.body)  # the role's chunk and the first piece's
         assert engine.stats().unfinished_requests == 1
         await routed.body.aclose()  # the client went away
-        assert engine.aborted == [first.id]
+        assert engine.aborted == [first[0].id]
         assert engine.stats().unfinished_requests == 0
         assert svc.dispatcher.replicas[0].inflight == 0
         text = metrics.render().decode()
