@@ -210,14 +210,7 @@ class ResponseStream:
                         )
                         out += self._opened(cur)
                     cur.parts.append(p.text)
-                    out.append(
-                        TextDelta(
-                            sequence_number=self.n(),
-                            item_id=cur.item.id,
-                            output_index=cur.index,
-                            delta=p.text,
-                        )
-                    )
+                    out.append(self._delta(TextDelta, cur, p.text))
                 for tc in p.tool_calls if p.index == 0 else ():
                     if tc.index not in calls:
                         if len(calls) == self.req.max_tool_calls:
@@ -237,14 +230,7 @@ class ResponseStream:
                         o.parts.append(tc.arguments)
                         if isinstance(o.item, OutputCustomToolCall):
                             continue  # its input is sent whole when the call is
-                        out.append(
-                            ArgumentsDelta(
-                                sequence_number=self.n(),
-                                item_id=o.item.id,
-                                output_index=o.index,
-                                delta=tc.arguments,
-                            )
-                        )
+                        out.append(self._delta(ArgumentsDelta, o, tc.arguments))
                 if p.index == 0:
                     self.finish = p.finish_reason or self.finish
                 self.usage = p.usage or self.usage
@@ -256,6 +242,12 @@ class ResponseStream:
             out += self._opened(cur)
         out += self._close(cur)
         yield out
+
+    def _delta(
+        self, kind: type[TextDelta] | type[ArgumentsDelta], o: _Open, text: str
+    ) -> TextDelta | ArgumentsDelta:
+        """The next piece of ``o``'s text (a message's) or arguments (a call's)."""
+        return kind(sequence_number=self.n(), item_id=o.item.id, output_index=o.index, delta=text)
 
     def _opened(self, o: _Open) -> list[StreamEvent]:
         self.items.append(o.item)
