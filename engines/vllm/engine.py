@@ -356,8 +356,8 @@ def _sampling_params(request: GenerateRequest) -> Any:
     if "structured_outputs" in fields:
         fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
     # made afresh for each request and read by nothing else: vLLM's input processor then
-    # copies it shallowly, not deeply (~45 µs a request on this host), as vLLM's own
-    # server asks for its requests' parameters (ChatCompletionRequest.to_sampling_params)
+    # copies it shallowly, not deeply (the deep copy was 1.7% of the loop's busy time on
+    # whole answers), as vLLM's own server asks (ChatCompletionRequest.to_sampling_params)
     return SamplingParams(**fields, output_kind=RequestOutputKind.DELTA, skip_clone=True)
 
 
