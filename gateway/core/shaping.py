@@ -221,9 +221,10 @@ async def completion(rid: str, model: str, pieces: Pieces, shape: Shape) -> Comp
 
 async def completion_chunks(
     rid: str, model: str, pieces: Pieces, shape: Shape
-) -> AsyncGenerator[Completion, None]:
+) -> AsyncGenerator[list[Completion], None]:
     """OpenAI's text-completion stream: one chunk per piece of text (a sample's last with
-    its finish reason), then (``include_usage``) a chunk with only the usage."""
+    its finish reason), then (``include_usage``) a chunk with only the usage; each piece's
+    as one write, as every stream yields them."""
     offsets = [0] * shape.n
     running = _Running(shape.continuous_usage)
     async with aclosing(pieces):
@@ -241,6 +242,8 @@ async def completion_chunks(
                     logprobs=lps,
                     **_ids(shape, p),
                 )
-                yield Completion(id=rid, model=model, choices=[choice], usage=running.now(p.index))
+                yield [
+                    Completion(id=rid, model=model, choices=[choice], usage=running.now(p.index))
+                ]
             elif shape.include_usage:
-                yield Completion(id=rid, model=model, choices=[], usage=p.usage)
+                yield [Completion(id=rid, model=model, choices=[], usage=p.usage)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import TypeAlias
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -51,20 +50,15 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": self.tail, "more_body": False})
 
 
-# what a stream yields: one event, or the events of one piece of the answer (they were
-# made at once: written at once, one system call)
-Events: TypeAlias = BaseModel | Sequence[BaseModel]
-
-
 async def open_stream(
-    stream: AsyncGenerator[Events, None],
+    stream: AsyncGenerator[Sequence[BaseModel], None],
     headers: dict[str, str] | None = None,
     frame: Callable[[BaseModel], bytes] = openai_frame,
     on_error: Callable[[APIError], bytes] = openai_error,
     done: bytes | None = DONE,
 ) -> StreamingResponse:
-    """Start ``stream`` now and return the response: each item ``stream`` yields (an
-    event, or the events of one piece of the answer) goes out in one write.
+    """Start ``stream`` now and return the response: each item ``stream`` yields, the
+    events of one piece of the answer (made at once), goes out in one write.
 
     The first item is awaited here, so an error before it (unknown model, full
     queue, prompt too long) is raised to the caller and becomes a normal HTTP
@@ -73,8 +67,8 @@ async def open_stream(
     """
     first = await anext(stream)
 
-    def framed(item: Events) -> bytes:
-        return frame(item) if isinstance(item, BaseModel) else b"".join(map(frame, item))
+    def framed(events: Sequence[BaseModel]) -> bytes:
+        return b"".join(map(frame, events))
 
     async def body() -> AsyncIterator[bytes]:
         try:

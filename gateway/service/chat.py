@@ -387,7 +387,7 @@ class GatewayService:
 
     async def complete_stream(
         self, req: CompletionRequest, who: Principal, route: RouteOverride | None = None
-    ) -> Routed[AsyncGenerator[Completion, None]]:
+    ) -> Routed[AsyncGenerator[list[Completion], None]]:
         """A stream that has produced its first piece (errors before it are raised here)."""
         req = self.named(req)
         routed = await self._text_answer(req, who, route, whole=False)

@@ -1,31 +1,34 @@
 """An OpenAI event stream's ``[DONE]`` goes out with the chunked body's end (one ASGI
-message, so one write); the events of one piece, yielded together, in one message too; a
+message, so one write); the events of one piece, yielded together, in one message; a
 stream that failed after it started ends with its error event and no ``[DONE]``."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
 from gateway.core.errors import APIError
-from gateway.http.sse import DONE, Events, open_stream
+from gateway.http.sse import DONE, open_stream
 
 
 class Item(BaseModel):
     n: int
 
 
-async def _items(n: int, fail: bool = False) -> AsyncGenerator[Events, None]:
+Events = AsyncGenerator[Sequence[BaseModel], None]  # each item: one piece's events
+
+
+async def _items(n: int, fail: bool = False) -> Events:
     for i in range(n):
-        yield Item(n=i)
+        yield [Item(n=i)]
     if fail:
         raise APIError("the engine went away", code="engine_unavailable")
 
 
-async def _messages(stream: AsyncGenerator[Events, None]) -> list[dict[str, Any]]:
+async def _messages(stream: Events) -> list[dict[str, Any]]:
     sent: list[dict[str, Any]] = []
 
     async def send(message: Any) -> None:
@@ -56,9 +59,9 @@ def test_a_stream_that_fails_ends_with_its_error_and_no_done() -> None:
 
 
 def test_the_events_of_one_piece_are_one_message() -> None:
-    async def pieces() -> AsyncGenerator[Events, None]:
+    async def pieces() -> Events:
         yield [Item(n=0), Item(n=1)]  # one piece's
-        yield Item(n=2)
+        yield [Item(n=2)]
 
     sent = asyncio.run(_messages(pieces()))
     assert [m["body"] for m in sent[1:]] == [
