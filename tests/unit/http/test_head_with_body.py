@@ -25,62 +25,57 @@ class Recorder:
         self.closed = True
 
 
-def _held(rec: Recorder) -> HeadWithBody:
-    return HeadWithBody(rec, asyncio.get_running_loop())  # type: ignore[arg-type]
+HEAD = b"HTTP/1.1 200 OK\r\n\r\n"
+
+
+def _head_written() -> tuple[Recorder, HeadWithBody]:
+    """A response's transport, its head written to it (on the running loop)."""
+    rec = Recorder()
+    t = HeadWithBody(rec, asyncio.get_running_loop())  # type: ignore[arg-type]
+    t.write(HEAD)
+    return rec, t
 
 
 def test_the_head_and_the_first_body_bytes_are_one_write_then_each_write_its_own() -> None:
-    asyncio.run(_the_head_and_the_first_body_bytes_are_one_write_then_each_write_its_own())
+    async def main() -> None:
+        rec, t = _head_written()
+        assert rec.writes == []  # held for the body
+        t.write(b"data: 1\n\n")
+        t.write(b"data: 2\n\n")
+        assert rec.writes == [HEAD + b"data: 1\n\n", b"data: 2\n\n"]
+        await asyncio.sleep(0)  # the turn's flush finds nothing held
+        assert len(rec.writes) == 2
 
-
-async def _the_head_and_the_first_body_bytes_are_one_write_then_each_write_its_own() -> None:
-    rec = Recorder()
-    t = _held(rec)
-    t.write(b"HTTP/1.1 200 OK\r\n\r\n")
-    assert rec.writes == []  # held for the body
-    t.write(b"data: 1\n\n")
-    t.write(b"data: 2\n\n")
-    assert rec.writes == [b"HTTP/1.1 200 OK\r\n\r\ndata: 1\n\n", b"data: 2\n\n"]
-    await asyncio.sleep(0)  # the turn's flush finds nothing held
-    assert len(rec.writes) == 2
+    asyncio.run(main())
 
 
 def test_a_head_without_a_body_in_its_turn_goes_out_at_the_next() -> None:
-    asyncio.run(_a_head_without_a_body_in_its_turn_goes_out_at_the_next())
+    async def main() -> None:
+        rec, t = _head_written()
+        await asyncio.sleep(0)
+        assert rec.writes == [HEAD]
+        t.write(b"data: late\n\n")
+        assert rec.writes[-1] == b"data: late\n\n"
 
-
-async def _a_head_without_a_body_in_its_turn_goes_out_at_the_next() -> None:
-    rec = Recorder()
-    t = _held(rec)
-    t.write(b"HTTP/1.1 200 OK\r\n\r\n")
-    await asyncio.sleep(0)
-    assert rec.writes == [b"HTTP/1.1 200 OK\r\n\r\n"]
-    t.write(b"data: late\n\n")
-    assert rec.writes[-1] == b"data: late\n\n"
+    asyncio.run(main())
 
 
 def test_a_close_sends_the_held_head_first() -> None:
-    asyncio.run(_a_close_sends_the_held_head_first())
+    async def main() -> None:
+        rec, t = _head_written()
+        t.close()
+        assert rec.writes == [HEAD] and rec.closed
+        await asyncio.sleep(0)
+        assert len(rec.writes) == 1  # not twice
 
-
-async def _a_close_sends_the_held_head_first() -> None:
-    rec = Recorder()
-    t = _held(rec)
-    t.write(b"HTTP/1.1 200 OK\r\n\r\n")
-    t.close()
-    assert rec.writes == [b"HTTP/1.1 200 OK\r\n\r\n"] and rec.closed
-    await asyncio.sleep(0)
-    assert len(rec.writes) == 1  # not twice
+    asyncio.run(main())
 
 
 def test_a_connection_closed_meanwhile_gets_no_write() -> None:
-    asyncio.run(_a_connection_closed_meanwhile_gets_no_write())
+    async def main() -> None:
+        rec, _ = _head_written()
+        rec.closed = True  # the client went away before the loop's next turn
+        await asyncio.sleep(0)
+        assert rec.writes == []
 
-
-async def _a_connection_closed_meanwhile_gets_no_write() -> None:
-    rec = Recorder()
-    t = _held(rec)
-    t.write(b"HTTP/1.1 200 OK\r\n\r\n")
-    rec.closed = True  # the client went away before the loop's next turn
-    await asyncio.sleep(0)
-    assert rec.writes == []
+    asyncio.run(main())
