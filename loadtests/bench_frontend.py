@@ -25,7 +25,12 @@ and its descendants other than vLLM's engine processes, from ``/proc``
 through psutil: the engine core is a child in both) per request and per output
 token, TTFT p50/p90 (the first event with content; for whole answers the
 first byte of the answer, which is the answer), e2e p50/p90, output tokens/s
-and requests/s, and each gateway's ratios to vLLM's.  ``--workers N``:
+and requests/s, and each gateway's ratios to vLLM's.  Beside them, what tells
+a frontend's cost from its engine's: the engine processes' CPU a request (the
+same build and model behind both; a difference is what each server asks of its
+engine: vcache's scheduler class, KV events, niceness) and a streamed
+answer's time a token after its first (TPOT p50: how fast the engine decoded
+while the frontend ran beside it).  ``--workers N``:
 ``vcache serve --workers N --replicas N`` against vLLM's ``--data-parallel-size
 N --api-server-count N``.
 
@@ -193,6 +198,7 @@ class Slice:
     load_avg: tuple[float, float] = (0.0, 0.0)  # the 1-minute load average before, after
     at: str = ""
     sys_s: float = 0.0  # of cpu_s, in the kernel (system calls: socket writes, wakeups)
+    engine_s: float = 0.0  # the engine processes' CPU (core, workers) meanwhile
 
 
 @dataclass
@@ -204,10 +210,12 @@ class Row:
     cpu_ms_per_request: float = 0.0
     cpu_us_per_token: float = 0.0
     sys_share: float = 0.0  # of the CPU, in the kernel
+    engine_ms_per_request: float = 0.0  # the engine processes' CPU, not the frontend's
     ttft_p50_ms: float = 0.0
     ttft_p90_ms: float = 0.0
     e2e_p50_ms: float = 0.0
     e2e_p90_ms: float = 0.0
+    tpot_p50_ms: float = 0.0  # a streamed answer's time a token after its first
     tokens_per_s: float = 0.0
     requests_per_s: float = 0.0
     load_avg_max: float = 0.0
@@ -222,6 +230,7 @@ def summarize(slices: Sequence[Slice]) -> Row:
     cpu, wall = sum(s.cpu_s for s in slices), sum(s.wall_s for s in slices)
     ttft = [a.ttft_s * 1e3 for a in answers]
     e2e = [a.e2e_s * 1e3 for a in answers]
+    tpot = [(a.e2e_s - a.ttft_s) * 1e3 / (a.tokens - 1) for a in answers if a.events > 1]
     return Row(
         requests=n,
         errors=sum(s.errors for s in slices),
@@ -230,10 +239,12 @@ def summarize(slices: Sequence[Slice]) -> Row:
         cpu_ms_per_request=cpu / n * 1e3 if n else 0.0,
         cpu_us_per_token=cpu / tokens * 1e6 if tokens else 0.0,
         sys_share=sum(s.sys_s for s in slices) / cpu if cpu else 0.0,
+        engine_ms_per_request=sum(s.engine_s for s in slices) / n * 1e3 if n else 0.0,
         ttft_p50_ms=percentile(ttft, 50) or 0.0,
         ttft_p90_ms=percentile(ttft, 90) or 0.0,
         e2e_p50_ms=percentile(e2e, 50) or 0.0,
         e2e_p90_ms=percentile(e2e, 90) or 0.0,
+        tpot_p50_ms=percentile(tpot, 50) or 0.0,
         tokens_per_s=tokens / wall if wall else 0.0,
         requests_per_s=n / wall if wall else 0.0,
         load_avg_max=max((max(s.load_avg) for s in slices), default=0.0),
@@ -330,6 +341,7 @@ def table(rows: Mapping[str, Mapping[str, Row]]) -> str:
     head = (
         f"{'load':<9}{'server':<24}{'req':>5}{'CPU ms/req':>11}{'µs/tok':>8}"
         f"{'TTFT p50':>9}{'p90':>7}{'e2e p50':>8}{'tok/s':>7}{'ev/req':>7}{'sys%':>5}{'load':>6}"
+        f"{'engine ms/req':>14}{'TPOT p50':>9}"
     )
     lines = [head]
     for load, servers in rows.items():
@@ -342,6 +354,8 @@ def table(rows: Mapping[str, Mapping[str, Row]]) -> str:
                 f"{r.e2e_p50_ms:>8.0f}{r.tokens_per_s:>7.0f}{r.events_per_request:>7.1f}"
                 f"{r.sys_share * 100:>5.0f}"
                 f"{r.load_avg_max:>6.1f}"
+                f"{r.engine_ms_per_request:>14.2f}"
+                f"{r.tpot_p50_ms:>9.2f}"
             )
             if base is not None and name != VLLM:
                 x = ratios(r, base)
@@ -530,20 +544,22 @@ def is_engine(name: str, cmdline: str) -> bool:
     return vllm_engine or "resource_tracker" in cmdline
 
 
-def frontend_cpu(pid: int) -> dict[int, tuple[float, float]]:
+def process_cpu(pid: int) -> tuple[dict[int, tuple[float, float]], float]:
     """CPU seconds (user, system) of ``pid`` and of each descendant that is not an engine
-    process."""
+    process; and the engine processes' CPU seconds, summed."""
     out: dict[int, tuple[float, float]] = {}
+    engines = 0.0
     root = psutil.Process(pid)
     for p in [root, *root.children(recursive=True)]:
         try:
-            if p is not root and is_engine(p.name(), " ".join(p.cmdline())):
-                continue
             t = p.cpu_times()
-            out[p.pid] = (float(t.user), float(t.system))
+            if p is not root and is_engine(p.name(), " ".join(p.cmdline())):
+                engines += float(t.user) + float(t.system)
+            else:
+                out[p.pid] = (float(t.user), float(t.system))
         except psutil.NoSuchProcess:
             continue
-    return out
+    return out, engines
 
 
 @dataclass
@@ -604,17 +620,25 @@ async def _slice(server: Server, load: Load, ids: range, systems: Sequence[str])
 
         before_load = os.getloadavg()[0]
         at = time.strftime("%H:%M:%S", time.gmtime())
-        before = frontend_cpu(server.pid)
+        before, engines_before = process_cpu(server.pid)
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(load.concurrency)))
         wall = time.perf_counter() - t0
-        after = frontend_cpu(server.pid)
+        after, engines_after = process_cpu(server.pid)
     user = {pid: u - before.get(pid, (0.0, 0.0))[0] for pid, (u, _) in after.items()}
     system = {pid: v - before.get(pid, (0.0, 0.0))[1] for pid, (_, v) in after.items()}
     by_pid = {pid: user[pid] + system[pid] for pid in after}
     loads = (before_load, os.getloadavg()[0])
     return Slice(
-        wall, sum(by_pid.values()), by_pid, answers, errors, loads, at, sum(system.values())
+        wall,
+        sum(by_pid.values()),
+        by_pid,
+        answers,
+        errors,
+        loads,
+        at,
+        sum(system.values()),
+        engines_after - engines_before,
     )
 
 

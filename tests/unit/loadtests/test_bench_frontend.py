@@ -57,6 +57,17 @@ def test_a_row_sums_cpu_and_wall_over_slices_and_ranks_every_answer() -> None:
     assert [s["wall_s"] for s in row.slices] == [2.0, 1.5]
 
 
+def test_a_row_has_the_engines_cpu_a_request_and_a_streamed_answers_time_a_token() -> None:
+    streamed = [Answer(0.1, 0.1 + 0.004 * 63, 64, 20), Answer(0.2, 0.2 + 0.006 * 63, 64, 18)]
+    whole = [Answer(0.3, 0.3, 32, 1)]  # one event: no time between tokens to read
+    one = Slice(1.0, 0.2, {1: 0.2}, streamed, 0, engine_s=0.03)
+    two = Slice(1.0, 0.1, {1: 0.1}, whole, 0, engine_s=0.015)
+    row = summarize([one, two])
+    assert row.engine_ms_per_request == pytest.approx(45 / 3)
+    assert row.tpot_p50_ms == pytest.approx(4.0)  # nearest rank of the two streamed answers
+    assert summarize([two]).tpot_p50_ms == 0.0
+
+
 def test_no_slices_is_an_empty_row_not_a_division_by_zero() -> None:
     row = summarize([])
     assert row.requests == 0 and row.cpu_us_per_token == 0.0 and row.tokens_per_s == 0.0
