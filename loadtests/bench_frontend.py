@@ -123,6 +123,9 @@ ARMS: dict[str, dict[str, str]] = {
     # the engine core a warm request, and a turn of the loop)
     "no-refresh": {"VCACHE_CACHE__REFRESH_PREDICTED": "false"},
     "fcfs": {"VCACHE_ENGINE__SCHEDULING_POLICY": "fcfs"},
+    # a short render (4,096 characters or fewer to tokenize afresh) on the event loop, not
+    # the render thread (engine.render_inline_chars; 0 by default)
+    "inline-render": {"VCACHE_ENGINE__RENDER_INLINE_CHARS": "4096"},
     # every scheduler change off: what vLLM alone would schedule
     "plain-scheduler": {
         "VCACHE_ENGINE__TOP_PREFILL_WHOLE": "false",

@@ -8,9 +8,11 @@ run on a host that drifts ±10% a round.  cProfile counts every call: this runs
 ``--requests`` N1 and N2 requests of one of ``bench_frontend``'s loads, and
 takes the difference over N2 - N1 requests: what one request costs the main
 thread (the event loop), startup, warm-up and shutdown cancelled.  Per
-function: calls a request (exact), own and cumulative µs a request (cProfile's
-overhead inflates Python functions against C ones: compare times between runs,
-not with the bench's), then the own time by package.
+function: calls a request (exact, whatever the host does), own and cumulative
+µs a request (cProfile's overhead inflates Python functions against C ones, and
+the host's state moves every time: two runs of the same tree 25 minutes apart
+differed by 20% in total; compare calls between runs, times only within one),
+then the own time by package.
 
 Functions called less than ``--min-calls`` times a request are left out of the
 tables (what the two runs did once each, at different times: imports, timers);
@@ -61,6 +63,7 @@ _PACKAGE_ROOTS = (
     re.compile(r"^.*/lib/python3\.\d+/"),
     re.compile(r"^.*?/(?=(?:gateway|engines|manifest|loadtests|tests)/)"),
 )
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def function_name(file: str, line: int, func: str) -> str:
     """``func (path:line)``, the path from its package on (site-packages, the stdlib or
     this repository cut off); C functions as cProfile names them."""
     if file == "~":
-        return func
+        return _ADDRESS.sub("", func)  # "<built-in method __new__ of type object at 0x...>"
     for root in _PACKAGE_ROOTS:
         cut = root.sub("", file, count=1)
         if cut != file:
@@ -131,15 +134,19 @@ def by_package(rows: Sequence[Fn], min_calls: float) -> list[tuple[str, float]]:
     return sorted(out.items(), key=lambda kv: -kv[1])
 
 
-def differences(rows: Sequence[Fn], other: Sequence[Fn], n: int) -> list[tuple[Fn, Fn]]:
-    """The ``n`` functions whose own time a request differs most between two runs
-    (a function one run lacks counts as zero there), each as (this run's, the other's)."""
+def differences(
+    rows: Sequence[Fn], other: Sequence[Fn], n: int, min_calls: float = 0.0
+) -> list[tuple[Fn, Fn]]:
+    """The ``n`` functions called at least ``min_calls`` times a request in either run whose
+    own time a request differs most between the two (a function one run lacks counts as
+    zero there), each as (this run's, the other's)."""
     mine = {f.name: f for f in rows}
     theirs = {f.name: f for f in other}
     pairs = [
         (mine.get(k, Fn(k, 0.0, 0.0, 0.0)), theirs.get(k, Fn(k, 0.0, 0.0, 0.0)))
         for k in mine.keys() | theirs.keys()
     ]
+    pairs = [(a, b) for a, b in pairs if max(a.calls, b.calls) >= min_calls]
     pairs.sort(key=lambda p: -abs(p[0].own_us - p[1].own_us))
     return pairs[:n]
 
@@ -158,9 +165,16 @@ def table(rows: Sequence[Fn], min_calls: float, top: int) -> str:
     return "\n".join(lines)
 
 
-def compared(rows: Sequence[Fn], other: Sequence[Fn], n: int) -> str:
-    lines = [f"{'calls':>8}{'own µs':>9}{'other calls':>13}{'own µs':>9}  function"]
-    for a, b in differences(rows, other, n):
+def compared(rows: Sequence[Fn], other: Sequence[Fn], min_calls: float, n: int) -> str:
+    def total(fns: Sequence[Fn]) -> float:
+        return sum(f.own_us for f in fns if f.calls >= min_calls)
+
+    lines = [
+        f"own µs a request of the functions called >= {min_calls} times: "
+        f"{total(rows):,.0f} here, {total(other):,.0f} there",
+        f"{'calls':>8}{'own µs':>9}{'other calls':>13}{'own µs':>9}  function",
+    ]
+    for a, b in differences(rows, other, n, min_calls):
         lines.append(f"{a.calls:>8.1f}{a.own_us:>9.1f}{b.calls:>13.1f}{b.own_us:>9.1f}  {a.name}")
     return "\n".join(lines)
 
@@ -226,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     if args.compare is not None:
         other = [Fn(**f) for f in json.loads(args.compare.read_text())["functions"]]
         print(f"against {args.compare}:")
-        print(compared(rows, other, args.top))
+        print(compared(rows, other, args.min_calls, args.top))
     out: dict[str, object] = {
         "load": args.load,
         "arm": args.arm,

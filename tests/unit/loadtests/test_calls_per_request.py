@@ -70,6 +70,8 @@ def test_packages_and_names() -> None:
     assert function_name(stdlib, 9, "sleep") == "sleep (asyncio/tasks.py:9)"
     assert function_name("/work/main/gateway/app.py", 3, "f") == "f (gateway/app.py:3)"
     assert function_name("~", 0, "<built-in method len>") == "<built-in method len>"
+    new = "<built-in method __new__ of type object at 0x7fda8b85ea00>"
+    assert function_name("~", 0, new) == "<built-in method __new__ of type object>"
 
 
 def test_by_package_leaves_out_what_is_not_called_a_request() -> None:
@@ -88,7 +90,8 @@ def test_two_runs_compared_by_the_largest_difference_of_own_time() -> None:
     before = [Fn("a (g/x.py:1)", 21.0, 60.0, 60.0), Fn("b (g/y.py:1)", 1.0, 10.0, 10.0)]
     after = [Fn("a (g/x.py:1)", 0.0, 0.0, 0.0), Fn("b (g/y.py:1)", 1.0, 12.0, 12.0)]
     after.append(Fn("c (g/z.py:1)", 1.0, 5.0, 5.0))  # new in the second
-    pairs = differences(after, before, 2)
+    after.append(Fn("d (g/w.py:1)", 0.0, 900.0, 900.0))  # startup's, not a request's
+    pairs = differences(after, before, 2, min_calls=0.5)
     assert [(a.name, a.own_us, b.own_us) for a, b in pairs] == [
         ("a (g/x.py:1)", 0.0, 60.0),
         ("c (g/z.py:1)", 5.0, 0.0),
