@@ -10,8 +10,9 @@ takes the difference over N2 - N1 requests: what one request costs the main
 thread (the event loop), startup, warm-up and shutdown cancelled.  Per
 function: calls a request (exact, whatever the host does), own and cumulative
 µs a request (cProfile's overhead inflates Python functions against C ones, and
-the host's state moves every time: two runs of the same tree 25 minutes apart
-differed by 20% in total; compare calls between runs, times only within one),
+the host's state moves them: a run of the inline-render arm, more work on the
+loop, measured 20% less in total than the defaults' 25 minutes earlier; compare
+calls between runs, times only within one),
 then the own time by package.
 
 Functions called less than ``--min-calls`` times a request are left out of the
