@@ -11,7 +11,7 @@ thread (the event loop), startup, warm-up and shutdown cancelled.  Per
 function: calls a request (exact, whatever the host does), own and cumulative
 µs a request (cProfile's overhead inflates Python functions against C ones, and
 the host's state moves them: a run of the inline-render arm, more work on the
-loop, measured 20% less in total than the defaults' 25 minutes earlier; compare
+loop, measured 20% less in total than the defaults' 12 minutes earlier; compare
 calls between runs, times only within one),
 then the own time by package.
 
