@@ -33,12 +33,12 @@ import os
 import pstats
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from loadtests.bench_frontend import (
@@ -52,7 +52,7 @@ from loadtests.bench_frontend import (
     demo_model,
     system_prompts,
 )
-from loadtests.procs import free_port, get_ok
+from loadtests.procs import free_port, get_ok, serving
 
 # (calls, own seconds, cumulative seconds) by function
 Totals = dict[str, tuple[int, float, float]]
@@ -198,32 +198,19 @@ def _profiled(args: argparse.Namespace, n: int, work: Path) -> Totals:
         "VCACHE_SESSION_LOG__PATH": str(work / f"log-{n}.db"),
         **ARMS[args.arm],
     }
-    log = (work / f"gateway-{n}.log").open("wb")
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=args.checkout.resolve(), stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not get_ok(f"http://127.0.0.1:{port}/readyz"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the gateway did not start; see {log.name}")
-            time.sleep(0.5)
+    log = work / f"gateway-{n}.log"
+    ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
+    source = args.checkout.resolve()
+    # SIGINT: cProfile writes the profile on the way out of a KeyboardInterrupt
+    with serving(cmd, ready, log, env, cwd=source, stop=signal.SIGINT) as proc:
         server = Server("vcache", f"http://127.0.0.1:{port}", proc.pid)
         load, systems = LOADS[args.load], system_prompts()
         asyncio.run(_slice(server, load, range(1_000_000, 1_000_000 + args.warmup), systems))
         got = asyncio.run(_slice(server, load, range(2_000_000, 2_000_000 + n), systems))
         if got.errors:
-            raise SystemExit(f"{got.errors} of {n} requests failed; see {log.name}")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            raise SystemExit(f"{got.errors} of {n} requests failed; see {log}")
     if not out.exists():
-        raise SystemExit(f"no profile written; see {log.name}")
+        raise SystemExit(f"no profile written; see {log}")
     return totals(out)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -35,8 +36,9 @@ def serving(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     timeout_s: float = 300,
+    stop: signal.Signals = signal.SIGTERM,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``cmd`` until the block ends, once ``ready()`` holds; stopped with SIGTERM
+    """Run ``cmd`` until the block ends, once ``ready()`` holds; stopped with ``stop``
     (killed if it has not exited a minute later)."""
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
@@ -48,7 +50,7 @@ def serving(
             time.sleep(0.5)
         yield proc
     finally:
-        proc.terminate()
+        proc.send_signal(stop)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
