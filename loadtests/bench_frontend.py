@@ -396,14 +396,19 @@ _ROOTS = (
 _THREAD = "thread ("  # py-spy --threads: each stack's root, "thread (tid): name"
 
 
+def short_frame(frame: str) -> str:
+    """``func (path...)`` with the path from its package on (site-packages, the stdlib or
+    a checkout of this repository cut off)."""
+    for root in _ROOTS:
+        m = root.search(frame)
+        if m:
+            return frame[: m.start() + 1] + frame[m.end() :]
+    return frame
+
+
 def _frame(frame: str) -> str:
     """``func (path:line)`` as ``func (path)``, the path from its package on."""
-    name = _LINE.sub(")", frame.strip())
-    for root in _ROOTS:
-        m = root.search(name)
-        if m:
-            return name[: m.start() + 1] + name[m.end() :]
-    return name
+    return short_frame(_LINE.sub(")", frame.strip()))
 
 
 def stacks(collapsed: Iterable[str]) -> list[tuple[list[str], int]]:
@@ -757,6 +762,25 @@ def _room(gib: float) -> None:
         raise SystemExit(f"{free:.1f} GiB available, under --min-free-gib {gib}: no more servers")
 
 
+def servers_env() -> dict[str, str]:
+    """The servers' environment: this shell's without its ``VCACHE_`` settings (each
+    gateway runs its defaults or its arm's), this checkout importable, a fixed hash seed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
+    return {**env, "PYTHONPATH": str(HERE.parent), "PYTHONHASHSEED": "0"}
+
+
+def gateway_env(env: dict[str, str], source: Path, session_log: Path, arm: str) -> dict[str, str]:
+    """One gateway's environment: ``env``, the source tree it runs from, a session log of
+    its own, its arm's settings."""
+    return {
+        **env,
+        "PYTHONPATH": str(source),
+        "VCACHE_LOG_LEVEL": "warning",
+        "VCACHE_SESSION_LOG__PATH": str(session_log),
+        **ARMS[arm],
+    }
+
+
 def _servers(
     stack: contextlib.ExitStack, args: argparse.Namespace, work: Path, env: dict[str, str]
 ) -> list[Server]:
@@ -777,13 +801,7 @@ def _servers(
     for name, arm, source in gateways:
         port = free_port()
         tag = name.replace(":", "-").replace("@", "-")
-        own = {
-            **env,
-            "PYTHONPATH": str(source),
-            "VCACHE_LOG_LEVEL": "warning",
-            "VCACHE_SESSION_LOG__PATH": str(work / f"{tag}.db"),
-            **ARMS[arm],
-        }
+        own = gateway_env(env, source, work / f"{tag}.db", arm)
         ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
         _room(args.min_free_gib)
         cmd = _vcache_cmd(data_dir, port, args.workers, args.kv_bytes)
@@ -860,9 +878,7 @@ def _profiles(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-frontend-"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VCACHE_")}
-    env["PYTHONPATH"] = str(HERE.parent)
-    env["PYTHONHASHSEED"] = "0"
+    env = servers_env()
     systems = system_prompts()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with contextlib.ExitStack() as stack:

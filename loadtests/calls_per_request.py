@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import pstats
 import re
 import signal
@@ -50,6 +49,9 @@ from loadtests.bench_frontend import (
     _slice,
     _vcache_cmd,
     demo_model,
+    gateway_env,
+    servers_env,
+    short_frame,
     system_prompts,
 )
 from loadtests.procs import free_port, get_ok, serving
@@ -57,13 +59,6 @@ from loadtests.procs import free_port, get_ok, serving
 # (calls, own seconds, cumulative seconds) by function
 Totals = dict[str, tuple[int, float, float]]
 
-# where a source path's package starts, tried in order: site-packages, the stdlib, a
-# checkout of this repository (its packages' names)
-_PACKAGE_ROOTS = (
-    re.compile(r"^.*site-packages/"),
-    re.compile(r"^.*/lib/python3\.\d+/"),
-    re.compile(r"^.*?/(?=(?:gateway|engines|manifest|loadtests|tests)/)"),
-)
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
@@ -80,11 +75,7 @@ def function_name(file: str, line: int, func: str) -> str:
     this repository cut off); C functions as cProfile names them."""
     if file == "~":
         return _ADDRESS.sub("", func)  # "<built-in method __new__ of type object at 0x...>"
-    for root in _PACKAGE_ROOTS:
-        cut = root.sub("", file, count=1)
-        if cut != file:
-            return f"{func} ({cut}:{line})"
-    return f"{func} ({file}:{line})"
+    return short_frame(f"{func} ({file}:{line})")
 
 
 def totals(path: Path) -> Totals:
@@ -191,16 +182,10 @@ def _profiled(args: argparse.Namespace, n: int, work: Path) -> Totals:
     data_dir = Path(args.data_dir).resolve()
     cmd = _vcache_cmd(data_dir, port, 1, KV_BYTES)
     cmd[1:3] = ["-m", "cProfile", "-o", str(out), "-m", "gateway.cli"]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(args.checkout.resolve()),
-        "VCACHE_LOG_LEVEL": "warning",
-        "VCACHE_SESSION_LOG__PATH": str(work / f"log-{n}.db"),
-        **ARMS[args.arm],
-    }
+    source = args.checkout.resolve()
+    env = gateway_env(servers_env(), source, work / f"log-{n}.db", args.arm)
     log = work / f"gateway-{n}.log"
     ready = partial(get_ok, f"http://127.0.0.1:{port}/readyz")
-    source = args.checkout.resolve()
     # SIGINT: cProfile writes the profile on the way out of a KeyboardInterrupt
     with serving(cmd, ready, log, env, cwd=source, stop=signal.SIGINT) as proc:
         server = Server("vcache", f"http://127.0.0.1:{port}", proc.pid)
