@@ -45,20 +45,22 @@ async def create_file(request: Request, who: Who, store: Store) -> FileObject:
             f"the body must be multipart/form-data with 'file' and 'purpose': {exc}",
             code="invalid_value",
         ) from exc
-    purpose, upload = form.get("purpose"), form.get("file")
-    if purpose != "batch":
-        raise InvalidRequest(
-            f"'purpose' must be 'batch' (got {purpose!r}): this gateway keeps batch files only",
-            param="purpose",
-            code="invalid_value",
-        )
-    if not isinstance(upload, UploadFile):
-        raise InvalidRequest("'file' must be a file part", param="file", code="invalid_value")
-    data = await upload.read()
+    try:
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose != "batch":
+            raise InvalidRequest(
+                f"'purpose' must be 'batch' (got {purpose!r}): this gateway keeps batch files only",
+                param="purpose",
+                code="invalid_value",
+            )
+        if not isinstance(upload, UploadFile):
+            raise InvalidRequest("'file' must be a file part", param="file", code="invalid_value")
+        data = await upload.read()
+        name = upload.filename or "batch.jsonl"
+    finally:  # the parts' spooled files (on disk past 1 MB): closed now, not when collected
+        await form.close()
     await asyncio.to_thread(input_lines, data)  # a bad line is a 400 naming it
-    row = await asyncio.to_thread(
-        store.add_file, who.tenant, "batch", upload.filename or "batch.jsonl", data
-    )
+    row = await asyncio.to_thread(store.add_file, who.tenant, "batch", name, data)
     return file_object(row)
 
 

@@ -6,9 +6,11 @@ batch; bad input and another tenant's objects in OpenAI's error format."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sqlite3
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Literal
 
@@ -255,6 +257,29 @@ def test_a_restarted_gateway_finishes_a_half_done_batch(tokenizer: ChatTokenizer
     assert len(engine.received) == 5  # a1 was not sent again
     assert [x["custom_id"] for x in out] == [t for _, t in ARRIVAL]  # each once
     assert out[0]["response"]["body"] == kept["body"]
+
+
+def test_an_uploads_spooled_file_is_closed_when_taken_and_when_refused(
+    gw: tuple[FakeEngine, TestClient, Settings],
+) -> None:
+    """Each part of a multipart upload is a spooled temporary file (on disk past 1 MB):
+    the route closes it, whether the upload is taken or refused, rather than leaving
+    the file and its disk space to the garbage collector."""
+    _, http, _ = gw
+    client = sdk(http)
+    big = jsonl([line(f"i{i}", chat_body("A", "x" * 2000)) for i in range(600)])
+    assert len(big) > 1 << 20  # rolled over to a file on disk
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        taken = client.files.create(file=("in.jsonl", big), purpose="batch")
+        with pytest.raises(openai.BadRequestError):
+            client.files.create(file=("in.jsonl", big), purpose="fine-tune")
+        with pytest.raises(openai.BadRequestError):
+            client.files.create(file=("in.jsonl", big + b"{not json\n"), purpose="batch")
+        gc.collect()
+    assert client.files.content(taken.id).content == big
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == []
 
 
 def test_bad_input_is_refused_in_openais_format(
