@@ -74,18 +74,21 @@ async def create_file(request: Request) -> Response:
         return refused
     state = state_of(request)
     form = await request.form()
-    purpose, upload = form.get("purpose"), form.get("file")
-    if purpose != "batch":
-        return _bad(
-            f"Invalid value for 'purpose': {purpose!r} (this emulator takes 'batch')", "purpose"
-        )
-    if upload is None or isinstance(upload, str):
-        return _bad("'file' is a required property", "file")
-    data = await upload.read()
+    try:
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose != "batch":
+            return _bad(
+                f"Invalid value for 'purpose': {purpose!r} (this emulator takes 'batch')",
+                "purpose",
+            )
+        if upload is None or isinstance(upload, str):
+            return _bad("'file' is a required property", "file")
+        data = await upload.read()
+        name = upload.filename or "batch.jsonl"
+    finally:  # the parts' spooled files, closed now rather than when collected
+        await form.close()
     state.log("openai", "/v1/files", data)
-    f = StoredFile(
-        new_id("file-"), "batch", upload.filename or "batch.jsonl", data, int(time.time())
-    )
+    f = StoredFile(new_id("file-"), "batch", name, data, int(time.time()))
     state.batch_book.files[f.id] = f
     return JSONResponse(_file_object(f))
 

@@ -56,6 +56,7 @@ def test_a_writer_killed_mid_append_leaves_every_acknowledged_request(tmp_path: 
     os.kill(proc.pid, signal.SIGKILL)  # in the middle of the next appends
     proc.wait()
     acked += [line.strip() for line in proc.stdout.read().splitlines() if line.strip()]
+    proc.stdout.close()
     store = SessionStore(db)
     assert store.integrity() == "ok"
     rows = {r.request_id: r for r in store.requests()}
