@@ -11,6 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+pytest_plugins = ["tests.resource_leaks"]  # a resource left to the collector fails the run
+
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
