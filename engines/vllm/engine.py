@@ -325,10 +325,11 @@ class VllmEngine:
 def _close_client_context(llm: AsyncLLM) -> None:
     """Terminate the ZMQ context of vLLM's engine-core client, and with it its I/O and
     reaper threads.  vLLM's shutdown closes the client's sockets (on this loop, queued
-    before the shutdown's thread returned: closed by now) but leaves the context to the
-    garbage collector, which destroys it with a ResourceWarning whenever it collects
-    the client's reference cycles: until then each replica closed or restarted in this
-    process keeps three native threads and their sockets' file descriptors."""
+    before the shutdown's thread returned: closed by now) but leaves the context to
+    whoever drops the client last: pyzmq destroys it then, with a ResourceWarning, at
+    once when nothing else holds the client, when the garbage collector gets to it
+    otherwise; until then a replica closed or restarted in this process keeps three
+    native threads and their file descriptors."""
     resources = getattr(getattr(llm, "engine_core", None), "resources", None)
     ctx = getattr(resources, "ctx", None)
     if ctx is not None and not ctx.closed:
