@@ -24,8 +24,9 @@ import httpx
 import openai
 import pytest
 
-from gateway.core.config import hash_api_key
+from gateway.core.config import Settings, hash_api_key
 from loadtests.report import parse_metrics
+from tests.settings import gateway_settings
 
 KEY_A = "sk-test-tenant-a"
 KEY_B = "sk-test-tenant-b"
@@ -45,6 +46,18 @@ ENGINE_NICE = 5  # the shared gateway's engine.nice
 KV_CACHE_BYTES = 32 << 20  # per replica: 128 blocks of 128 tokens with the demo model
 BODY_LIMIT = 256 * 1024
 STARTUP_TIMEOUT_S = 300
+
+
+def embedded_settings(data_dir: Path) -> Settings:
+    """A gateway in the test's own process with one embedded CPU vLLM replica on the
+    demo model (built once for the test run, in ``data_dir``)."""
+    engine = {
+        "replicas": 1,
+        "kv_cache_bytes": KV_CACHE_BYTES,
+        "max_model_len": 2048,
+        "enforce_eager": True,
+    }
+    return gateway_settings(data_dir=data_dir, engine=engine)
 
 
 @dataclass(frozen=True)

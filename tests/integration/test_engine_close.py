@@ -23,8 +23,7 @@ import pytest
 
 from engines.base import GenerateRequest, SamplingOptions
 from gateway.local.build import build_replicas
-from tests.integration.conftest import KV_CACHE_BYTES
-from tests.settings import gateway_settings
+from tests.integration.conftest import embedded_settings
 
 pytestmark = pytest.mark.integration
 
@@ -55,15 +54,7 @@ def no_collector() -> Iterator[None]:
 def test_a_closed_engine_leaves_no_zmq_threads_and_its_restart_none_either(
     data_dir: Path, no_collector: None
 ) -> None:
-    settings = gateway_settings(
-        data_dir=data_dir,  # the demo model, built once for the test run
-        engine={
-            "replicas": 1,
-            "kv_cache_bytes": KV_CACHE_BYTES,
-            "max_model_len": 2048,
-            "enforce_eager": True,
-        },
-    )
+    settings = embedded_settings(data_dir)
     before = zmq_threads()
 
     async def main(runtime: Path) -> None:

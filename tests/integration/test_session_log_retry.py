@@ -25,8 +25,7 @@ from fastapi.testclient import TestClient
 from gateway.app import create_app
 from gateway.local.build import build_replicas
 from gateway.sessions.store import SessionStore
-from tests.integration.conftest import KV_CACHE_BYTES, wait_for
-from tests.settings import gateway_settings
+from tests.integration.conftest import embedded_settings, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -48,15 +47,7 @@ class FailsOnce(SessionStore):
 
 @pytest.fixture
 def served(data_dir: Path, tmp_path: Path) -> Iterator[tuple[TestClient, FailsOnce, Path]]:
-    settings = gateway_settings(
-        data_dir=data_dir,  # the demo model, built once for the test run
-        engine={
-            "replicas": 1,
-            "kv_cache_bytes": KV_CACHE_BYTES,
-            "max_model_len": 2048,
-            "enforce_eager": True,
-        },
-    )
+    settings = embedded_settings(data_dir)
     db = tmp_path / "sessions.db"
     store = FailsOnce(db)
     with tempfile.TemporaryDirectory(prefix="vcache-") as runtime:  # the engine's sockets
