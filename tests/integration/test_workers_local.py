@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class Pool:
     port: int
     parent: psutil.Process
     log: Path
+    opened: list[http.client.HTTPConnection] = field(default_factory=list)  # closed at the end
 
     @property
     def url(self) -> str:
@@ -62,6 +63,7 @@ class Pool:
             conn.connect()
             mine = conn.sock.getsockname()[1]
             if any(c.raddr and c.raddr.port == mine for c in worker.net_connections("tcp")):
+                self.opened.append(conn)
                 return conn
             conn.close()
         pytest.fail(f"no connection of 200 went to worker {worker.pid}")
@@ -119,7 +121,11 @@ def pool(
     with running(cmd, env, f"http://127.0.0.1:{port}/readyz", tmp / "gateway.log", "workers") as p:
         pool = Pool(port, psutil.Process(p.pid), tmp / "gateway.log")
         _await_ready(pool, timeout_s=120)
-        yield pool
+        try:
+            yield pool
+        finally:
+            for conn in pool.opened:
+                conn.close()
     rebuilt, failed = rebuild_all(sessions, demo_model)
     assert rebuilt > 0 and not failed, f"requests that do not rebuild: {failed}"
 
