@@ -319,18 +319,19 @@ class VllmEngine:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
-            _close_client_context(llm)
+            close_client_context(llm)
 
 
-def _close_client_context(llm: AsyncLLM) -> None:
-    """Terminate the ZMQ context of vLLM's engine-core client, and with it its I/O and
+def close_client_context(engine: object) -> None:
+    """Terminate the ZMQ context of the engine-core client of ``engine`` (vLLM's
+    ``AsyncLLM``, or the ``LLMEngine`` of its offline ``LLM``), and with it its I/O and
     reaper threads.  vLLM's shutdown closes the client's sockets (on this loop, queued
     before the shutdown's thread returned: closed by now) but leaves the context to
     whoever drops the client last: pyzmq destroys it then, with a ResourceWarning, at
     once when nothing else holds the client, when the garbage collector gets to it
     otherwise; until then a replica closed or restarted in this process keeps three
     native threads and their file descriptors."""
-    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
     ctx = getattr(resources, "ctx", None)
     if ctx is not None and not ctx.closed:
         ctx.destroy(linger=0)  # sockets still open (a client that died early): closed too

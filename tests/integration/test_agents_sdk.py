@@ -8,6 +8,7 @@ response the SDK refuses; the schema makes it end)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 import pytest
@@ -17,6 +18,7 @@ from agents import (
     OpenAIResponsesModel,
     RunConfig,
     Runner,
+    RunResult,
     function_tool,
     set_tracing_disabled,
 )
@@ -42,20 +44,26 @@ def test_agent_with_a_forced_tool_completes_a_round_trip(gateway: Gateway) -> No
         seen.append(name)
         return "span 7: 12 blocks resident on replica 0"
 
-    client = AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key=KEY_A, max_retries=0)
-    agent = Agent(
-        name="ops",
-        instructions="You answer questions about the KV cache. " * 10,
-        tools=[lookup_span],
-        output_type=Where,
-        model=OpenAIResponsesModel(model=gateway.model, openai_client=client),
-        model_settings=ModelSettings(
-            tool_choice="lookup_span", max_tokens=120, temperature=0.0, store=True
-        ),
-    )
-    result = Runner.run_sync(
-        agent, "Where is span 7?", max_turns=4, run_config=RunConfig(tracing_disabled=True)
-    )
+    async def main() -> RunResult:
+        # the client closed on the loop its connections were made on, before it ends
+        async with AsyncOpenAI(
+            base_url=f"{gateway.base_url}/v1", api_key=KEY_A, max_retries=0
+        ) as client:
+            agent = Agent(
+                name="ops",
+                instructions="You answer questions about the KV cache. " * 10,
+                tools=[lookup_span],
+                output_type=Where,
+                model=OpenAIResponsesModel(model=gateway.model, openai_client=client),
+                model_settings=ModelSettings(
+                    tool_choice="lookup_span", max_tokens=120, temperature=0.0, store=True
+                ),
+            )
+            return await Runner.run(
+                agent, "Where is span 7?", max_turns=4, run_config=RunConfig(tracing_disabled=True)
+            )
+
+    result = asyncio.run(main())
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
     assert len(seen) == 1  # the SDK ran the tool once, with the constrained arguments

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +67,12 @@ class RemoteVision:
     vllm: RemoteVllm
     renderer: VisionRenderer
     tokenizer: Any
+    opened: list[openai.OpenAI] = field(default_factory=list)  # closed at the end
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
+        self.opened.append(client)
+        return client
 
     def prompt(self, messages: list[dict[str, Any]], images: list[PromptImage]) -> VisionPrompt:
         """``messages`` (each image part as ``{"type": "image"}``) as vLLM expands them."""
@@ -121,9 +124,14 @@ def remote(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         running(server, vllm_env, f"{vllm.url}/v1/models", vllm.log, "vllm server"),
         running(gateway, gw_env, f"{gw_url}/readyz", tmp / "gateway.log", "gateway"),
     ):
-        yield RemoteVision(
+        remote = RemoteVision(
             gw_url, tmp / "gateway.log", vllm, renderer, AutoTokenizer.from_pretrained(path)
         )
+        try:
+            yield remote
+        finally:
+            for client in remote.opened:
+                client.close()
 
 
 def _image(size: tuple[int, int], color: tuple[int, int, int]) -> PromptImage:

@@ -21,6 +21,7 @@ import pytest
 from PIL import Image
 
 from engines.vllm.demo_vision import ensure_demo_vision_model
+from engines.vllm.engine import close_client_context
 from gateway.local.vision_prompt import PromptImage, VisionPrompt, VisionRenderer
 from manifest.hashing import HashKeys, block_hashes
 
@@ -98,6 +99,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     try:
         yield Engine(llm, AutoTokenizer.from_pretrained(path), renderer, block_size, set(), {})
     finally:
+        llm.llm_engine.engine_core.shutdown()
+        close_client_context(llm.llm_engine)  # what vLLM's shutdown leaves (engine.py)
         del llm
         mp.undo()
 

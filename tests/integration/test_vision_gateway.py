@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +52,17 @@ class Vision:
     grpc_port: int
     renderer: VisionRenderer
     tokenizer: Any
+    opened: list[openai.OpenAI | anthropic.Anthropic] = field(default_factory=list)
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
+        self.opened.append(client)  # closed at the end
+        return client
 
     def anthropic(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key=ADMIN_KEY, max_retries=0)
+        client = anthropic.Anthropic(base_url=self.url, api_key=ADMIN_KEY, max_retries=0)
+        self.opened.append(client)
+        return client
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """An admin's call to the gateway's own API; its 200 answer."""
@@ -118,7 +123,12 @@ def vision(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     renderer = VisionRenderer.load(path, path, IMAGES_PER_PROMPT)
     assert renderer is not None
     with running(cmd, env, f"{url}/readyz", tmp / "gateway.log", "gateway"):
-        yield Vision(url, grpc_port, renderer, AutoTokenizer.from_pretrained(path))
+        vision = Vision(url, grpc_port, renderer, AutoTokenizer.from_pretrained(path))
+        try:
+            yield vision
+        finally:
+            for client in vision.opened:
+                client.close()
 
 
 def _image(size: tuple[int, int], fmt: str, color: tuple[int, int, int]) -> PromptImage:
