@@ -3,8 +3,8 @@ socket, subprocess pipe or ZMQ context, found by the garbage collector) raised w
 test is set up, run or torn down is recorded and listed at the end of the run.
 
 Outside ``tests/integration`` a recorded warning fails the run (its exit status), even
-when every test passed.  ``tests/integration`` is listed, not failed: its tests leave
-sockets and a ZMQ context behind that are not traced yet (docs/development.md).  The
+when every test passed.  ``tests/integration`` is listed, not failed: some of its tests
+still leave loopback client sockets behind (docs/development.md).  The
 collector runs after each of its tests, so that what one leaves is recorded against it
 and not against a test of another tier that happens to run the collector later."""
 

@@ -154,7 +154,9 @@ def test_the_startup_heap_is_frozen_out_of_the_collectors_passes() -> None:
     kept = [[i] for i in range(1000)]  # tracked containers, alive
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() and frozen >= len(kept)
+        # a frozen object leaves the count only when freed: by another thread that earlier
+        # tests left running, between the two reads (CI saw 3 of ~3.3 million go so)
+        assert 0 < gc.get_freeze_count() <= frozen and frozen >= len(kept)
         oldest = {id(o) for o in gc.get_objects(2)}  # what the next full pass walks
         assert all(gc.is_tracked(x) and id(x) not in oldest for x in kept)
     finally:
