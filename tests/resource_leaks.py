@@ -1,12 +1,12 @@
 """A pytest plugin: what the tests open, they close.  A ResourceWarning (an unclosed file,
 socket, subprocess pipe or ZMQ context, found by the garbage collector) raised while a
-test is set up, run or torn down is recorded and listed at the end of the run.
+test is set up, run or torn down is recorded, listed at the end of the run, and fails
+the run (its exit status), even when every test passed.
 
-Outside ``tests/integration`` a recorded warning fails the run (its exit status), even
-when every test passed.  ``tests/integration`` is listed, not failed: some of its tests
-still leave loopback client sockets behind (docs/development.md).  The
-collector runs after each of its tests, so that what one leaves is recorded against it
-and not against a test of another tier that happens to run the collector later."""
+In ``tests/integration`` the collector runs after each test, so that what one leaves
+(an SDK client's sockets, an engine's context) is recorded against it and not against a
+test of another tier that happens to run the collector later.  Elsewhere the test named
+is the one the collector ran in, which may be later than the one that leaked."""
 
 from __future__ import annotations
 
@@ -15,13 +15,12 @@ from collections.abc import Iterator
 
 import pytest
 
-LISTED_ONLY = "tests/integration/"  # recorded and listed, not failed (see the module doc)
+COLLECTED_AFTER_EACH = "tests/integration/"  # the tier whose tests hold engines and clients
 
 
 class ResourceLeaks:
     def __init__(self) -> None:
         self.failing: list[str] = []
-        self.listed: list[str] = []
 
     def pytest_warning_recorded(
         self, warning_message: object, when: str, nodeid: str, location: object
@@ -29,15 +28,14 @@ class ResourceLeaks:
         category = getattr(warning_message, "category", None)
         if not (isinstance(category, type) and issubclass(category, ResourceWarning)):
             return
-        line = f"{nodeid or when}: {getattr(warning_message, 'message', '')}"
-        (self.listed if nodeid.startswith(LISTED_ONLY) else self.failing).append(line)
+        self.failing.append(f"{nodeid or when}: {getattr(warning_message, 'message', '')}")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Iterator[None]:
         try:
             return (yield)
         finally:
-            if item.nodeid.startswith(LISTED_ONLY):
+            if item.nodeid.startswith(COLLECTED_AFTER_EACH):
                 gc.collect()  # inside the test's warning capture: recorded against it
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -48,10 +46,6 @@ class ResourceLeaks:
         if self.failing:
             terminalreporter.section("resources left to the garbage collector", red=True)
             for line in self.failing:
-                terminalreporter.line(line)
-        if self.listed:
-            terminalreporter.section("resources left by tests/integration (listed only)")
-            for line in self.listed:
                 terminalreporter.line(line)
 
 

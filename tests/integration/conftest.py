@@ -76,6 +76,15 @@ class Gateway:
         return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=10).text)
 
 
+@pytest.fixture
+def closing() -> Iterator[contextlib.ExitStack]:
+    """What a test opens (an SDK client, an HTTP client or connection), entered here to be
+    closed when the test ends: ``sdk = closing.enter_context(anthropic.Anthropic(...))``.
+    A module's fixture object keeps its own stack, closed when the module's gateway stops."""
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -106,15 +106,16 @@ def _exact(headers: Any, cached: int) -> bool:
 
 
 def test_a_conversation_moves_between_gateways_and_rebuilds_from_the_shared_log(
-    pair: tuple[str, str], shared: Shared, demo_model: Path
+    pair: tuple[str, str], shared: Shared, demo_model: Path, closing: contextlib.ExitStack
 ) -> None:
     a, b = pair
+    chat = {u: closing.enter_context(_openai(u)) for u in (a, b)}
     head = {"x-vcache-session": "moving-chat"}
     messages: list[Any] = [{"role": "system", "content": SYSTEM}]
     cached = []
     for i, url in enumerate((a, b, a, b)):
         messages.append({"role": "user", "content": f"turn {i}: go on"})
-        raw = _openai(url).chat.completions.with_raw_response.create(
+        raw = chat[url].chat.completions.with_raw_response.create(
             model="vcache-demo", messages=messages, max_tokens=3, extra_headers=head
         )
         r = raw.parse()
@@ -127,20 +128,23 @@ def test_a_conversation_moves_between_gateways_and_rebuilds_from_the_shared_log(
     print(f"\nchat turns across gateways A,B,A,B: cached tokens {cached}")
     assert all(c >= (len(SYSTEM) // 8 // BLOCK) * BLOCK for c in cached[1:])
 
-    first = _openai(a).responses.create(
+    first = chat[a].responses.create(
         model="vcache-demo", input="a response on A", max_output_tokens=3, store=True
     )
-    second = _openai(b).responses.with_raw_response.create(
+    second = chat[b].responses.with_raw_response.create(
         model="vcache-demo",
         input="continued on B",
         max_output_tokens=3,
         previous_response_id=first.id,
     )
     assert second.parse().previous_response_id == first.id
-    assert _openai(a).responses.retrieve(second.parse().id).id == second.parse().id
+    assert chat[a].responses.retrieve(second.parse().id).id == second.parse().id
 
     msgs: list[Any] = [{"role": "user", "content": "a message on A"}]
-    sdk = {u: anthropic.Anthropic(base_url=u, api_key=ADMIN_KEY, max_retries=0) for u in (a, b)}
+    sdk = {
+        u: closing.enter_context(anthropic.Anthropic(base_url=u, api_key=ADMIN_KEY, max_retries=0))
+        for u in (a, b)
+    }
     one = sdk[a].messages.with_raw_response.create(
         model="vcache-demo",
         max_tokens=3,

@@ -11,6 +11,7 @@ load names why; an unknown adapter is a 404 naming it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -48,9 +49,11 @@ class LoraGateway:
     spare: Path  # another (seed 6), outside it too
     tmp: Path  # the gateway's own: its session log is tmp/sessions.db
     settings: Settings  # what ``vcache replay`` reads the log with
+    closing: contextlib.ExitStack  # the clients handed out, closed with the gateway
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
+        return self.closing.enter_context(client)
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=ADMIN, timeout=120)
@@ -81,8 +84,8 @@ def lora_gw(
     }
     args = ["--replicas", "2", "--kv-cache-bytes", str(32 << 20), "--max-model-len", "2048"]
     offline = Settings(data_dir=data_dir, model=str(demo_model))
-    with own_gateway(tmp, data_dir, args, settings) as url:
-        yield LoraGateway(url, resolve, wide, other, spare, tmp, offline)
+    with own_gateway(tmp, data_dir, args, settings) as url, contextlib.ExitStack() as closing:
+        yield LoraGateway(url, resolve, wide, other, spare, tmp, offline, closing)
 
 
 def _text(seed: int, n: int) -> str:

@@ -12,6 +12,7 @@ blocks are evicted.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import Iterator
@@ -34,9 +35,11 @@ KV_BYTES = 128 << 20  # 512 blocks of 128 tokens (2 KiB a token with the demo mo
 @dataclass(frozen=True)
 class Local:
     url: str
+    closing: contextlib.ExitStack  # the clients handed out, closed with the gateway
 
     def sdk(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0)
+        client = anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0)
+        return self.closing.enter_context(client)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +48,8 @@ def local(
 ) -> Iterator[Local]:
     tmp = tmp_path_factory.mktemp("messages")
     args = ["--kv-cache-bytes", str(KV_BYTES), "--replicas", "1", "--max-model-len", str(MAX_LEN)]
-    with own_gateway(tmp, data_dir, args) as url:
-        yield Local(url)
+    with own_gateway(tmp, data_dir, args) as url, contextlib.ExitStack() as closing:
+        yield Local(url, closing)
 
 
 def _schema(i: int) -> dict[str, Any]:

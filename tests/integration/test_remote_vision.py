@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +68,11 @@ class RemoteVision:
     vllm: RemoteVllm
     renderer: VisionRenderer
     tokenizer: Any
-    opened: list[openai.OpenAI] = field(default_factory=list)  # closed at the end
+    closing: contextlib.ExitStack  # the clients handed out, closed with the gateway
 
     def openai(self) -> openai.OpenAI:
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
-        self.opened.append(client)
-        return client
+        return self.closing.enter_context(client)
 
     def prompt(self, messages: list[dict[str, Any]], images: list[PromptImage]) -> VisionPrompt:
         """``messages`` (each image part as ``{"type": "image"}``) as vLLM expands them."""
@@ -123,15 +123,10 @@ def remote(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     with (
         running(server, vllm_env, f"{vllm.url}/v1/models", vllm.log, "vllm server"),
         running(gateway, gw_env, f"{gw_url}/readyz", tmp / "gateway.log", "gateway"),
+        contextlib.ExitStack() as closing,
     ):
-        remote = RemoteVision(
-            gw_url, tmp / "gateway.log", vllm, renderer, AutoTokenizer.from_pretrained(path)
-        )
-        try:
-            yield remote
-        finally:
-            for client in remote.opened:
-                client.close()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        yield RemoteVision(gw_url, tmp / "gateway.log", vllm, renderer, tokenizer, closing)
 
 
 def _image(size: tuple[int, int], color: tuple[int, int, int]) -> PromptImage:

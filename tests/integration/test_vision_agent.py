@@ -15,6 +15,7 @@ previous turn's prompt is read from cache, image blocks included, and every turn
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import random
@@ -126,9 +127,12 @@ def _control(sdk: anthropic.Anthropic) -> int:
     return int(m.usage.cache_read_input_tokens or 0)
 
 
-def test_an_image_agent_reads_each_turn_from_cache_under_pressure(url: str) -> None:
+def test_an_image_agent_reads_each_turn_from_cache_under_pressure(
+    url: str, closing: contextlib.ExitStack
+) -> None:
     sdk = anthropic.Anthropic(base_url=url, api_key=ADMIN_KEY, max_retries=0, timeout=300)
-    admin = httpx.Client(base_url=url, headers=ADMIN, timeout=60)
+    sdk = closing.enter_context(sdk)
+    admin = closing.enter_context(httpx.Client(base_url=url, headers=ADMIN, timeout=60))
     engine = admin.get("/v1/cache/stats").json()["replicas"][REPLICA]["engine"]
     print(f"\nthe replica's cache: {engine}")
     system = "You are a computer-use agent. " + _words(1, 840)

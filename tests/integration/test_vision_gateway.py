@@ -11,13 +11,14 @@ own tokenizer) to know where the image's placeholders sit."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +53,15 @@ class Vision:
     grpc_port: int
     renderer: VisionRenderer
     tokenizer: Any
-    opened: list[openai.OpenAI | anthropic.Anthropic] = field(default_factory=list)
+    closing: contextlib.ExitStack  # the clients handed out, closed with the gateway
 
     def openai(self) -> openai.OpenAI:
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN_KEY, max_retries=0)
-        self.opened.append(client)  # closed at the end
-        return client
+        return self.closing.enter_context(client)
 
     def anthropic(self) -> anthropic.Anthropic:
         client = anthropic.Anthropic(base_url=self.url, api_key=ADMIN_KEY, max_retries=0)
-        self.opened.append(client)
-        return client
+        return self.closing.enter_context(client)
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """An admin's call to the gateway's own API; its 200 answer."""
@@ -122,13 +121,12 @@ def vision(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     url = f"http://127.0.0.1:{port}"
     renderer = VisionRenderer.load(path, path, IMAGES_PER_PROMPT)
     assert renderer is not None
-    with running(cmd, env, f"{url}/readyz", tmp / "gateway.log", "gateway"):
-        vision = Vision(url, grpc_port, renderer, AutoTokenizer.from_pretrained(path))
-        try:
-            yield vision
-        finally:
-            for client in vision.opened:
-                client.close()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with (
+        running(cmd, env, f"{url}/readyz", tmp / "gateway.log", "gateway"),
+        contextlib.ExitStack() as closing,
+    ):
+        yield Vision(url, grpc_port, renderer, tokenizer, closing)
 
 
 def _image(size: tuple[int, int], fmt: str, color: tuple[int, int, int]) -> PromptImage:

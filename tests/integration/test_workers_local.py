@@ -6,6 +6,7 @@ engine core restarts the set; every request rebuilds from the one log."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -15,7 +16,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ class Pool:
     port: int
     parent: psutil.Process
     log: Path
-    opened: list[http.client.HTTPConnection] = field(default_factory=list)  # closed at the end
+    closing: contextlib.ExitStack  # the connections handed out, closed with the pool
 
     @property
     def url(self) -> str:
@@ -63,7 +64,7 @@ class Pool:
             conn.connect()
             mine = conn.sock.getsockname()[1]
             if any(c.raddr and c.raddr.port == mine for c in worker.net_connections("tcp")):
-                self.opened.append(conn)
+                self.closing.callback(conn.close)
                 return conn
             conn.close()
         pytest.fail(f"no connection of 200 went to worker {worker.pid}")
@@ -118,14 +119,14 @@ def pool(
         "2048",
         "--enforce-eager",
     ]
-    with running(cmd, env, f"http://127.0.0.1:{port}/readyz", tmp / "gateway.log", "workers") as p:
-        pool = Pool(port, psutil.Process(p.pid), tmp / "gateway.log")
+    ready = f"http://127.0.0.1:{port}/readyz"
+    with (
+        running(cmd, env, ready, tmp / "gateway.log", "workers") as p,
+        contextlib.ExitStack() as closing,
+    ):
+        pool = Pool(port, psutil.Process(p.pid), tmp / "gateway.log", closing)
         _await_ready(pool, timeout_s=120)
-        try:
-            yield pool
-        finally:
-            for conn in pool.opened:
-                conn.close()
+        yield pool
     rebuilt, failed = rebuild_all(sessions, demo_model)
     assert rebuilt > 0 and not failed, f"requests that do not rebuild: {failed}"
 
