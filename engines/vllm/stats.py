@@ -12,9 +12,12 @@ cost the frontend 17-20 µs an engine step and 13 µs a finished request (36-44
 and 32 under ``--workers``, whose multiprocess metrics write every update to a
 file) for metrics no one read.
 
-Each step's ``IterationStats`` holds the gaps between the tokens it made and each
-running request's token before (``inter_token_latencies_iter``): their mean, a
-moving average over steps, is the engine's pace per request now
+Each step's ``IterationStats`` holds, per output of a running request, the time since
+that request's output before (``inter_token_latencies_iter``), and the tokens the
+step's outputs carried (``num_generation_tokens``, a request's first token included,
+one per ``time_to_first_tokens_iter``).  Their gaps over their tokens (an output
+coalesced in the core carries several: engines/vllm/core_coalesce.py), a moving
+average over steps, is the engine's pace a token per request now
 (``EngineStats.token_gap_s``), by which a streamed answer's outputs are coalesced
 (``gateway/local/coalesce.py``).
 """
@@ -79,7 +82,8 @@ class CoreStats:
         s = self.snapshot
         gap = s.token_gap_s
         if iteration is not None and (gaps := iteration.inter_token_latencies_iter):
-            step = sum(gaps) / len(gaps)
+            tokens = iteration.num_generation_tokens - len(iteration.time_to_first_tokens_iter)
+            step = sum(gaps) / max(tokens, len(gaps))  # each gap covers one token or more
             gap = step if gap is None else gap + self._gap_weight * (step - gap)
         if stats is None:
             if gap != s.token_gap_s:

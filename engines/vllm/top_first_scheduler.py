@@ -1,6 +1,7 @@
 """vcache's scheduler: vLLM's, with the top-priority prefill first, whole and alone
-(engines/vllm/top_prefill.py says what and why), and holds carried in requests taken,
-let go and answered (engines/vllm/core_holds.py).
+(engines/vllm/top_prefill.py says what and why), holds carried in requests taken,
+let go and answered (engines/vllm/core_holds.py), and a request's outputs coalesced by
+its ``stream_interval`` where they are made (engines/vllm/core_coalesce.py).
 
 vLLM builds its engine core's scheduler from ``scheduler_cls``
 (``vllm/config/scheduler.py`` ``get_scheduler_cls``; ``vllm serve --scheduler-cls``).
@@ -30,7 +31,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from engines.vllm import core_holds
+from engines.vllm import core_coalesce, core_holds
 from engines.vllm.top_prefill import STEPS, TopFirst, no_steps, schedule_top_first
 
 # under vLLM's logger: in the engine core only vLLM's loggers have a handler
@@ -76,13 +77,16 @@ class TopFirstScheduler(Scheduler):
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
     ) -> list[Request]:
         finished = super().finish_requests(request_ids, finished_status)
-        core_holds.on_finished(self, [r.request_id for r in finished])
+        ids = [r.request_id for r in finished]
+        core_coalesce.on_finished(self, ids)
+        core_holds.on_finished(self, ids)
         return finished
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        core_coalesce.on_outputs(self, outputs)  # first: the answers ride on outputs sent
         core_holds.on_outputs(self, outputs)
         return outputs
 

@@ -6,7 +6,11 @@ but vLLM's output processor (in the gateway's process) still builds an output an
 merges it into the request's collector at every engine step.  Where the engine makes
 several tokens per interval, it is asked for one output every N tokens instead (the
 first token at once, then every N, and the last: vLLM's ``stream_interval``, as its
-own server offers), which the client cannot tell from the interval's merge.
+own server offers), which the client cannot tell from the interval's merge.  Under
+vcache's scheduler class (its default) the engine core applies the same rule where the
+outputs are made (engines/vllm/core_coalesce.py): the outputs held back never reach the
+gateway's process at all, neither as a message to decode nor as work for vLLM's
+output processor.
 
 N is decided at prepare, from the pace the serving replicas report
 (``EngineStats.token_gap_s``), before the journal: it is part of the sampling the

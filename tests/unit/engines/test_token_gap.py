@@ -1,6 +1,6 @@
 """The engine's pace (engines/vllm/stats.py): each step's inter-token gaps, as vLLM's
-``IterationStats`` holds them, folded into a moving average per request
-(``EngineStats.token_gap_s``); None until a gap is seen."""
+``IterationStats`` holds them, over the tokens they covered, folded into a moving average
+per request (``EngineStats.token_gap_s``); None until a gap is seen."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 from engines.vllm.stats import GAP_WEIGHT, CoreStats
 
 
-def _step(*gaps: float) -> IterationStats:
+def _step(*gaps: float, tokens: int = 0, first: int = 0) -> IterationStats:
+    """A step's stats: one gap per output of a running request, ``tokens`` made in all
+    (``first`` of them first tokens, which have no gap)."""
     it = IterationStats()
     it.inter_token_latencies_iter.extend(gaps)
+    it.time_to_first_tokens_iter.extend([0.1] * first)
+    it.num_generation_tokens = tokens
     return it
 
 
@@ -31,6 +35,18 @@ def test_the_gap_is_a_moving_average_of_each_steps_mean() -> None:
     for _ in range(100):
         stats.record(None, _step(0.030))
     assert stats.snapshot.token_gap_s == pytest.approx(0.030, rel=1e-3)
+
+
+def test_an_output_coalesced_in_the_core_counts_each_of_its_tokens() -> None:
+    """Outputs held back in the core (engines/vllm/core_coalesce.py) reach the frontend
+    carrying several tokens each: their gap is over those tokens, not one."""
+    stats = CoreStats()
+    # two running requests' outputs of 4 tokens each, 24 ms after their last, beside a
+    # new request's first token
+    stats.record(None, _step(0.024, 0.024, tokens=9, first=1))
+    assert stats.snapshot.token_gap_s == pytest.approx(0.006)
+    stats.record(None, _step(0.006, 0.006, tokens=3, first=1))  # an output a token again
+    assert stats.snapshot.token_gap_s == pytest.approx(0.006)
 
 
 def test_vllms_stat_logger_hands_the_gaps_on(demo_model: object) -> None:
