@@ -102,9 +102,10 @@ class EngineSettings(BaseModel):
     # with the tokens an event carries (docs/benchmarks.md).  Where the serving replicas
     # make 2 or more tokens a request in it, vLLM is asked for one output every that many
     # tokens (its stream_interval; the first at once): its output processor, in the
-    # gateway's process, builds one an interval, not one a step.  0: each step's output
-    # as it comes, none coalesced.  Answers sent whole are coalesced by the engine
-    # whatever this is
+    # gateway's process, builds one an interval, not one a step, and under vcache's
+    # scheduler class (the default) the engine core sends only those
+    # (engines/vllm/core_coalesce.py).  0: each step's output as it comes, none
+    # coalesced.  Answers sent whole are coalesced by the engine whatever this is
     output_interval_ms: float = Field(20.0, ge=0, le=1000)
     # vLLM's --trust-request-chat-template: a request may bring its own chat_template
     trust_request_chat_template: bool = False
