@@ -773,7 +773,12 @@ def test_a_cancel_reaches_the_providers_batch(
             input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         store: BatchStore = gw.http.app.state.batches  # type: ignore[attr-defined]
-        [run] = _until(lambda: store.provider_runs(batch.id), "the submission kept")
+        # made at the provider: its id there, not the token it is kept under while
+        # ``submitting`` (read too early, the provider had no batch of that id to show)
+        [run] = _until(
+            lambda: [r for r in store.provider_runs(batch.id) if not r.submitting],
+            "the provider's batch made",
+        )
         client.batches.cancel(batch.id)
         done = _until(
             lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b,
