@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from engines.vllm.core_holds import scheduler_state
+
 STATE = "_vcache_coalesced"  # the scheduler's attribute (:func:`_held`)
 
 # an EngineCoreOutput's fields other than its tokens and its finish that make it go out at
@@ -66,11 +68,7 @@ class Held:
 def _held(sched: Any) -> dict[str, Held | None]:
     """Per unfinished request that sent its first output: what it holds, or None where
     each of its outputs goes out (:func:`every` is 1), read once a request."""
-    state: dict[str, Held | None] | None = getattr(sched, STATE, None)
-    if state is None:
-        state = {}
-        setattr(sched, STATE, state)
-    return state
+    return scheduler_state(sched, STATE, dict)  # type: ignore[no-any-return]
 
 
 def every(request: Any) -> int:

@@ -43,7 +43,9 @@ def block_pool(sched: Any) -> Any:
     return sched.kv_cache_manager.coordinator.block_pool
 
 
-def _state(sched: Any, name: str, make: Callable[[], Any]) -> Any:
+def scheduler_state(sched: Any, name: str, make: Callable[[], Any]) -> Any:
+    """The scheduler's attribute ``name``, made by ``make`` the first time it is read
+    (state of vcache's hooks kept on vLLM's scheduler: here and engines/vllm/core_coalesce.py)."""
     value = getattr(sched, name, None)
     if value is None:
         value = make()
@@ -53,22 +55,22 @@ def _state(sched: Any, name: str, make: Callable[[], Any]) -> Any:
 
 def _by_id(sched: Any) -> dict[str, tuple[list[bytes], float]]:
     """Per hold: its blocks' hashes and when it runs out (monotonic clock)."""
-    return _state(sched, "_vcache_req_holds", dict)  # type: ignore[no-any-return]
+    return scheduler_state(sched, "_vcache_req_holds", dict)  # type: ignore[no-any-return]
 
 
 def _held(sched: Any) -> dict[bytes, list[Any]]:
     """Per held block: ``[block, holds]`` (one pool reference, however many holds)."""
-    return _state(sched, "_vcache_held", dict)  # type: ignore[no-any-return]
+    return scheduler_state(sched, "_vcache_held", dict)  # type: ignore[no-any-return]
 
 
 def _carried(sched: Any) -> set[str]:
     """The holds carried in requests (their ids are the requests'), not let go yet."""
-    return _state(sched, "_vcache_carried", set)  # type: ignore[no-any-return]
+    return scheduler_state(sched, "_vcache_carried", set)  # type: ignore[no-any-return]
 
 
 def _answers(sched: Any) -> dict[str, list[Any]]:
     """Per request: ``[answer, outputs left to carry it]``."""
-    return _state(sched, "_vcache_answers", dict)  # type: ignore[no-any-return]
+    return scheduler_state(sched, "_vcache_answers", dict)  # type: ignore[no-any-return]
 
 
 def lookup(pool: Any, h: bytes) -> Any:
