@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 CODEX_VERSION = "0.171.0"
-CLAUDE_CODE_VERSION = "2.1.332"
+CLAUDE_CODE_VERSION = "2.1.337"
 
 Target = Literal["local", "emulated"]
 TARGETS: tuple[Target, ...] = ("local", "emulated")

@@ -1,5 +1,5 @@
 """Every request the real agent CLIs sent, recorded from Codex 0.169.0 and 0.171.0 and
-Claude Code 2.1.328 and 2.1.332 (tests/agents/data, one JSON object a line: method, path,
+Claude Code 2.1.328, 2.1.332 and 2.1.337 (tests/agents/data, one JSON object a line: method, path,
 query, headers, body, and the scenario it came from; the newer ones are the agent tier's
 own ``captures.jsonl``), sent again to the gateway over an in-memory engine: each
 is answered 2xx, whatever the recording server answered then (the 400s there were the
