@@ -1,15 +1,18 @@
 """The agent CLIs the tier runs: pinned versions, their install from the npm registry,
 and a two-step task (a task, then the same conversation resumed) run by each.
 
-Versions are pinned here and nowhere else; ``VCACHE_AGENT_CODEX_VERSION`` and
-``VCACHE_AGENT_CLAUDE_CODE_VERSION`` check another one.  Each version is
-installed once into ``~/.cache/vcache/agent-clis/<agent>-<version>`` (outside
-the repository, reused while its binary answers ``--version``).
+Versions are pinned here and nowhere else; ``VCACHE_AGENT_CODEX_VERSION``,
+``VCACHE_AGENT_CLAUDE_CODE_VERSION`` and ``VCACHE_AGENT_OPENCODE_VERSION`` check
+another one.  Each version is installed once into
+``~/.cache/vcache/agent-clis/<agent>-<version>`` (outside the repository, reused
+while its binary answers ``--version``).
 
 A run is isolated: a scratch git repository to work in, a HOME (and CODEX_HOME)
 of its own, an environment built from nothing but what the CLI needs, and the
 settings that keep each CLI off the internet (Codex: plugins and analytics
-off; Claude Code: ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC``).  Every step
+off; Claude Code: ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC``; opencode: no
+models.dev list, update check, language servers or sharing; it still installs its
+plugin package from the npm registry into its HOME).  Every step
 runs under a timeout in a process group of its own, killed whole when the step
 ends, however it ends.
 """
@@ -17,6 +20,7 @@ ends, however it ends.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -30,6 +34,7 @@ from typing import Literal
 
 CODEX_VERSION = "0.171.0"
 CLAUDE_CODE_VERSION = "2.1.337"
+OPENCODE_VERSION = "1.18.33"
 
 Target = Literal["local", "emulated"]
 TARGETS: tuple[Target, ...] = ("local", "emulated")
@@ -69,7 +74,16 @@ CLAUDE_CODE = Agent(
     "claude",
     "claude-opus-5-5",
 )
-AGENTS = (CODEX, CLAUDE_CODE)
+# an agent on Chat Completions: opencode through the AI SDK's OpenAI-compatible provider,
+# asking for a model a vLLM host would serve it
+OPENCODE = Agent(
+    "opencode",
+    "opencode-ai",
+    os.environ.get("VCACHE_AGENT_OPENCODE_VERSION") or OPENCODE_VERSION,
+    "opencode",
+    "qwen3-coder",
+)
+AGENTS = (CODEX, CLAUDE_CODE, OPENCODE)
 
 
 def aliases(providers: dict[str, str]) -> dict[str, list[str]]:
@@ -241,6 +255,37 @@ def _claude(binary: Path, model: str, base_url: str, key: str, root: Path) -> Ru
     return Runner(env, first, again)
 
 
+def _opencode(binary: Path, model: str, base_url: str, key: str, root: Path) -> Runner:
+    config = {
+        "provider": {
+            "vcache": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "vcache",
+                "options": {"baseURL": f"{base_url}/v1", "apiKey": "{env:VCACHE_API_KEY}"},
+                "models": {model: {"name": model}},
+            }
+        },
+        "model": f"vcache/{model}",
+        "small_model": f"vcache/{model}",  # its titles and summaries too
+        "autoupdate": False,
+        "share": "disabled",
+    }
+    (root / "opencode.json").write_text(json.dumps(config))
+    env = {
+        "OPENCODE_CONFIG": str(root / "opencode.json"),
+        "VCACHE_API_KEY": key,
+        # off the internet but for the npm registry (its plugin package): no model list
+        # from models.dev, no update check, no language servers fetched
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_SHARE": "1",
+    }
+    first = [str(binary), "run", TASK]
+    again = [str(binary), "run", "--continue", FOLLOW_UP]
+    return Runner(env, first, again)
+
+
 @dataclass(frozen=True)
 class Runner:
     env: dict[str, str]
@@ -251,6 +296,7 @@ class Runner:
 _RUNNERS: dict[str, Callable[[Path, str, str, str, Path], Runner]] = {
     CODEX.name: _codex,
     CLAUDE_CODE.name: _claude,
+    OPENCODE.name: _opencode,
 }
 
 

@@ -1,4 +1,4 @@
-"""The agent tier: the real Codex CLI and Claude Code against ``vcache serve``.
+"""The agent tier: the real Codex CLI, Claude Code and opencode against ``vcache serve``.
 
 One gateway for the tier (module-scoped: stopped when the tier's tests end, not kept
 through the rest of a full run), a subprocess started as a user starts it (the
@@ -6,10 +6,10 @@ integration tier's ``own_gateway``): the demo model with a 131,072-token context
 an operator's output ceiling (``engine.max_output_tokens``: the demo model's
 random weights would otherwise write until the context is full), its session
 log verified, one API key, and aliases for the names the agents ask for: their
-defaults (``gpt-5.5``, ``claude-opus-5-5``) on the local model, and the same
-names with ``-emulated`` on the provider emulator (``python -m
-loadtests.emulator``, the providers tier's ``emulator_server``) as OpenAI and
-Anthropic.
+defaults (``gpt-5.5``, ``claude-opus-5-5``; opencode's configured ``qwen3-coder``) on
+the local model, and the same names with ``-emulated`` on the provider emulator
+(``python -m loadtests.emulator``, the providers tier's ``emulator_server``) as OpenAI
+and Anthropic.
 
 The CLIs are installed from the npm registry at their pinned versions
 (tests/agents/clients.py); without ``npm`` the tier is skipped, and fails
@@ -43,6 +43,7 @@ KV_CACHE_BYTES = 512 << 20  # 256k tokens of the demo model: every run's prompts
 EMULATED = {
     clients.CODEX.name: "openai/gpt-5",
     clients.CLAUDE_CODE.name: "anthropic/claude-sonnet-4-5",
+    clients.OPENCODE.name: "openai/gpt-5",  # its Chat Completions, as OpenAI takes them
 }
 
 RUNS = pytest.StashKey[list[Summary]]()

@@ -139,7 +139,7 @@ def run_leg(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description="Run Codex and Claude Code's two-step tasks against a running vcache "
+        description="Run Codex, Claude Code and opencode's two-step tasks against a running vcache "
         "gateway; print requests, 2xx, cache reuse, predictions and rebuilds per agent."
     )
     p.add_argument("base_url", nargs="?", default="http://127.0.0.1:8000")
@@ -154,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="local and/or emulated, comma separated (emulated needs the gateway's "
         "*-emulated aliases)",
     )
-    p.add_argument("--agents", default=os.environ.get("VCACHE_AGENTS", "codex,claude-code"))
+    p.add_argument(
+        "--agents", default=os.environ.get("VCACHE_AGENTS", "codex,claude-code,opencode")
+    )
     p.add_argument(
         "--session-log",
         type=Path,

@@ -1,12 +1,13 @@
-"""Codex and Claude Code, unchanged, do a two-step task through vcache (issue 45).
+"""Codex, Claude Code and opencode, unchanged, do a two-step task through vcache
+(issue 45).
 
 Per agent and per target (the local model; the provider emulator through an
 alias): the task, then the same conversation resumed (``codex exec resume
---last`` / ``claude -p --continue``).  Passes when the agent exits 0 on both
-steps, every request it made was answered 2xx (the tap's count, and the
-gateway's own by route and status), from the second request on each read at
-least 90% of the prefix it shares with any earlier request of the run from cache,
-every request rebuilds byte for byte from the session log, and on the local
+--last`` / ``claude -p --continue`` / ``opencode run --continue``).  Passes when
+the agent exits 0 on both steps, every request it made was answered 2xx (the tap's
+count, and the gateway's own by route and status), from the second request on each
+read at least 90% of the prefix it shares with any earlier request of the run from
+cache, every request rebuilds byte for byte from the session log, and on the local
 model the gateway's prediction equals vLLM's cached tokens on every request
 (tests/agents/audit.py).
 """

@@ -1,12 +1,14 @@
-"""Every request the real agent CLIs sent, recorded from Codex 0.169.0 and 0.171.0 and
-Claude Code 2.1.328, 2.1.332 and 2.1.337 (tests/agents/data, one JSON object a line: method, path,
-query, headers, body, and the scenario it came from; the newer ones are the agent tier's
-own ``captures.jsonl``), sent again to the gateway over an in-memory engine: each
-is answered 2xx, whatever the recording server answered then (the 400s there were the
-shapes a client sends before it falls back, which vcache must serve); only what Anthropic
-alone runs (Claude Code's ``safeguards``) is refused by name.  The model names the agents
-asked for are aliases of the local model; the operator's output ceiling keeps the fake's
-answers short.  A new agent version's captures go beside these."""
+"""Every request the real agent CLIs sent, recorded from Codex 0.169.0 and 0.171.0,
+Claude Code 2.1.328, 2.1.332 and 2.1.337, and opencode 1.18.33 (Chat Completions)
+(tests/agents/data, one JSON object a line: method, path, query, headers, body, and
+the scenario it came from; the newer ones are the agent tier's own ``captures.jsonl``),
+sent again to the gateway over an in-memory engine: each is answered 2xx, whatever the
+recording server answered then (the 400s there were the shapes a client sends before
+it falls back, which vcache must serve), and no stream carries an error; only what
+Anthropic alone runs (Claude Code's ``safeguards``) is refused by name.  The model
+names the agents asked for are aliases of the local model; the operator's output
+ceiling keeps the fake's answers short.  A new agent version's captures go beside
+these."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from tests.settings import gateway_settings
 DATA = Path(__file__).parents[2] / "agents" / "data"
 KEY = "sk-captures"
 # what is sent again: the generation routes (a WebSocket upgrade is not HTTP/1 traffic)
-ROUTES = ("/v1/responses", "/v1/messages", "/v1/models")
+ROUTES = ("/v1/responses", "/v1/messages", "/v1/chat/completions", "/v1/models")
 
 
 def _captured() -> list[dict[str, Any]]:
@@ -60,15 +62,17 @@ def http(demo_model: Path) -> Iterator[TestClient]:
         yield client
 
 
-def test_the_captures_cover_both_agents_and_their_shapes() -> None:
+def test_the_captures_cover_the_agents_and_their_shapes() -> None:
     scenarios = {r["scenario"] for r in CAPTURED}
     assert any(s.startswith("codex") for s in scenarios)
     assert any(s.startswith("claude") for s in scenarios)
+    assert any(s.startswith("opencode") for s in scenarios)
     bodies = [r["body"] for r in CAPTURED if r["method"] == "POST"]
     kinds = {t.get("type") for b in bodies for t in b.get("tools", [])}
     assert {"function", "custom", "namespace", "web_search", "tool_search"} <= kinds
     roles = {m["role"] for b in bodies for m in b.get("messages", [])}
     assert "system" in roles  # Claude Code's mid-conversation system messages
+    assert "tool" in roles  # opencode's tool results on Chat Completions
 
 
 @pytest.mark.parametrize("captured", CAPTURED, ids=[r["id"] for r in CAPTURED])
@@ -93,8 +97,11 @@ def test_what_the_agent_sent_is_served(http: TestClient, captured: dict[str, Any
         return
     assert r.status_code == 200, r.text[:2000]
     if captured["body"] and captured["body"].get("stream"):
-        assert "error" not in [
-            json.loads(line[6:]).get("type")
+        events = [
+            json.loads(line[6:])
             for line in r.text.splitlines()
-            if line.startswith("data: ")
+            if line.startswith("data: ") and line != "data: [DONE]"
         ]
+        assert events
+        # an error event: Anthropic's and the Responses API's by type, OpenAI chat's by key
+        assert not [e for e in events if e.get("type") == "error" or "error" in e], r.text[:2000]
