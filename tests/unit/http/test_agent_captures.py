@@ -1,7 +1,8 @@
 """Every request the real agent CLIs sent, recorded from Codex 0.169.0 and 0.171.0,
-Claude Code 2.1.328, 2.1.332 and 2.1.337, and opencode 1.18.33 (Chat Completions)
-(tests/agents/data, one JSON object a line: method, path, query, headers, body, and
-the scenario it came from; the newer ones are the agent tier's own ``captures.jsonl``),
+Claude Code 2.1.328, 2.1.332 and 2.1.337, and on Chat Completions opencode 1.18.33
+and Qwen Code 0.24.4 (tests/agents/data, one JSON object a line: method, path, query,
+headers, body, and the scenario it came from; the newer ones are the agent tier's own
+``captures.jsonl``, Qwen Code's were taken through the tier's tap by hand),
 sent again to the gateway over an in-memory engine: each is answered 2xx, whatever the
 recording server answered then (the 400s there were the shapes a client sends before
 it falls back, which vcache must serve), and no stream carries an error; only what
@@ -67,6 +68,7 @@ def test_the_captures_cover_the_agents_and_their_shapes() -> None:
     assert any(s.startswith("codex") for s in scenarios)
     assert any(s.startswith("claude") for s in scenarios)
     assert any(s.startswith("opencode") for s in scenarios)
+    assert any(s.startswith("qwen-code") for s in scenarios)
     bodies = [r["body"] for r in CAPTURED if r["method"] == "POST"]
     kinds = {t.get("type") for b in bodies for t in b.get("tools", [])}
     assert {"function", "custom", "namespace", "web_search", "tool_search"} <= kinds
