@@ -270,9 +270,10 @@ def _opencode(binary: Path, model: str, base_url: str, key: str, root: Path) -> 
         "autoupdate": False,
         "share": "disabled",
     }
-    (root / "opencode.json").write_text(json.dumps(config))
+    path = root / "opencode.json"
+    path.write_text(json.dumps(config))
     env = {
-        "OPENCODE_CONFIG": str(root / "opencode.json"),
+        "OPENCODE_CONFIG": str(path),
         "VCACHE_API_KEY": key,
         # off the internet but for the npm registry (its plugin package): no model list
         # from models.dev, no update check, no language servers fetched
