@@ -15,7 +15,9 @@ question, found again by its prefix; a new conversation after ``--turns``).
 Per shape, rounds alternate the same driver without a log (``Journal(None)``)
 and with one; the loop's cost of a request is the difference of the loop
 thread's CPU (``time.thread_time``) between the two, the writer's its
-thread's CPU over the requests.  The loop's figure counts the vLLM payload's
+thread's CPU over the requests, ``checkpoint`` the CPU of the thread that copies the
+SQLite log's WAL into its file (``gateway/sessions/checkpoint.py``; 0 in a tree where
+the writer did it in its commits).  The loop's figure counts the vLLM payload's
 bytes the journal keeps of each request (``vllm_payload``, built for it
 alone).  ``wait`` is how long a request waited for its record to be committed
 (``Journal.sent``, before it may be sent: part of its TTFT), p50 and p90.
@@ -182,8 +184,11 @@ def _no_adapter(provider: str) -> Any:
 
 def _thread_cpu(name: str, before: set[threading.Thread]) -> Callable[[], float]:
     """The CPU seconds so far of the thread named ``name`` started since ``before`` (the
-    threads then): another log's writer in this process (tests) is not this one."""
-    t = next(t for t in threading.enumerate() if t.name == name and t not in before)
+    threads then): another log's writer in this process (tests) is not this one.  No such
+    thread (a tree before it had one): 0."""
+    t = next((t for t in threading.enumerate() if t.name == name and t not in before), None)
+    if t is None:
+        return lambda: 0.0
     assert t.ident is not None
     clock = time.pthread_getcpuclockid(t.ident)
     return lambda: time.clock_gettime(clock)
@@ -211,16 +216,23 @@ async def _arm(
         log = SessionLog(store, Reconstructor(_no_adapter, lambda: None), verify=False)
     journal = Journal(log)
     writer_cpu = _thread_cpu("session-log", before) if log is not None else (lambda: 0.0)
+    # the SQLite log's WAL checkpoints (gateway/sessions/checkpoint.py)
+    checkpoint_cpu = _thread_cpu("session-log-checkpoint", before)
     profs = (cProfile.Profile(), cProfile.Profile()) if profile and log is not None else None
     if profs is not None and log is not None:
         await log.writer.run(profs[1].enable)
         profs[0].enable()
-    w0, l0, t0 = writer_cpu(), time.thread_time(), time.perf_counter()
+    w0, c0, l0, t0 = writer_cpu(), checkpoint_cpu(), time.thread_time(), time.perf_counter()
     with Spinner(busy) as spinner:
         await driver.run(journal, requests)
-    w1, l1, t1 = writer_cpu(), time.thread_time(), time.perf_counter()
+    w1, c1, l1, t1 = writer_cpu(), checkpoint_cpu(), time.thread_time(), time.perf_counter()
     loop_s = l1 - l0 - spinner.cpu_s
-    out: dict[str, Any] = {"loop_s": loop_s, "writer_s": w1 - w0, "wall_s": t1 - t0}
+    out: dict[str, Any] = {
+        "loop_s": loop_s,
+        "writer_s": w1 - w0,
+        "checkpoint_s": c1 - c0,
+        "wall_s": t1 - t0,
+    }
     if driver.waits:
         q = statistics.quantiles(driver.waits, n=10)
         out["wait_p50_ms"], out["wait_p90_ms"] = q[4] * 1e3, q[8] * 1e3
@@ -239,7 +251,8 @@ async def _arm(
 async def run(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
     rows = []
     for shape in args.shapes:
-        loop_us, writer_us, wall, per_commit, w50, w90 = [], [], [], [], [], []
+        loop_us, writer_us, checkpoint_us, wall = [], [], [], []
+        per_commit, w50, w90 = [], [], []
         for r in range(args.rounds):
             driver = Driver(shape, args.concurrency, args.turns, args.engine_ms)
             off = await _arm(driver, args.requests, False, folder, args.fsync, 0, args.busy)
@@ -249,6 +262,7 @@ async def run(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
             n = args.requests
             loop_us.append((on["loop_s"] - off["loop_s"]) / n * 1e6)
             writer_us.append(on["writer_s"] / n * 1e6)
+            checkpoint_us.append(on["checkpoint_s"] / n * 1e6)
             wall.append((on["wall_s"] - off["wall_s"]) / n * 1e6)
             per_commit.append(on["jobs"] / max(on["commits"], 1))
             w50.append(on["wait_p50_ms"])
@@ -261,6 +275,7 @@ async def run(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
                 "busy": args.busy,
                 "loop_us": statistics.median(loop_us),
                 "writer_us": statistics.median(writer_us),
+                "checkpoint_us": statistics.median(checkpoint_us),
                 "wall_us": statistics.median(wall),
                 "jobs_per_commit": statistics.median(per_commit),
                 "wait_p50_ms": statistics.median(w50),
@@ -274,12 +289,14 @@ async def run(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"{'shape':<8} {'busy':>4} {'requests':>8} {'loop µs/req':>11} {'writer µs/req':>13} "
-        f"{'wall µs/req':>11} {'jobs/commit':>11} {'wait p50 ms':>11} {'p90':>6}"
+        f"{'checkpoint':>10} {'wall µs/req':>11} {'jobs/commit':>11} {'wait p50 ms':>11} "
+        f"{'p90':>6}"
     ]
     for r in rows:
         lines.append(
             f"{r['shape']:<8} {r['busy']:>4.2f} {r['requests']:>8} {r['loop_us']:>11.0f} "
-            f"{r['writer_us']:>13.0f} {r['wall_us']:>11.0f} {r['jobs_per_commit']:>11.1f} "
+            f"{r['writer_us']:>13.0f} {r['checkpoint_us']:>10.0f} {r['wall_us']:>11.0f} "
+            f"{r['jobs_per_commit']:>11.1f} "
             f"{r['wait_p50_ms']:>11.2f} {r['wait_p90_ms']:>6.2f}"
         )
     return "\n".join(lines)

@@ -18,6 +18,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from gateway.sessions.checkpoint import INTERVAL_S, SAFETY_PAGES, Checkpointer
+
 FsyncPolicy = Literal["full", "normal", "off"]
 
 SCHEMA = """
@@ -90,7 +92,9 @@ class Dialect(Protocol):
 class SQLiteDialect:
     name = "sqlite"
 
-    def __init__(self, path: Path, fsync: FsyncPolicy) -> None:
+    def __init__(
+        self, path: Path, fsync: FsyncPolicy, checkpoint_interval_s: float = INTERVAL_S
+    ) -> None:
         # Prompts live here: the folder (when created here) and the file are the owner's
         # alone.  SQLite gives the -wal and -shm files the database file's mode.
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -101,7 +105,11 @@ class SQLiteDialect:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={fsync.upper()}")
+        # checkpoints run beside the writer (gateway/sessions/checkpoint.py); this
+        # connection checkpoints itself only past the bound
+        self._db.execute(f"PRAGMA wal_autocheckpoint={SAFETY_PAGES}")
         self._db.executescript(SCHEMA)
+        self.checkpointer = Checkpointer(path, fsync.upper(), checkpoint_interval_s)
 
     def execute(self, sql: str, args: tuple[Any, ...] = ()) -> Cursor:
         return self._db.execute(sql, args)
@@ -122,7 +130,8 @@ class SQLiteDialect:
         return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
 
     def close(self) -> None:
-        self._db.close()
+        self.checkpointer.close()
+        self._db.close()  # the last connection: SQLite checkpoints the WAL and removes it
 
 
 _OR_IGNORE = re.compile(r"INSERT OR IGNORE INTO (\w+) (.*)", re.S)

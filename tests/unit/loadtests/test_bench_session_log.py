@@ -55,17 +55,18 @@ def test_the_spinner_holds_the_loop_and_stops_with_its_block() -> None:
     assert later == after  # cancelled on the way out: it spins no more
 
 
-def test_the_table_shows_the_busy_share_and_the_waits() -> None:
+def test_the_table_shows_the_busy_share_the_checkpoints_and_the_waits() -> None:
     row = {
         "shape": "new",
         "busy": 0.75,
         "requests": 10,
         "loop_us": 300.0,
         "writer_us": 900.0,
+        "checkpoint_us": 7.0,
         "wall_us": 100.0,
         "jobs_per_commit": 1.2,
         "wait_p50_ms": 3.9,
         "wait_p90_ms": 7.9,
     }
-    shown = "new 0.75 10 300 900 100 1.2 3.90 7.90".split()
+    shown = "new 0.75 10 300 900 7 100 1.2 3.90 7.90".split()
     assert table([row]).splitlines()[-1].split() == shown
