@@ -182,12 +182,16 @@ def _no_adapter(provider: str) -> Any:
     raise AssertionError(f"no rebuild here ({provider})")
 
 
-def _thread_cpu(name: str, before: set[threading.Thread]) -> Callable[[], float]:
+def _thread_cpu(
+    name: str, before: set[threading.Thread], optional: bool = False
+) -> Callable[[], float]:
     """The CPU seconds so far of the thread named ``name`` started since ``before`` (the
     threads then): another log's writer in this process (tests) is not this one.  No such
-    thread (a tree before it had one): 0."""
+    thread: an error, or 0 where it is ``optional`` (a tree before it had one)."""
     t = next((t for t in threading.enumerate() if t.name == name and t not in before), None)
     if t is None:
+        if not optional:
+            raise LookupError(f"no thread {name!r} was started")
         return lambda: 0.0
     assert t.ident is not None
     clock = time.pthread_getcpuclockid(t.ident)
@@ -217,7 +221,7 @@ async def _arm(
     journal = Journal(log)
     writer_cpu = _thread_cpu("session-log", before) if log is not None else (lambda: 0.0)
     # the SQLite log's WAL checkpoints (gateway/sessions/checkpoint.py)
-    checkpoint_cpu = _thread_cpu("session-log-checkpoint", before)
+    checkpoint_cpu = _thread_cpu("session-log-checkpoint", before, optional=True)
     profs = (cProfile.Profile(), cProfile.Profile()) if profile and log is not None else None
     if profs is not None and log is not None:
         await log.writer.run(profs[1].enable)

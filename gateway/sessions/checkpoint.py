@@ -48,7 +48,6 @@ class Checkpointer:
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._interval_s = interval_s
         self._stop = threading.Event()
-        self.checkpoints = 0  # that ran (busy or not)
         # the last one's (busy, WAL pages, pages checkpointed), as SQLite reports them
         self.last: tuple[int, int, int] | None = None
         self._thread = threading.Thread(
@@ -68,7 +67,6 @@ class Checkpointer:
         except sqlite3.OperationalError as exc:
             log.debug("session log: a checkpoint found the file locked: %s", exc)
             return None
-        self.checkpoints += 1
         self.last = (int(busy), int(pages), int(copied))
         return self.last
 
