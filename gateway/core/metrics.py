@@ -9,9 +9,12 @@ The engine gauges read at scrape time are the scraping worker's view."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Self
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from engines.base import EngineStats
@@ -43,6 +46,31 @@ _PHASE_BUCKETS = (
     30,
 )
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _KeptChildren(MetricWrapperBase):
+    """A labelled metric whose children are kept by their label values: prometheus_client's
+    ``labels`` converts each value to a string, checks their count and takes a lock at every
+    call (about twenty calls a local request); a kept child is one dict lookup.  Label
+    values are given by position."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kept: dict[tuple[object, ...], Self] = {}
+
+    def labels(self, *labelvalues: object) -> Self:  # type: ignore[override]
+        child = self._kept.get(labelvalues)
+        if child is None:
+            child = self._kept[labelvalues] = super().labels(*labelvalues)
+        return child
+
+
+class Counter(_KeptChildren, prometheus_client.Counter):
+    pass
+
+
+class Histogram(_KeptChildren, prometheus_client.Histogram):
+    pass
 
 
 class _EngineCollector(Collector):
