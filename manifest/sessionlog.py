@@ -326,15 +326,21 @@ class Encoded:
 
 
 def _blob_out(value: Any, blobs: dict[str, bytes]) -> Any:
-    if isinstance(value, str) and len(value.encode()) >= BLOB_MIN_BYTES:
+    if isinstance(value, str):
+        # UTF-8 spends at most 4 bytes a character: a string this short is inline
+        # whatever it holds, without encoding it (most of an event's strings are)
+        if len(value) * 4 < BLOB_MIN_BYTES:
+            return value
         data = value.encode()
+        if len(data) < BLOB_MIN_BYTES:
+            return value
         digest = hashlib.sha256(data).hexdigest()
         blobs[digest] = data
         return {"$blob": digest}
-    if isinstance(value, list | tuple):
-        return [_blob_out(v, blobs) for v in value]
     if isinstance(value, dict):
         return {k: _blob_out(v, blobs) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_blob_out(v, blobs) for v in value]
     return value
 
 

@@ -1,10 +1,13 @@
 """Session-log message events: thinking blocks are kept, round-trip through the event
-codec, and enter a message's key only when present (older digests do not change)."""
+codec, and enter a message's key only when present (older digests do not change); a
+string of BLOB_MIN_BYTES UTF-8 bytes or more is stored as a blob, a shorter one inline."""
 
 from __future__ import annotations
 
+import hashlib
+
 from manifest.canonical import canonical_json
-from manifest.sessionlog import MessageEvent, decode, encode
+from manifest.sessionlog import BLOB_MIN_BYTES, MessageEvent, decode, encode
 
 
 def _roundtrip(m: MessageEvent) -> MessageEvent:
@@ -64,3 +67,15 @@ KEYS = [
 def test_every_message_shape_keeps_the_key_bytes_the_log_chains() -> None:
     for m, pinned in KEYS:
         assert canonical_json(list(m.key())).decode() == pinned, m
+
+
+def test_strings_become_blobs_by_their_utf8_bytes_not_their_characters() -> None:
+    at_bound = "\U0001f600" * (BLOB_MIN_BYTES // 4)  # 4 bytes a character: exactly the bound
+    below = "a" * (BLOB_MIN_BYTES - 1)
+    wide = "\u00e9" * (BLOB_MIN_BYTES // 2 + 1)  # fewer characters than the bound, more bytes
+    for content, blob in ((at_bound, True), (below, False), (wide, True), ("a" * 63, False)):
+        enc = encode(MessageEvent("user", content))
+        digest = hashlib.sha256(content.encode()).hexdigest()
+        assert (digest in enc.blobs) is blob, len(content)
+        assert (content.encode() in enc.data) is not blob
+        assert _roundtrip(MessageEvent("user", content)).content == content
